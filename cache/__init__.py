@@ -1,0 +1,1 @@
+"""Kiln's artifact cache (keys, the diskcache-backed store, manifests)."""

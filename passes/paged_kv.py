@@ -1,0 +1,44 @@
+"""`paged_kv`: replace each `kiln::attention` marker with `kiln::paged_attention`.
+
+Before: attention(q, k, v, layer_idx, scale, window) over the T tokens of one sequence.
+After:  paged_attention(q, k, v, kv_cache_<layer>, slot_mapping, block_tables, seq_lens,
+        query_start_loc, scale, window), which writes K/V into the layer's paged cache and
+        attends over each sequence's cached blocks, for any mix of prefills and decodes.
+
+Graph inputs added (roles in brackets): one KV cache per layer [kv_cache:<layer>], and the
+batch metadata shared by all layers [batch:slot_mapping], [batch:block_tables],
+[batch:seq_lens], [batch:query_start_loc]. Layout is documented in
+`kiln.kernels.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.passes.base import KilnPass, PassContext, PassStats, add_graph_input
+
+METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+
+
+class PagedKVPass(KilnPass):
+    name = "paged_kv"
+    phase = "attention"
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
+        graph = gm.graph
+        markers = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default))
+        if not markers:
+            return {"attention_replaced": 0}
+        metadata = {name: add_graph_input(gm, name, f"batch:{name}") for name in METADATA_INPUTS}
+        for node in markers:
+            q, k, v, layer_idx, scale, window = node.args
+            kv_cache = add_graph_input(gm, f"kv_cache_{layer_idx}", f"kv_cache:{layer_idx}")
+            with graph.inserting_before(node):
+                paged = graph.call_function(
+                    torch.ops.kiln.paged_attention.default,
+                    (q, k, v, kv_cache, *metadata.values(), scale, window),
+                )
+            paged.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
+            node.replace_all_uses_with(paged)
+            graph.erase_node(node)
+        return {"attention_replaced": len(markers), "inputs_added": len(markers) + len(METADATA_INPUTS)}

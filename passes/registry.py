@@ -1,0 +1,59 @@
+"""Registry of passes by name: the built-ins plus third-party passes from entry points.
+
+A third-party package registers a pass factory (a class or zero-argument callable returning
+a pass) under the `kiln.passes` entry-point group; it then appears in `kiln passes list`
+and runs in its declared phase, with its uuid in the cache key.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from typing import Callable
+
+from kiln.passes.base import GraphPass
+
+logger = logging.getLogger("kiln.passes")
+
+ENTRY_POINT_GROUP = "kiln.passes"
+
+# Phases in the order the pass manager runs them.
+PHASES = ("normalize", "attention", "fusion", "logits")
+
+
+def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
+    from kiln.passes.normalize import NormalizePass
+    from kiln.passes.paged_kv import PagedKVPass
+    from kiln.passes.prune_logits import PruneLogitsPass
+
+    return {"normalize": NormalizePass, "paged_kv": PagedKVPass, "prune_logits": PruneLogitsPass}
+
+
+def plugin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
+    found: dict[str, Callable[[], GraphPass]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            found[ep.name] = ep.load()
+        except Exception as e:  # a broken plugin must not take the engine down
+            logger.warning("cannot load pass %r from entry point %s: %s", ep.name, ep.value, e)
+    return found
+
+
+def all_pass_factories() -> dict[str, Callable[[], GraphPass]]:
+    factories = builtin_pass_factories()
+    for name, factory in plugin_pass_factories().items():
+        if name in factories:
+            logger.warning("plugin pass %r shadows a built-in pass of the same name; keeping the built-in", name)
+            continue
+        factories[name] = factory
+    return factories
+
+
+def create_pass(name: str) -> GraphPass:
+    factories = all_pass_factories()
+    if name not in factories:
+        raise ValueError(f"unknown pass {name!r}; known passes: {', '.join(sorted(factories))}")
+    p = factories[name]()
+    if p.phase not in PHASES:
+        raise ValueError(f"pass {name!r} declares phase {p.phase!r}; phases are {', '.join(PHASES)}")
+    return p
