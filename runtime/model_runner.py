@@ -124,7 +124,11 @@ def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device,
 ) -> list[torch.Tensor]:
-    return [
-        torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-        for _ in range(num_layers)
-    ]
+    caches = []
+    for _ in range(num_layers):
+        # Uninitialised: attention only reads slots a sequence has written. The null block
+        # (padding's target) is zeroed so padded rows never see NaN garbage.
+        cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        cache[:, 0].zero_()
+        caches.append(cache)
+    return caches

@@ -1,0 +1,47 @@
+"""Options shared by every `kiln` command that builds an engine (generate, chat, serve, compile)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    g = parser.add_argument_group("model and engine")
+    if model_positional:
+        g.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face directory, .gguf file or config.json (default: SmolLM2-135M-Instruct GGUF)")
+    else:
+        g.add_argument("--model", "-m", default=None,
+                       help="Hugging Face directory, .gguf file or config.json (default: SmolLM2-135M-Instruct GGUF)")
+    g.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--device", default="auto", help="cpu | cuda | auto (CUDA when available)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy' uses deterministic random weights (benchmarks)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache blocks (default: sized from memory)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable reuse of cached prompt prefixes")
+    g.add_argument("--enable-pass", action="append", default=[], metavar="NAME", help="turn on an optional pass")
+    g.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="turn off a pass")
+    g.add_argument("--verbose", "-v", action="store_true", help="log start-up phases and more")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+        enable_passes=args.enable_pass, disable_passes=args.disable_pass,
+    )
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Start-up phase timings are always worth showing on stderr.
+    logging.getLogger("kiln").setLevel(logging.INFO)
