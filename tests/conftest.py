@@ -17,3 +17,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(arch) -> (path, hf_model), built once per architecture."""
+    from tiny_models import save_tiny_model
+
+    made: dict[str, tuple] = {}
+
+    def make(arch: str = "llama"):
+        if arch not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[arch] = (path, save_tiny_model(arch, path))
+        return made[arch]
+
+    return make
