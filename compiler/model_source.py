@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,8 @@ class ModelSource:
             return dummy_weights(names, self._shapes(), dtype, device)
         if self.kind == "hf_dir":
             assert self.path is not None
-            return _load_safetensors_dir(self.path, names, dtype, device, progress)
+            return _load_safetensors_dir(self.path, names, dtype, device, progress,
+                                         getattr(self.config, "num_local_experts", None))
         if self.kind == "gguf":
             assert self.path is not None
             return _load_gguf(self.path, self.config, names, dtype, device)
@@ -175,7 +177,8 @@ def _pick(names: list[str], available: Any) -> str | None:
 
 
 def _load_safetensors_dir(
-    path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool
+    path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
+    num_experts: int | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
     from tqdm import tqdm
@@ -191,21 +194,67 @@ def _load_safetensors_dir(
             raise ModelSourceError(f"cannot read weight shard {shard}: {e}") from e
     out: dict[str, torch.Tensor] = {}
     plan: dict[Path, list[tuple[str, str]]] = {}
+    derived: dict[str, list[str]] = {}
     for name, aliases in names.items():
         found = _pick(aliases, where)
         if found is None:
+            sources = checkpoint_sources(name, num_experts)
+            if sources and all(src in where for src in sources):
+                derived[name] = sources
+                for src in sources:
+                    plan.setdefault(where[src], []).append((src, src))
+                continue
             raise ModelSourceError(
                 f"tensor {name!r} is in none of the weight shards of {path} "
                 f"({', '.join(s.name for s in shards)}); the checkpoint is incomplete or of another architecture"
             )
         plan.setdefault(where[found], []).append((name, found))
-    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+    raw: dict[str, torch.Tensor] = {}
+    derived_sources = {src for sources in derived.values() for src in sources}
+    with tqdm(total=sum(len(v) for v in plan.values()), desc="Loading weights", unit="tensor",
+              disable=not progress) as bar:
         for shard, items in plan.items():
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
-                    out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    if key in derived_sources:
+                        raw[key] = f.get_tensor(key)
+                    else:
+                        out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
                     bar.update(1)
+    for name, sources in derived.items():
+        out[name] = combine_checkpoint_tensors(name, [raw[s] for s in sources]).to(device=device, dtype=dtype)
     return out
+
+
+# Checkpoints on the Hub store Mixtral's experts one matrix per expert
+# (block_sparse_moe.experts.E.w1/w2/w3); transformers 5 keeps them stacked per layer
+# (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]).
+_MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_MOE_GATE = re.compile(r"^(.*)\.mlp\.gate\.weight$")
+
+
+def checkpoint_sources(name: str, num_experts: int | None = None) -> list[str] | None:
+    """The checkpoint tensors a model tensor is built from, when the layouts differ."""
+    if m := _MOE_GATE.match(name):
+        return [f"{m.group(1)}.block_sparse_moe.gate.weight"]
+    if m := _MOE_STACKED.match(name):
+        prefix, kind = m.group(1), m.group(2)
+        if num_experts is None:
+            return None
+        experts = range(num_experts)
+        if kind == "gate_up_proj":
+            return [f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")]
+        return [f"{prefix}.block_sparse_moe.experts.{e}.w2.weight" for e in experts]
+    return None
+
+
+def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+    if _MOE_GATE.match(name):
+        return tensors[0]
+    if name.endswith("gate_up_proj"):
+        pairs = [torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)]
+        return torch.stack(pairs)
+    return torch.stack(tensors)
 
 
 def _load_gguf(
