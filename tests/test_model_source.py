@@ -1,0 +1,101 @@
+"""Model sources: HF directories (one or many shards), GGUF, dummy; clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import tiny_config
+
+from kiln.compiler.capture import UnsupportedArchitectureError, capture
+from kiln.compiler.model_source import ModelSourceError, default_model_path, resolve_model
+from kiln.runtime import LLM, SamplingParams
+
+
+def test_missing_path_is_named(tmp_path) -> None:
+    with pytest.raises(ModelSourceError, match="does not exist: .*nowhere"):
+        resolve_model(tmp_path / "nowhere")
+
+
+def test_directory_without_config(tmp_path) -> None:
+    with pytest.raises(ModelSourceError, match="has no config.json"):
+        resolve_model(tmp_path)
+
+
+def test_config_missing_field_is_named(tmp_path) -> None:
+    cfg = tiny_config("llama").to_dict()
+    del cfg["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelSourceError, match="config.json lacks required field.*num_attention_heads"):
+        resolve_model(tmp_path)
+
+
+def test_unknown_architecture_in_config(tmp_path) -> None:
+    cfg = tiny_config("llama").to_dict() | {"model_type": "not-a-model"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelSourceError, match="unknown architecture model_type='not-a-model'"):
+        resolve_model(tmp_path)
+
+
+def test_unsupported_architecture_fails_at_capture_listing_supported() -> None:
+    from transformers import GPT2Config
+
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama, mistral, mixtral, qwen2, qwen3"):
+        capture(GPT2Config(n_layer=1, n_embd=32, n_head=2))
+
+
+def test_sharded_checkpoint_and_missing_tensor(tiny_model_dir, tmp_path) -> None:
+    src, _ = tiny_model_dir("llama")
+    tensors = load_file(str(src / "model.safetensors"))
+    names = sorted(tensors)
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    half = len(names) // 2
+    save_file({n: tensors[n] for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({n: tensors[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    prompt = [4, 8, 15, 16, 23, 42]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sharded = LLM(str(tmp_path), progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    whole = LLM(str(src), progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    assert sharded == whole
+
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    save_file({n: tensors[n] for n in names[half:-1]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    with pytest.raises(ModelSourceError, match=f"tensor '{names[-1]}' is in none of the weight shards"):
+        LLM(str(tmp_path), progress=False)
+
+
+def test_dummy_weights_are_deterministic(tiny_model_dir) -> None:
+    src, _ = tiny_model_dir("qwen3")
+    a = resolve_model(src, load_format="dummy")
+    names = {"model.layers.0.self_attn.q_proj.weight": ["model.layers.0.self_attn.q_proj.weight"],
+             "model.layers.0.input_layernorm.weight": ["model.layers.0.input_layernorm.weight"]}
+    w1 = a.load_weights(names, torch.float32, "cpu")
+    w2 = resolve_model(src / "config.json", load_format="dummy").load_weights(names, torch.float32, "cpu")
+    for n in names:
+        torch.testing.assert_close(w1[n], w2[n], rtol=0, atol=0)
+    assert w1["model.layers.0.input_layernorm.weight"].eq(1).all()
+    assert 0.01 < w1["model.layers.0.self_attn.q_proj.weight"].std() < 0.03
+
+
+def test_bare_config_needs_dummy(tiny_model_dir) -> None:
+    src, _ = tiny_model_dir("qwen3")
+    with pytest.raises(ModelSourceError, match="bare config"):
+        resolve_model(src / "config.json")
+
+
+def test_default_model_is_the_smollm2_gguf() -> None:
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    source = resolve_model(None)
+    assert source.kind == "gguf" and source.config.model_type == "llama"
+    assert source.config.num_hidden_layers == 30
+
+
+def test_corrupt_gguf_is_named(tmp_path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelSourceError, match="cannot read GGUF file .*broken.gguf"):
+        resolve_model(bad)
