@@ -43,6 +43,8 @@ class ModelSource:
     config: Any  # transformers.PretrainedConfig
     path: Path | None = None
     load_format: str = "auto"
+    # The directory of *.safetensors weights (for GGUF: the converted copy in the cache).
+    weights_dir: Path | None = None
     _tokenizer_factory: Callable[[], Any] | None = field(default=None, repr=False)
 
     def tokenizer(self) -> Any:
@@ -65,13 +67,9 @@ class ModelSource:
         """
         if self.load_format == "dummy":
             return dummy_weights(names, self._shapes(), dtype, device)
-        if self.kind == "hf_dir":
-            assert self.path is not None
-            return _load_safetensors_dir(self.path, names, dtype, device, progress,
+        if self.weights_dir is not None:
+            return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
                                          getattr(self.config, "num_local_experts", None))
-        if self.kind == "gguf":
-            assert self.path is not None
-            return _load_gguf(self.path, self.config, names, dtype, device)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
@@ -149,27 +147,87 @@ def _hf_dir_source(path: Path, load_format: str) -> ModelSource:
 
     return ModelSource(
         name=path.name, kind="hf_dir", config=config, path=path, load_format=load_format,
-        _tokenizer_factory=tokenizer,
+        weights_dir=path, _tokenizer_factory=tokenizer,
     )
 
 
 def _gguf_source(path: Path, load_format: str) -> ModelSource:
-    from transformers import AutoConfig
+    """A GGUF file, converted once into a Hugging Face directory kept in Kiln's cache.
 
+    Parsing a GGUF file (metadata, tokenizer, dequantizing every tensor) takes transformers
+    several seconds each time, and config, tokenizer and weights each parse it again. The
+    first load writes config.json, the tokenizer files and float32 safetensors to
+    `<cache root>/gguf/<fingerprint>/`; later loads read that directory (memory-mapped).
+    """
+    if not _is_gguf(path):
+        raise ModelSourceError(f"cannot read GGUF file {path}: it does not start with the GGUF magic bytes")
+    converted = gguf_conversion_dir(path)
+    if not (converted / "config.json").is_file():
+        _convert_gguf(path, converted)
+    source = _hf_dir_source(converted, load_format)
+    source.name, source.kind, source.path = path.stem, "gguf", path
+    return source
+
+
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def kiln_cache_root() -> Path:
+    """Kiln's cache directory: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else ~/.cache/kiln."""
+    if os.environ.get("KILN_CACHE_DIR"):
+        return Path(os.environ["KILN_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kiln"
+
+
+def gguf_conversion_dir(path: Path) -> Path:
+    """Where the converted copy of a GGUF file lives; keyed by content, not by path."""
+    import hashlib
+
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return kiln_cache_root() / "gguf" / f"{path.stem}-{h.hexdigest()[:16]}"
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    logger.info("converting %s to a Hugging Face directory in %s (once)", path.name, target)
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # transformers maps GGUF tensor names (blk.N.attn_q) to HF names through a model's
+        # module tree; a meta-device model gives that tree without allocating weights.
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton,
+                                       torch_dtype=torch.float32)["tensors"]
     except Exception as e:  # gguf parsing raises a variety of errors for bad files
         raise ModelSourceError(f"cannot read GGUF file {path}: {e}") from e
-
-    def tokenizer() -> Any:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-    return ModelSource(
-        name=path.stem, kind="gguf", config=config, path=path, load_format=load_format,
-        _tokenizer_factory=tokenizer,
-    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent converter's result
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _pick(names: list[str], available: Any) -> str | None:
@@ -255,27 +313,6 @@ def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.
         pairs = [torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)]
         return torch.stack(pairs)
     return torch.stack(tensors)
-
-
-def _load_gguf(
-    path: Path, config: Any, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # transformers maps GGUF tensor names (blk.N.attn_q) to HF names through a model's
-    # module tree; a meta-device model gives that tree without allocating weights.
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)
-    tensors = parsed["tensors"]
-    out = {}
-    for name, aliases in names.items():
-        found = _pick(aliases, tensors)
-        if found is None:
-            raise ModelSourceError(f"tensor {name!r} is missing from GGUF file {path}")
-        out[name] = tensors[found].to(device=device, dtype=dtype)
-    return out
 
 
 def dummy_weights(
