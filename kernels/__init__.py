@@ -3,9 +3,50 @@
 Each op has a plain-torch reference (CPU, and the ground truth in tests), a fake (meta)
 implementation for tracing, and, for fused ops on CUDA, a Triton implementation.
 Importing this package registers every op.
+
+The Triton implementations live in `kiln.kernels.triton_*` and register themselves for
+the CUDA dispatch key when imported. They are imported here only when a CUDA GPU and the
+`triton` package are both present, so CPU-only machines need neither; tests that run the
+Triton kernels on CPU (`TRITON_INTERPRET=1`) import those modules themselves, because the
+interpreter must be switched on before the kernels are defined.
 """
 
+import logging
+
+import torch
+
+from kiln.kernels import activation as activation  # noqa: F401  (registers kiln::silu_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
 from kiln.kernels import paged_attention as paged_attention  # noqa: F401
+from kiln.kernels import rms_norm as rms_norm  # noqa: F401  (kiln::rms_norm, kiln::add_rms_norm)
+from kiln.kernels import rope as rope  # noqa: F401  (registers kiln::rope)
 
-__all__ = ["attention", "paged_attention"]
+logger = logging.getLogger("kiln.kernels")
+
+TRITON_KERNEL_MODULES = ("triton_norm", "triton_rope", "triton_activation", "triton_paged_attention")
+
+
+def triton_kernels_available() -> bool:
+    """True when the CUDA implementations of Kiln's ops are registered (GPU + Triton)."""
+    return _TRITON_REGISTERED
+
+
+def _register_triton_kernels() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    import importlib
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        logger.warning("CUDA is available but the `triton` package is not: Kiln's fused ops fall back "
+                       "to their plain-torch references (pip install triton)")
+        return False
+    for name in TRITON_KERNEL_MODULES:
+        importlib.import_module(f"kiln.kernels.{name}")
+    return True
+
+
+_TRITON_REGISTERED = _register_triton_kernels()
+
+__all__ = ["activation", "attention", "paged_attention", "rms_norm", "rope", "triton_kernels_available"]

@@ -16,7 +16,7 @@ import torch
 
 from kiln.compiler.capture import INPUT_META_KEY
 from kiln.passes.base import GraphPass, PassContext, PassStats
-from kiln.passes.registry import PHASES, all_pass_factories, create_pass
+from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass
 
 logger = logging.getLogger("kiln.passes")
 
@@ -56,6 +56,38 @@ def verify_graph(gm: torch.fx.GraphModule, after: str) -> None:
     gm.recompile()
 
 
+# Plugin passes are opt-in (issue 7): installing a package must not change everyone's
+# graphs and cache keys. Turn one on with --enable-pass NAME, LLM(enable_passes=[...]) or
+# this variable (comma-separated names).
+ENABLE_PASSES_ENV = "KILN_ENABLE_PASSES"
+
+
+def enabled_pass_names(enable: list[str] | None = None, disable: list[str] | None = None) -> list[str]:
+    """The passes `PassManager.default` runs: every built-in pass, plus the passes named in
+    $KILN_ENABLE_PASSES and `enable`, minus `disable`. Installed plugins are off unless named."""
+    names = list(DEFAULT_PIPELINE)
+    names += [n for n in builtin_pass_factories() if n not in names]
+    factories = all_pass_factories()
+    from_env = [n.strip() for n in os.environ.get(ENABLE_PASSES_ENV, "").split(",") if n.strip()]
+    for name in from_env:
+        if name not in factories:
+            raise ValueError(f"${ENABLE_PASSES_ENV} names {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+        if name not in names:
+            names.append(name)
+    for name in enable or []:
+        if name not in factories:
+            raise ValueError(f"--enable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+        if name not in names:
+            names.append(name)
+    for name in disable or []:
+        if name not in factories:
+            raise ValueError(f"--disable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+        if name in ("paged_kv",):
+            raise ValueError("the paged_kv pass cannot be disabled: the runtime needs the paged KV cache")
+        names = [n for n in names if n != name]
+    return names
+
+
 class PassManager:
     """An ordered pipeline of passes grouped into the named phases of `PHASES`."""
 
@@ -68,24 +100,8 @@ class PassManager:
 
     @classmethod
     def default(cls, enable: list[str] | None = None, disable: list[str] | None = None) -> "PassManager":
-        """The default pipeline, plus every installed plugin pass, adjusted by enable/disable."""
-        names = list(DEFAULT_PIPELINE)
-        factories = all_pass_factories()
-        for name in factories:
-            if name not in names:
-                names.append(name)  # plugins are on once installed
-        for name in enable or []:
-            if name not in factories:
-                raise ValueError(f"--enable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
-            if name not in names:
-                names.append(name)
-        for name in disable or []:
-            if name not in factories:
-                raise ValueError(f"--disable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
-            if name in ("paged_kv",):
-                raise ValueError("the paged_kv pass cannot be disabled: the runtime needs the paged KV cache")
-            names = [n for n in names if n != name]
-        return cls.from_names(names)
+        """The default pipeline, adjusted by enable/disable (see `enabled_pass_names`)."""
+        return cls.from_names(enabled_pass_names(enable, disable))
 
     def uuids(self) -> dict[str, str]:
         return {p.name: p.uuid() for p in self.passes}

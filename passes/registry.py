@@ -26,7 +26,23 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.paged_kv import PagedKVPass
     from kiln.passes.prune_logits import PruneLogitsPass
 
-    return {"normalize": NormalizePass, "paged_kv": PagedKVPass, "prune_logits": PruneLogitsPass}
+    factories: dict[str, Callable[[], GraphPass]] = {
+        "normalize": NormalizePass, "paged_kv": PagedKVPass, "prune_logits": PruneLogitsPass,
+    }
+    # Fusion phase (issue 5), in run order: merges first; fuse_rope before fuse_rmsnorm so
+    # that it takes Qwen3's q/k norms into kiln::rope. See kiln.passes.fuse_common for which
+    # devices each runs on.
+    from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
+    from kiln.passes.fuse_rope import FuseRoPEPass
+    from kiln.passes.fuse_silu_mul import FuseSiluMulPass
+    from kiln.passes.merge_gate_up import MergeGateUpPass
+    from kiln.passes.merge_qkv import MergeQKVPass
+
+    factories.update({
+        "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
+        "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
+    })
+    return factories
 
 
 def plugin_pass_factories() -> dict[str, Callable[[], GraphPass]]:

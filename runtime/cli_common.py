@@ -7,7 +7,9 @@ import logging
 from typing import Any
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False, serving: bool = True) -> None:
+    """The engine's options; `serving=False` (kiln compile) leaves out those that only matter
+    when an engine runs (--compile, --require-cache)."""
     g = parser.add_argument_group("model and engine")
     if model_positional:
         g.add_argument("model", nargs="?", default=None,
@@ -28,6 +30,23 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--enable-pass", action="append", default=[], metavar="NAME", help="turn on an optional pass")
     g.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="turn off a pass")
     g.add_argument("--verbose", "-v", action="store_true", help="log start-up phases and more")
+    add_cache_args(parser, serving)
+
+
+def add_cache_args(parser: argparse.ArgumentParser, serving: bool = True) -> None:
+    """Compile-cache options (kiln.compiler.aot): where the cache is, the bucket plan, and
+    for engines whether to compile at all and whether a miss is an error."""
+    c = parser.add_argument_group("compile cache")
+    c.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="compile cache directory (default: $KILN_CACHE_DIR or ~/.cache/kiln)")
+    c.add_argument("--buckets", nargs="+", default=[], metavar="KIND:N,N",
+                   help="bucket sizes instead of the default plan, e.g. --buckets decode:1,2,4 tokens:64,256")
+    if serving:
+        c.add_argument("--compile", default="auto", choices=["auto", "eager", "inductor"],
+                       help="auto: Inductor artifacts on CUDA, and on CPU when --cache-dir or --require-cache "
+                            "is given; eager: run the FX graph directly, compiling nothing")
+        c.add_argument("--require-cache", action="store_true",
+                       help="fail at start-up, naming the missing buckets, instead of compiling (see `kiln compile`)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,7 +56,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         enable_passes=args.enable_pass, disable_passes=args.disable_pass,
+        **cache_kwargs(args),
     )
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from kiln.compiler.buckets import parse_bucket_spec
+
+    decode, tokens = parse_bucket_spec(getattr(args, "buckets", []) or [])
+    out: dict[str, Any] = dict(cache_dir=getattr(args, "cache_dir", None), decode_buckets=decode,
+                               token_buckets=tokens)
+    if hasattr(args, "compile"):
+        out.update(compile=args.compile, require_cache=args.require_cache)
+    return out
 
 
 def setup_logging(verbose: bool) -> None:

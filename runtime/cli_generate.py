@@ -1,41 +1,83 @@
-"""`kiln generate` and `kiln chat`: text from the terminal, streamed as it is generated."""
+"""`kiln generate` and `kiln chat`: text from the terminal, streamed as it is generated.
+
+  kiln generate "Once upon a time" --max-tokens 50
+  kiln generate "What is 2+2?" "Name a color." --chat     # several prompts run as one batch
+  kiln chat --system "You are terse."                      # interactive; also reads a pipe
+
+Generated text goes to stdout as it is produced; loading progress, errors and the optional
+`--stats` line go to stderr, so stdout can be piped.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable, TextIO
 
 from kiln.runtime.cli_common import add_engine_args, engine_kwargs, setup_logging
+from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+
+CHAT_EXIT_COMMANDS = ("/exit", "/quit")
+CHAT_RESET_COMMAND = "/reset"
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1 = all)")
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                   help="most tokens to generate per reply (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="randomness: 0 = greedy, always the most likely token (default); ~0.7 for varied text")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: draw only from the most likely tokens whose probabilities "
+                        "add up to P, in (0, 1] (default 1 = off)")
+    g.add_argument("--top-k", type=int, default=-1, metavar="K",
+                   help="draw only from the K most likely tokens (default -1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the most likely one, in [0, 1] (default 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="> 1 discourages repeating tokens of the prompt and reply (default 1 = off)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling (same seed, same text at temperature > 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when TEXT appears (not printed); repeat for several")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating after the end-of-sequence token, up to --max-tokens")
+    g.add_argument("--stats", action="store_true",
+                   help="after each reply, print token count, time to first token and speed to stderr")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=list(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def add_subcommands(sub: Any) -> None:
-    gen = sub.add_parser("generate", help="generate a continuation of each PROMPT",
-                         description="Generate text for each PROMPT and stream it to the terminal.")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (several run as one batch)")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    gen = sub.add_parser(
+        "generate", help="generate text for each PROMPT, streamed to the terminal",
+        description="Generate text for each PROMPT and stream it to stdout as it is produced. "
+                    "Several prompts run together as one batch and are printed one after another. "
+                    "Without --chat the prompt is echoed and continued; with --chat each prompt is "
+                    "a user message and only the reply is printed.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (quote it); give several for a batch")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each PROMPT as a user message in the model's chat template")
+    gen.add_argument("--system", default=None, metavar="TEXT", help="system message for --chat")
     add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=run_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat in the terminal (uses the chat template)",
-                          description="Chat with the model. Type a message and press Enter; /exit or EOF quits.")
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat = sub.add_parser(
+        "chat", help="interactive chat in the terminal (uses the model's chat template)",
+        description="Chat with the model: type a message and press Enter; the reply streams back. "
+                    f"{CHAT_RESET_COMMAND} forgets the conversation; {' or '.join(CHAT_EXIT_COMMANDS)} or "
+                    "end of input (Ctrl-D) quits. Reads one message per line, so a pipe works too.",
+    )
+    chat.add_argument("--system", default=None, metavar="TEXT", help="system message that starts the conversation")
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(func=run_chat)
@@ -45,52 +87,136 @@ def _build_llm(args: argparse.Namespace) -> Any:
     from kiln.runtime.llm import LLM
 
     setup_logging(args.verbose)
-    return LLM(**engine_kwargs(args))
+    print(f"kiln: loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr, flush=True)
+    kwargs = engine_kwargs(args)
+    kwargs.setdefault("progress", True)  # the weight-loading progress bar
+    return LLM(**kwargs)
 
 
-def _stream(llm: Any, prompt: Any, params: SamplingParams) -> str:
-    printed = ""
-    for out in llm.stream(prompt, params):
-        text = out.outputs[0].text
-        if text.startswith(printed):
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
-    return printed
+def _print_stats(out: RequestOutput, err: TextIO) -> None:
+    m = out.metrics
+    comp = out.outputs[0]
+    parts = [f"{len(comp.token_ids)} tokens", f"finish: {comp.finish_reason}"]
+    if m is not None and m.time_to_first_token is not None:
+        parts.append(f"time to first token {m.time_to_first_token:.2f}s")
+    if m is not None and m.time_per_output_token:
+        parts.append(f"{1.0 / m.time_per_output_token:.1f} tokens/s")
+    if out.num_cached_tokens:
+        parts.append(f"{out.num_cached_tokens} prompt tokens from the prefix cache")
+    print(f"[{', '.join(parts)}]", file=err, flush=True)
+
+
+def stream_in_order(engine: Any, prompts: list[Any], params: SamplingParams, write: Callable[[str], None],
+                    before: Callable[[int], None], after: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
+    """Run all prompts as one batch; write each one's text in prompt order as it streams.
+
+    The prompt being shown streams live; later ones keep generating in the same batch and
+    their text is shown, caught up, once it is their turn. A bad prompt is reported (by its
+    index) before any generation starts.
+    """
+    ids = [f"cli-{i}" for i in range(len(prompts))]
+    added: list[str] = []
+    try:
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            try:
+                engine.add_request(rid, prompt, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i + 1}: {e}" if len(prompts) > 1 else str(e)) from e
+            added.append(rid)
+        pending: dict[str, list[str]] = {rid: [] for rid in ids}
+        final: dict[str, RequestOutput] = {}
+        shown = 0
+        before(0)
+        while shown < len(ids):
+            for out in engine.step():
+                pending[out.request_id].append(out.outputs[0].text_delta)
+                if out.finished:
+                    final[out.request_id] = out
+            while shown < len(ids):
+                rid = ids[shown]
+                if pending[rid]:
+                    write("".join(pending[rid]))
+                    pending[rid].clear()
+                if rid not in final:
+                    break
+                after(shown, final[rid])
+                shown += 1
+                if shown < len(ids):
+                    before(shown)
+        return [final[rid] for rid in ids]
+    finally:
+        for rid in added:
+            engine.abort(rid)  # no-op for finished requests; frees the rest on Ctrl-C
 
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = _build_llm(args)
-    for i, prompt in enumerate(args.prompts):
-        if len(args.prompts) > 1:
-            print(f"--- [{i}] {prompt}")
-        source = llm.apply_chat_template([{"role": "user", "content": prompt}]) if args.chat else prompt
+    out, err = sys.stdout, sys.stderr
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts: list[Any] = [llm.apply_chat_template(system + [{"role": "user", "content": p}]) for p in args.prompts]
+    else:
+        prompts = list(args.prompts)
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    def before(i: int) -> None:
+        if len(prompts) > 1:
+            write(f"--- [{i + 1}/{len(prompts)}] {args.prompts[i]}\n")
         if not args.chat:
-            sys.stdout.write(prompt)
-        _stream(llm, source, params)
-        sys.stdout.write("\n")
+            write(args.prompts[i])
+
+    def after(i: int, result: RequestOutput) -> None:
+        write("\n")
+        if args.stats:
+            _print_stats(result, err)
+
+    stream_in_order(llm.engine, prompts, params, write, before, after)
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     llm = _build_llm(args)
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
+    out, err = sys.stdout, sys.stderr
+    start: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
     interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"kiln chat: type a message; {CHAT_RESET_COMMAND} starts over, {CHAT_EXIT_COMMANDS[0]} quits.",
+              file=err, flush=True)
     while True:
         if interactive:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
+            out.write("> ")
+            out.flush()
         line = sys.stdin.readline()
-        if not line or line.strip() in ("/exit", "/quit"):
+        if not line or line.strip() in CHAT_EXIT_COMMANDS:
             return 0
-        if not line.strip():
+        message = line.strip()
+        if not message:
             continue
-        history.append({"role": "user", "content": line.strip()})
-        reply = _stream(llm, llm.apply_chat_template(history), params)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        history.append({"role": "assistant", "content": reply})
+        if message == CHAT_RESET_COMMAND:
+            history = list(start)
+            continue
+        history.append({"role": "user", "content": message})
+        reply: list[str] = []
+        last = None
+        try:
+            for result in llm.stream(llm.apply_chat_template(history), params):
+                delta = result.outputs[0].text_delta
+                reply.append(delta)
+                out.write(delta)
+                out.flush()
+                last = result
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: say so, keep chatting
+            history.pop()
+            print(f"kiln chat: error: {e} ({CHAT_RESET_COMMAND} starts over)", file=err, flush=True)
+            continue
+        out.write("\n")
+        out.flush()
+        if args.stats and last is not None:
+            _print_stats(last, err)
+        history.append({"role": "assistant", "content": "".join(reply)})

@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from kiln.compiler.model_source import ModelSource, resolve_model
-from kiln.compiler.pipeline import ModelGraph, build_model_graph
-from kiln.passes.manager import PassManager
+from kiln.compiler.aot import PreparedModel, prepare_for_engine
+from kiln.compiler.pipeline import ModelGraph
+from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs
-from kiln.runtime.outputs import CompletionOutput, RequestOutput, RequestMetrics
+from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
+from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
@@ -49,6 +51,15 @@ class EngineConfig:
     enable_passes: list[str] = field(default_factory=list)
     disable_passes: list[str] = field(default_factory=list)
     progress: bool = True
+    # Compile and cache (kiln.compiler.aot). compile: "auto" (Inductor on CUDA; on CPU only
+    # when cache_dir or require_cache is given), "eager" or "inductor". cache_dir: None for
+    # $KILN_CACHE_DIR or the user's cache directory. require_cache: fail at start-up, naming
+    # the missing buckets, instead of compiling. *_buckets: None for the default plan.
+    compile: str = "auto"
+    cache_dir: str | None = None
+    require_cache: bool = False
+    decode_buckets: list[int] | None = None
+    token_buckets: list[int] | None = None
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -76,6 +87,24 @@ class _Request:
     seqs: list[Sequence]
 
 
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load, for metrics (the server exports these)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int  # usable blocks (the null block excluded)
+    num_used_blocks: int  # owned by live sequences ("KV blocks in use")
+    num_cached_blocks: int  # unowned, kept for prefix reuse
+    num_free_blocks: int
+    kv_usage: float  # num_used_blocks / num_kv_blocks
+    prefix_cache_queries: int  # prompt tokens looked up at admission
+    prefix_cache_hits: int  # of which were found cached
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+    num_steps: int
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -93,15 +122,19 @@ class LLMEngine:
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
-        with self._phase("capture and passes"):
-            pm = PassManager.default(enable=config.enable_passes, disable=config.disable_passes)
-            self.graph: ModelGraph = build_model_graph(
-                self.model_config, self.dtype, self.device, block_size=config.block_size, pass_manager=pm,
-                max_num_tokens=max(config.max_num_batched_tokens, 2),
-            )
+        # The graph (kiln.compiler.aot): eager capture, or cache lookups -> capture and compile
+        # only what is missing -> load artifacts. Warm starts capture nothing: the runtime
+        # reads what it needs (input roles, weight names, constants) from the cached spec.
+        self.prepared: PreparedModel = prepare_for_engine(config, self.model_config, self.dtype, self.device)
+        self.timings.update(self.prepared.report.timings)
+        self.startup_report = self.prepared.report
+        self.graph_spec = self.prepared.spec
+        self.graph: ModelGraph | None = self.prepared.graph  # None when nothing was captured
         with self._phase("load weights"):
-            weights = self.source.load_weights(self.graph.captured.param_aliases, self.dtype, self.device,
+            weights = self.source.load_weights(self.graph_spec.param_aliases, self.dtype, self.device,
                                                progress=config.progress)
+            # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
+            weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
         with self._phase("allocate KV cache"):
             self.num_kv_blocks = self._num_kv_blocks()
             kv_caches = allocate_kv_caches(
@@ -109,21 +142,22 @@ class LLMEngine:
                 self._num_kv_heads(), self._head_dim(), self.dtype, self.device,
             )
         self.runner = ModelRunner(
-            self.graph.graph_module, self.graph.input_roles(), weights, self.graph.captured.constants,
-            kv_caches, self.device,
+            self.prepared.graph_fn, self.graph_spec.input_roles, weights, self.graph_spec.constants,
+            kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
         )
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        self.eos_token_ids = self._eos_token_ids()
         self.timings["total"] = time.perf_counter() - t0
         logger.info(
-            "engine ready in %.2fs (%s) | %d KV blocks x %d tokens",
+            "engine ready in %.2fs (%s) | %s | %d KV blocks x %d tokens",
             self.timings["total"],
             ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items() if k != "total"),
-            self.num_kv_blocks, config.block_size,
+            self.startup_report.summary(), self.num_kv_blocks, config.block_size,
         )
 
     # ---- start-up helpers -------------------------------------------------------------
@@ -181,55 +215,122 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+                raise ValueError("prompt: this model has no tokenizer; pass prompts as lists of token ids")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError("prompt must be a string or a list of token ids (ints)")
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt must be a string or a list of token ids (integers)")
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field, queueing nothing."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, once the request is known to be runnable.
+
+        Raises ValueError naming the field at fault; nothing is queued or changed.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})"
+                f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len}); shorten the prompt or lower max_tokens"
             )
         capacity = (self.num_kv_blocks - 1) * self.config.block_size
         if total > capacity:
             raise ValueError(
-                f"prompt + max_tokens = {total} tokens can never fit the KV cache ({capacity} tokens); "
-                "lower max_tokens or raise num_kv_blocks"
+                f"max_tokens: prompt + max_tokens = {total} tokens can never fit the KV cache "
+                f"({capacity} tokens); lower max_tokens or raise num_kv_blocks"
             )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} are outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | dict[str, Any] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field, queueing nothing.
+
+        `params` may be a dict (see `SamplingParams.from_dict`). `arrival_time` (monotonic
+        clock) lets a server count queueing before the engine saw the request.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        token_ids = self.validate_request(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
-            Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(token_ids),
-                     params=params, index=i)
+            Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
+                     params=params, index=i, arrival_time=arrival)
             for i in range(params.n)
         ]
+        for seq in seqs[1:]:
+            seq.fork_parent = seqs[0]  # the others share the first one's prompt blocks
+        if self.tokenizer is not None:
+            for seq in seqs:
+                detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                seq.text = OutputText(detok, params.stop)
         self.requests[request_id] = _Request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs,
         )
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (finish reason
+        "abort"), or None if the request is unknown or already finished."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
+        now = time.monotonic()
         for seq in req.seqs:
             if not seq.is_finished:
+                seq.finish_time = now
+                if seq.text is not None:
+                    seq.text.finish(check_stop=False)
                 self.scheduler.finish(seq, "abort")
+        return self._request_output(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def check_invariants(self) -> None:
+        """Raise if the KV-block bookkeeping is inconsistent (tests call it after every step)."""
+        self.block_manager.check_invariants(self.scheduler.live_sequences())
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_kv_blocks=bm.num_usable_blocks, num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks, num_free_blocks=bm.num_free_blocks,
+            kv_usage=bm.usage, prefix_cache_queries=bm.prefix_stats.queries,
+            prefix_cache_hits=bm.prefix_stats.hits, prefix_cache_hit_rate=bm.prefix_stats.hit_rate,
+            num_preemptions=sched.stats.num_preemptions, num_steps=sched.stats.num_steps,
+        )
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -237,83 +338,112 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        now = time.monotonic()
+        for item in sched.scheduled:
+            if item.seq.first_scheduled_time is None:
+                item.seq.first_scheduled_time = now
         inputs = prepare_step_inputs(sched, self.block_manager, self.device)
         logits = self.runner.execute(inputs)
-        sampling = [s for s in sched.scheduled if s.samples]
+        sampling: list[Sequence] = []
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        tokens = self.sampler.sample(logits, [s.seq for s in sampling]) if sampling else []
-        touched: dict[str, _Request] = {}
+            self.block_manager.commit(item.seq)
+            if item.samples:
+                sampling.append(item.seq)
+        if not sampling:
+            return []
+        sampled = self.sampler.sample(logits, sampling)
         now = time.monotonic()
-        for item, token in zip(sampling, tokens):
-            seq = item.seq
-            seq.output_token_ids.append(int(token))
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._finish_reason(seq)
-            if reason is not None:
-                seq.finish_time = now
-                self.scheduler.finish(seq, reason)
-            req = self.requests.get(seq.request_id)
-            if req is not None:
-                touched[req.request_id] = req
+        touched: dict[str, _Request] = {}
+        for seq, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+            self._append_token(seq, int(token), logprobs, now)
+            touched[seq.request_id] = self.requests[seq.request_id]
         outputs = [self._request_output(req) for req in touched.values()]
         for out in outputs:
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                del self.requests[out.request_id]
         return outputs
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
+        seq.append_token(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            seq.finish_time = now
+            self.scheduler.finish(seq, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        """Update `seq`'s text with `token`; say why it ends here, if it does."""
         p = seq.params
-        token = seq.output_token_ids[-1]
-        n_out = len(seq.output_token_ids)
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.stop_reason = token
+        n_out = seq.num_output_tokens
+        # The sampler masks stop tokens while n_out <= min_tokens; stop strings count from
+        # min_tokens on.
+        check_strings = n_out >= p.min_tokens
+        if n_out > p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
+            # The stop token itself is not part of the text.
+            seq.stop_reason = token if token in p.stop_token_ids else None
+            if seq.text is not None:
+                seq.text.finish(check_strings)
+            return "stop"
+        if seq.text is not None:
+            hit = seq.text.push(token, check_strings)
+            if hit is not None:
+                seq.stop_reason = hit
                 return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop and self.tokenizer is not None:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-                for s in p.stop:
-                    if s in text:
-                        seq.stop_reason = s
-                        return "stop"
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            if seq.text is not None:
+                hit = seq.text.finish(check_strings)
+                if hit is not None:
+                    seq.stop_reason = hit
+                    return "stop"
             return "length"
         return None
 
-    def _text(self, seq: Sequence) -> str:
-        if self.tokenizer is None:
-            return ""
-        ids = seq.output_token_ids
-        if seq.finish_reason == "stop" and isinstance(seq.stop_reason, int) and ids and ids[-1] == seq.stop_reason:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-        if isinstance(seq.stop_reason, str):
-            text = text[: text.find(seq.stop_reason)]
-        return text
+    def _completion_output(self, seq: Sequence) -> CompletionOutput:
+        """The completion's state, with deltas since the last output of its request."""
+        text = delta = ""
+        if seq.text is not None:
+            delta = seq.text.take_delta(final=seq.is_finished)
+            text = seq.text.emitted_text
+        wants_logprobs = seq.params.logprobs is not None
+        start = seq.num_emitted_tokens
+        seq.num_emitted_tokens = seq.num_output_tokens
+        return CompletionOutput(
+            index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if wants_logprobs else None,
+            text_delta=delta, token_ids_delta=seq.output_token_ids[start:],
+            logprobs_delta=seq.logprobs[start:] if wants_logprobs else None,
+        )
 
     def _request_output(self, req: _Request) -> RequestOutput:
-        completions = []
-        for seq in req.seqs:
-            completions.append(CompletionOutput(
-                index=seq.index, text=self._text(seq), token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            ))
-        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        arrival = min(s.arrival_time for s in req.seqs)
-        finish = [s.finish_time for s in req.seqs if s.finish_time is not None]
-        n_out = max(len(s.output_token_ids) for s in req.seqs)
+        seqs = req.seqs
+        arrival = min(s.arrival_time for s in seqs)
+        scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+        first = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        finish = [s.finish_time for s in seqs if s.finish_time is not None]
+        longest = max(seqs, key=lambda s: s.num_output_tokens)
+        tpot = None
+        first_t, last_t = longest.first_token_time, longest.last_token_time
+        if longest.num_output_tokens > 1 and first_t is not None and last_t is not None:
+            tpot = (last_t - first_t) / (longest.num_output_tokens - 1)
         metrics = RequestMetrics(
             arrival_time=arrival,
+            first_scheduled_time=min(scheduled) if scheduled else None,
+            first_token_time=min(first) if first else None,
+            finish_time=max(finish) if len(finish) == len(seqs) else None,
+            time_in_queue=(min(scheduled) - arrival) if scheduled else None,
             time_to_first_token=(min(first) - arrival) if first else None,
-            time_per_output_token=((max(finish) - min(first)) / (n_out - 1))
-            if first and finish and n_out > 1 else None,
+            time_per_output_token=tpot,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
         )
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=completions, finished=all(s.is_finished for s in req.seqs), metrics=metrics,
+            outputs=[self._completion_output(s) for s in seqs],
+            finished=all(s.is_finished for s in seqs), metrics=metrics,
+            num_cached_tokens=seqs[0].num_cached_tokens,
         )

@@ -1,7 +1,9 @@
 """The model runner: turns a scheduled step into graph inputs, runs the graph, returns logits.
 
 The graph's inputs are fed by role (see `kiln.compiler.capture`): weights by parameter name,
-config-derived constants, one KV cache per layer, and the step's batch tensors.
+config-derived constants, one KV cache per layer, and the step's batch tensors. With
+compiled artifacts, each step is padded to its bucket (kiln.compiler.buckets): decode
+steps to the next decode bucket, other steps to the next token bucket.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
+from kiln.compiler.buckets import Bucket, BucketPlan
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.scheduler import SchedulerOutput
 
@@ -74,29 +78,83 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     return StepInputs(**{k: v.to(device, non_blocking=True) for k, v in inputs.as_dict().items()})
 
 
+def pad_step_inputs(inputs: StepInputs, bucket: Bucket) -> StepInputs:
+    """`inputs` padded to `bucket`'s static shapes, so that its artifact can run them.
+
+    Padded tokens are token 0 at position 0 and write their K/V to slot 0, in the null block
+    no sequence owns. Padded sequence rows have length 0 and no new tokens (query_start_loc
+    repeats its last offset), so attention skips them; padded logits rows point at row 0
+    and are cut off by the runner, so nothing padded is ever sampled. Block tables keep
+    their width: it is a dynamic dimension of every artifact.
+    """
+    pad_t = bucket.num_tokens - inputs.input_ids.shape[1]
+    pad_b = bucket.num_seqs - inputs.seq_lens.shape[0]
+    pad_s = bucket.num_samples - inputs.logits_indices.shape[0]
+    if pad_t < 0 or pad_b < 0 or pad_s < 0:
+        raise ValueError(
+            f"a step of {inputs.input_ids.shape[1]} tokens, {inputs.seq_lens.shape[0]} sequences and "
+            f"{inputs.logits_indices.shape[0]} sampled rows does not fit bucket {bucket.name}"
+        )
+    if pad_t == pad_b == pad_s == 0:
+        return inputs
+    qsl = inputs.query_start_loc
+    return StepInputs(
+        input_ids=F.pad(inputs.input_ids, (0, pad_t)),
+        position_ids=F.pad(inputs.position_ids, (0, pad_t)),
+        slot_mapping=F.pad(inputs.slot_mapping, (0, pad_t)),  # slot 0: the null block
+        block_tables=F.pad(inputs.block_tables, (0, 0, 0, pad_b)),
+        seq_lens=F.pad(inputs.seq_lens, (0, pad_b)),
+        query_start_loc=torch.cat([qsl, qsl[-1:].expand(pad_b)]),
+        logits_indices=F.pad(inputs.logits_indices, (0, pad_s)),
+    )
+
+
 class ModelRunner:
-    """Holds the runnable graph, weights, constants and KV caches; runs one step."""
+    """Holds the runnable graph, weights, constants and KV caches; runs one step.
+
+    Two ways to run: `graph_fn`, the post-pass FX graph called as is at the step's exact
+    shapes (eager mode), or `bucket_fns`, one compiled artifact per bucket of `plan`, for
+    which each step is padded to its bucket (`pad_step_inputs`).
+    """
 
     def __init__(
         self,
-        graph_fn: Callable[..., Any],
+        graph_fn: Callable[..., Any] | None,
         input_roles: list[str],
         weights: dict[str, torch.Tensor],
         constants: dict[str, torch.Tensor],
         kv_caches: list[torch.Tensor],
         device: torch.device,
+        *,
+        bucket_fns: dict[Bucket, Callable[[list[torch.Tensor]], torch.Tensor]] | None = None,
+        plan: BucketPlan | None = None,
     ):
+        if (graph_fn is None) == (bucket_fns is None):
+            raise ValueError("ModelRunner takes either graph_fn (eager) or bucket_fns with a plan (compiled)")
+        if bucket_fns is not None:
+            if plan is None:
+                raise ValueError("ModelRunner: bucket_fns need the bucket plan they were compiled for")
+            absent = [b.name for b in plan.buckets() if b not in bucket_fns]
+            if absent:
+                raise ValueError(f"ModelRunner: no artifact for bucket(s) {', '.join(absent)}")
         self.graph_fn = graph_fn
+        self.bucket_fns = bucket_fns
+        self.plan = plan
         self.input_roles = input_roles
         self.kv_caches = kv_caches
         self.device = device
+        self.bucket_counts: dict[str, int] = {}  # steps run per bucket (for stats and tests)
         # Fixed inputs resolved once; batch inputs are filled per step.
         self._fixed: list[torch.Tensor | None] = []
         self._batch_slots: list[tuple[int, str]] = []
         for i, role in enumerate(input_roles):
             kind, _, name = role.partition(":")
             if kind == "param":
-                self._fixed.append(weights[name])
+                if name not in weights:
+                    raise ValueError(f"graph input {role!r} has no loaded weight named {name!r}")
+                w = weights[name]
+                # Compiled artifacts assume the dense strides they were traced with.
+                self._fixed.append(w.contiguous() if bucket_fns is not None else w)
             elif kind == "constant":
                 self._fixed.append(constants[name].to(device))
             elif kind == "kv_cache":
@@ -107,17 +165,45 @@ class ModelRunner:
             else:
                 raise ValueError(f"graph input role {role!r} is unknown to the runner")
 
+    def twin(
+        self,
+        graph_fn: Callable[..., Any] | None = None,
+        input_roles: list[str] | None = None,
+        *,
+        bucket_fns: dict[Bucket, Callable[[list[torch.Tensor]], torch.Tensor]] | None = None,
+        plan: BucketPlan | None = None,
+    ) -> "ModelRunner":
+        """Another way of running the same model over this runner's weights and KV caches:
+        e.g. the post-pass FX graph eagerly, to check compiled artifacts against it."""
+        roles = self.input_roles if input_roles is None else input_roles
+        if roles != self.input_roles:
+            raise ValueError("ModelRunner.twin: the graph's inputs differ from this runner's")
+        named = {role.partition(":")[2]: t for role, t in zip(self.input_roles, self._fixed) if t is not None}
+        return ModelRunner(graph_fn, roles, named, named, self.kv_caches, self.device, bucket_fns=bucket_fns, plan=plan)
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run one step; returns logits [S, V] (float32) for the rows in `logits_indices`."""
+        num_samples = inputs.logits_indices.shape[0]
+        fn: Callable[..., Any]
+        if self.bucket_fns is not None:
+            assert self.plan is not None  # checked in __init__
+            bucket = self.plan.bucket_for(inputs.input_ids.shape[1], inputs.seq_lens.shape[0])
+            inputs = pad_step_inputs(inputs, bucket)
+            self.bucket_counts[bucket.name] = self.bucket_counts.get(bucket.name, 0) + 1
+            compiled = self.bucket_fns[bucket]
+            fn = lambda *args: compiled(list(args))  # noqa: E731
+        else:
+            assert self.graph_fn is not None
+            fn = self.graph_fn
         args = list(self._fixed)
         batch = inputs.as_dict()
         for i, name in self._batch_slots:
             args[i] = batch[name]
-        logits = self.graph_fn(*args)
+        logits = fn(*args)
         if isinstance(logits, (tuple, list)):
             logits = logits[0]
-        return logits[0].float()
+        return logits[0, :num_samples].float()
 
 
 def allocate_kv_caches(

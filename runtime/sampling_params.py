@@ -1,12 +1,43 @@
-"""`SamplingParams`: how one request is decoded. Validated at construction."""
+"""`SamplingParams`: how one request is decoded. Validated at construction.
+
+Every check raises `ValueError` whose message starts with the field's name, so a caller (the
+HTTP server, the CLI, `LLM.generate`) can hand it back to the user as it is.
+`SamplingParams.from_dict` builds one from untyped input (JSON) and rejects unknown keys.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# How many top alternatives a request may ask for per generated token (OpenAI allows 20).
+MAX_LOGPROBS = 20
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)) and math.isfinite(x)
 
 
 @dataclass
 class SamplingParams:
+    """Decoding options of one request.
+
+    temperature 0 means greedy (top_k/top_p/min_p/seed are then irrelevant).
+    Penalties follow the usual conventions: `repetition_penalty` (> 1 discourages) divides
+    positive / multiplies negative logits of every token seen in the prompt or the output;
+    `presence_penalty` is subtracted once from tokens already in the output and
+    `frequency_penalty` once per occurrence there (OpenAI semantics).
+    `logprobs=N` returns, per generated token, its own logprob plus the N most likely.
+    `stop` strings end generation and are not part of the returned text; `stop_token_ids`
+    end it like EOS does. `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
+    until that many tokens exist; `ignore_eos` keeps going past EOS.
+    """
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,39 +58,77 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from untyped input (e.g. a JSON body); unknown keys are an error naming them."""
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling params must be a mapping of field -> value, got {type(values).__name__}")
+        known = set(cls.field_names())
+        unknown = sorted(str(k) for k in values if k not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
 
     def validate(self) -> None:
         def bad(field_name: str, why: str) -> ValueError:
-            return ValueError(f"invalid SamplingParams.{field_name}: {why}")
+            return ValueError(f"{field_name} {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", f"must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be a number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", f"must be a number in [-2, 2], got {self.presence_penalty!r}")
+        if not _is_number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", f"must be a number in [-2, 2], got {self.frequency_penalty!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", f"must be an integer or None, got {self.seed!r}")
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "each stop string must be a non-empty string")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", f"must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -1,12 +1,21 @@
-"""One sequence being generated: its tokens, its KV blocks, its state and timings."""
+"""One sequence being generated: its tokens, its KV blocks, its state, its text and timings.
+
+A request with `n` completions has `n` sequences; they share the prompt's full KV blocks
+(the scheduler forks them from the first one, `fork_parent`).
+"""
 
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kiln.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.runtime.detokenizer import OutputText
+    from kiln.runtime.outputs import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
@@ -15,7 +24,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+# eq=False: sequences are compared by identity (the queues hold them, `in` must not compare
+# token lists).
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     request_id: str
@@ -27,18 +38,52 @@ class Sequence:
     # Tokens whose K/V are in the cache; the next step computes from here.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    # Sampled-token logprobs, one dict {token_id: logprob} per output token (when asked).
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Hash chain over the full blocks of `all_token_ids` (filled lazily by the block manager;
+    # stays valid across preemption because tokens are only ever appended).
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Full blocks of block_table already offered to the prefix cache.
+    num_committed_blocks: int = 0
+    # Prompt tokens whose K/V came from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    # n > 1: the sibling whose prompt blocks this one will share (cleared once admitted).
+    fork_parent: "Sequence | None" = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS
+    # Per generated token when the request asked for logprobs.
+    logprobs: list["TokenLogprobs"] = field(default_factory=list)
+    # Output text state (None when the model has no tokenizer).
+    text: "OutputText | None" = None
+    # What the last RequestOutput already carried (its deltas start here).
+    num_emitted_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
 
+    def __post_init__(self) -> None:
+        self._all_token_ids: list[int] = list(self.prompt_token_ids) + list(self.output_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens. The list is the sequence's own: read it, do not mutate it."""
+        if len(self._all_token_ids) != len(self.prompt_token_ids) + len(self.output_token_ids):
+            # Someone appended to output_token_ids directly instead of append_token().
+            self._all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        return self._all_token_ids
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,147 @@
+"""What the benchmarks share: the model, the environment record, the bandwidth probe, the
+Hugging Face baseline model, and JSON output. Benchmarks are scripts (`python bench/X.py`),
+so this module is imported by file location, not as part of the kiln package."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL = BENCH_DIR / "llama3_8b.json"  # Llama-3-8B's architecture; weights are dummy
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=str(DEFAULT_MODEL),
+                        help="config .json (with --load-format dummy), HF directory or GGUF file (default: Llama-3-8B shape)")
+    parser.add_argument("--load-format", default="dummy", help="weights: dummy (random, the default) or auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default=None, help="write the JSON result here (also printed)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face transformers baseline")
+    parser.add_argument("--decode-buckets", default=None, help="comma-separated decode bucket sizes (default: the engine's)")
+    parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
+
+
+def bucket_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine options for the bucket plan: fewer buckets compile faster on a cold cache."""
+    out: dict[str, Any] = {}
+    if args.decode_buckets:
+        out["decode_buckets"] = [int(x) for x in args.decode_buckets.split(",")]
+    if args.token_buckets:
+        out["token_buckets"] = [int(x) for x in args.token_buckets.split(",")]
+    return out
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["gpu_count"] = torch.cuda.device_count()
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=BENCH_DIR, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    env["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    return env
+
+
+def load_config(model: str, load_format: str) -> Any:
+    from kiln.compiler.model_source import resolve_model
+
+    return resolve_model(model, load_format).config
+
+
+def weight_bytes(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of every parameter of the architecture (what a decode step reads, the embedding
+    table aside: the issue's bandwidth limit counts them all, and so do we)."""
+    from kiln.compiler.capture import parameter_shapes
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) for shape in parameter_shapes(config).values()) * elem
+
+
+def copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written, per second)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 * repeats / elapsed
+
+
+def hf_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The transformers model of the same architecture with random weights (eager, sdpa)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    # A copy: Kiln's capture sets the shared config's attention implementation to its own.
+    config = copy.deepcopy(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_cuda() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def emit(result: dict[str, Any], out: str | None) -> None:
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+
+
+def kiln_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+            "float32": torch.float32}[name]

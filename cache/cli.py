@@ -1,0 +1,213 @@
+"""`kiln compile` (ahead-of-time compile into the cache) and `kiln cache ...` (inspect and move it).
+
+    kiln compile [MODEL] [engine options] [--buckets ...] [--cache-dir D] [--dry-run]
+    kiln cache ls | info KEY | verify | clear | export FILE | import FILE | explain [MODEL] [options]
+
+`kiln compile` takes the same engine options as `kiln serve`, because they decide the
+bucket plan and the cache keys: compile with the options you will serve with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from typing import Any, TextIO
+
+
+def add_subcommands(sub: Any) -> None:
+    from kiln.runtime.cli_common import add_engine_args
+
+    comp = sub.add_parser(
+        "compile", help="compile every bucket of a model into the cache (ahead of time)",
+        description="Compile MODEL's post-pass graph with Inductor for every bucket of the plan and store "
+                    "the artifacts in the compile cache, so that engines started later with the same "
+                    "options start warm. Exits non-zero if any bucket fails.",
+    )
+    add_engine_args(comp, model_positional=True, serving=False)
+    comp.add_argument("--dry-run", action="store_true", help="print the bucket plan and cache keys; compile nothing")
+    comp.set_defaults(func=run_compile)
+
+    cache = sub.add_parser("cache", help="inspect, check and move the compile cache",
+                           description="Inspect, check, clear, export and import Kiln's compile cache.")
+    csub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
+
+    def action(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
+        p = csub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--cache-dir", default=None, metavar="DIR",
+                       help="compile cache directory (default: $KILN_CACHE_DIR or ~/.cache/kiln)")
+        p.set_defaults(func=func)
+        return p
+
+    action("ls", "list the cache's entries", run_ls)
+    info = action("info", "show one entry's manifest (key or unique key prefix)", run_info)
+    info.add_argument("key", metavar="KEY")
+    action("verify", "check every entry's bytes against its checksum; drop corrupt ones", run_verify)
+    action("clear", "remove every entry", run_clear)
+    exp = action("export", "write every entry to a tar file", run_export)
+    exp.add_argument("file", metavar="FILE")
+    imp = action("import", "add the entries of a file written by `kiln cache export`", run_import)
+    imp.add_argument("file", metavar="FILE")
+    explain = csub.add_parser("explain", help="which buckets of MODEL would hit, and why the others miss",
+                              description="For MODEL and engine options, say which buckets the cache holds "
+                                          "and, for each miss, which key factor differs from the nearest entry.")
+    add_engine_args(explain, model_positional=True, serving=False)
+    explain.set_defaults(func=run_explain)
+    cache.set_defaults(func=lambda args: (cache.print_help(), 2)[1])
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _store(args: argparse.Namespace) -> Any:
+    from kiln.cache.store import ArtifactStore
+
+    return ArtifactStore(args.cache_dir)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_table(rows: list[list[str]], header: list[str], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    print(line(header), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for r in rows:
+        print(line(r), file=out)
+
+
+def _setup(args: argparse.Namespace) -> Any:
+    """The ModelSetup for a model and engine options (config only: no weights are read)."""
+    from kiln.compiler.aot import setup_for_engine
+    from kiln.compiler.model_source import resolve_model
+    from kiln.runtime.cli_common import engine_kwargs
+    from kiln.runtime.engine import EngineConfig
+
+    config = EngineConfig(**engine_kwargs(args))
+    device = config.resolved_device()
+    dtype = config.resolved_dtype(device)
+    source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto")
+    return setup_for_engine(config, source.config, dtype, device)
+
+
+# ---- kiln compile ----------------------------------------------------------------------------
+
+def run_compile(args: argparse.Namespace) -> int:
+    from kiln.compiler.aot import prepare_compiled
+    from kiln.runtime.cli_common import setup_logging
+
+    setup_logging(args.verbose)
+    setup = _setup(args)
+    with _store(args) as store:
+        keys = setup.bucket_keys()
+        if args.dry_run:
+            print(setup.plan.describe())
+            print(f"model: {setup.model_type}  dtype: {str(setup.dtype).removeprefix('torch.')}  "
+                  f"device: {setup.device.type}  cache: {store.root}")
+            rows = [["graph", setup.model_key(), "cached" if setup.model_key() in store else "to compile"]]
+            rows += [[b.name, k, "cached" if k in store else "to compile"] for b, k in keys.items()]
+            print_table(rows, ["entry", "key", "state"])
+            return 0
+        print(f"kiln compile: {len(keys)} buckets of {setup.model_type} "
+              f"({str(setup.dtype).removeprefix('torch.')}, {setup.device.type}) into {store.root}", file=sys.stderr)
+        prepared = prepare_compiled(setup, store, progress=True, load=False)
+    report = prepared.report
+    rows = [[r.bucket.name, "cache hit" if r.status == "hit" else r.status, f"{r.seconds:.1f}",
+             _size(r.size) if r.size else "-", r.key] for r in report.buckets]
+    print_table(rows, ["bucket", "result", "seconds", "size", "key"])
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
+    print(f"{report.num_from_cache} from cache, {report.num_compiled} compiled ({phases})")
+    failed = [r for r in report.buckets if r.status == "failed"]
+    for r in failed:
+        print(f"kiln compile: bucket {r.bucket.name} failed: {r.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ---- kiln cache ... --------------------------------------------------------------------------
+
+def run_ls(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        manifests = store.manifests()
+        if not manifests:
+            print(f"{store.root}: empty")
+            return 0
+        rows = []
+        for m in manifests:
+            f = m.factors
+            created = datetime.datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M")
+            rows.append([m.key, m.model, m.label, f.get("dtype", "?"), f"{f.get('device', '?')}/{f.get('capability', '?')}",
+                         _size(m.size), f"{m.compile_seconds:.1f}" if m.kind != "graph" else "-", created])
+        print_table(rows, ["key", "model", "entry", "dtype", "device", "size", "compile s", "created"])
+        print(f"{len(manifests)} entries, {_size(store.volume())} of {_size(store.size_limit)} ({store.root})")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        matches = [m for m in store.manifests() if m.key.startswith(args.key)]
+        if not matches:
+            raise ValueError(f"no cache entry has a key starting with {args.key!r} in {store.root} (see `kiln cache ls`)")
+        if len(matches) > 1:
+            raise ValueError(f"key prefix {args.key!r} matches {len(matches)} entries; give more of the key")
+        m = matches[0]
+        info = json.loads(m.to_json())
+        path = store.entry_path(m.key)
+        info["path"] = str(path) if path else None
+        print(json.dumps(info, indent=2, sort_keys=True))
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        report = store.verify()
+        print(f"{len(report.ok)} entries ok in {store.root}")
+        for key, problem in report.dropped:
+            print(f"dropped corrupt entry {key}: {problem}")
+        for w in report.warnings:
+            print(f"warning: {w}")
+    return 0 if report.healthy else 1
+
+
+def run_clear(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        n = store.clear()
+        print(f"removed {n} entries from {store.root}")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        exported = store.export_to(args.file)
+        print(f"exported {len(exported)} entries ({_size(sum(m.size for m in exported))}) to {args.file}")
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        report = store.import_from(args.file)
+        print(f"imported {len(report.imported)} entries into {store.root} "
+              f"({len(report.already_present)} already present, {len(report.rejected)} rejected)")
+        for key, why in report.rejected:
+            print(f"rejected {key}: {why}", file=sys.stderr)
+    return 1 if report.rejected else 0
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from kiln.cache.explain import explain_setup
+
+    setup = _setup(args)
+    with _store(args) as store:
+        rows = explain_setup(store, setup)
+        hits = sum(r.hit for r in rows)
+        print(f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type}) against "
+              f"{store.root}: {hits} of {len(rows)} entries would hit")
+        for r in rows:
+            print(f"  {r.label:<12} {r.key}  {'hit' if r.hit else r.reason}")
+    return 0

@@ -1,0 +1,201 @@
+"""The bucket plan: the few static step shapes Kiln compiles, and which one a step runs in.
+
+A step is `T` packed tokens from `B` sequences. Compiling one artifact per exact (T, B)
+would never end, so steps are padded up to a bucket:
+
+- **decode buckets** (`decode-N`): steps in which every sequence brings one token
+  (T == B). N sequences; the default sizes are 1, 2, 4, 8, then every 16 up to
+  `max_num_seqs`.
+- **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
+  decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
+  the powers of two from 16 up to `max_num_batched_tokens` (which is always included).
+
+Each bucket fixes the shapes of every batch input: input_ids/position_ids/slot_mapping
+[T], seq_lens [B], query_start_loc [B+1], logits_indices [S] with S = B (a step samples at
+most one row per sequence). The block-table width and the number of KV blocks are left
+dynamic in the artifacts (see kiln.compiler.inductor_compile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+DECODE = "decode"
+TOKENS = "tokens"
+SMALLEST_TOKEN_BUCKET = 16
+
+
+class BucketPlanError(ValueError):
+    """A bucket plan that cannot serve the engine's limits; the message says what to change."""
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """One static step shape: `num_tokens` tokens, `num_seqs` sequence rows, `num_samples` logits rows."""
+
+    kind: str
+    num_tokens: int
+    num_seqs: int
+    num_samples: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.num_tokens if self.kind == TOKENS else self.num_seqs}"
+
+    def shape(self) -> dict[str, int | str]:
+        """The fields that identify the bucket in a cache key."""
+        return {"kind": self.kind, "tokens": self.num_tokens, "seqs": self.num_seqs, "samples": self.num_samples}
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        if self.kind == DECODE and num_tokens != num_seqs:
+            return False
+        return num_tokens <= self.num_tokens and num_seqs <= self.num_seqs
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def decode_bucket(num_seqs: int) -> Bucket:
+    return Bucket(DECODE, num_seqs, num_seqs, num_seqs)
+
+
+def token_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
+    rows = min(num_tokens, max_num_seqs)
+    return Bucket(TOKENS, num_tokens, rows, rows)
+
+
+def default_decode_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [n for n in (1, 2, 4, 8) if n <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+def default_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    sizes = []
+    n = SMALLEST_TOKEN_BUCKET
+    while n < max_num_batched_tokens:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_num_batched_tokens)
+    return sizes
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The decode and token buckets of one engine configuration, smallest first."""
+
+    decode: tuple[Bucket, ...]
+    tokens: tuple[Bucket, ...]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def buckets(self) -> list[Bucket]:
+        return list(self.decode) + list(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.decode) + len(self.tokens)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> Bucket:
+        """The smallest bucket a step of `num_tokens` tokens from `num_seqs` sequences fits in.
+
+        A pure-decode step goes to a decode bucket when one fits, since those pad the least;
+        anything else (or a decode batch larger than every decode bucket) to a token bucket.
+        """
+        if num_tokens < 1 or num_seqs < 1 or num_seqs > num_tokens:
+            raise ValueError(f"a step has {num_tokens} tokens from {num_seqs} sequences: not a valid step")
+        if num_tokens == num_seqs:
+            for b in self.decode:
+                if b.fits(num_tokens, num_seqs):
+                    return b
+        for b in self.tokens:
+            if b.fits(num_tokens, num_seqs):
+                return b
+        raise BucketPlanError(
+            f"no bucket holds a step of {num_tokens} tokens from {num_seqs} sequences; the largest token "
+            f"bucket is {self.tokens[-1].name if self.tokens else 'none'} (max_num_batched_tokens="
+            f"{self.max_num_batched_tokens}, max_num_seqs={self.max_num_seqs})"
+        )
+
+    def describe(self) -> str:
+        """One line per bucket: name and static shapes (what `kiln compile --dry-run` prints)."""
+        lines = [f"bucket plan: {len(self.decode)} decode + {len(self.tokens)} token buckets "
+                 f"(max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens})"]
+        for b in self.buckets():
+            lines.append(f"  {b.name:<14} tokens={b.num_tokens:<6} seqs={b.num_seqs:<5} sampled rows={b.num_samples}")
+        return "\n".join(lines)
+
+
+def _check_sizes(what: str, sizes: Iterable[int]) -> list[int]:
+    out = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise BucketPlanError(f"{what} bucket sizes must be positive integers; got {s!r}")
+        out.append(s)
+    if not out:
+        raise BucketPlanError(f"{what} buckets: give at least one size")
+    return sorted(set(out))
+
+
+def make_bucket_plan(
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    decode_sizes: Iterable[int] | None = None,
+    token_sizes: Iterable[int] | None = None,
+) -> BucketPlan:
+    """The plan for an engine's limits; explicit sizes replace the defaults of their kind.
+
+    Token buckets must reach `max_num_batched_tokens` (the scheduler may fill a step that
+    far) and no bucket may exceed the limits, or it could never be used.
+    """
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise BucketPlanError("max_num_seqs and max_num_batched_tokens must be >= 1")
+    decode = (_check_sizes("decode", decode_sizes) if decode_sizes is not None
+              else default_decode_sizes(min(max_num_seqs, max_num_batched_tokens)))
+    tokens = _check_sizes("token", token_sizes) if token_sizes is not None else default_token_sizes(max_num_batched_tokens)
+    too_many = [n for n in decode if n > max_num_seqs or n > max_num_batched_tokens]
+    if too_many:
+        raise BucketPlanError(
+            f"decode buckets {too_many} exceed max_num_seqs={max_num_seqs} (or max_num_batched_tokens="
+            f"{max_num_batched_tokens}); drop them or raise the limit"
+        )
+    if max(tokens) < max_num_batched_tokens:
+        raise BucketPlanError(
+            f"the largest token bucket ({max(tokens)}) is below max_num_batched_tokens={max_num_batched_tokens}: "
+            f"a full step would have no bucket; add a token bucket of {max_num_batched_tokens} or lower "
+            "max_num_batched_tokens"
+        )
+    if max(tokens) > max_num_batched_tokens:
+        raise BucketPlanError(
+            f"token buckets {[t for t in tokens if t > max_num_batched_tokens]} exceed max_num_batched_tokens="
+            f"{max_num_batched_tokens}; the scheduler never fills them"
+        )
+    return BucketPlan(
+        decode=tuple(decode_bucket(n) for n in decode),
+        tokens=tuple(token_bucket(n, max_num_seqs) for n in tokens),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+
+
+def parse_bucket_spec(items: Iterable[str]) -> tuple[list[int] | None, list[int] | None]:
+    """`["decode:1,2,4", "tokens:64,128"]` -> ([1, 2, 4], [64, 128]); a kind not named is None (default)."""
+    decode: list[int] | None = None
+    tokens: list[int] | None = None
+    for item in items:
+        kind, sep, values = item.partition(":")
+        kind = kind.strip().lower()
+        if not sep or kind not in (DECODE, TOKENS):
+            raise BucketPlanError(f"--buckets {item!r}: expected 'decode:N,N,...' or 'tokens:N,N,...'")
+        try:
+            sizes = [int(v) for v in values.split(",") if v.strip()]
+        except ValueError:
+            raise BucketPlanError(f"--buckets {item!r}: sizes must be integers separated by commas") from None
+        sizes = _check_sizes(kind, sizes)
+        if kind == DECODE:
+            decode = sorted(set((decode or []) + sizes))
+        else:
+            tokens = sorted(set((tokens or []) + sizes))
+    return decode, tokens

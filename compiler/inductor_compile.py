@@ -1,0 +1,209 @@
+"""Per-bucket compile: the post-pass graph -> one AOTInductor package per bucket, and back.
+
+Form: an AOTInductor package (`torch._inductor.aoti_compile_and_package`), chosen by
+measurement (README, "Design notes: compile and cache"). A package holds the generated
+C++/Triton code already built into a shared library, so loading one is a `dlopen`: no
+Dynamo, no AOTAutograd, no Inductor code generation, and on CPU no C++ compiler run.
+`standalone_compile` artifacts, by contrast, hold Inductor's Python wrapper and kernel
+sources, and on CPU rebuild every C++ kernel when the Inductor cache directory is fresh.
+
+How a bucket is compiled: the post-pass FX graph is exported again with the bucket's
+static shapes (`torch.export`), then handed to AOTInductor. Every graph input stays an
+input, parameters included, so a package holds no weights: it serves any checkpoint of
+the architecture. Two dimensions stay dynamic so that an artifact does not depend on the
+machine it runs on or on the engine's length limits:
+
+- the KV cache's `num_blocks` (dim 1 of every `kv_cache:<layer>` input), sized at start-up
+  from free memory;
+- the block tables' width (dim 1 of `batch:block_tables`), the most blocks any sequence of
+  the step holds; the runner may pass any width >= 1 (it passes the step's maximum).
+
+Kiln's custom ops (`kiln::paged_attention`, which writes the KV cache in place) stay
+opaque calls inside the package, dispatched at run time to whatever implementation is
+registered (Triton on CUDA, the torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kiln.compiler.buckets import Bucket
+
+logger = logging.getLogger("kiln.compiler")
+
+ARTIFACT_FORMAT = "aoti-pt2/1"
+MAX_KV_BLOCKS = 2**24
+MAX_BLOCK_TABLE_WIDTH = 2**20
+
+# Batch inputs: (dtype, shape from the bucket). Must match kiln.runtime.model_runner's StepInputs.
+_BATCH_INPUTS: dict[str, tuple[torch.dtype, str]] = {
+    "input_ids": (torch.long, "1,T"),
+    "position_ids": (torch.long, "1,T"),
+    "slot_mapping": (torch.long, "T"),
+    "block_tables": (torch.int32, "B,W"),
+    "seq_lens": (torch.int32, "B"),
+    "query_start_loc": (torch.int32, "B+1"),
+    "logits_indices": (torch.long, "S"),
+}
+EXAMPLE_NUM_BLOCKS = 64
+EXAMPLE_BLOCK_TABLE_WIDTH = 8
+# Whether the user chose Inductor's cache directory, read before torch's first use of it
+# (torch writes its default into the environment then, and it would look chosen).
+_USER_INDUCTOR_CACHE_DIR = bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+
+class BucketCompileError(RuntimeError):
+    """Compiling one bucket failed; the message names the bucket and the cause."""
+
+
+def inductor_options(device: torch.device) -> dict[str, Any]:
+    """Inductor settings for bucket artifacts.
+
+    The AOTInductor wrapper (the function that calls every kernel of the graph in order) is
+    built at -O0: for a 30-layer model it is one large C++ function, and optimizing it
+    costs about half of the CPU compile time while the step time does not change
+    measurably (README design notes). The kernels themselves keep Inductor's -O3.
+    """
+    return {"aot_inductor.compile_wrapper_opt_level": "O0"}
+
+
+def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return (2, num_blocks, block_size, heads, head_dim)
+
+
+def example_inputs(
+    gm: torch.fx.GraphModule,
+    roles: list[str],
+    constants: dict[str, torch.Tensor],
+    config: Any,
+    bucket: Bucket,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+) -> tuple[list[torch.Tensor], list[dict[int, Any] | None]]:
+    """Tensors with the bucket's shapes for every graph input, and export's dynamic_shapes.
+
+    Values do not matter (export and AOTInductor read only shapes, dtypes and devices), so
+    weights are uninitialised; the batch metadata is zeros, which is a valid empty step.
+    """
+    from torch.export import Dim
+
+    num_blocks = Dim("num_kv_blocks", min=2, max=MAX_KV_BLOCKS)
+    width = Dim("block_table_width", min=1, max=MAX_BLOCK_TABLE_WIDTH)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(roles):
+        raise BucketCompileError(f"graph has {len(placeholders)} inputs but {len(roles)} roles")
+    sizes = {"T": bucket.num_tokens, "B": bucket.num_seqs, "B+1": bucket.num_seqs + 1, "S": bucket.num_samples,
+             "1": 1, "W": EXAMPLE_BLOCK_TABLE_WIDTH}
+    args: list[torch.Tensor] = []
+    dynamic: list[dict[int, Any] | None] = []
+    for node, role in zip(placeholders, roles):
+        kind, _, name = role.partition(":")
+        dyn = None
+        if kind == "param":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise BucketCompileError(f"graph input {node.name} ({role}) has no recorded shape")
+            t = torch.empty(tuple(int(s) for s in val.shape), dtype=val.dtype, device=device)
+        elif kind == "constant":
+            t = constants[name].to(device)
+        elif kind == "kv_cache":
+            t = torch.zeros(kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size), dtype=dtype, device=device)
+            dyn = {1: num_blocks}
+        elif kind == "batch":
+            if name not in _BATCH_INPUTS:
+                raise BucketCompileError(f"graph input role {role!r} is unknown to the bucket compiler")
+            tdtype, shape = _BATCH_INPUTS[name]
+            t = torch.zeros([sizes[d] for d in shape.split(",")], dtype=tdtype, device=device)
+            if name == "block_tables":
+                dyn = {1: width}
+        else:
+            raise BucketCompileError(f"graph input role {role!r} is unknown to the bucket compiler")
+        args.append(t)
+        dynamic.append(dyn)
+    return args, dynamic
+
+
+@contextlib.contextmanager
+def inductor_scratch_dir(scratch_root: Path) -> Iterator[None]:
+    """Point Inductor's own cache at a private temporary folder for the compile, unless the
+    user chose one ($TORCHINDUCTOR_CACHE_DIR): what it writes there is an intermediate that
+    the package already contains, and Kiln's cache is the one that is kept and size-limited."""
+    if _USER_INDUCTOR_CACHE_DIR:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    with tempfile.TemporaryDirectory(prefix="inductor-", dir=scratch_root) as d, temporary_cache_dir(d):
+        yield
+
+
+def compile_bucket(
+    gm: torch.fx.GraphModule,
+    roles: list[str],
+    constants: dict[str, torch.Tensor],
+    config: Any,
+    bucket: Bucket,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    scratch_root: Path,
+) -> bytes:
+    """The AOTInductor package (bytes) of `gm` at `bucket`'s shapes."""
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    try:
+        args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size)
+        with torch.no_grad():
+            program = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
+        del args
+        with inductor_scratch_dir(scratch_root), tempfile.TemporaryDirectory(prefix="pkg-", dir=scratch_root) as out:
+            path = torch._inductor.aoti_compile_and_package(
+                program, package_path=str(Path(out) / f"{bucket.name}.pt2"),
+                inductor_configs=inductor_options(device),
+            )
+            return Path(path).read_bytes()
+    except BucketCompileError:
+        raise
+    except Exception as e:
+        raise BucketCompileError(f"compiling bucket {bucket.name} failed: {type(e).__name__}: {e}") from e
+
+
+@dataclass
+class LoadedBucket:
+    """A loaded bucket artifact: call it with the flat list of graph inputs, get the logits."""
+
+    bucket: Bucket
+    loader: Any  # torch._C._aoti.AOTIModelPackageLoader: run(list of inputs) -> list of outputs
+    load_seconds: float
+
+    def __call__(self, args: list[torch.Tensor]) -> torch.Tensor:
+        return self.loader.run(args)[0]
+
+
+def load_bucket(bucket: Bucket, data: bytes, device: torch.device, scratch_root: Path) -> LoadedBucket:
+    """Load a package from its bytes (checked by the store beforehand). No compiler runs."""
+    t0 = time.perf_counter()
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix=f"{bucket.name}-", suffix=".pt2", dir=scratch_root)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        device_index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else -1)
+        # The package is unpacked and its library opened here; the file is not needed after.
+        loader = torch._inductor.aoti_load_package(path, device_index=device_index).loader
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return LoadedBucket(bucket=bucket, loader=loader, load_seconds=time.perf_counter() - t0)

@@ -1,0 +1,84 @@
+"""`kiln::rope`: rotary position embedding of q and k in one op, optionally after q/k RMSNorm.
+
+    q [T, Hq, D], k [T, Hkv, D]   the step's queries and keys (token-major, any strides)
+    cos, sin [T, D]               the rotation of each token, as the graph computed it
+    q_norm_weight, k_norm_weight  [D] or None: Qwen3 normalises each head of q and k
+                                  (RMSNorm over D) right before RoPE; passing the weights
+                                  fuses that norm into the same kernel
+    eps                           the norm's epsilon (unused without norm weights)
+Returns (q_out, k_out), contiguous, shapes of q and k.
+
+The op takes cos/sin rather than positions: the graph already computes them once per step
+from position_ids and the model's inv_freq buffer, and that buffer carries every scaling
+rule transformers implements (Llama 3.1's "llama3" frequency scaling, linear, dynamic,
+YaRN's attention factor folded into cos/sin), so the kernel needs no knowledge of any of
+them. Rotation is the "rotate half" convention of Llama/Qwen/Mistral:
+
+    out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
+
+with each product rounded to the model dtype as the eager graph does. The CPU
+implementation is the reference below; `kiln.kernels.triton_rope` registers the CUDA one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.rms_norm import rms_norm_reference
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c, s = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
+        if norm_weight is not None:
+            x = rms_norm_reference(x, norm_weight, eps)
+        return (x * c + rotate_half(x) * s).contiguous()
+
+    return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+
+
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"rope: q and k must be [T, H, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or d % 2:
+        raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share T and an even D")
+    if cos.shape != (t, d) or sin.shape != (t, d):
+        raise ValueError(f"rope: cos/sin must be [T, D] = [{t}, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+
+
+@torch.library.custom_op("kiln::rope", mutates_args=())
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rope_args(q, k, cos, sin)
+    return rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+
+
+@rope.register_fake
+def _rope_fake(q, k, cos, sin, q_norm_weight, k_norm_weight, eps):
+    def out(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype if w is None else torch.promote_types(x.dtype, w.dtype)
+        return torch.empty(x.shape, dtype=torch.promote_types(dtype, cos.dtype), device=x.device)
+
+    return out(q, q_norm_weight), out(k, k_norm_weight)

@@ -1,0 +1,39 @@
+"""Small helpers shared by Kiln's Triton kernels (importing this module imports Triton).
+
+Launchers built on these never synchronise with the GPU (no `.item()`, no host copies):
+every launch decision comes from tensor shapes, so a launch can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
+    return max(int(minimum), triton.next_power_of_2(max(int(n), 1)))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """SMs of a CUDA device; for CPU tensors (the Triton interpreter in tests) a small stand-in."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+def num_warps_for(block_elements: int) -> int:
+    """Warps for a one-row-per-program kernel touching `block_elements` elements."""
+    if block_elements >= 8192:
+        return 16
+    if block_elements >= 2048:
+        return 8
+    return 4

@@ -1,0 +1,104 @@
+"""Triton kernels for `kiln::rms_norm` and `kiln::add_rms_norm` (registered for CUDA).
+
+One program normalises one row (the last dimension fits one block: hidden sizes up to
+16k). Inputs may be strided views with up to two leading levels of strides, e.g. the q
+slice of a merged QKV projection viewed as [T, H, D]; outputs are contiguous. Rounding
+follows the eager graph (see `kiln.kernels.rms_norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
+from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.rms_norm import rms_norm as rms_norm_op
+from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
+        # Rounded to the residual stream's dtype before normalising, as the eager add is.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = normed.to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x as [outer, inner, N] with a unit last stride, without copying when strides allow."""
+    n = x.shape[-1]
+    if x.dim() == 1:
+        x = x.view(1, n)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-2], n)
+    except RuntimeError:  # leading dimensions not mergeable: one copy
+        return x.reshape(-1, n).unsqueeze(0)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    summed_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(summed_dtype, weight.dtype), device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out, summed
+    x3 = _rows_view(x)
+    r3 = _rows_view(residual) if residual is not None else x3
+    if r3.shape != x3.shape:  # views differ in how the leading dims fold: align the residual
+        r3 = residual.reshape(x3.shape)
+    block = pow2_at_least(n)
+    _rms_norm_kernel[(rows,)](
+        x3, r3, weight.contiguous(), out, summed if summed is not None else out,
+        x3.shape[1], n, float(eps),
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+    )
+    return out, summed
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _launch(x, residual, weight, eps)
+    assert summed is not None  # always made when a residual is given
+    return out, summed
+
+
+@rms_norm_op.register_kernel("cuda")
+def _rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    return rms_norm_triton(x, weight, eps)
+
+
+@add_rms_norm_op.register_kernel("cuda")
+def _add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_rms_norm_triton(x, residual, weight, eps)

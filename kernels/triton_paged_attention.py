@@ -1,0 +1,280 @@
+"""Triton implementation of `kiln::paged_attention` (registered for CUDA).
+
+Layout and meaning of the arguments are documented in `kiln.kernels.paged_attention`.
+One call is up to three launches:
+
+1. `_write_kv_kernel`: scatter the step's K/V rows into their cache slots.
+2. `_paged_attention_kernel`: one program per (query tile, KV head, KV split). A query
+   tile is BLOCK_T consecutive new tokens of one sequence times the GROUP query heads that
+   share the KV head, so each K/V block is loaded once for the whole group (GQA) and the
+   tile is tall enough for tensor cores even when a sequence brings one token (decode).
+   Tiles are numbered without a host-side pass: sequence b owns tile ids starting at
+   `query_start_loc[b] // BLOCK_T + b`, which is increasing in b and leaves each sequence at
+   least the tiles it needs, so a program finds its sequence by counting starts <= its id.
+   The kernel walks the sequence's blocks through the block table with an online softmax
+   (float32), masking causally by position (and by the sliding window).
+3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
+   length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
+   and log-sum-exp, and `_combine_splits_kernel` merges them.
+
+Every launch decision is taken from tensor shapes, never from tensor values, so the op
+runs inside a captured CUDA graph (shapes are static per bucket) and never synchronises.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.paged_attention import paged_attention as paged_attention_op
+from kiln.kernels.paged_attention import paged_attention_reference
+from kiln.kernels.triton_common import multiprocessor_count, num_warps_for, pow2_at_least
+
+MAX_SPLITS = 16
+# Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
+# token per sequence), prefills tall ones.
+DECODE_TILE_ROWS = 16
+PREFILL_TILE_ROWS = 64
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    n_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c_blk, stride_c_off, stride_c_h,
+    CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h < n_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
+    dest_offs = dest + h[:, None] * stride_c_h + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    tl.store(k_cache_ptr + dest_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    tl.store(v_cache_ptr + dest_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale, num_seqs, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_bt, stride_c_blk, stride_c_off, stride_c_h,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQS_PAD: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which sequence owns this tile (see the module docstring for the numbering).
+    offs_b = tl.arange(0, SEQS_PAD)
+    q_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
+    tile_starts = tl.where(offs_b < num_seqs, q_starts // BLOCK_T + offs_b, 2147483647)
+    seq = tl.sum((tile_starts <= tile_id).to(tl.int32), axis=0) - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
+    if tok0 >= n_new:
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    first_pos = ctx_len - n_new  # position of the sequence's first new token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = tok0 + offs_m // GROUP_PAD
+    head = kv_head * GROUP + offs_m % GROUP_PAD
+    row_ok = (tok < n_new) & (offs_m % GROUP_PAD < GROUP)
+    pos = first_pos + tok
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile can see: up to its last token, from its first token's window start.
+    kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
+    kv_lo = tl.where(sliding_window > 0, tl.maximum(first_pos + tok0 - sliding_window + 1, 0), 0)
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_hi
+        block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
+        # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
+        k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision="ieee") * scale
+        allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    store_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+        tl.store(part_out_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph
+                 + offs_d[None, :], out, mask=store_mask)
+    else:
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    if t >= tl.load(query_start_loc_ptr + num_seqs):
+        # A padded token: no split wrote its partials (the buffers are uninitialised). Zero.
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, tl.zeros([D_PAD], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
+        return
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # 0 for splits that saw no key
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_out_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                    mask=(lse > float("-inf"))[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    d_pad = pow2_at_least(d)
+    h_pad = pow2_at_least(hkv)
+    _write_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad,
+        num_warps=num_warps_for(h_pad * d_pad),
+    )
+
+
+def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
+                      kv_capacity: int, num_sms: int) -> int:
+    """How many ways to split the KV length so that the grid fills the GPU (shapes only)."""
+    if num_tokens > max(2 * num_seqs, 32):
+        return 1  # prefill-shaped: enough query tiles, and split partials would be large
+    useful_tiles = max(triton.cdiv(num_tokens, block_t), min(num_seqs, num_tokens))
+    programs = useful_tiles * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    splits = min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs))
+    # No split shorter than two KV tiles at full capacity: tiny contexts gain nothing.
+    return max(1, min(splits, triton.cdiv(kv_capacity, 2 * block_n)))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Write K/V into the cache and attend; `num_splits` overrides the heuristic (tests)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} KV heads")
+    if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
+                                         query_start_loc, scale, sliding_window)
+    write_kv_cache_triton(k, v, kv_cache, slot_mapping)
+    num_seqs = block_tables.shape[0]
+    if t == 0 or num_seqs == 0:
+        return torch.zeros_like(q)
+    cache_block = kv_cache.shape[2]
+    group = hq // hkv
+    group_pad = pow2_at_least(group)
+    decode_shaped = t <= num_seqs
+    block_t = max(1, (DECODE_TILE_ROWS if decode_shaped else PREFILL_TILE_ROWS) // group_pad)
+    block_m = block_t * group_pad
+    d_pad = pow2_at_least(d, 16)
+    block_n = 64 if d_pad <= 128 else 32
+    if num_splits is None:
+        num_splits = choose_num_splits(t, num_seqs, hkv, block_t, block_n, block_tables.shape[1] * cache_block,
+                                       multiprocessor_count(q.device))
+    num_tiles = t // block_t + num_seqs
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if num_splits > 1:
+        # Every row of `out` is written by the combine (padded tokens as zeros) and every
+        # partial a real token needs by its split, so nothing is pre-filled: at small-batch
+        # decode, two fewer launches per layer.
+        out = torch.empty_like(q)
+        part_out = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros_like(q)  # rows of padded tokens stay zero
+        part_out = part_lse = out  # unused by the kernel
+    num_warps = 4 if block_m * d_pad <= 64 * 64 else 8
+    _paged_attention_kernel[(num_tiles, hkv, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        block_tables, seq_lens, query_start_loc,
+        float(scale), num_seqs, int(sliding_window),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=d, D_PAD=d_pad, SEQS_PAD=pow2_at_least(num_seqs), CACHE_BLOCK=cache_block,
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=2,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(t, hq)](
+            part_out, part_lse, out, query_start_loc, num_seqs,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits), HEAD_DIM=d, D_PAD=pow2_at_least(d),
+            num_warps=4,
+        )
+    return out
+
+
+@paged_attention_op.register_kernel("cuda")
+def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                          sliding_window):
+    return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
+                                  scale, sliding_window)

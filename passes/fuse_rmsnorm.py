@@ -1,0 +1,50 @@
+"""`fuse_rmsnorm`: RMSNorm, and the residual add in front of it, as one `kiln::` op.
+
+Before (per decoder layer, bf16; the casts vanish in float32 graphs):
+    s = add(x, residual); h = to(s, f32); h = mul(h, rsqrt(add(mean(pow(h, 2), [-1]), eps)))
+    out = mul(weight, to(h, bf16))          # and `s` feeds the next residual add
+After:
+    out, s = kiln::add_rms_norm(x, residual, weight, eps)
+
+A norm without an add in front (the first layer's input norm, Qwen3's per-head q/k norm
+when `fuse_rope` did not take it) becomes `kiln::rms_norm(x, weight, eps)`. The residual
+form is tried first so it claims its adds. Runs on CUDA graphs by default; see
+`kiln.passes.fuse_common` for the CPU policy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm
+from kiln.passes.pattern import Pattern
+
+_X = torch.randn(4, 32)
+_W = torch.randn(32)
+
+
+def add_rms_norm_pattern(x, residual, weight, eps):
+    summed = x + residual
+    return hf_rms_norm(summed, weight, eps), summed
+
+
+def add_rms_norm_replacement(x, residual, weight, eps):
+    out, summed = torch.ops.kiln.add_rms_norm(x, residual, weight, eps)
+    return out, summed
+
+
+def rms_norm_pattern(x, weight, eps):
+    return hf_rms_norm(x, weight, eps)
+
+
+def rms_norm_replacement(x, weight, eps):
+    return torch.ops.kiln.rms_norm(x, weight, eps)
+
+
+ADD_RMS_NORM = Pattern("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, (_X, _X, _W, 1e-6))
+RMS_NORM = Pattern("rms_norm", rms_norm_pattern, rms_norm_replacement, (_X, _W, 1e-6))
+
+
+class FuseRMSNormPass(CustomOpFusionPass):
+    name = "fuse_rmsnorm"
+    patterns = (ADD_RMS_NORM, RMS_NORM)

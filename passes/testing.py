@@ -1,0 +1,112 @@
+"""Helpers for testing a pass as *before graph -> after graph* on a real captured model.
+
+    from kiln.passes.testing import capture_through, run_graph
+
+    before = capture_through(config, "fusion", dtype=torch.float32)   # graph a fusion pass sees
+    after = copy.deepcopy(before)
+    stats = MyPass()(after.graph_module, PassContext(config=config))
+    torch.testing.assert_close(run_graph(after), run_graph(before))
+
+`run_graph` feeds every graph input by its `kiln_input` role: seeded random weights,
+the captured constants, a one-sequence batch of `num_tokens` tokens (with the paged-KV
+metadata and fresh KV caches when the graph has them), so it runs the graph at any phase.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.compiler.capture import CapturedModel, capture, graph_input_roles, parameter_shapes
+from kiln.passes.base import PassContext
+from kiln.passes.manager import PassManager, PassReport
+from kiln.passes.registry import PHASES
+
+
+@dataclass
+class PhaseCapture:
+    """A captured model whose graph has been run through the pipeline up to a phase."""
+
+    captured: CapturedModel
+    report: PassReport
+    block_size: int
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self.captured.graph_module
+
+    def copy(self) -> "PhaseCapture":
+        return PhaseCapture(captured=copy.deepcopy(self.captured), report=self.report, block_size=self.block_size)
+
+
+def capture_through(config: Any, phase: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
+                    pass_manager: PassManager | None = None, inclusive: bool = False) -> PhaseCapture:
+    """Capture `config` and run the pipeline's passes of the phases before `phase`
+    (and of `phase` itself when `inclusive`): the graph a pass of that phase receives."""
+    if phase not in PHASES:
+        raise ValueError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
+    pm = pass_manager or PassManager.default()
+    limit = PHASES.index(phase) + (1 if inclusive else 0)
+    passes = [p for p in pm.passes if PHASES.index(p.phase) < limit]
+    captured = capture(config, dtype=dtype, device="cpu")
+    report = PassManager(passes).run(captured.graph_module, PassContext(config=config, dtype=dtype, block_size=block_size))
+    return PhaseCapture(captured=captured, report=report, block_size=block_size)
+
+
+def random_weights(captured: CapturedModel, seed: int = 0, std: float = 0.08) -> dict[str, torch.Tensor]:
+    shapes = parameter_shapes(captured.config)
+    g = torch.Generator().manual_seed(seed)
+    return {name: (torch.randn(shapes[name], generator=g) * std).to(captured.dtype) for name in captured.param_aliases}
+
+
+def single_sequence_batch(num_tokens: int, block_size: int, vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One prefill of `num_tokens` tokens in blocks 1.. (block 0 is the null block), sampling the last."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = -(-num_tokens // block_size)
+    return {
+        "input_ids": torch.randint(0, vocab_size, (1, num_tokens), generator=g),
+        "position_ids": torch.arange(num_tokens).unsqueeze(0),
+        "slot_mapping": torch.arange(block_size, block_size + num_tokens),
+        "block_tables": torch.arange(1, n_blocks + 1, dtype=torch.int32).unsqueeze(0),
+        "seq_lens": torch.tensor([num_tokens], dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, num_tokens], dtype=torch.int32),
+        "logits_indices": torch.tensor([num_tokens - 1]),
+    }
+
+
+def _kv_cache(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return torch.zeros((2, num_blocks, block_size, heads, head_dim), dtype=dtype)
+
+
+def run_graph(phase_capture: PhaseCapture, num_tokens: int = 8, seed: int = 0) -> torch.Tensor:
+    """Run the graph once on seeded random weights and tokens; returns its output (logits)."""
+    captured = phase_capture.captured
+    gm = captured.graph_module
+    config = captured.config
+    weights = random_weights(captured, seed=seed)
+    bs = phase_capture.block_size
+    batch = single_sequence_batch(num_tokens, bs, config.vocab_size, seed=seed)
+    num_blocks = -(-num_tokens // bs) + 1
+    args = []
+    for role in graph_input_roles(gm):
+        kind, _, name = role.partition(":")
+        if kind == "param":
+            args.append(weights[name])
+        elif kind == "constant":
+            args.append(captured.constants[name])
+        elif kind == "batch":
+            args.append(batch[name])
+        elif kind == "kv_cache":
+            args.append(_kv_cache(config, num_blocks, bs, captured.dtype))
+        else:
+            raise ValueError(f"graph input role {role!r} is unknown to kiln.passes.testing.run_graph")
+    with torch.no_grad():
+        return gm(*args)
+
+
+__all__ = ["PhaseCapture", "capture_through", "random_weights", "run_graph", "single_sequence_batch"]

@@ -1,0 +1,122 @@
+"""CUDA graphs per bucket: capture once at start-up, then each step copies and replays.
+
+    graphs = BucketGraphs(device)
+    graphs.capture_all(step_fn, {bucket: static_inputs, ...})   # largest bucket first
+    out = graphs.replay(bucket, {"input_ids": ids, ...})          # copy into buffers, replay
+
+`step_fn(**static_inputs)` is the whole step (the compiled artifact with the weights, KV
+caches and constants bound), and `static_inputs[bucket]` holds that bucket's batch buffers,
+allocated at the bucket's shapes. Every graph is captured into one memory pool, largest
+bucket first, so the smaller graphs' temporaries reuse the largest one's memory: the pool
+costs what the largest bucket needs, not the sum over buckets.
+
+What replay does with a tensor smaller than its buffer (fewer tokens, narrower block
+table): it copies it into the buffer's leading corner and fills the rest with that
+buffer's pad value (0 unless given at capture: token 0, slot 0 = the null KV block, length
+0), so a padded row never writes into a live KV block and is never sampled. The returned
+output is the graph's static output tensor: it is overwritten by the next replay of the
+same bucket, so read it (or copy it) before then.
+
+Warm-up runs happen on a side stream before each capture: they compile Triton kernels and
+initialise cuBLAS workspaces, which must not happen during capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping
+
+import torch
+
+logger = logging.getLogger("kiln.runtime")
+
+
+class CudaGraphError(RuntimeError):
+    """A bucket or input the captured graphs cannot serve; the message says which."""
+
+
+@dataclass
+class CapturedBucket:
+    """One bucket's graph, the buffers it reads, and the output it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: Any
+    pad_values: dict[str, float | int] = field(default_factory=dict)
+
+
+class BucketGraphs:
+    """One CUDA graph per bucket, sharing one memory pool."""
+
+    def __init__(self, device: torch.device | str, warmup_runs: int = 2):
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise CudaGraphError(f"CUDA graphs need a CUDA device, not {self.device}")
+        self.warmup_runs = warmup_runs
+        self.pool = torch.cuda.graph_pool_handle()
+        self.buckets: dict[Hashable, CapturedBucket] = {}
+        self.capture_seconds: dict[Hashable, float] = {}
+
+    def __contains__(self, bucket: Hashable) -> bool:
+        return bucket in self.buckets
+
+    def capture_all(
+        self,
+        step_fn: Callable[..., Any],
+        static_inputs: Mapping[Hashable, dict[str, torch.Tensor]],
+        pad_values: Mapping[str, float | int] | None = None,
+        size: Callable[[Hashable], Any] | None = None,
+    ) -> None:
+        """Capture every bucket, largest first (by `size(bucket)`, default the bucket itself)."""
+        order = sorted(static_inputs, key=size or (lambda b: b), reverse=True)
+        for bucket in order:
+            self.capture(bucket, step_fn, static_inputs[bucket], pad_values)
+        logger.info("captured %d CUDA graphs in %.2fs (%s)", len(order), sum(self.capture_seconds.values()),
+                    ", ".join(f"{b}: {self.capture_seconds[b]:.2f}s" for b in order))
+
+    @torch.inference_mode()
+    def capture(self, bucket: Hashable, step_fn: Callable[..., Any], inputs: dict[str, torch.Tensor],
+                pad_values: Mapping[str, float | int] | None = None) -> None:
+        for name, buf in inputs.items():
+            if buf.device != self.device:
+                raise CudaGraphError(f"bucket {bucket}: static input {name!r} is on {buf.device}, not {self.device}")
+        start = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                step_fn(**inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step_fn(**inputs)
+        torch.cuda.synchronize(self.device)
+        self.buckets[bucket] = CapturedBucket(graph, dict(inputs), output, dict(pad_values or {}))
+        self.capture_seconds[bucket] = time.perf_counter() - start
+
+    def replay(self, bucket: Hashable, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """Copy `inputs` into the bucket's buffers (padding what they leave) and replay."""
+        captured = self.buckets.get(bucket)
+        if captured is None:
+            raise CudaGraphError(f"no CUDA graph for bucket {bucket!r}; captured: {sorted(self.buckets, key=str)}")
+        for name, value in inputs.items():
+            buf = captured.inputs.get(name)
+            if buf is None:
+                raise CudaGraphError(f"bucket {bucket!r} has no static input {name!r}")
+            _copy_padded(buf, value, captured.pad_values.get(name, 0), name, bucket)
+        captured.graph.replay()
+        return captured.output
+
+
+def _copy_padded(buf: torch.Tensor, value: torch.Tensor, pad: float | int, name: str, bucket: Hashable) -> None:
+    if value.shape == buf.shape:
+        buf.copy_(value, non_blocking=True)
+        return
+    if value.dim() != buf.dim() or any(v > b for v, b in zip(value.shape, buf.shape)):
+        raise CudaGraphError(
+            f"input {name!r} of shape {tuple(value.shape)} does not fit bucket {bucket!r}'s buffer {tuple(buf.shape)}"
+        )
+    buf.fill_(pad)
+    buf[tuple(slice(0, n) for n in value.shape)].copy_(value, non_blocking=True)

@@ -1,0 +1,210 @@
+"""Guided (constrained) decoding: masks the logits so the output follows a grammar.
+
+Used by the server for tool calls and JSON output, built on xgrammar (grammar compiler and
+per-sequence token-mask matcher):
+
+- `tool_choice` naming a function: the reply must be exactly one Hermes-style call of that
+  function, `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`, with ARGS
+  following the function's JSON schema; then the end-of-sequence token.
+- `tool_choice: "required"`: the same, for any one of the tools.
+- `tool_choice: "auto"`: free text, but once the model writes `<tool_call>` the call must be
+  well formed (one of the tools, arguments valid for its schema). So a small model that
+  starts a call cannot produce a broken one.
+- `response_format` `json_object` / `json_schema`: the reply is JSON (following the schema).
+
+`GuidedSampler` wraps the engine's sampler: before each sampling call it advances every
+guided sequence's matcher by the tokens sampled since, and masks the rows of the logits that
+belong to guided sequences. Unguided rows are left untouched, so a batch mixes both freely.
+All its methods run on the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("kiln.runtime.guided")
+
+TOOL_CALL_PREFIX = '<tool_call>\n{{"name": {name}, "arguments": '
+TOOL_CALL_SUFFIX = "}\n</tool_call>"
+# Whitespace between JSON tokens is capped: a small model left free to emit whitespace can
+# spend its whole token budget on newlines inside an unfinished object.
+MAX_JSON_WHITESPACE = 2
+
+
+class GrammarError(ValueError):
+    """A schema the grammar compiler cannot use; `param` names the request field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class ToolSchema:
+    name: str
+    parameters: dict[str, Any]
+    param: str  # the request field this schema came from, for error messages
+
+
+class GrammarCompiler:
+    """Compiles request grammars against one tokenizer (built lazily: the first guided
+    request pays ~0.2 s to index the vocabulary)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._lock = threading.Lock()  # compile calls come from the server's worker threads
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                if self._tokenizer is None:
+                    raise GrammarError("this model has no tokenizer, so its output cannot be constrained")
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler
+
+    def tool_calls(self, tools: list[ToolSchema], mode: str, parallel: bool = True) -> Any:
+        """mode: 'named' (exactly one call of tools[0]), 'required' (one call of any tool)
+        or 'auto' (free text; any `<tool_call>` the model starts must be a valid call; with
+        `parallel` False, generation stops after the first call)."""
+        from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, StructuralTag, TagFormat,
+                                             TriggeredTagsFormat)
+
+        for tool in tools:
+            self._check_schema(tool.parameters, tool.param)
+        tags = [
+            TagFormat(begin=TOOL_CALL_PREFIX.format(name=json.dumps(t.name)),
+                      content=JSONSchemaFormat(json_schema=t.parameters, max_whitespace_cnt=MAX_JSON_WHITESPACE),
+                      end=TOOL_CALL_SUFFIX)
+            for t in tools
+        ]
+        if mode == "auto":
+            fmt: Any = TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags, stop_after_first=not parallel)
+        elif len(tags) == 1:
+            fmt = tags[0]
+        else:
+            fmt = OrFormat(elements=tags)
+        return self._compile(lambda c: c.compile_structural_tag(StructuralTag(format=fmt)), "tools")
+
+    def json(self, schema: dict[str, Any] | None, param: str) -> Any:
+        """Any JSON value when schema is None (response_format json_object), else the schema."""
+        if schema is None:
+            return self._compile(lambda c: c.compile_builtin_json_grammar(), param)
+        self._check_schema(schema, param)
+        return self._compile(lambda c: c.compile_json_schema(json.dumps(schema), any_whitespace=False), param)
+
+    def _check_schema(self, schema: Any, param: str) -> None:
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
+        try:
+            self._get().compile_json_schema(json.dumps(schema), any_whitespace=False)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(f"{param} is not a usable JSON schema: {_short(e)}", param) from None
+
+    def _compile(self, fn: Any, param: str) -> Any:
+        compiler = self._get()
+        try:
+            return fn(compiler)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(f"{param}: cannot build an output grammar: {_short(e)}", param) from None
+
+
+def _short(e: Exception) -> str:
+    # xgrammar's C++ errors start with a timestamp and source location; keep the message.
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "] " in text and text.startswith("["):
+        text = text.split("] ", 1)[1]
+    if ": " in text and ".cc:" in text:
+        text = text.split(": ", 1)[1]
+    return text
+
+
+class _SequenceMatcher:
+    def __init__(self, compiled: Any, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self.num_accepted = 0
+        self.broken = False
+
+
+class GuidedSampler:
+    """Wraps the engine's sampler; masks guided rows of the logits before sampling."""
+
+    def __init__(self, inner: Any, vocab_size: int, stop_token_ids: list[int]):
+        self.inner = inner
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._grammars: dict[str, Any] = {}  # request_id -> compiled grammar
+        self._matchers: dict[str, dict[int, _SequenceMatcher]] = {}  # request_id -> seq index -> matcher
+
+    def register(self, request_id: str, compiled: Any) -> None:
+        self._grammars[request_id] = compiled
+        self._matchers[request_id] = {}
+
+    def release(self, request_id: str) -> None:
+        self._grammars.pop(request_id, None)
+        self._matchers.pop(request_id, None)
+
+    @property
+    def num_guided(self) -> int:
+        return len(self._grammars)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        if self._grammars:
+            self._mask(logits, seqs)
+        return self.inner.sample(logits, seqs, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the engine asks of its sampler goes to the real one.
+        return getattr(self.inner, name)
+
+    def _mask(self, logits: torch.Tensor, seqs: list[Any]) -> None:
+        import xgrammar as xgr
+
+        rows: list[int] = []
+        matchers: list[_SequenceMatcher] = []
+        for row, seq in enumerate(seqs):
+            compiled = self._grammars.get(seq.request_id)
+            if compiled is None:
+                continue
+            per_request = self._matchers[seq.request_id]
+            m = per_request.get(seq.index)
+            if m is None:
+                m = per_request[seq.index] = _SequenceMatcher(compiled, self.stop_token_ids)
+            if m.broken:
+                continue
+            for token in seq.output_token_ids[m.num_accepted:]:
+                if not m.matcher.accept_token(int(token)):
+                    # Cannot happen while every sampled row is masked; if it does, stop
+                    # guiding this sequence rather than fail it (the parser falls back).
+                    logger.warning("request %s: sampled token %d breaks its grammar; no longer guided",
+                                   seq.request_id, token)
+                    m.broken = True
+                    break
+                m.num_accepted += 1
+            if m.broken or m.matcher.is_terminated():
+                continue
+            rows.append(row)
+            matchers.append(m)
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        for row, m in zip(rows, matchers):
+            m.matcher.fill_next_token_bitmask(bitmask, row)
+        width = min(logits.shape[-1], self.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=width, indices=rows)
+        if logits.shape[-1] > width:  # padded vocabulary rows the tokenizer never produces
+            logits[rows, width:] = float("-inf")

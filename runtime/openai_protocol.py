@@ -1,0 +1,321 @@
+"""The OpenAI API's request bodies (validated with pydantic) and its error format.
+
+Request models forbid unknown fields and check types strictly (no "0.5" for a float), so
+a typo in a parameter name is a 400 naming it instead of a silently ignored option. Range
+checks on sampling values live in `SamplingParams`, which the server calls; the few checks
+here are those OpenAI states for its own API (n >= 1, logprobs 0..20, non-empty messages).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_LOGPROBS = 20
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+class OpenAIError(Exception):
+    """An error the server answers with, in OpenAI's format, with an HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, 400, "invalid_request_error", param, code)
+
+
+def server_error(message: str) -> OpenAIError:
+    return OpenAIError(message, 500, "server_error", None, "internal_error")
+
+
+# Names pydantic puts into error locations for union branches (not fields the user wrote).
+_DISCRIMINATOR_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "image_url"}
+
+
+def format_loc(loc: tuple[Any, ...]) -> str:
+    """pydantic's error location -> a parameter path like `messages[0].content`."""
+    out = ""
+    prev: Any = None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (isinstance(part, str) and (part.startswith(("function-", "literal[", "list[", "dict[", "tagged-union"))
+                                         or part in {"str", "int", "float", "bool", "none", "NamedToolChoice"}
+                                         or (isinstance(prev, int) and part in _DISCRIMINATOR_TAGS))):
+            pass  # a union branch's name, not a field
+        else:
+            out += f".{part}" if out else str(part)
+        prev = part
+    return out
+
+
+def validation_error(e: ValidationError) -> OpenAIError:
+    """pydantic's errors -> 400 naming the field.
+
+    Inside a union pydantic reports one error per branch; the one with the longest location
+    (then the furthest list index) got furthest into the value, so it is the most useful.
+    """
+    errors = e.errors(include_url=False)
+    err = max(errors, key=lambda x: (len(x.get("loc", ())), sum(p for p in x.get("loc", ()) if isinstance(p, int))))
+    param = format_loc(tuple(err.get("loc", ()))) or None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "unrecognized request argument (not supported by this server)"
+    elif err.get("type") == "missing":
+        msg = "this field is required"
+    if "input" in err and err.get("type") not in ("missing", "extra_forbidden"):
+        shown = repr(err["input"])
+        msg += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted for compatibility; Kiln has no per-token bias or billing tiers.
+    service_tier: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v < 1 or v > 128:
+            raise ValueError("n must be between 1 and 128")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+
+# ---- /v1/completions -----------------------------------------------------------------------
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
+            raise ValueError("each token-id prompt must be non-empty")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        return v
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+ContentPart = Annotated[Union[TextContentPart, ImageURLPart], Field(discriminator="type")]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Strict):
+    role: Literal["system"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class DeveloperMessage(_Strict):
+    role: Literal["developer"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    refusal: str | None = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: str | list[TextContentPart]
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage],
+    Field(discriminator="role"),
+]
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _FUNCTION_NAME.match(v):
+            raise ValueError("function names are 1-64 characters of a-z, A-Z, 0-9, _ and -")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON schema of type 'object'")
+        return v
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaSpec(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # vLLM-compatible extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[Any]) -> list[Any]:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        if v:
+            names = [t.function.name for t in v]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"function names must be unique; repeated: {', '.join(dupes)}")
+        return v

@@ -1,0 +1,618 @@
+"""The OpenAI API on top of the async engine: validated requests in, response bodies and
+stream chunks out. No HTTP here (that is `kiln.runtime.server`).
+
+Every check that can fail for a request runs before anything is queued: the body's types
+(pydantic), sampling values (`SamplingParams`), the prompt against the context and the
+vocabulary (`LLMEngine.validate_request`), tool schemas (the grammar compiler) and the
+waiting-queue bound. So a bad request costs the engine nothing and never touches another.
+
+Streams are built from the outputs' cumulative state (text, token ids, logprobs): each
+chunk carries what is new since the last chunk of that choice, so the concatenated deltas
+are exactly the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from kiln.runtime.async_engine import (AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError,
+                                       RequestStream)
+from kiln.runtime.chat_prompt import render_chat_prompt
+from kiln.runtime.guided_decoding import GrammarError, ToolSchema
+from kiln.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
+                                          bad_request, server_error)
+from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.server_metrics import ServerMetrics
+from kiln.runtime.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls
+
+logger = logging.getLogger("kiln.runtime.server")
+
+# What JSON cannot hold (-inf logprobs of masked tokens) is sent as this, like OpenAI does.
+MIN_LOGPROB = -9999.0
+RETRY_AFTER_S = 1
+
+WaitDisconnect = Callable[[], Awaitable[None]]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its (non-streamed) response was ready."""
+
+
+def _engine_error(e: BaseException) -> OpenAIError:
+    if isinstance(e, QueueFullError):
+        return OpenAIError(str(e), 503, "server_busy", None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineStoppedError):
+        return OpenAIError(str(e), 503, "service_unavailable", None, "engine_stopped",
+                           {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineStepError):
+        return server_error(str(e))
+    return server_error(f"internal error: {type(e).__name__}: {e}")
+
+
+def _param_from_message(message: str, known: set[str], rename: dict[str, str]) -> str | None:
+    """Field-first error messages ("temperature must be ...") -> the request parameter."""
+    head = message.split(":", 1)[0].split(" ", 1)[0]
+    if head in rename:
+        return rename[head]
+    return head if head in known else None
+
+
+def _consume_exception(f: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen, so asyncio does not log it."""
+    if not f.cancelled():
+        f.exception()
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else MIN_LOGPROB
+
+
+@dataclass
+class _ChoiceProgress:
+    """What one choice has sent so far in a stream."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+    tool_parser: StreamingToolParser | None = None
+    num_tool_calls: int = 0
+
+    def advance(self, c: CompletionOutput) -> tuple[str, list[int], list[TokenLogprobs]]:
+        """(new text, new token ids, new logprobs) of `c` since the last call."""
+        text = c.text[self.num_chars:]
+        self.num_chars = max(self.num_chars, len(c.text))
+        tokens = c.token_ids[self.num_tokens:]
+        lps = (c.logprobs or [])[self.num_tokens:] if c.logprobs is not None else []
+        self.num_tokens = max(self.num_tokens, len(c.token_ids))
+        return text, tokens, lps
+
+
+@dataclass
+class _Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add_prompt(self, out: RequestOutput) -> None:
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.cached_tokens += out.num_cached_tokens
+
+    def body(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+@dataclass
+class _Submitted:
+    """One API request's engine requests (one per prompt)."""
+
+    streams: list[RequestStream]
+    request_ids: list[str]
+    finished: set[str] = field(default_factory=set)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics):
+        if not model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.llm = engine.engine
+        self.tokenizer = self.llm.tokenizer
+        self.max_model_len = int(self.llm.max_model_len)
+        self.vocab_size = int(self.llm.model_config.vocab_size)
+        self.model_names = list(model_names)
+        self.metrics = metrics
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+        self._sampling_fields = set(SamplingParams.field_names()) | {"prompt"}
+
+    # ---- models --------------------------------------------------------------------------
+    def model_cards(self) -> list[dict[str, Any]]:
+        return [{"id": name, "object": "model", "created": self.created, "owned_by": "kiln",
+                 "root": name, "parent": None, "max_model_len": self.max_model_len}
+                for name in self.model_names]
+
+    def check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise OpenAIError(f"The model `{model}` does not exist; this server serves: "
+                              f"{', '.join(self.model_names)}", 404, "invalid_request_error", "model",
+                              "model_not_found")
+        return model
+
+    # ---- shared ----------------------------------------------------------------------------
+    def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+                         logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+        values: dict[str, Any] = {"max_tokens": max_tokens, "n": req.n, "stop": req.stop,
+                                  "stop_token_ids": list(req.stop_token_ids or []), "ignore_eos": req.ignore_eos,
+                                  "min_tokens": req.min_tokens, "logprobs": logprobs,
+                                  "skip_special_tokens": req.skip_special_tokens, "seed": req.seed}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(req, name)
+            if value is not None:
+                values[name] = value
+        if values.get("top_k", -1) > self.vocab_size:
+            values["top_k"] = -1  # larger than the vocabulary is the same as no top-k
+        try:
+            return SamplingParams(**values)
+        except ValueError as e:
+            param = _param_from_message(str(e), self._sampling_fields, rename)
+            raise bad_request(str(e), param) from None
+
+    def _validate(self, token_ids: list[int], params: SamplingParams, rename: dict[str, str]) -> None:
+        try:
+            self.llm.validate_request(token_ids, params)
+        except ValueError as e:
+            raise bad_request(str(e), _param_from_message(str(e), self._sampling_fields, rename)) from None
+
+    def _tokenize(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, grammar: Any,
+                      arrival: float) -> _Submitted:
+        try:
+            self.engine.check_capacity(len(prompts))
+        except QueueFullError as e:
+            raise _engine_error(e) from None
+        ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        streams: list[RequestStream] = []
+        try:
+            for rid, token_ids in zip(ids, prompts):
+                streams.append(await self.engine.add_request(rid, token_ids, params, grammar, arrival))
+        except BaseException as e:
+            for rid in ids:
+                self.engine.abort(rid)
+            if isinstance(e, ValueError):  # the engine's own validation (should have passed already)
+                raise bad_request(str(e), _param_from_message(str(e), self._sampling_fields, {})) from None
+            if isinstance(e, (QueueFullError, EngineStoppedError)):
+                raise _engine_error(e) from None
+            raise
+        return _Submitted(streams, ids)
+
+    async def _collect(self, sub: _Submitted, wait_disconnect: WaitDisconnect) -> list[RequestOutput]:
+        """Wait for every prompt to finish; abort them all if the client goes away first."""
+        gather = asyncio.ensure_future(asyncio.gather(*(s.result() for s in sub.streams)))
+        gone = asyncio.ensure_future(wait_disconnect())
+        try:
+            await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            gather.cancel()
+            gather.add_done_callback(_consume_exception)
+            gone.cancel()
+            self._abort(sub)
+            raise
+        if not gather.done():
+            gather.cancel()
+            gather.add_done_callback(_consume_exception)
+            self._abort(sub)
+            raise ClientDisconnected()
+        gone.cancel()
+        try:
+            outputs = gather.result()
+        except (EngineStepError, EngineStoppedError) as e:
+            self._abort(sub, client_gone=False)
+            raise _engine_error(e) from None
+        for out in outputs:
+            self._record(out)
+        return outputs
+
+    def _abort(self, sub: _Submitted, client_gone: bool = True) -> None:
+        """Abort the request's unfinished prompts (counted as aborted when the client left)."""
+        for rid in sub.request_ids:
+            if rid not in sub.finished:
+                self.engine.abort(rid)
+                if client_gone:
+                    self.metrics.aborted.inc()
+                sub.finished.add(rid)
+
+    def _record(self, out: RequestOutput) -> None:
+        m = out.metrics
+        e2e = (time.monotonic() - m.arrival_time) if m is not None else None
+        self.metrics.record_finished(
+            m.time_to_first_token if m else None, m.time_per_output_token if m else None, e2e,
+            len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"<{token_id}>"
+            self._token_text[token_id] = text
+        return text
+
+    async def _merge(self, sub: _Submitted) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from all of a request's streams, as they come."""
+        if len(sub.streams) == 1:
+            async for out in sub.streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out, None))
+            except Exception as e:
+                queue.put_nowait((i, None, e))
+                return
+            queue.put_nowait((i, None, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sub.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, out, error = await queue.get()
+                if error is not None:
+                    raise error
+                if out is None:
+                    remaining -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    @staticmethod
+    def _sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+    # ---- /v1/completions ---------------------------------------------------------------------
+    async def create_completion(self, req: CompletionRequest, wait_disconnect: WaitDisconnect
+                                ) -> dict[str, Any] | AsyncIterator[str]:
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.suffix:
+            raise bad_request("suffix (insertion) is not supported by this server", "suffix")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (prompt logprobs are not "
+                              "computed)", "echo")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+
+        raw = req.prompt
+        texts: list[str | None]
+        prompts: list[list[int]]
+        if isinstance(raw, str):
+            texts, prompts = [raw], [self._tokenize(raw, "prompt")]
+        elif isinstance(raw[0], str):
+            texts = list(raw)  # type: ignore[arg-type]
+            prompts = [self._tokenize(t, f"prompt[{i}]") for i, t in enumerate(raw)]  # type: ignore[arg-type]
+        elif isinstance(raw[0], int):
+            texts, prompts = [None], [list(raw)]  # type: ignore[list-item]
+        else:
+            prompts = [list(p) for p in raw]  # type: ignore[union-attr]
+            texts = [None] * len(prompts)
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise bad_request(f"prompt{'' if len(prompts) == 1 else f'[{i}]'} is empty", "prompt")
+
+        rename: dict[str, str] = {}
+        params = self._sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, rename)
+        for ids in prompts:
+            self._validate(ids, params, rename)
+        sub = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, None, arrival)
+        echo_texts = [self._echo_text(t, ids) if req.echo else "" for t, ids in zip(texts, prompts)]
+        response_id = sub.request_ids[0].rsplit("-", 1)[0]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream_completion(sub, response_id, model, req.n, echo_texts, req.logprobs is not None,
+                                           include_usage)
+        outputs = await self._collect(sub, wait_disconnect)
+        choices = []
+        usage = _Usage()
+        for i, out in enumerate(outputs):
+            usage.add_prompt(out)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                logprobs = (self._completion_logprobs(c.token_ids, c.logprobs or [], len(echo_texts[i]))
+                            if req.logprobs is not None else None)
+                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        pos = offset
+        for lp in lps:
+            s = self._token_str(lp.token_id)
+            tokens.append(s)
+            token_logprobs.append(_finite(lp.logprob))
+            top.append({self._token_str(t.token_id): _finite(t.logprob) for t in lp.top} or None)
+            offsets.append(pos)
+            pos += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    async def _stream_completion(self, sub: _Submitted, response_id: str, model: str, n: int,
+                                 echo_texts: list[str], want_logprobs: bool, include_usage: bool
+                                 ) -> AsyncIterator[str]:
+        created = int(time.time())
+        progress: dict[int, _ChoiceProgress] = {}
+        offsets: dict[int, int] = {}
+        usage = _Usage()
+        ended = False
+
+        def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
+            body: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
+                                    "model": model, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                                 "finish_reason": finish,
+                                                                 "stop_reason": stop_reason}]}
+            if include_usage:
+                body["usage"] = None
+            return self._sse(body)
+
+        try:
+            async for i, out in self._merge(sub):
+                for c in out.outputs:
+                    index = i * n + c.index
+                    p = progress.setdefault(index, _ChoiceProgress())
+                    if p.finished:
+                        continue
+                    text, _, lps = p.advance(c)
+                    if not p.started:
+                        p.started = True
+                        text = echo_texts[i] + text
+                        offsets[index] = len(echo_texts[i])
+                    logprobs = None
+                    if want_logprobs and lps:
+                        logprobs = self._completion_logprobs([lp.token_id for lp in lps], lps, offsets[index])
+                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                    if c.finish_reason is not None:
+                        p.finished = True
+                        usage.completion_tokens += len(c.token_ids)
+                        yield chunk(index, text, logprobs, c.finish_reason, c.stop_reason)
+                    elif text or logprobs:
+                        yield chunk(index, text, logprobs, None)
+                if out.finished:
+                    sub.finished.add(out.request_id)
+                    usage.add_prompt(out)
+                    self._record(out)
+            ended = True
+            if include_usage:
+                yield self._sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                                 "choices": [], "usage": usage.body()})
+        except (EngineStepError, EngineStoppedError) as e:
+            ended = True
+            yield self._sse(_engine_error(e).body())
+        except Exception as e:  # a bug: end this stream with an error event, keep serving
+            ended = True
+            logger.exception("stream %s failed", response_id)
+            yield self._sse(_engine_error(e).body())
+        finally:
+            # Anything unfinished here was left by a client that went away (or by an error).
+            self._abort(sub, client_gone=not ended)
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions ------------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect
+                                     ) -> dict[str, Any] | AsyncIterator[str]:
+        arrival = time.monotonic()
+        model = self.check_model(req.model)
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise bad_request("give max_completion_tokens or max_tokens, not both", "max_tokens")
+
+        tools, mode, tool_names = self._tool_mode(req)
+        prompt_text = render_chat_prompt(self.tokenizer, req, [t.model_dump(exclude_none=True) for t in req.tools]
+                                         if tools else None)
+        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        if not prompt_ids:
+            raise bad_request("messages: the conversation renders to an empty prompt", "messages")
+
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        rename = {"max_tokens": max_param, "logprobs": "top_logprobs", "prompt": "messages"}
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise bad_request(f"messages: the prompt is {len(prompt_ids)} tokens, which leaves no room to "
+                                  f"generate within max_model_len ({self.max_model_len})", "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, logprobs, rename)
+        self._validate(prompt_ids, params, rename)
+        grammar = await self._chat_grammar(req, tools, mode)
+        sub = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, grammar, arrival)
+        response_id = sub.request_ids[0].rsplit("-", 1)[0]
+        parse_tools = bool(tools)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._stream_chat(sub, response_id, model, req.logprobs, include_usage,
+                                     tool_names if parse_tools else None)
+        (out,) = await self._collect(sub, wait_disconnect)
+        usage = _Usage()
+        usage.add_prompt(out)
+        choices = []
+        for c in out.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+            finish = c.finish_reason
+            if parse_tools:
+                parsed = parse_tool_calls(c.text, tool_names)
+                if parsed.tool_calls:
+                    message["content"] = parsed.content
+                    message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+                    finish = "tool_calls"
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(c.logprobs or []) if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+        return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> tuple[list[ToolSchema], str, set[str]]:
+        """(tools the model may call, 'none' | 'auto' | 'required' | 'named', their names)."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise bad_request("tool_choice needs tools: give the functions the model may call", "tool_choice")
+            return [], "none", set()
+        if choice is None:
+            choice = "auto"
+        if choice == "none":
+            return [], "none", set()
+        schemas = [ToolSchema(t.function.name, t.function.parameters or {"type": "object", "properties": {}},
+                              f"tools[{i}].function.parameters") for i, t in enumerate(req.tools)]
+        if isinstance(choice, NamedToolChoice):
+            chosen = [s for s in schemas if s.name == choice.function.name]
+            if not chosen:
+                raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                                  f"({', '.join(s.name for s in schemas)})", "tool_choice.function.name")
+            return chosen, "named", {chosen[0].name}
+        return schemas, choice, {s.name for s in schemas}
+
+    async def _chat_grammar(self, req: ChatCompletionRequest, tools: list[ToolSchema], mode: str) -> Any:
+        fmt = req.response_format
+        wants_json = fmt is not None and fmt.type != "text"
+        if wants_json and tools:
+            raise bad_request("response_format json_object/json_schema cannot be combined with tools "
+                              "(unless tool_choice is 'none')", "response_format")
+        try:
+            if tools:
+                return await asyncio.to_thread(self.engine.grammars.tool_calls, tools, mode,
+                                               req.parallel_tool_calls is not False)
+            if wants_json:
+                if fmt.type == "json_object":
+                    return await asyncio.to_thread(self.engine.grammars.json, None, "response_format")
+                if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                    raise bad_request("response_format json_schema needs json_schema.schema",
+                                      "response_format.json_schema")
+                return await asyncio.to_thread(self.engine.grammars.json, fmt.json_schema.schema_,
+                                               "response_format.json_schema.schema")
+        except GrammarError as e:
+            raise bad_request(str(e), e.param) from None
+        return None
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            s = self._token_str(token_id)
+            return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob)
+                                                                                  for t in lp.top]}
+                            for lp in lps]}
+
+    async def _stream_chat(self, sub: _Submitted, response_id: str, model: str, want_logprobs: bool,
+                           include_usage: bool, tool_names: set[str] | None) -> AsyncIterator[str]:
+        created = int(time.time())
+        progress: dict[int, _ChoiceProgress] = {}
+        usage = _Usage()
+        ended = False
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
+                  stop_reason: Any = None) -> str:
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            body: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                                    "model": model, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return self._sse(body)
+
+        def tool_deltas(p: _ChoiceProgress, calls: list[ToolCall]) -> list[dict[str, Any]]:
+            out = []
+            for call in calls:
+                out.append(call.to_openai(index=p.num_tool_calls))
+                p.num_tool_calls += 1
+            return out
+
+        try:
+            async for _, out in self._merge(sub):
+                for c in out.outputs:
+                    p = progress.setdefault(c.index, _ChoiceProgress())
+                    if p.finished:
+                        continue
+                    if not p.started:
+                        p.started = True
+                        if tool_names is not None:
+                            p.tool_parser = StreamingToolParser(tool_names)
+                        yield chunk(c.index, {"role": "assistant", "content": ""})
+                    text, _, lps = p.advance(c)
+                    logprobs = self._chat_logprobs(lps) if want_logprobs and lps else None
+                    delta: dict[str, Any] = {}
+                    if p.tool_parser is not None:
+                        parsed = p.tool_parser.feed(text)
+                        if c.finish_reason is not None:
+                            rest = p.tool_parser.finish()
+                            parsed.content += rest.content
+                            parsed.tool_calls += rest.tool_calls
+                        if parsed.content:
+                            delta["content"] = parsed.content
+                        if parsed.tool_calls:
+                            delta["tool_calls"] = tool_deltas(p, parsed.tool_calls)
+                    elif text:
+                        delta["content"] = text
+                    if c.finish_reason is not None:
+                        p.finished = True
+                        usage.completion_tokens += len(c.token_ids)
+                        finish = "tool_calls" if p.num_tool_calls else c.finish_reason
+                        if delta or logprobs:
+                            yield chunk(c.index, delta, logprobs)
+                        yield chunk(c.index, {}, None, finish, c.stop_reason)
+                    elif delta or logprobs:
+                        yield chunk(c.index, delta, logprobs)
+                if out.finished:
+                    sub.finished.add(out.request_id)
+                    usage.add_prompt(out)
+                    self._record(out)
+            ended = True
+            if include_usage:
+                yield self._sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                                 "model": model, "choices": [], "usage": usage.body()})
+        except (EngineStepError, EngineStoppedError) as e:
+            ended = True
+            yield self._sse(_engine_error(e).body())
+        except Exception as e:  # a bug: end this stream with an error event, keep serving
+            ended = True
+            logger.exception("stream %s failed", response_id)
+            yield self._sse(_engine_error(e).body())
+        finally:
+            # Anything unfinished here was left by a client that went away (or by an error).
+            self._abort(sub, client_gone=not ended)
+        yield "data: [DONE]\n\n"

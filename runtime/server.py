@@ -1,0 +1,315 @@
+"""`kiln serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    GET  /v1/models              the served model
+    POST /v1/completions         prompt(s) -> text (stream with SSE)
+    POST /v1/chat/completions    messages (+ tools) -> reply or tool calls (stream with SSE)
+    GET  /health                 200 while the engine runs, 503 otherwise
+    GET  /metrics                Prometheus text format
+
+Errors use OpenAI's format, {"error": {"message", "type", "param", "code"}}, with the HTTP
+status saying whose fault it was: 400 bad input (the message names the field), 401 a
+missing or wrong API key (when the server has one), 404 an unknown model or path, 503 with
+Retry-After when the waiting queue is full, 500 when the engine failed on the request.
+
+The app is built by `build_app(engine, ServerConfig)`, so tests and embedders can serve an
+engine they built themselves; `kiln serve` builds the engine from the command line, binds
+to loopback unless told otherwise, and shuts down cleanly on SIGINT/SIGTERM: uvicorn stops
+accepting, in-flight requests get `--shutdown-timeout` seconds to finish, then whatever is
+left is aborted and the engine thread stopped.
+"""
+
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+logger = logging.getLogger("kiln.runtime.server")
+
+DEFAULT_MAX_WAITING_REQUESTS = 512
+# A request body bigger than this is refused (413) before it is parsed.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    shutdown_timeout: float = 30.0
+
+
+def build_app(engine: Any, config: ServerConfig) -> Any:
+    """The FastAPI app serving `engine` (an LLMEngine). Its engine thread starts with the
+    app's lifespan and stops at its shutdown."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from pydantic import BaseModel, ValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from kiln.runtime.async_engine import AsyncLLMEngine
+    from kiln.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
+                                              server_error, validation_error)
+    from kiln.runtime.openai_serving import ClientDisconnected, OpenAIServing
+    from kiln.runtime.server_metrics import CONTENT_TYPE, ServerMetrics
+
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
+    metrics = ServerMetrics(async_engine, cache_info=lambda: _cache_info(engine))
+    serving = OpenAIServing(async_engine, config.served_model_names, metrics)
+    api_key = config.api_key.encode() if config.api_key else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(timeout=config.shutdown_timeout)
+
+    app = FastAPI(title="Kiln", summary="OpenAI-compatible server for the Kiln engine", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+
+    def error_response(e: OpenAIError, endpoint: str) -> JSONResponse:
+        metrics.record_request(endpoint, e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise OpenAIError("missing API key: send it as 'Authorization: Bearer <key>'", 401,
+                              "invalid_request_error", None, "invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), api_key):
+            raise OpenAIError("incorrect API key provided", 401, "invalid_request_error", None, "invalid_api_key")
+
+    async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise OpenAIError(f"the request body is {int(declared)} bytes; the limit is {MAX_BODY_BYTES}", 413,
+                              "invalid_request_error", None, "request_too_large")
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise OpenAIError(f"the request body is over the limit of {MAX_BODY_BYTES} bytes", 413,
+                                  "invalid_request_error", None, "request_too_large")
+        raw = bytes(raw)
+        if not raw.strip():
+            raise bad_request("the request body is empty: send a JSON object")
+        try:
+            data = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+
+    def disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
+        async def wait() -> None:
+            # After the body is read, the next ASGI message is the disconnect.
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+        return wait
+
+    async def generate(request: Request, endpoint: str, model: type[BaseModel],
+                       handler: Callable[..., Awaitable[Any]]) -> Any:
+        try:
+            check_api_key(request)
+            body = await parse_body(request, model)
+            result = await handler(body, disconnect_waiter(request))
+        except OpenAIError as e:
+            return error_response(e, endpoint)
+        except ClientDisconnected:
+            metrics.record_request(endpoint, 499)  # nginx's "client closed request"
+            return Response(status_code=499)
+        except Exception as e:  # a bug: answer 500 in OpenAI's format, keep serving
+            logger.exception("%s failed", endpoint)
+            return error_response(server_error(f"internal error: {type(e).__name__}: {e}"), endpoint)
+        metrics.record_request(endpoint, 200)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await generate(request, "/v1/completions", CompletionRequest, serving.create_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await generate(request, "/v1/chat/completions", ChatCompletionRequest, serving.create_chat_completion)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Any:
+        try:
+            check_api_key(request)
+        except OpenAIError as e:
+            return error_response(e, "/v1/models")
+        metrics.record_request("/v1/models", 200)
+        return {"object": "list", "data": serving.model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Any:
+        try:
+            check_api_key(request)
+            serving.check_model(model_id)
+        except OpenAIError as e:
+            return error_response(e, "/v1/models/{model}")
+        metrics.record_request("/v1/models/{model}", 200)
+        return next(card for card in serving.model_cards() if card["id"] == model_id)
+
+    @app.get("/health")
+    async def health() -> Any:
+        if async_engine.is_healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Any:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = (f"no such endpoint: {request.method} {request.url.path}" if exc.status_code == 404
+                   else str(exc.detail))
+        return JSONResponse(OpenAIError(message, exc.status_code, "invalid_request_error", None, code).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+        e = bad_request(f"{loc}: {err.get('msg', 'invalid value')}" if loc else str(exc), loc or None)
+        return JSONResponse(e.body(), status_code=400)
+
+    return app
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _cache_info(engine: Any) -> dict[str, int]:
+    """Graph buckets by where start-up got them: {"cache": hits, "compiled": compiled here}.
+    Empty in eager mode (nothing is compiled)."""
+    report = getattr(engine, "startup_report", None)
+    buckets = getattr(report, "buckets", None) or []
+    counts: dict[str, int] = {}
+    for b in buckets:
+        source = {"hit": "cache"}.get(str(b.status), str(b.status))
+        counts[source] = counts.get(source, 0) + 1
+    return counts
+
+
+# ---- the `kiln serve` command ----------------------------------------------------------------
+
+def add_subcommands(sub: Any) -> None:
+    from kiln.runtime.cli_common import add_engine_args
+
+    p = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics). Binds to 127.0.0.1 unless --host says otherwise.",
+    )
+    add_engine_args(p, model_positional=True)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    g.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY, else none)")
+    g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="model name clients send (repeat for aliases; default: the model's path or name)")
+    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests allowed to wait for the engine before new ones get 503 "
+                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
+    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(func=run_serve)
+
+
+def default_served_name(model: str | None) -> str:
+    if model is None:
+        from kiln.compiler.model_source import default_model_path
+
+        try:
+            return default_model_path().stem
+        except Exception:
+            return "default"
+    return model
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the (slow) engine start if the address cannot be bound."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.runtime.cli_common import engine_kwargs, setup_logging
+    from kiln.runtime.engine import EngineConfig, LLMEngine
+
+    setup_logging(args.verbose)
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; give a key or leave the option out")
+    check_port_free(args.host, args.port)
+    names = args.served_model_name or [default_served_name(args.model)]
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    app = build_app(engine, ServerConfig(served_model_names=names, api_key=args.api_key,
+                                         max_waiting_requests=args.max_waiting_requests,
+                                         shutdown_timeout=args.shutdown_timeout))
+    where = f"http://{args.host}:{args.port}" if ":" not in args.host else f"http://[{args.host}]:{args.port}"
+    print(f"kiln serve: {names[0]} on {where}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose)
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it once it has
+    # restored the previous handler: with this one in place that ends in a clean exit 0
+    # instead of death by signal.
+    terminated: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if terminated:
+        print("kiln serve: stopped (SIGTERM)", file=sys.stderr, flush=True)
+    # uvicorn exits quietly when it cannot bind (e.g. the port was taken meanwhile).
+    return 0 if server.started else 1
+
+
+__all__ = ["ServerConfig", "build_app", "add_subcommands", "run_serve"]

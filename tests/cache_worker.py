@@ -1,0 +1,76 @@
+"""A fresh process for the compile-cache tests: start an engine, generate, report as JSON.
+
+Run as `python cache_worker.py '<json options>'`; the last stdout line is `RESULT: {...}`.
+A separate process is the point: whether a start-up compiled anything is read from torch's
+process-wide compile counters and compile-event timings, which must start at zero.
+
+Options: model, cache_dir, compile, require_cache, max_num_seqs, max_num_batched_tokens,
+decode_buckets, token_buckets, prompts (token-id lists or strings), max_tokens, and
+check_eager (after the compiled run, capture the graph and run the same engine eagerly over
+the same weights, to compare tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    opts = json.loads(sys.argv[1])
+    t_start = time.perf_counter()
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    t_engine = time.perf_counter()
+    llm = LLM(
+        opts.get("model"), compile=opts.get("compile", "auto"), cache_dir=opts.get("cache_dir"),
+        require_cache=opts.get("require_cache", False), max_num_seqs=opts["max_num_seqs"],
+        max_num_batched_tokens=opts["max_num_batched_tokens"], decode_buckets=opts.get("decode_buckets"),
+        token_buckets=opts.get("token_buckets"), num_kv_blocks=opts.get("num_kv_blocks", 64),
+        enable_prefix_caching=False, progress=False,
+    )
+    params = SamplingParams(max_tokens=opts.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+    prompts = opts["prompts"]
+    first = llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    now = time.perf_counter()
+    first_token_seconds = now - t_start  # from process start, imports included
+    engine_first_token_seconds = now - t_engine  # from LLM(...) to the first token
+    outs = llm.generate(prompts, params)
+    engine = llm.engine
+    report = engine.startup_report
+    result = {
+        "first_token": first[0].outputs[0].token_ids,
+        "first_token_seconds": first_token_seconds,
+        "engine_first_token_seconds": engine_first_token_seconds,
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "mode": report.mode,
+        "from_cache": report.num_from_cache,
+        "compiled": report.num_compiled,
+        "captured": report.captured,
+        "graph_from_cache": report.graph_from_cache,
+        "dropped": report.dropped,
+        "buckets": {r.bucket.name: [r.status, round(r.seconds, 2)] for r in report.buckets},
+        "timings": engine.timings,
+        "bucket_counts": engine.runner.bucket_counts,
+        # Read before anything below (the eager check captures) can add to them.
+        "counters": {k: {kk: vv for kk, vv in v.items()} for k, v in counters.items() if v},
+        "compile_events": sorted(compilation_time_metrics),
+    }
+    if opts.get("check_eager"):
+        from kiln.compiler.pipeline import build_model_graph
+        from kiln.passes.manager import PassManager
+
+        graph = build_model_graph(engine.model_config, engine.dtype, engine.device,
+                                  block_size=engine.config.block_size, pass_manager=PassManager.default(),
+                                  max_num_tokens=engine.config.max_num_batched_tokens)
+        engine.runner = engine.runner.twin(graph.graph_module, graph.input_roles())
+        result["eager_tokens"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    print("RESULT: " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The fusion-phase passes: before/after graphs, numerical equality, weight transforms, parity.
+
+Each pass runs on top of the base pipeline (normalize, paged_kv, prune_logits) of a tiny
+model. The "before" graph is the base pipeline alone; "after" adds the pass. We check what
+the pass changed (ops by count, graph inputs, declared weight transforms) and that both
+graphs compute the same logits for a mixed step (two prefills) followed by a decode step,
+fed the tiny model's real weights (the merged ones built by `apply_weight_transforms`).
+CPU graphs are rewritten because the tests ask for it (`on_cpu=True`, `KILN_CPU_FUSIONS`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kiln.compiler.capture import graph_input_roles
+from kiln.compiler.pipeline import ModelGraph, build_model_graph
+from kiln.passes import PassManager, op_counts
+from kiln.passes.fuse_common import CPU_FUSIONS_ENV, graph_device_type
+from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
+from kiln.passes.fuse_rope import FuseRoPEPass
+from kiln.passes.fuse_silu_mul import FuseSiluMulPass
+from kiln.passes.merge_gate_up import MergeGateUpPass
+from kiln.passes.merge_qkv import MergeQKVPass
+from kiln.passes.registry import create_pass
+from kiln.passes.weight_transforms import (ConcatWeights, WeightTransformError, apply_weight_transforms,
+                                           transforms_from_json, transforms_to_json)
+
+BASE = ("normalize", "paged_kv", "prune_logits")
+LAYERS = 2  # tiny_models.COMMON
+BLOCK_SIZE = 16
+
+
+def build(arch: str, dtype: torch.dtype, *extra, device: str = "cpu") -> ModelGraph:
+    from tiny_models import tiny_config
+
+    passes = [create_pass(n) for n in BASE] + list(extra)
+    return build_model_graph(tiny_config(arch), dtype, device, block_size=BLOCK_SIZE, pass_manager=PassManager(passes))
+
+
+def stats_of(graph: ModelGraph, name: str) -> dict[str, int]:
+    return next(r.stats for r in graph.report.records if r.name == name)
+
+
+def param_roles(graph: ModelGraph) -> set[str]:
+    return {r for r in graph_input_roles(graph.graph_module) if r.startswith("param:")}
+
+
+def counts_delta(before: ModelGraph, after: ModelGraph) -> Counter:
+    delta = Counter(op_counts(after.graph_module))
+    delta.subtract(op_counts(before.graph_module))
+    return Counter({k: v for k, v in delta.items() if v})
+
+
+# ---- running a graph -----------------------------------------------------------------------
+
+def step_batches(vocab: int) -> list[dict[str, torch.Tensor]]:
+    """Two steps: prefills of 5 and 3 tokens packed together, then one decode token each."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (5,), generator=g), torch.randint(0, vocab, (3,), generator=g)]
+    tables = torch.tensor([[1], [2]], dtype=torch.int32)
+    prefill = dict(
+        input_ids=torch.cat(prompts)[None], position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]),
+        slot_mapping=torch.tensor([16, 17, 18, 19, 20, 32, 33, 34]), block_tables=tables,
+        seq_lens=torch.tensor([5, 3], dtype=torch.int32), query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32),
+        logits_indices=torch.arange(8),
+    )
+    decode = dict(
+        input_ids=torch.randint(0, vocab, (1, 2), generator=g), position_ids=torch.tensor([[5, 3]]),
+        slot_mapping=torch.tensor([21, 35]), block_tables=tables, seq_lens=torch.tensor([6, 4], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), logits_indices=torch.arange(2),
+    )
+    return [prefill, decode]
+
+
+def run_steps(graph: ModelGraph, hf_model: torch.nn.Module, dtype: torch.dtype, device: str = "cpu"
+              ) -> list[torch.Tensor]:
+    """Logits of each step of `step_batches`, with weights as the engine would load them."""
+    config = graph.captured.config
+    state = {k: v.detach().to(device=device, dtype=dtype) for k, v in hf_model.state_dict().items()}
+    weights = {name: state[next(a for a in aliases if a in state)] for name, aliases in graph.captured.param_aliases.items()}
+    weights = apply_weight_transforms(weights, graph.weight_transforms)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, config.num_key_value_heads, head_dim, dtype=dtype, device=device)
+                 for _ in range(config.num_hidden_layers)]
+    outputs = []
+    for batch in step_batches(config.vocab_size):
+        args = []
+        for role in graph_input_roles(graph.graph_module):
+            kind, _, name = role.partition(":")
+            if kind == "param":
+                args.append(weights[name])
+            elif kind == "constant":
+                args.append(graph.captured.constants[name].to(device))
+            elif kind == "kv_cache":
+                args.append(kv_caches[int(name)])
+            else:
+                args.append(batch[name].to(device))
+        with torch.no_grad():
+            outputs.append(graph.graph_module(*args).float().cpu())
+    return outputs
+
+
+def assert_same_logits(before: ModelGraph, after: ModelGraph, hf_model: torch.nn.Module, dtype: torch.dtype,
+                       atol: float) -> None:
+    for ref, out in zip(run_steps(before, hf_model, dtype), run_steps(after, hf_model, dtype)):
+        torch.testing.assert_close(out, ref, atol=atol, rtol=atol)
+
+
+# ---- each pass: before/after ---------------------------------------------------------------
+
+def test_merge_qkv_with_biases(tiny_model_dir):
+    _, hf = tiny_model_dir("qwen2")  # q/k/v carry biases
+    before, after = build("qwen2", torch.float32), build("qwen2", torch.float32, MergeQKVPass())
+    assert stats_of(after, "merge_qkv") == {"qkv_proj_merged": LAYERS, "inputs_added": 2 * LAYERS}
+    assert counts_delta(before, after) == Counter({"aten.linear.default": -2 * LAYERS, "aten.slice.Tensor": 3 * LAYERS})
+    removed, added = param_roles(before) - param_roles(after), param_roles(after) - param_roles(before)
+    assert len(removed) == 6 * LAYERS
+    assert added == {f"param:model.layers.{i}.self_attn.qkv_proj.{leaf}" for i in range(LAYERS) for leaf in ("weight", "bias")}
+    assert ConcatWeights("model.layers.0.self_attn.qkv_proj.bias", tuple(
+        f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv")) in after.weight_transforms
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_merge_gate_up(tiny_model_dir):
+    _, hf = tiny_model_dir("llama")
+    before, after = build("llama", torch.float32), build("llama", torch.float32, MergeGateUpPass())
+    assert stats_of(after, "merge_gate_up") == {"gate_up_proj_merged": LAYERS, "inputs_added": LAYERS}
+    assert counts_delta(before, after) == Counter({"aten.linear.default": -LAYERS, "aten.slice.Tensor": 2 * LAYERS})
+    assert [t.output for t in after.weight_transforms] == [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in range(LAYERS)]
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_merge_gate_up_leaves_moe_experts_alone():
+    graph = build("mixtral", torch.float32, MergeGateUpPass())
+    assert stats_of(graph, "merge_gate_up") == {"gate_up_proj_merged": 0, "inputs_added": 0}
+    assert graph.weight_transforms == []
+
+
+def test_fuse_rope_llama31_scaling(tiny_model_dir):
+    _, hf = tiny_model_dir("llama3.1")  # Llama 3.1 frequency scaling lives in the inv_freq constant
+    before, after = build("llama3.1", torch.float32), build("llama3.1", torch.float32, FuseRoPEPass(on_cpu=True))
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS}
+    delta = counts_delta(before, after)
+    assert delta["kiln.rope.default"] == LAYERS
+    assert delta["aten.neg.default"] == -2 * LAYERS and delta["aten.cat.default"] == -2 * LAYERS
+    assert graph_input_roles(before.graph_module) == graph_input_roles(after.graph_module)
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_fuse_rope_takes_qwen3_qk_norm(tiny_model_dir):
+    _, hf = tiny_model_dir("qwen3")
+    before, after = build("qwen3", torch.float32), build("qwen3", torch.float32, FuseRoPEPass(on_cpu=True))
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0}
+    delta = counts_delta(before, after)
+    assert delta["kiln.rope.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
+    rope_nodes = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope.default)
+    assert all(n.args[4] is not None and n.args[5] is not None for n in rope_nodes)  # norm weights folded in
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_fuse_rmsnorm_with_residual(tiny_model_dir):
+    _, hf = tiny_model_dir("mistral")
+    before, after = build("mistral", torch.float32), build("mistral", torch.float32, FuseRMSNormPass(on_cpu=True))
+    # Every norm after the first has the residual add in front: 2 per layer, minus the first, plus the final norm.
+    assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1}
+    delta = counts_delta(before, after)
+    assert delta["aten.rsqrt.default"] == -(2 * LAYERS + 1) and delta["aten.pow.Tensor_Scalar"] == -(2 * LAYERS + 1)
+    assert delta["aten.add.Tensor"] == -(2 * LAYERS + 1) - 2 * LAYERS  # eps adds and residual adds
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_fuse_silu_mul(tiny_model_dir):
+    _, hf = tiny_model_dir("llama")
+    before, after = build("llama", torch.float32), build("llama", torch.float32, FuseSiluMulPass(on_cpu=True))
+    assert stats_of(after, "fuse_silu_mul") == {"silu_and_mul": LAYERS}
+    assert counts_delta(before, after) == Counter({"kiln.silu_and_mul.default": LAYERS, "aten.silu.default": -LAYERS,
+                                                   "aten.mul.Tensor": -LAYERS})
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-6)
+
+
+def all_fusions(on_cpu: bool = True) -> list:
+    return [MergeQKVPass(), MergeGateUpPass(), FuseRoPEPass(on_cpu=on_cpu), FuseRMSNormPass(on_cpu=on_cpu),
+            FuseSiluMulPass(on_cpu=on_cpu)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_all_fusions_bfloat16_match_the_unfused_graph(arch, tiny_model_dir):
+    # The fused ops round where the eager graph rounds, so bf16 logits agree to bf16 noise.
+    _, hf = tiny_model_dir(arch)
+    before, after = build(arch, torch.bfloat16), build(arch, torch.bfloat16, *all_fusions())
+    left = {op for op in op_counts(after.graph_module) if op in ("aten.rsqrt.default", "aten.silu.default", "aten.neg.default")}
+    assert not left, f"unfused ops remain: {left}"
+    assert_same_logits(before, after, hf, torch.bfloat16, atol=2e-2)
+
+
+# ---- policy --------------------------------------------------------------------------------
+
+def test_custom_op_fusions_skip_cpu_graphs_by_default(monkeypatch):
+    monkeypatch.delenv(CPU_FUSIONS_ENV, raising=False)
+    graph = build("llama", torch.float32, *all_fusions(on_cpu=None))
+    assert graph_device_type(graph.graph_module) == "cpu"
+    for name in ("fuse_rope", "fuse_rmsnorm", "fuse_silu_mul"):
+        assert stats_of(graph, name) == {"skipped_on_cpu": 1}
+    assert stats_of(graph, "merge_qkv")["qkv_proj_merged"] == LAYERS  # layout merges run everywhere
+    assert not any(op.startswith("kiln.") and op != "kiln.paged_attention.default" for op in op_counts(graph.graph_module))
+
+
+def test_cpu_fusion_option_changes_the_uuid(monkeypatch):
+    monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
+    assert FuseRMSNormPass().on_cpu
+    assert FuseRMSNormPass(on_cpu=True).uuid() == FuseRMSNormPass().uuid() != FuseRMSNormPass(on_cpu=False).uuid()
+
+
+def test_fusion_passes_are_registered_in_run_order():
+    manager = PassManager.default()
+    names = [p.name for p in manager.passes]
+    fusion = [n for n in names if create_pass(n).phase == "fusion"]
+    assert fusion[:5] == ["merge_qkv", "merge_gate_up", "fuse_rope", "fuse_rmsnorm", "fuse_silu_mul"]
+    assert set(fusion) <= set(manager.uuids())
+
+
+# ---- weight transforms ---------------------------------------------------------------------
+
+def test_apply_weight_transforms_concatenates_and_drops_inputs():
+    weights = {"a.q.weight": torch.ones(2, 3), "a.k.weight": torch.zeros(1, 3), "other": torch.ones(1)}
+    out = apply_weight_transforms(weights, [ConcatWeights("a.qk.weight", ("a.q.weight", "a.k.weight"))])
+    assert set(out) == {"a.qk.weight", "other"}
+    torch.testing.assert_close(out["a.qk.weight"], torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3]))
+
+
+def test_apply_weight_transforms_names_what_is_missing_or_misshapen():
+    with pytest.raises(WeightTransformError, match="'a.k.weight'"):
+        apply_weight_transforms({"a.q.weight": torch.ones(2, 3)}, [ConcatWeights("a.qk.weight", ("a.q.weight", "a.k.weight"))])
+    with pytest.raises(WeightTransformError, match="do not line up"):
+        apply_weight_transforms({"q": torch.ones(2, 3), "k": torch.ones(2, 4)}, [ConcatWeights("qk", ("q", "k"))])
+
+
+def test_transforms_round_trip_through_json():
+    import json
+
+    transforms = build("qwen2", torch.float32, MergeQKVPass(), MergeGateUpPass()).weight_transforms
+    assert len(transforms) == 3 * LAYERS
+    assert transforms_from_json(json.loads(json.dumps(transforms_to_json(transforms)))) == transforms
+    with pytest.raises(WeightTransformError, match="unknown kind"):
+        transforms_from_json([{"kind": "transpose", "output": "x"}])
+
+
+# ---- whole model: greedy parity with Hugging Face, every fusion on -----------------------------
+
+@pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2"])
+def test_engine_greedy_parity_with_all_fusions(arch, tiny_model_dir, monkeypatch):
+    from kiln.runtime.engine import EngineConfig, LLMEngine
+    from kiln.runtime.sampling_params import SamplingParams
+
+    monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
+    path, hf = tiny_model_dir(arch)
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, block_size=BLOCK_SIZE, progress=False))
+    ran = {r.name: r.stats for r in engine.graph.report.records}
+    assert ran["fuse_rmsnorm"]["add_rms_norm"] == 2 * LAYERS and ran["merge_qkv"]["qkv_proj_merged"] == LAYERS
+    prompts = [[3, 17, 99, 4, 60, 12, 7, 45, 81, 2, 33], [5, 77, 21]]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = list(out.outputs[0].token_ids)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        assert got[str(i)] == expected, f"{arch} prompt {i}"

@@ -1,0 +1,55 @@
+"""`kiln.runtime.cuda_graphs.BucketGraphs`: capture per bucket into one pool, replay with padding.
+
+The padding rule is plain tensor code and is checked on CPU; capture and replay need a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.runtime.cuda_graphs import BucketGraphs, CudaGraphError, _copy_padded
+
+
+def test_copy_padded_fills_what_the_input_leaves():
+    buf = torch.full((4, 3), 7, dtype=torch.int32)
+    _copy_padded(buf, torch.ones(2, 2, dtype=torch.int32), 0, "block_tables", 4)
+    assert buf.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
+    with pytest.raises(CudaGraphError, match="does not fit"):
+        _copy_padded(buf, torch.ones(5, 3, dtype=torch.int32), 0, "block_tables", 4)
+
+
+def test_cpu_device_is_refused():
+    with pytest.raises(CudaGraphError, match="CUDA device"):
+        BucketGraphs("cpu")
+
+
+@pytest.mark.gpu
+def test_capture_largest_first_and_replay_each_bucket():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(64, 256, device=dev), torch.randn(256, 32, device=dev)
+    order: list[int] = []
+
+    def step(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing():
+            order.append(x.shape[0])
+        h = torch.relu(x @ w1) @ w2
+        return h * (lengths[:, None] > 0)  # padded rows (length 0) give zeros
+
+    buckets = {b: {"x": torch.zeros(b, 64, device=dev), "lengths": torch.zeros(b, dtype=torch.int32, device=dev)}
+               for b in (1, 2, 4, 8)}
+    graphs = BucketGraphs(dev)
+    graphs.capture_all(step, buckets)
+    assert order == [8, 4, 2, 1]
+    for b in (1, 2, 4, 8):
+        x = torch.randn(b, 64, device=dev)
+        lengths = torch.arange(1, b + 1, dtype=torch.int32, device=dev)
+        torch.testing.assert_close(graphs.replay(b, {"x": x, "lengths": lengths}), step(x, lengths))
+    # Three rows in the bucket of 4: the fourth is padded with zeros and yields zeros.
+    x = torch.randn(3, 64, device=dev)
+    out = graphs.replay(4, {"x": x, "lengths": torch.ones(3, dtype=torch.int32, device=dev)})
+    torch.testing.assert_close(out[:3], step(x, torch.ones(3, dtype=torch.int32, device=dev)))
+    assert out[3].abs().sum().item() == 0
+    with pytest.raises(CudaGraphError, match="no CUDA graph"):
+        graphs.replay(16, {"x": x})

@@ -1,0 +1,98 @@
+"""The fused ops' references against Hugging Face's own modules, and each op's registration.
+
+The references are the CPU implementations and the ground truth the Triton kernels are
+tested against, so they must compute exactly what the eager model computes.
+`torch.library.opcheck` checks schema, fake implementation and dispatch of every op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.kernels  # noqa: F401  (registers the ops)
+from kiln.kernels.rope import rope_reference
+
+kiln_ops = torch.ops.kiln
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_ops_equal_hf_module(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(48, seed=0))
+    x, residual = _randn(2, 3, 48, seed=1, dtype=dtype), _randn(2, 3, 48, seed=2, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_ops.rms_norm(x, norm.weight, 1e-5), norm(x), atol=0, rtol=0)
+        out, summed = kiln_ops.add_rms_norm(x, residual, norm.weight, 1e-5)
+        torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+        torch.testing.assert_close(out, norm(x + residual), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_op_equals_hf_rotary_with_qwen3_norm(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    t, hq, hkv, d = 5, 4, 2, 16
+    q, k = _randn(1, t, hq, d, seed=3, dtype=dtype), _randn(1, t, hkv, d, seed=4, dtype=dtype)
+    cos, sin = _randn(1, t, d, seed=5, dtype=dtype), _randn(1, t, d, seed=6, dtype=dtype)
+    q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6).to(dtype), Qwen3RMSNorm(d, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(_randn(d, seed=7))
+        k_norm.weight.copy_(_randn(d, seed=8))
+        hf_q, hf_k = apply_rotary_pos_emb(q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2), cos, sin)
+        out_q, out_k = kiln_ops.rope(q[0], k[0], cos[0], sin[0], q_norm.weight, k_norm.weight, 1e-6)
+        plain_q, _ = kiln_ops.rope(q[0], k[0], cos[0], sin[0], None, None, 1e-6)
+        hf_plain_q, _ = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    torch.testing.assert_close(out_q, hf_q[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(out_k, hf_k[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(plain_q, hf_plain_q[0].transpose(0, 1), atol=0, rtol=0)
+
+
+def test_silu_and_mul_equals_hf_mlp_activation():
+    from transformers.activations import ACT2FN
+
+    gate, up = _randn(3, 40, seed=9, dtype=torch.bfloat16), _randn(3, 40, seed=10, dtype=torch.bfloat16)
+    torch.testing.assert_close(kiln_ops.silu_and_mul(gate, up), ACT2FN["silu"](gate) * up, atol=0, rtol=0)
+
+
+def test_ops_reject_mismatched_shapes():
+    with pytest.raises(ValueError, match="weight of shape"):
+        kiln_ops.rms_norm(_randn(2, 8, seed=0), _randn(4, seed=1), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        kiln_ops.add_rms_norm(_randn(2, 8, seed=0), _randn(3, 8, seed=1), _randn(8, seed=2), 1e-6)
+    with pytest.raises(ValueError, match="differ in shape"):
+        kiln_ops.silu_and_mul(_randn(2, 8, seed=0), _randn(2, 9, seed=1))
+    with pytest.raises(ValueError, match="cos/sin"):
+        kiln_ops.rope(_randn(3, 2, 8, seed=0), _randn(3, 1, 8, seed=1), _randn(2, 8, seed=2), _randn(2, 8, seed=3),
+                      None, None, 1e-6)
+
+
+@pytest.mark.parametrize("op,args", [
+    (kiln_ops.rms_norm.default, (_randn(3, 16, seed=0), _randn(16, seed=1), 1e-6)),
+    (kiln_ops.add_rms_norm.default, (_randn(3, 16, seed=0), _randn(3, 16, seed=2), _randn(16, seed=1), 1e-6)),
+    (kiln_ops.rope.default, (_randn(3, 4, 8, seed=0), _randn(3, 2, 8, seed=1), _randn(3, 8, seed=2),
+                             _randn(3, 8, seed=3), _randn(8, seed=4), _randn(8, seed=5), 1e-6)),
+    (kiln_ops.rope.default, (_randn(3, 4, 8, seed=0), _randn(3, 2, 8, seed=1), _randn(3, 8, seed=2),
+                             _randn(3, 8, seed=3), None, None, 1e-6)),
+    (kiln_ops.silu_and_mul.default, (_randn(3, 16, seed=0), _randn(3, 16, seed=1))),
+], ids=["rms_norm", "add_rms_norm", "rope_norm", "rope", "silu_and_mul"])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_rope_reference_is_a_rotation():
+    # Rotation preserves each (d, d + D/2) pair's norm when cos^2 + sin^2 = 1.
+    t, d = 4, 8
+    angles = _randn(t, d // 2, seed=11)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q = _randn(t, 2, d, seed=12)
+    out, _ = rope_reference(q, q, cos, sin, None, None, 1e-6)
+    pair_norm = lambda x: x[..., : d // 2] ** 2 + x[..., d // 2:] ** 2  # noqa: E731
+    torch.testing.assert_close(pair_norm(out), pair_norm(q))

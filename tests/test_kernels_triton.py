@@ -1,0 +1,237 @@
+"""Each Triton kernel against its plain-torch reference on random inputs, small shapes.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set below
+before the kernel modules are imported: Triton decides at definition time); with one they
+run compiled on it. Shapes are tiny because the interpreter executes every program in
+Python. Real shapes are in test_gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
+from kiln.kernels.paged_attention import paged_attention_reference  # noqa: E402
+from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from kiln.kernels.rope import rope_reference  # noqa: E402
+from kiln.kernels.triton_activation import silu_and_mul_triton  # noqa: E402
+from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from kiln.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from kiln.kernels.triton_rope import rope_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed)).to(device=DEVICE, dtype=dtype)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+def assert_mostly_bit_exact(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Half-precision results must round where the eager graph rounds: nearly every element
+    is bit-identical (a last-place flip from a float32 rsqrt/exp of another library is fine,
+    a missing or extra rounding step is not)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    differing = (out != ref).float().mean().item()
+    assert differing <= 0.01, f"{differing:.1%} of elements differ from the reference"
+
+
+# Triton's interpreter rounds float32 -> bfloat16 by truncation, so half-precision rounding
+# is checked in float16 on CPU; bfloat16 is checked on the GPU (test_gpu_kernels.py).
+HALF = torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_rms_norm_matches_reference(dtype):
+    x, w = randn(5, 48, seed=0, dtype=dtype), randn(48, seed=1, dtype=dtype)
+    out = rms_norm_triton(x, w, 1e-6)
+    ref = rms_norm_reference(x, w, 1e-6)
+    assert out.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_mostly_bit_exact(out, ref)
+
+
+def test_rms_norm_on_strided_head_view():
+    # Qwen3's q norm after a merged QKV projection: the q heads are a strided slice.
+    t, h, d = 3, 4, 16
+    merged = randn(1, t, 3 * h * d, seed=2)
+    q = merged[..., : h * d].view(1, t, h, d)
+    w = randn(d, seed=3)
+    torch.testing.assert_close(rms_norm_triton(q, w, 1e-6), rms_norm_reference(q, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_add_rms_norm_matches_reference(dtype):
+    x, r, w = (randn(1, 6, 40, seed=4, dtype=dtype), randn(1, 6, 40, seed=5, dtype=dtype),
+               randn(40, seed=6, dtype=dtype))
+    out, summed = add_rms_norm_triton(x, r, w, 1e-5)
+    ref_out, ref_sum = add_rms_norm_reference(x, r, w, 1e-5)
+    torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    else:
+        assert_mostly_bit_exact(out, ref_out)
+
+
+# ---- RoPE (+ q/k norm) -------------------------------------------------------------------------
+
+def _cos_sin(t: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.randint(0, 100, (t,), generator=_gen(seed)).float()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_matches_reference(with_norm):
+    t, hq, hkv, d = 5, 4, 2, 16
+    # q as the graph hands it: [T, H, D] view of a [1, H, T, D] tensor (non-contiguous).
+    q = randn(1, hq, t, d, seed=7)[0].transpose(0, 1)
+    k = randn(t, hkv, d, seed=8)
+    cos, sin = _cos_sin(t, d, seed=9)
+    qw = randn(d, seed=10) if with_norm else None
+    kw = randn(d, seed=11) if with_norm else None
+    q_out, k_out = rope_triton(q, k, cos, sin, qw, kw, 1e-6)
+    q_ref, k_ref = rope_reference(q, k, cos, sin, qw, kw, 1e-6)
+    torch.testing.assert_close(q_out, q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_out, k_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_rounds_like_the_eager_graph(with_norm):
+    t, hq, hkv, d = 4, 4, 2, 32
+    q, k = randn(t, hq, d, seed=12, dtype=HALF), randn(t, hkv, d, seed=13, dtype=HALF)
+    cos, sin = (x.to(HALF) for x in _cos_sin(t, d, seed=14))
+    qw = randn(d, seed=15, dtype=HALF) if with_norm else None
+    kw = randn(d, seed=16, dtype=HALF) if with_norm else None
+    for out, ref in zip(rope_triton(q, k, cos, sin, qw, kw, 1e-6), rope_reference(q, k, cos, sin, qw, kw, 1e-6)):
+        assert_mostly_bit_exact(out, ref)
+
+
+def test_rope_rejects_bad_shapes():
+    q, k = randn(3, 2, 16, seed=0), randn(3, 1, 16, seed=1)
+    cos, sin = _cos_sin(4, 16, seed=2)
+    with pytest.raises(ValueError, match="cos/sin"):
+        rope_triton(q, k, cos, sin, None, None, 1e-6)
+
+
+# ---- SiLU-and-mul ------------------------------------------------------------------------------
+
+def test_silu_and_mul_on_merged_halves():
+    t, inter = 7, 40
+    merged = randn(1, t, 2 * inter, seed=12)
+    gate, up = merged[..., :inter], merged[..., inter:]
+    out = silu_and_mul_triton(gate, up)
+    assert out.is_contiguous() and out.shape == (1, t, inter)
+    torch.testing.assert_close(out, silu_and_mul_reference(gate, up), atol=1e-6, rtol=1e-5)
+    half = merged.to(HALF)
+    assert_mostly_bit_exact(silu_and_mul_triton(half[..., :inter], half[..., inter:]),
+                            silu_and_mul_reference(half[..., :inter], half[..., inter:]))
+
+
+# ---- paged attention ---------------------------------------------------------------------------
+
+def make_paged_batch(new_tokens: list[int], cached: list[int], hq: int, hkv: int, d: int, block_size: int,
+                     num_blocks: int, pad_tokens: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32,
+                     device: str = DEVICE) -> dict:
+    """A packed step: sequence i brings new_tokens[i] after cached[i] tokens already in the cache.
+
+    Blocks are handed out in a shuffled order so block tables are not the identity; block 0
+    stays the null block. A sequence with 0 new tokens is a padded batch slot (seq_len 0).
+    """
+    g = _gen(seed)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables, slots, seq_lens = [], [], []
+    starts = [0]
+    for n, c in zip(new_tokens, cached):
+        total = n + c if n else 0
+        need = -(-total // block_size)
+        blocks = [perm.pop() for _ in range(need)]
+        tables.append(blocks)
+        seq_lens.append(total)
+        starts.append(starts[-1] + n)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+    t = starts[-1] + pad_tokens
+    slots += [0] * pad_tokens
+    width = max(1, max(len(b) for b in tables)) + 1  # wider than needed, like a static buffer
+    block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
+    for i, b in enumerate(tables):
+        block_tables[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+    kv_cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    kv_cache[:, 0] = 0
+    # Never-written slots may hold anything, NaN included: the kernel must not read them.
+    for blocks, total in zip(tables, seq_lens):
+        for p in range(total, len(blocks) * block_size):
+            kv_cache[:, blocks[p // block_size], p % block_size] = float("nan")
+    return dict(
+        q=torch.randn(t, hq, d, generator=g).to(device=device, dtype=dtype),
+        k=torch.randn(t, hkv, d, generator=g).to(device=device, dtype=dtype),
+        v=torch.randn(t, hkv, d, generator=g).to(device=device, dtype=dtype),
+        kv_cache=kv_cache.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+    )
+
+
+def check_paged_attention(batch: dict, scale: float, window: int, num_splits: int | None,
+                          atol: float = 2e-5, rtol: float = 2e-5) -> None:
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits)
+    ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # The cache after the write must match too (the never-written NaN slots compare equal).
+    torch.testing.assert_close(batch["kv_cache"], ref_batch["kv_cache"], equal_nan=True)
+
+
+# A step mixing a prefill continuing a cached prefix, a fresh prefill, two decodes and a
+# padded batch slot, followed by padded tokens.
+MIXED = dict(new_tokens=[5, 9, 1, 1, 0], cached=[11, 0, 12, 3, 0], pad_tokens=2)
+
+
+@pytest.mark.parametrize("hq,hkv,block_size,splits", [
+    (4, 2, 4, 1),    # GQA, one pass over the KV
+    (4, 2, 4, 3),    # split-K with a combine
+    (6, 2, 16, 2),   # group of 3 (padded to 4 in the tile), block size 16
+    (2, 2, 8, 1),    # MHA
+])
+def test_paged_attention_mixed_step(hq, hkv, block_size, splits):
+    batch = make_paged_batch(**MIXED, hq=hq, hkv=hkv, d=16, block_size=block_size, num_blocks=24, seed=hq + splits)
+    check_paged_attention(batch, scale=0.25, window=0, num_splits=splits)
+
+
+def test_paged_attention_sliding_window():
+    batch = make_paged_batch(new_tokens=[6, 1], cached=[10, 17], hq=4, hkv=2, d=16, block_size=4, num_blocks=16,
+                             seed=3)
+    check_paged_attention(batch, scale=0.25, window=5, num_splits=2)
+
+
+def test_paged_attention_half_precision():
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=9, dtype=HALF)
+    check_paged_attention(batch, scale=0.25, window=0, num_splits=2, atol=2e-3, rtol=2e-3)
+
+
+def test_paged_attention_decode_heuristic_splits():
+    # Decode of 2 sequences on a "GPU" of 4 SMs: the heuristic splits, and the result holds.
+    batch = make_paged_batch(new_tokens=[1, 1], cached=[30, 7], hq=4, hkv=2, d=32, block_size=8, num_blocks=12,
+                             seed=4)
+    assert choose_num_splits(2, 2, 2, 4, 64, kv_capacity=batch["block_tables"].shape[1] * 8, num_sms=4) == 1
+    assert choose_num_splits(2, 2, 2, 4, 64, kv_capacity=4096, num_sms=132) == 16
+    assert choose_num_splits(2048, 1, 8, 16, 64, kv_capacity=4096, num_sms=132) == 1
+    check_paged_attention(batch, scale=32 ** -0.5, window=0, num_splits=None)
