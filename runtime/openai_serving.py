@@ -19,6 +19,7 @@ import logging
 import math
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -230,6 +231,20 @@ class OpenAIServing:
             self._record(out)
         return outputs
 
+    def _abort_when_dropped(self, stream: AsyncIterator[str], sub: _Submitted) -> AsyncIterator[str]:
+        """A stream whose client left before its first chunk may be dropped without ever
+        running (so without its `finally`): abort its requests when it is collected."""
+        loop = asyncio.get_running_loop()
+
+        def on_collect() -> None:
+            try:
+                loop.call_soon_threadsafe(self._abort, sub)  # engine bookkeeping lives on the loop
+            except RuntimeError:
+                pass  # the loop is closed: the server is gone anyway
+
+        weakref.finalize(stream, on_collect)
+        return stream
+
     def _abort(self, sub: _Submitted, client_gone: bool = True) -> None:
         """Abort the request's unfinished prompts (counted as aborted when the client left)."""
         for rid in sub.request_ids:
@@ -332,8 +347,8 @@ class OpenAIServing:
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream_completion(sub, response_id, model, req.n, echo_texts, req.logprobs is not None,
-                                           include_usage)
+            return self._abort_when_dropped(self._stream_completion(
+                sub, response_id, model, req.n, echo_texts, req.logprobs is not None, include_usage), sub)
         outputs = await self._collect(sub, wait_disconnect)
         choices = []
         usage = _Usage()
@@ -463,8 +478,8 @@ class OpenAIServing:
         parse_tools = bool(tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._stream_chat(sub, response_id, model, req.logprobs, include_usage,
-                                     tool_names if parse_tools else None)
+            return self._abort_when_dropped(self._stream_chat(
+                sub, response_id, model, req.logprobs, include_usage, tool_names if parse_tools else None), sub)
         (out,) = await self._collect(sub, wait_disconnect)
         usage = _Usage()
         usage.add_prompt(out)

@@ -49,6 +49,8 @@ class ServerConfig:
 def build_app(engine: Any, config: ServerConfig) -> Any:
     """The FastAPI app serving `engine` (an LLMEngine). Its engine thread starts with the
     app's lifespan and stops at its shutdown."""
+    # Imported here, not at the top: the `kiln` CLI imports this module for `add_subcommands`,
+    # and the other sub-commands should not pay for (or need) the server's dependencies.
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
