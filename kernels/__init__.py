@@ -20,6 +20,7 @@ from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::
 from kiln.kernels import paged_attention as paged_attention  # noqa: F401
 from kiln.kernels import rms_norm as rms_norm  # noqa: F401  (kiln::rms_norm, kiln::add_rms_norm)
 from kiln.kernels import rope as rope  # noqa: F401  (registers kiln::rope)
+from kiln.kernels import rope_paged_attention as rope_paged_attention  # noqa: F401
 
 logger = logging.getLogger("kiln.kernels")
 
@@ -49,4 +50,5 @@ def _register_triton_kernels() -> bool:
 
 _TRITON_REGISTERED = _register_triton_kernels()
 
-__all__ = ["activation", "attention", "paged_attention", "rms_norm", "rope", "triton_kernels_available"]
+__all__ = ["activation", "attention", "paged_attention", "rms_norm", "rope", "rope_paged_attention",
+           "triton_kernels_available"]

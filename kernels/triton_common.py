@@ -12,8 +12,9 @@ import torch
 import triton
 
 
-def pow2_at_least(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
+def pow2_at_least(n: int, minimum: int = 2) -> int:
+    """The smallest power of two >= max(n, minimum): Triton block shapes must be powers of two
+    (and blocks of one element are avoided: they are where compilers' corner cases live)."""
     return max(int(minimum), triton.next_power_of_2(max(int(n), 1)))
 
 

@@ -1,7 +1,8 @@
 """Triton implementation of `kiln::paged_attention` (registered for CUDA).
 
 Layout and meaning of the arguments are documented in `kiln.kernels.paged_attention`.
-One call is up to three launches:
+One call is up to three launches (for `kiln::rope_paged_attention` the first is the RoPE
+kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the values itself):
 
 1. `_write_kv_kernel`: scatter the step's K/V rows into their cache slots.
 2. `_paged_attention_kernel`: one program per (query tile, KV head, KV split). A query
@@ -29,7 +30,9 @@ import triton.language as tl
 
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import paged_attention_reference
+from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import multiprocessor_count, num_warps_for, pow2_at_least
+from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
@@ -216,20 +219,37 @@ def paged_attention_triton(
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Write K/V into the cache and attend; `num_splits` overrides the heuristic (tests)."""
-    t, hq, d = q.shape
-    hkv = k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} KV heads")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
                                          query_start_loc, scale, sliding_window)
     write_kv_cache_triton(k, v, kv_cache, slot_mapping)
+    return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                               num_splits)
+
+
+def attend_paged_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of q over the cache, whose slots for this step's tokens are already written."""
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    if hq % hkv:
+        raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} KV heads")
     num_seqs = block_tables.shape[0]
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
     cache_block = kv_cache.shape[2]
     group = hq // hkv
-    group_pad = pow2_at_least(group)
+    group_pad = pow2_at_least(group, 1)  # MHA keeps 1: the block shape is BLOCK_M = block_t * group_pad
     decode_shaped = t <= num_seqs
     block_t = max(1, (DECODE_TILE_ROWS if decode_shaped else PREFILL_TILE_ROWS) // group_pad)
     block_m = block_t * group_pad
@@ -273,8 +293,41 @@ def paged_attention_triton(
     return out
 
 
+def rope_paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """RoPE whose kernel writes the rotated k and v into the cache, then attention."""
+    q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, write_kv=(v, kv_cache, slot_mapping))
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
+    return attend_paged_triton(q_rot, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                               num_splits)
+
+
 @paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
                           sliding_window):
     return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
                                   scale, sliding_window)
+
+
+@rope_paged_attention_op.register_kernel("cuda")
+def _rope_paged_attention_cuda(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
+                               block_tables, seq_lens, query_start_loc, scale, sliding_window):
+    return rope_paged_attention_triton(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
+                                       block_tables, seq_lens, query_start_loc, scale, sliding_window)

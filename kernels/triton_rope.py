@@ -5,6 +5,9 @@ optionally normalising each head first (Qwen3's q/k norm), so the op is one laun
 layer. The rotated partner of element d is element (d + D/2) mod D, loaded directly
 rather than built with a concatenation. Intermediate products are rounded to the model
 dtype where the eager graph rounds them, so bf16 results match the unfused graph.
+
+For `kiln::rope_paged_attention` the same kernel writes the rotated keys and the values
+straight into their KV-cache slots (`write_kv`), replacing the separate cache write.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.paged_attention import write_kv_cache
 from kiln.kernels.rope import check_rope_args, rope_reference
 from kiln.kernels.rope import rope as rope_op
 from kiln.kernels.triton_common import num_warps_for, pow2_at_least
@@ -20,7 +24,7 @@ from kiln.kernels.triton_common import num_warps_for, pow2_at_least
 
 @triton.jit
 def _rotate_heads(
-    x_base, out_base, n_heads, stride_h, w_ptr, c, s, eps,
+    x_base, out_base, n_heads, stride_h, out_stride_h, w_ptr, c, s, eps,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     half = HEAD_DIM // 2
@@ -43,26 +47,40 @@ def _rotate_heads(
     a = (x.to(tl.float32) * c[None, :]).to(dt)
     b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dt)
     out = a.to(tl.float32) + b.to(tl.float32)
-    tl.store(out_base + h[:, None] * HEAD_DIM + d[None, :], out.to(dt), mask=mask)
+    tl.store(out_base + h[:, None] * out_stride_h + d[None, :], out.to(dt), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_out_ptr,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     n_q_heads, n_k_heads, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, stride_vt, stride_vh,
+    stride_c_blk, stride_c_off, stride_c_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     c = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * HEAD_DIM, n_q_heads, stride_qh,
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * HEAD_DIM, n_q_heads, stride_qh, HEAD_DIM,
                   qw_ptr, c, s, eps, HEAD_DIM, D_PAD, HQ_PAD, HAS_NORM)
-    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * n_k_heads * HEAD_DIM, n_k_heads, stride_kh,
-                  kw_ptr, c, s, eps, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM)
+    if WRITE_KV:
+        # The rotated key and the value go straight to the token's cache slot.
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
+        _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dest, n_k_heads, stride_kh, stride_c_h,
+                      kw_ptr, c, s, eps, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM)
+        h = tl.arange(0, HK_PAD)
+        mask = (h < n_k_heads)[:, None] & d_ok[None, :]
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+        tl.store(v_cache_ptr + dest + h[:, None] * stride_c_h + d[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                 mask=mask)
+    else:
+        _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * n_k_heads * HEAD_DIM, n_k_heads, stride_kh, HEAD_DIM,
+                      kw_ptr, c, s, eps, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM)
 
 
 def rope_triton(
@@ -73,38 +91,57 @@ def rope_triton(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    write_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate q and k. With `write_kv=(v, kv_cache, slot_mapping)` the rotated k and v are
+    written into the cache instead of returned (k_out is then None)."""
     check_rope_args(q, k, cos, sin)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
     dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
     if q_norm_weight is not None:
         dtypes |= {q_norm_weight.dtype, k_norm_weight.dtype}
-    if len(dtypes) != 1:
+    if write_kv is not None:
+        dtypes |= {write_kv[0].dtype, write_kv[1].dtype}
+    if len(dtypes) != 1 or (write_kv is not None and write_kv[1].stride(-1) != 1):
         # Mixed dtypes promote in ways the kernel does not mirror; rare enough to leave to torch.
-        return rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+        q_out, k_out = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+        if write_kv is None:
+            return q_out, k_out
+        write_kv_cache(k_out, write_kv[0], write_kv[1], write_kv[2])
+        return q_out, None
     t, hq, d = q.shape
     hk = k.shape[1]
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device)
+    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device) if write_kv is None else None
     if t == 0:
         return q_out, k_out
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
     sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     has_norm = q_norm_weight is not None
     qw = q_norm_weight.contiguous() if has_norm else q
     kw = k_norm_weight.contiguous() if has_norm else k
+    if write_kv is not None:
+        v, kv_cache, slot_mapping = write_kv
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        cache_block = kv_cache.shape[2]
+    else:
+        v, k_cache, v_cache, slot_mapping = k, k_out, k_out, q  # unused placeholders
+        cache_strides, cache_block = (0, 0, 0), 1
     d_pad = pow2_at_least(d)
     hq_pad, hk_pad = pow2_at_least(hq), pow2_at_least(hk)
     _rope_kernel[(t,)](
-        q, k, cos, sin, qw, kw, q_out, k_out,
+        q, k, cos, sin, qw, kw, q_out, k_out if k_out is not None else q_out,
+        v, k_cache, v_cache, slot_mapping,
         hq, hk, float(eps),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), v.stride(0), v.stride(1),
+        *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
+        WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block,
         num_warps=num_warps_for(hq_pad * d_pad),
     )
     return q_out, k_out

@@ -4,12 +4,17 @@ Before (Hugging Face's apply_rotary_pos_emb, q [1, Hq, T, D], k [1, Hkv, T, D], 
     c = unsqueeze(cos, 1); s = unsqueeze(sin, 1)
     q' = add(mul(q, c), mul(cat([neg(slice(q, 3, D/2, end)), slice(q, 3, 0, D/2)]), s))   (same for k)
 After:
-    q', k' = kiln::rope(q[0].T, k[0].T, cos[0], sin[0], None, None, eps)   (transposed back as views)
+    q', k' = kiln::rope(q[0].T, k[0].T, cos[0], sin[0], None, None, 0.0)   (transposed back as views)
 
 Qwen3 normalises each head right before RoPE; that form (RMSNorm of the [1, T, H, D] head
 view, transpose, rotate) becomes one `kiln::rope` with the two norm weights, so the q/k
 norm costs no launch of its own. It is matched first. This pass must run before
 `fuse_rmsnorm`, which would otherwise take the q/k norms (the registry orders them).
+
+Then, where a layer's rotated q and k only feed its `kiln::paged_attention` (through
+views), the two ops become one `kiln::rope_paged_attention`: its RoPE kernel writes the
+rotated keys and the values straight into the KV cache, so the separate cache write and
+the rotated-k tensor disappear (stats: kv_write_fused).
 
 cos/sin stay the graph's own computation (once per step, shared by every layer), so
 every RoPE variant transformers implements through inv_freq and the attention factor
@@ -20,6 +25,7 @@ model's head_dim. Runs on CUDA graphs by default; see `kiln.passes.fuse_common`.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -48,7 +54,9 @@ def rope_pattern(q, k, cos, sin):
 
 
 def rope_replacement(q, k, cos, sin):
-    q_out, k_out = torch.ops.kiln.rope(q.flatten(0, 1).transpose(0, 1), k.flatten(0, 1).transpose(0, 1), cos.flatten(0, 1), sin.flatten(0, 1), None, None, 0.0)
+    # flatten(0, 1) rather than [0]: indexing would specialise the size-1 batch dimension.
+    q_out, k_out = torch.ops.kiln.rope(q.flatten(0, 1).transpose(0, 1), k.flatten(0, 1).transpose(0, 1),
+                                       cos.flatten(0, 1), sin.flatten(0, 1), None, None, 0.0)
     return _to_head_major(q_out), _to_head_major(k_out)
 
 
@@ -59,7 +67,8 @@ def qk_norm_rope_pattern(q, k, q_weight, k_weight, cos, sin, eps):
 
 
 def qk_norm_rope_replacement(q, k, q_weight, k_weight, cos, sin, eps):
-    q_out, k_out = torch.ops.kiln.rope(q.flatten(0, 1), k.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1), q_weight, k_weight, eps)
+    q_out, k_out = torch.ops.kiln.rope(q.flatten(0, 1), k.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1),
+                                       q_weight, k_weight, eps)
     return _to_head_major(q_out), _to_head_major(k_out)
 
 
@@ -74,6 +83,66 @@ def rope_patterns(head_dim: int) -> tuple[Pattern, Pattern]:
     plain = Pattern("rope", rope_pattern, rope_replacement,
                     (torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), cos, sin))
     return qk_norm, plain
+
+
+aten = torch.ops.aten
+# Ops between a rotated k and the attention that only re-view it ([T,H,D] <-> [1,H,T,D]).
+_VIEW_OPS = {aten.transpose.int, aten.unsqueeze.default, aten.select.int, aten.flatten.using_ints,
+             aten.view.default, aten.squeeze.dim}
+
+
+def _follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(consumer, value): walk the single-user chain of view ops from `node`."""
+    value = node
+    while len(value.users) == 1:
+        user = next(iter(value.users))
+        if user.op == "call_function" and user.target in _VIEW_OPS and user.args[0] is value:
+            value = user
+            continue
+        return user, value
+    return None
+
+
+def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+        return False
+    return va.shape == vb.shape and va.stride() == vb.stride()
+
+
+def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
+    """Replace rope -> (views) -> paged_attention by one `kiln::rope_paged_attention`.
+
+    Only where the rotated q and k reach the attention through views that give back the
+    very layout rope produced, and are used nowhere else: then the rotated k need not
+    exist as a tensor, since the RoPE kernel can write it into the cache.
+    """
+    graph = gm.graph
+    folded = 0
+    for rope in list(graph.find_nodes(op="call_function", target=torch.ops.kiln.rope.default)):
+        outs = {u.args[1]: u for u in rope.users if u.op == "call_function" and u.target is operator.getitem}
+        if len(rope.users) != 2 or set(outs) != {0, 1}:
+            continue
+        q_end, k_end = _follow_views(outs[0]), _follow_views(outs[1])
+        if q_end is None or k_end is None or q_end[0] is not k_end[0]:
+            continue
+        attn = q_end[0]
+        if attn.target != torch.ops.kiln.paged_attention.default or attn.args[0] is not q_end[1] \
+                or attn.args[1] is not k_end[1]:
+            continue
+        if not (_same_layout(q_end[1], outs[0]) and _same_layout(k_end[1], outs[1])):
+            continue
+        q, k, cos, sin, q_weight, k_weight, eps = rope.args
+        _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window = attn.args
+        with graph.inserting_before(attn):
+            fused = graph.call_function(torch.ops.kiln.rope_paged_attention.default, (
+                q, k, v, cos, sin, q_weight, k_weight, eps, kv_cache, slot_mapping, block_tables, seq_lens,
+                query_start_loc, scale, window))
+        fused.meta.update({key: val for key, val in attn.meta.items() if key in ("val", "stack_trace", "nn_module_stack")})
+        attn.replace_all_uses_with(fused)
+        graph.erase_node(attn)  # the rope node and the views die with it (dead-code elimination)
+        folded += 1
+    return folded
 
 
 def model_head_dim(config: Any) -> int:
@@ -94,4 +163,6 @@ class FuseRoPEPass(CustomOpFusionPass):
         head_dim = model_head_dim(ctx.config)
         if head_dim not in self._patterns_by_head_dim:
             self._patterns_by_head_dim[head_dim] = rope_patterns(head_dim)
-        return {p.name: p.apply(gm, dtype=ctx.dtype) for p in self._patterns_by_head_dim[head_dim]}
+        stats = {p.name: p.apply(gm, dtype=ctx.dtype) for p in self._patterns_by_head_dim[head_dim]}
+        stats["kv_write_fused"] = fold_rope_into_attention(gm)
+        return stats

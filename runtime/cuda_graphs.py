@@ -1,21 +1,23 @@
 """CUDA graphs per bucket: capture once at start-up, then each step copies and replays.
 
     graphs = BucketGraphs(device)
-    graphs.capture_all(step_fn, {bucket: static_inputs, ...})   # largest bucket first
+    graphs.capture_all(step_fns, {bucket: static_inputs, ...}, size=lambda b: b.num_tokens)
     out = graphs.replay(bucket, {"input_ids": ids, ...})          # copy into buffers, replay
 
-`step_fn(**static_inputs)` is the whole step (the compiled artifact with the weights, KV
-caches and constants bound), and `static_inputs[bucket]` holds that bucket's batch buffers,
-allocated at the bucket's shapes. Every graph is captured into one memory pool, largest
-bucket first, so the smaller graphs' temporaries reuse the largest one's memory: the pool
-costs what the largest bucket needs, not the sum over buckets.
+`step_fns[bucket](**static_inputs)` is the whole step of that bucket (its compiled
+artifact with the weights, KV caches and constants bound; one callable may serve every
+bucket), and `static_inputs[bucket]` holds the bucket's batch buffers, allocated at its
+shapes (block tables at their full width, max_model_len / block_size). Every graph is
+captured into one memory pool, largest bucket first, so the smaller graphs' temporaries
+reuse the largest one's memory: the pool costs what the largest bucket needs, not the sum.
 
-What replay does with a tensor smaller than its buffer (fewer tokens, narrower block
-table): it copies it into the buffer's leading corner and fills the rest with that
-buffer's pad value (0 unless given at capture: token 0, slot 0 = the null KV block, length
-0), so a padded row never writes into a live KV block and is never sampled. The returned
-output is the graph's static output tensor: it is overwritten by the next replay of the
-same bucket, so read it (or copy it) before then.
+Inputs given to `replay` should already be padded to the bucket (the runner's
+`pad_step_inputs`: query_start_loc repeats its last offset for padded rows, which no fill
+value could express). What replay still pads is a tensor smaller than its buffer in some
+dimension, in practice the block table's width: it is copied into the buffer's leading
+corner and the rest filled with that buffer's pad value (0 unless given at capture: block
+0 is the null block). The returned output is the graph's static output tensor: the next
+replay of the same bucket overwrites it, so read (or copy) it before then.
 
 Warm-up runs happen on a side stream before each capture: they compile Triton kernels and
 initialise cuBLAS workspaces, which must not happen during capture.
@@ -64,7 +66,7 @@ class BucketGraphs:
 
     def capture_all(
         self,
-        step_fn: Callable[..., Any],
+        step_fns: Callable[..., Any] | Mapping[Hashable, Callable[..., Any]],
         static_inputs: Mapping[Hashable, dict[str, torch.Tensor]],
         pad_values: Mapping[str, float | int] | None = None,
         size: Callable[[Hashable], Any] | None = None,
@@ -72,7 +74,8 @@ class BucketGraphs:
         """Capture every bucket, largest first (by `size(bucket)`, default the bucket itself)."""
         order = sorted(static_inputs, key=size or (lambda b: b), reverse=True)
         for bucket in order:
-            self.capture(bucket, step_fn, static_inputs[bucket], pad_values)
+            fn = step_fns[bucket] if isinstance(step_fns, Mapping) else step_fns
+            self.capture(bucket, fn, static_inputs[bucket], pad_values)
         logger.info("captured %d CUDA graphs in %.2fs (%s)", len(order), sum(self.capture_seconds.values()),
                     ", ".join(f"{b}: {self.capture_seconds[b]:.2f}s" for b in order))
 

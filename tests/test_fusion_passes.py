@@ -142,9 +142,11 @@ def test_merge_gate_up_leaves_moe_experts_alone():
 def test_fuse_rope_llama31_scaling(tiny_model_dir):
     _, hf = tiny_model_dir("llama3.1")  # Llama 3.1 frequency scaling lives in the inv_freq constant
     before, after = build("llama3.1", torch.float32), build("llama3.1", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS}
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
-    assert delta["kiln.rope.default"] == LAYERS
+    # Each layer's rope then went into its attention: rope + KV write + attention, one op.
+    assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["kiln.paged_attention.default"] == -LAYERS
+    assert "kiln.rope.default" not in delta
     assert delta["aten.neg.default"] == -2 * LAYERS and delta["aten.cat.default"] == -2 * LAYERS
     assert graph_input_roles(before.graph_module) == graph_input_roles(after.graph_module)
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
@@ -153,11 +155,11 @@ def test_fuse_rope_llama31_scaling(tiny_model_dir):
 def test_fuse_rope_takes_qwen3_qk_norm(tiny_model_dir):
     _, hf = tiny_model_dir("qwen3")
     before, after = build("qwen3", torch.float32), build("qwen3", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0}
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
-    assert delta["kiln.rope.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
-    rope_nodes = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope.default)
-    assert all(n.args[4] is not None and n.args[5] is not None for n in rope_nodes)  # norm weights folded in
+    assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
+    fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
+    assert len(fused) == LAYERS and all(n.args[5] is not None and n.args[6] is not None for n in fused)  # norm weights in
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 
@@ -191,7 +193,8 @@ def test_all_fusions_bfloat16_match_the_unfused_graph(arch, tiny_model_dir):
     # The fused ops round where the eager graph rounds, so bf16 logits agree to bf16 noise.
     _, hf = tiny_model_dir(arch)
     before, after = build(arch, torch.bfloat16), build(arch, torch.bfloat16, *all_fusions())
-    left = {op for op in op_counts(after.graph_module) if op in ("aten.rsqrt.default", "aten.silu.default", "aten.neg.default")}
+    left = {op for op in op_counts(after.graph_module)
+            if op in ("aten.rsqrt.default", "aten.silu.default", "aten.neg.default", "kiln.paged_attention.default")}
     assert not left, f"unfused ops remain: {left}"
     assert_same_logits(before, after, hf, torch.bfloat16, atol=2e-2)
 

@@ -40,7 +40,7 @@ def test_capture_largest_first_and_replay_each_bucket():
     buckets = {b: {"x": torch.zeros(b, 64, device=dev), "lengths": torch.zeros(b, dtype=torch.int32, device=dev)}
                for b in (1, 2, 4, 8)}
     graphs = BucketGraphs(dev)
-    graphs.capture_all(step, buckets)
+    graphs.capture_all({b: step for b in buckets}, buckets)  # one callable per bucket, as the runner has
     assert order == [8, 4, 2, 1]
     for b in (1, 2, 4, 8):
         x = torch.randn(b, 64, device=dev)

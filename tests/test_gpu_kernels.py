@@ -21,7 +21,7 @@ if torch.cuda.is_available():
     from kiln.kernels.rope import rope_reference
     from kiln.kernels.triton_activation import silu_and_mul_triton
     from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
-    from kiln.kernels.triton_paged_attention import paged_attention_triton
+    from kiln.kernels.triton_paged_attention import paged_attention_triton, rope_paged_attention_triton
     from kiln.kernels.triton_rope import rope_triton
     from test_kernels_triton import make_paged_batch
 
@@ -117,6 +117,31 @@ def test_paged_attention_sliding_window_long():
     batch = make_paged_batch(new_tokens=[300, 1], cached=[3000, 5000], hq=32, hkv=8, d=128, block_size=16,
                              num_blocks=560, seed=5, dtype=torch.bfloat16, device=DEV)
     _check(batch, 128, torch.bfloat16, window=1024)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("new_tokens,cached", [([1, 1, 1], [4000, 700, 33]), ([500, 1, 0], [900, 3000, 0])])
+def test_rope_paged_attention_real_shapes(with_norm, new_tokens, cached):
+    hq, hkv, d, bs, dt = 32, 8, 128, 16, torch.bfloat16
+    batch = make_paged_batch(new_tokens=new_tokens, cached=cached, hq=hq, hkv=hkv, d=d, block_size=bs,
+                             num_blocks=sum((n + c) // bs + 2 for n, c in zip(new_tokens, cached)) + 2, pad_tokens=3,
+                             seed=17, dtype=dt, device=DEV)
+    t = batch["q"].shape[0]
+    pos = torch.arange(t, device=DEV).float() * 3
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d))
+    emb = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    norms = (randn(d, seed=18, dtype=dt), randn(d, seed=19, dtype=dt)) if with_norm else (None, None)
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    meta = [batch[n] for n in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")]
+    out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, *norms, 1e-6, batch["kv_cache"],
+                                      *meta, d ** -0.5, 0)
+    q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, *norms, 1e-6)
+    ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"], *meta, d ** -0.5, 0)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    written = ~torch.isnan(ref_batch["kv_cache"])  # never-written slots hold NaN in both
+    assert torch.equal(written, ~torch.isnan(batch["kv_cache"]))
+    assert_rounds_like_reference(batch["kv_cache"][written], ref_batch["kv_cache"][written])
 
 
 def _check(batch: dict, head_dim: int, dtype: torch.dtype, window: int) -> None:

@@ -82,7 +82,12 @@ def test_ops_reject_mismatched_shapes():
     (kiln_ops.rope.default, (_randn(3, 4, 8, seed=0), _randn(3, 2, 8, seed=1), _randn(3, 8, seed=2),
                              _randn(3, 8, seed=3), None, None, 1e-6)),
     (kiln_ops.silu_and_mul.default, (_randn(3, 16, seed=0), _randn(3, 16, seed=1))),
-], ids=["rms_norm", "add_rms_norm", "rope_norm", "rope", "silu_and_mul"])
+    (kiln_ops.rope_paged_attention.default, (
+        _randn(3, 4, 8, seed=0), _randn(3, 2, 8, seed=1), _randn(3, 2, 8, seed=2), _randn(3, 8, seed=3),
+        _randn(3, 8, seed=4), None, None, 1e-6, torch.zeros(2, 3, 4, 2, 8), torch.tensor([4, 5, 6]),
+        torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+        torch.tensor([0, 3], dtype=torch.int32), 0.35, 0)),
+], ids=["rms_norm", "add_rms_norm", "rope_norm", "rope", "silu_and_mul", "rope_paged_attention"])
 def test_opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 

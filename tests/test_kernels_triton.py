@@ -14,6 +14,7 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
+    # Stays set for the session: the interpreter reads it again at every launch.
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
@@ -22,10 +23,23 @@ from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # 
 from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from kiln.kernels.triton_paged_attention import (choose_num_splits, paged_attention_triton,  # noqa: E402
+                                                 rope_paged_attention_triton)
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_kernels_run_where_this_machine_can():
+    # Without a GPU every kernel must have been defined under the interpreter (a module
+    # imported earlier without TRITON_INTERPRET=1 would need a GPU to launch).
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kiln.kernels import triton_norm, triton_paged_attention
+
+    interpreted = isinstance(triton_paged_attention._paged_attention_kernel, InterpretedFunction)
+    assert interpreted == (DEVICE == "cpu")
+    assert isinstance(triton_norm._rms_norm_kernel, InterpretedFunction) == interpreted
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -235,3 +249,22 @@ def test_paged_attention_decode_heuristic_splits():
     assert choose_num_splits(2, 2, 2, 4, 64, kv_capacity=4096, num_sms=132) == 16
     assert choose_num_splits(2048, 1, 8, 16, 64, kv_capacity=4096, num_sms=132) == 1
     check_paged_attention(batch, scale=32 ** -0.5, window=0, num_splits=None)
+
+
+@pytest.mark.parametrize("with_norm,splits", [(False, 1), (True, 2)])
+def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=21)
+    t = batch["q"].shape[0]
+    cos, sin = _cos_sin(t, 16, seed=22)
+    norms = (randn(16, seed=23), randn(16, seed=24)) if with_norm else (None, None)
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, *norms, 1e-6, batch["kv_cache"],
+                                      batch["slot_mapping"], batch["block_tables"], batch["seq_lens"],
+                                      batch["query_start_loc"], 0.25, 0, num_splits=splits)
+    # The reference is what the op's CPU implementation composes: rope, then paged attention.
+    q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, *norms, 1e-6)
+    ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"], ref_batch["slot_mapping"],
+                                    ref_batch["block_tables"], ref_batch["seq_lens"], ref_batch["query_start_loc"],
+                                    0.25, 0)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(batch["kv_cache"], ref_batch["kv_cache"], equal_nan=True, atol=1e-6, rtol=1e-6)

@@ -1,0 +1,54 @@
+"""`kiln::rope_paged_attention`: RoPE (optionally after Qwen3's q/k norm), the KV-cache write
+and paged attention as one op, so the rotated keys go straight into the cache.
+
+Arguments are those of `kiln::rope` (q and k before rotation, cos/sin, the optional norm
+weights and eps) followed by those of `kiln::paged_attention` after q/k/v (the cache, the
+batch metadata, scale, sliding window); layouts are documented in `kiln.kernels.rope` and
+`kiln.kernels.paged_attention`. It computes exactly
+
+    q', k' = rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    out    = paged_attention(q', k', v, kv_cache, ...)
+
+On CUDA (`kiln.kernels.triton_paged_attention`) the rotation kernel writes k' and v into
+their cache slots itself, so neither a rotated-k tensor nor a separate cache-write launch
+exists. The `fuse_rope` pass forms this op where a layer's rotated k feeds only its
+attention. The CPU implementation is the composition of the two references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.paged_attention import paged_attention_reference
+from kiln.kernels.rope import check_rope_args, rope_reference
+
+
+@torch.library.custom_op("kiln::rope_paged_attention", mutates_args=("kv_cache",))
+def rope_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    check_rope_args(q, k, cos, sin)
+    q_rot, k_rot = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    return paged_attention_reference(q_rot, k_rot, v, kv_cache, slot_mapping, block_tables, seq_lens,
+                                     query_start_loc, scale, sliding_window)
+
+
+@rope_paged_attention.register_fake
+def _rope_paged_attention_fake(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
+                               block_tables, seq_lens, query_start_loc, scale, sliding_window):
+    dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
+    return torch.empty(q.shape, dtype=torch.promote_types(dtype, cos.dtype), device=q.device)
