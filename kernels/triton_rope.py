@@ -6,11 +6,21 @@ layer. The rotated partner of element d is element (d + D/2) mod D, loaded direc
 rather than built with a concatenation. Intermediate products are rounded to the model
 dtype where the eager graph rounds them, so bf16 results match the unfused graph.
 
+That rounding only survives compilation with floating-point contraction off
+(`COMPILE_OPTIONS`): with it on (Triton's default), LLVM narrows `x * cos` rounded to bf16
+and the following add into one `fma.rn.bf16`, which skips the product's rounding: about
+17% of bf16 outputs then differed from the eager graph's (measured on an H200).
+The interpreter (numpy) never contracts, so only a compiled kernel shows it;
+tests/test_kernels_triton.py compiles this kernel for sm_90 and checks its PTX.
+
 For `kiln::rope_paged_attention` the same kernel writes the rotated keys and the values
 straight into their KV-cache slots (`write_kv`), replacing the separate cache write.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 import triton
@@ -20,6 +30,10 @@ from kiln.kernels.paged_attention import write_kv_cache
 from kiln.kernels.rope import check_rope_args, rope_reference
 from kiln.kernels.rope import rope as rope_op
 from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+
+# Launch options of `_rope_kernel`: no FMA contraction, so the products rounded to the
+# model dtype (as the eager graph's separate mul and add kernels round them) stay rounded.
+COMPILE_OPTIONS: Mapping[str, bool] = MappingProxyType({"enable_fp_fusion": False})
 
 
 @triton.jit
@@ -142,7 +156,7 @@ def rope_triton(
         *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
         WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block,
-        num_warps=num_warps_for(hq_pad * d_pad),
+        num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS,
     )
     return q_out, k_out
 

@@ -53,9 +53,12 @@ class BucketGraphs:
     """One CUDA graph per bucket, sharing one memory pool."""
 
     def __init__(self, device: torch.device | str, warmup_runs: int = 2):
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise CudaGraphError(f"CUDA graphs need a CUDA device, not {self.device}")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise CudaGraphError(f"CUDA graphs need a CUDA device, not {device}")
+        # "cuda" means the current device; tensors always name their index ("cuda:0"), so
+        # pin it here or every device comparison below would fail.
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.warmup_runs = warmup_runs
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[Hashable, CapturedBucket] = {}
@@ -86,16 +89,17 @@ class BucketGraphs:
             if buf.device != self.device:
                 raise CudaGraphError(f"bucket {bucket}: static input {name!r} is on {buf.device}, not {self.device}")
         start = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_runs):
-                step_fn(**inputs)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = step_fn(**inputs)
-        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):  # capture on our device even if another is current
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_runs):
+                    step_fn(**inputs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = step_fn(**inputs)
+            torch.cuda.synchronize(self.device)
         self.buckets[bucket] = CapturedBucket(graph, dict(inputs), output, dict(pad_values or {}))
         self.capture_seconds[bucket] = time.perf_counter() - start
 

@@ -23,7 +23,7 @@ if torch.cuda.is_available():
     from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
     from kiln.kernels.triton_paged_attention import paged_attention_triton, rope_paged_attention_triton
     from kiln.kernels.triton_rope import rope_triton
-    from test_kernels_triton import make_paged_batch
+    from test_kernels_triton import assert_attention_close, assert_cache_matches, make_paged_batch
 
 DEV = "cuda"
 
@@ -33,11 +33,35 @@ def randn(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, generator=g, device=DEV, dtype=torch.float32).to(dtype)
 
 
-def assert_rounds_like_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
-    torch.testing.assert_close(out, ref, atol=2e-2 if out.dtype == torch.bfloat16 else 1e-5, rtol=2e-2)
+def rounding_report(out: torch.Tensor, ref: torch.Tensor, what: str, limit: int = 8) -> str:
+    """How out departs from ref: the share of differing elements, the distance in units in
+    the last place of out's dtype, and the first differing positions."""
+    differ = out != ref
+    n = int(differ.sum())
+    if n == 0:
+        return f"{what}: bit-identical to the reference"
+    refs = ref.float()
+    _, exponent = torch.frexp(refs)
+    # Spacing of out's dtype around ref: 2^(e-1) * eps for |ref| in [2^(e-1), 2^e).
+    ulp = torch.finfo(out.dtype).eps * torch.ldexp(torch.ones_like(refs), exponent - 1)
+    ulps = ((out.float() - refs).abs() / ulp)[differ]
+    lines = [f"{what}: {n / out.numel():.3%} of {out.numel()} elements differ from the reference; "
+             f"distance in {out.dtype} ulps: max {ulps.max().item():.3g}, "
+             f"share within 1 ulp {(ulps <= 1).float().mean().item():.1%}"]
+    for idx in differ.nonzero()[:limit].tolist():
+        lines.append(f"  at {tuple(idx)}: got {out[tuple(idx)].item():.6g}, expected {ref[tuple(idx)].item():.6g}")
+    return "\n".join(lines)
+
+
+def assert_rounds_like_reference(out: torch.Tensor, ref: torch.Tensor, what: str = "output") -> None:
+    """Close, and for half precision rounded where the eager graph rounds: a missing or an
+    extra rounding step (e.g. an FMA that skips a product's rounding) flips ~15-20% of the
+    last bits; float32 rsqrt/exp of another library flip well under 1%."""
+    torch.testing.assert_close(out, ref, atol=2e-2 if out.dtype == torch.bfloat16 else 1e-5, rtol=2e-2,
+                               msg=lambda m: f"{m}\n{rounding_report(out, ref, what)}")
     differing = (out != ref).float().mean().item()
     if out.dtype != torch.float32:
-        assert differing <= 0.01, f"{differing:.2%} of elements differ from the reference"
+        assert differing <= 0.01, rounding_report(out, ref, what)
 
 
 def test_triton_kernels_are_registered_for_cuda():
@@ -72,8 +96,9 @@ def test_rope_real_shapes(head_dim, hq, hkv, with_norm):
     cos, sin = emb.cos().to(dt), emb.sin().to(dt)
     qw = randn(head_dim, seed=5, dtype=dt) if with_norm else None
     kw = randn(head_dim, seed=6, dtype=dt) if with_norm else None
-    for out, ref in zip(rope_triton(q, k, cos, sin, qw, kw, 1e-6), rope_reference(q, k, cos, sin, qw, kw, 1e-6)):
-        assert_rounds_like_reference(out, ref)
+    outs, refs = rope_triton(q, k, cos, sin, qw, kw, 1e-6), rope_reference(q, k, cos, sin, qw, kw, 1e-6)
+    for what, out, ref in zip(("rotated q [T, Hq, D]", "rotated k [T, Hkv, D]"), outs, refs):
+        assert_rounds_like_reference(out, ref, what)
 
 
 @pytest.mark.parametrize("inter", [14336, 11008])
@@ -138,10 +163,14 @@ def test_rope_paged_attention_real_shapes(with_norm, new_tokens, cached):
                                       *meta, d ** -0.5, 0)
     q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, *norms, 1e-6)
     ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"], *meta, d ** -0.5, 0)
-    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
-    written = ~torch.isnan(ref_batch["kv_cache"])  # never-written slots hold NaN in both
-    assert torch.equal(written, ~torch.isnan(batch["kv_cache"]))
-    assert_rounds_like_reference(batch["kv_cache"][written], ref_batch["kv_cache"][written])
+    assert_attention_close(out, ref, batch, atol=2e-2, rtol=2e-2)
+    # Every slot but the null block's (padded tokens race for it: see assert_cache_matches)
+    # holds the reference's K/V, the rotated keys rounded like the eager graph's.
+    assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=2e-2, rtol=2e-2)
+    cache, ref_cache = batch["kv_cache"][:, 1:], ref_batch["kv_cache"][:, 1:]
+    written = ~torch.isnan(ref_cache)  # never-written slots hold NaN in both
+    assert_rounds_like_reference(cache[0][written[0]], ref_cache[0][written[0]], "rotated keys in the cache")
+    assert torch.equal(cache[1][written[1]], ref_cache[1][written[1]]), "values in the cache"
 
 
 def _check(batch: dict, head_dim: int, dtype: torch.dtype, window: int) -> None:
@@ -150,8 +179,9 @@ def _check(batch: dict, head_dim: int, dtype: torch.dtype, window: int) -> None:
     out = paged_attention_triton(**batch, scale=scale, sliding_window=window)
     ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window)
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-4
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(batch["kv_cache"], ref_batch["kv_cache"], equal_nan=True, atol=0, rtol=0)
+    assert_attention_close(out, ref, batch, atol=tol, rtol=tol)
+    # The write is a copy: exact, outside the null block that padded tokens race for.
+    assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch)
 
 
 def test_paged_attention_replays_in_a_cuda_graph():
