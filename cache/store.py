@@ -118,12 +118,12 @@ class ArtifactStore:
         try:
             got = self.entries.get(key, default=None, read=True, tag=True, retry=True)
         except Exception as e:  # a damaged database row or value file
-            self._drop(key, f"cannot be read ({e})")
+            self.drop(key, f"cannot be read ({e})")
             return None
         handle, tag = got
         if handle is None:
             if key in self.entries:
-                self._drop(key, "its data file is missing")
+                self.drop(key, "its data file is missing")
             return None
         if isinstance(handle, (bytes, bytearray)):
             data = bytes(handle)  # small values live inline in the database, not in a file
@@ -143,7 +143,7 @@ class ArtifactStore:
             elif manifest.key != key:
                 problem = f"manifest belongs to another key ({manifest.key})"
         if problem:
-            self._drop(key, problem)
+            self.drop(key, problem)
             return None
         return StoredEntry(manifest=manifest, data=data)
 
@@ -237,7 +237,8 @@ class ArtifactStore:
                 lock.unlink()
         return n
 
-    def _drop(self, key: str, problem: str) -> None:
+    def drop(self, key: str, problem: str) -> None:
+        """Report `key` as corrupt (a warning naming it and the problem) and delete it."""
         logger.warning("kiln cache: entry %s in %s is corrupt (%s); dropping it, so it is rebuilt instead of loaded",
                        key, self.root, problem)
         self.dropped.append((key, problem))

@@ -61,6 +61,7 @@ class StartupReport:
     captured: bool = False
     buckets: list[BucketResult] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # corrupt entries found and dropped
+    note: str = ""  # why this mode, when it is not what was asked for literally
 
     @property
     def num_from_cache(self) -> int:
@@ -72,7 +73,8 @@ class StartupReport:
 
     def summary(self) -> str:
         if self.mode == "eager":
-            return "graph: eager (post-pass FX graph run directly, nothing compiled)"
+            return "graph: eager (post-pass FX graph run directly, nothing compiled" + (
+                f"; {self.note})" if self.note else ")")
         parts = [f"graph: inductor, {self.num_from_cache}/{len(self.buckets)} buckets from cache"]
         if self.num_compiled:
             parts.append(f"{self.num_compiled} compiled")
@@ -126,10 +128,21 @@ class ModelSetup:
         return str(getattr(self.config, "model_type", "?"))
 
 
+# resolve_compile_mode's answer for `auto` without an explicit cache: use the artifacts if
+# the cache already holds every one, else run eagerly; never compile.
+WARM_OR_EAGER = "warm-or-eager"
+
+
 def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, cache_dir_given: bool) -> str:
-    """`auto` -> Inductor on CUDA; on CPU only when a cache is asked for (cache_dir given or
-    require_cache), since there a bucket costs ~20-40 s to compile for a ~5-10% faster step
-    (README design notes), and eager runs any shape with no compile at all."""
+    """"eager", "inductor" or WARM_OR_EAGER for an engine's `compile` option.
+
+    `auto` compiles only when a cache is asked for (cache_dir given, or require_cache);
+    otherwise it uses the cache if `kiln compile` already filled it for these settings, and
+    else runs the graph eagerly. Compiling at start-up is never implicit: on CPU a bucket
+    costs ~20-25 s of CPU time for a step at most ~20% faster, on CUDA about a minute even
+    for a tiny model (Triton autotuning), and the default plan has 16 buckets (README
+    design notes). `device` is accepted for symmetry; the rule is the same on both.
+    """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "eager" and require_cache:
@@ -137,9 +150,9 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
                          "use compile='inductor' or 'auto'")
     if mode != "auto":
         return mode
-    if device.type == "cuda" or require_cache or cache_dir_given:
+    if require_cache or cache_dir_given:
         return "inductor"
-    return "eager"
+    return WARM_OR_EAGER
 
 
 def _timed(timings: dict[str, float], name: str) -> "_Timer":
@@ -171,7 +184,6 @@ def prepare_compiled(
     require_cache: bool = False,
     progress: bool = True,
     load: bool = True,
-    on_bucket: Callable[[BucketResult], None] | None = None,
 ) -> PreparedModel:
     """Look every bucket up, capture and compile what is missing, and load the artifacts.
 
@@ -193,7 +205,7 @@ def prepare_compiled(
             try:
                 spec = GraphSpec.from_bytes(spec_entry.data)
             except GraphSpecError as e:
-                store._drop(model_key, str(e))
+                store.drop(model_key, str(e))
         found: dict[Bucket, bytes] = {}
         for bucket, key in bucket_keys.items():
             t0 = time.perf_counter()
@@ -246,7 +258,7 @@ def prepare_compiled(
         assert graph is not None  # captured just above
         with _timed(report.timings, "compile"):
             found.update(_compile_missing(setup, store, graph, spec, missing, bucket_keys, report, scratch,
-                                          progress, on_bucket))
+                                          progress))
     report.dropped = store.dropped[dropped_before:]
     # Report buckets in plan order.
     order = {b: i for i, b in enumerate(setup.plan.buckets())}
@@ -273,7 +285,6 @@ def _compile_missing(
     report: StartupReport,
     scratch: Path,
     progress: bool,
-    on_bucket: Callable[[BucketResult], None] | None,
 ) -> dict[Bucket, bytes]:
     from tqdm import tqdm
 
@@ -304,8 +315,6 @@ def _compile_missing(
                     result = BucketResult(bucket, key, "compiled", seconds, len(data))
                     out[bucket] = data
         report.buckets.append(result)
-        if on_bucket is not None:
-            on_bucket(result)
     bar.close()
     return out
 
@@ -327,7 +336,9 @@ def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype
     setup = setup_for_engine(engine_config, model_config, dtype, device)
     mode = resolve_compile_mode(engine_config.compile, device, engine_config.require_cache,
                                 engine_config.cache_dir is not None)
-    if mode == "eager":
+    if mode == WARM_OR_EAGER:
+        prepared = _prepare_warm_or_eager(setup, engine_config.cache_dir, engine_config.progress)
+    elif mode == "eager":
         prepared = prepare_eager(setup)
     else:
         with ArtifactStore(engine_config.cache_dir) as store:
@@ -335,4 +346,25 @@ def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype
                                         progress=engine_config.progress)
     logger.debug("%s (%s)", prepared.report.summary(),
                 ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
+    return prepared
+
+
+def _prepare_warm_or_eager(setup: ModelSetup, cache_dir: str | None, progress: bool) -> PreparedModel:
+    from kiln.cache.store import CacheStoreError
+
+    t0 = time.perf_counter()
+    keys = [setup.model_key(), *setup.bucket_keys().values()]
+    present = 0
+    try:
+        with ArtifactStore(cache_dir) as store:
+            present = sum(key in store for key in keys)
+            if present == len(keys):
+                return prepare_compiled(setup, store, progress=progress)
+    except CacheStoreError as e:  # an unusable default cache must not stop an eager start
+        logger.debug("compile cache not usable (%s); running eagerly", e)
+    lookups = time.perf_counter() - t0
+    prepared = prepare_eager(setup)
+    prepared.report.timings = {"cache lookups": lookups, **prepared.report.timings}
+    prepared.report.note = (f"compile=auto: {present} of {len(keys)} cache entries present, none compiled; "
+                            "`kiln compile` with these settings, or compile='inductor', uses Inductor artifacts")
     return prepared

@@ -191,6 +191,20 @@ class LoadedBucket:
         return self.loader.run(args)[0]
 
 
+def open_package(path: str, device_index: int) -> Any:
+    """Unpack a package and `dlopen` its library (the file is not needed afterwards).
+
+    This calls the C++ loader directly: the Python wrapper `torch._inductor.aoti_load_package`
+    first probes the CPU's vector ISA by *compiling* test programs with the C++ compiler
+    (torch 2.13), which a warm start must not do.
+    """
+    loader_cls = torch._C._aoti.AOTIModelPackageLoader
+    try:
+        return loader_cls(path, "model", False, 1, device_index)
+    except TypeError:  # older torch: (path, model_name, run_single_threaded, num_runners)
+        return loader_cls(path, "model", False, 1)
+
+
 def load_bucket(bucket: Bucket, data: bytes, device: torch.device, scratch_root: Path) -> LoadedBucket:
     """Load a package from its bytes (checked by the store beforehand). No compiler runs."""
     t0 = time.perf_counter()
@@ -201,8 +215,7 @@ def load_bucket(bucket: Bucket, data: bytes, device: torch.device, scratch_root:
             fh.write(data)
         device_index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" else -1)
-        # The package is unpacked and its library opened here; the file is not needed after.
-        loader = torch._inductor.aoti_load_package(path, device_index=device_index).loader
+        loader = open_package(path, device_index)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)

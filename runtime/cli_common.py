@@ -43,8 +43,9 @@ def add_cache_args(parser: argparse.ArgumentParser, serving: bool = True) -> Non
                    help="bucket sizes instead of the default plan, e.g. --buckets decode:1,2,4 tokens:64,256")
     if serving:
         c.add_argument("--compile", default="auto", choices=["auto", "eager", "inductor"],
-                       help="auto: Inductor artifacts on CUDA, and on CPU when --cache-dir or --require-cache "
-                            "is given; eager: run the FX graph directly, compiling nothing")
+                       help="auto: use Inductor artifacts when the cache holds them all, compile missing ones "
+                            "only with --cache-dir or --require-cache, else run eagerly; eager: run the FX graph "
+                            "directly, compiling nothing; inductor: compile what is missing")
         c.add_argument("--require-cache", action="store_true",
                        help="fail at start-up, naming the missing buckets, instead of compiling (see `kiln compile`)")
 

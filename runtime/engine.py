@@ -51,10 +51,11 @@ class EngineConfig:
     enable_passes: list[str] = field(default_factory=list)
     disable_passes: list[str] = field(default_factory=list)
     progress: bool = True
-    # Compile and cache (kiln.compiler.aot). compile: "auto" (Inductor on CUDA; on CPU only
-    # when cache_dir or require_cache is given), "eager" or "inductor". cache_dir: None for
-    # $KILN_CACHE_DIR or the user's cache directory. require_cache: fail at start-up, naming
-    # the missing buckets, instead of compiling. *_buckets: None for the default plan.
+    # Compile and cache (kiln.compiler.aot). compile: "auto" (artifacts when the cache holds
+    # them all, compiling misses only if cache_dir or require_cache is given; else eager),
+    # "eager" or "inductor". cache_dir: None for $KILN_CACHE_DIR or the user's cache
+    # directory. require_cache: fail at start-up, naming the missing buckets, instead of
+    # compiling. *_buckets: None for the default plan.
     compile: str = "auto"
     cache_dir: str | None = None
     require_cache: bool = False

@@ -4,7 +4,7 @@ Run as `python cache_worker.py '<json options>'`; the last stdout line is `RESUL
 A separate process is the point: whether a start-up compiled anything is read from torch's
 process-wide compile counters and compile-event timings, which must start at zero.
 
-Options: model, cache_dir, compile, require_cache, max_num_seqs, max_num_batched_tokens,
+Options: model, dtype, device, cache_dir, compile, require_cache, max_num_seqs, max_num_batched_tokens,
 decode_buckets, token_buckets, prompts (token-id lists or strings), max_tokens, and
 check_eager (after the compiled run, capture the graph and run the same engine eagerly over
 the same weights, to compare tokens).
@@ -18,6 +18,9 @@ import time
 
 
 def main() -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash inside a compiled artifact still shows where it happened
     opts = json.loads(sys.argv[1])
     t_start = time.perf_counter()
     from torch._dynamo.utils import compilation_time_metrics, counters
@@ -27,7 +30,8 @@ def main() -> None:
 
     t_engine = time.perf_counter()
     llm = LLM(
-        opts.get("model"), compile=opts.get("compile", "auto"), cache_dir=opts.get("cache_dir"),
+        opts.get("model"), dtype=opts.get("dtype", "auto"), device=opts.get("device", "auto"),
+        compile=opts.get("compile", "auto"), cache_dir=opts.get("cache_dir"),
         require_cache=opts.get("require_cache", False), max_num_seqs=opts["max_num_seqs"],
         max_num_batched_tokens=opts["max_num_batched_tokens"], decode_buckets=opts.get("decode_buckets"),
         token_buckets=opts.get("token_buckets"), num_kv_blocks=opts.get("num_kv_blocks", 64),

@@ -194,3 +194,19 @@ def test_explain_cli_against_the_compiled_cache(tiny_cache, capsys):
     assert main(["compile", model, "--cache-dir", str(cache), "--dry-run", *flags]) == 0
     out = capsys.readouterr().out
     assert "decode-1" in out and "tokens-16" in out and "to compile" not in out and out.count("cached") == 3
+
+
+def test_auto_on_cpu_uses_a_full_cache_and_compiles_nothing_otherwise(tiny_cache, tmp_path):
+    """With no cache options, a CPU engine starts warm from $KILN_CACHE_DIR when `kiln compile`
+    filled it for these settings, and otherwise runs eagerly rather than compiling."""
+    model, cache, cold = tiny_cache
+    fresh = tmp_path / "fresh-inductor-cache"
+    warm = run_worker({"model": model, **TINY_SETTINGS, "prompts": TINY_PROMPTS, "max_tokens": 10},
+                      env={"KILN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(fresh)})
+    assert warm["mode"] == "inductor" and warm["from_cache"] == 2 and warm["tokens"] == cold["tokens"]
+    assert_compiled_nothing(warm, fresh)
+    other = run_worker({"model": model, **{**TINY_SETTINGS, "decode_buckets": [1], "token_buckets": [8, 16]},
+                        "prompts": TINY_PROMPTS, "max_tokens": 10},
+                       env={"KILN_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(fresh)})
+    assert other["mode"] == "eager" and other["compiled"] == 0 and other["compile_events"] == []
+    assert other["tokens"] == cold["tokens"]
