@@ -29,6 +29,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--no-prefix-caching", action="store_true", help="disable reuse of cached prompt prefixes")
     g.add_argument("--enable-pass", action="append", default=[], metavar="NAME", help="turn on an optional pass")
     g.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="turn off a pass")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of GPU memory for weights, activations and the KV cache (default 0.9)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps without capturing CUDA graphs")
     g.add_argument("--verbose", "-v", action="store_true", help="log start-up phases and more")
     add_cache_args(parser, serving)
 
@@ -57,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         enable_passes=args.enable_pass, disable_passes=args.disable_pass,
+        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
         **cache_kwargs(args),
     )
 

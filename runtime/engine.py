@@ -22,7 +22,7 @@ from kiln.compiler.aot import PreparedModel, prepare_for_engine
 from kiln.compiler.pipeline import ModelGraph
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs
+from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs, profile_step_memory
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import Sampler
@@ -61,6 +61,10 @@ class EngineConfig:
     require_cache: bool = False
     decode_buckets: list[int] | None = None
     token_buckets: list[int] | None = None
+    # CUDA only: fraction of the GPU's memory Kiln may use (weights + activations + KV
+    # cache), and whether decode steps replay captured CUDA graphs (False = always eager).
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -136,16 +140,29 @@ class LLMEngine:
                                                progress=config.progress)
             # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
             weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
-        with self._phase("allocate KV cache"):
-            self.num_kv_blocks = self._num_kv_blocks()
-            kv_caches = allocate_kv_caches(
-                self.model_config.num_hidden_layers, self.num_kv_blocks, config.block_size,
-                self._num_kv_heads(), self._head_dim(), self.dtype, self.device,
+        def make_runner(kv_caches: list[torch.Tensor]) -> ModelRunner:
+            return ModelRunner(
+                self.prepared.graph_fn, self.graph_spec.input_roles, weights, self.graph_spec.constants,
+                kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
             )
-        self.runner = ModelRunner(
-            self.prepared.graph_fn, self.graph_spec.input_roles, weights, self.graph_spec.constants,
-            kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
-        )
+
+        with self._phase("allocate KV cache"):
+            self.activation_peak_bytes = 0
+            if self.device.type == "cuda" and config.num_kv_blocks is None:
+                # Profile the largest step with a one-block cache, then give the KV cache
+                # what is left of gpu_memory_utilization.
+                probe = make_runner(self._allocate_kv(1))
+                self.activation_peak_bytes = profile_step_memory(probe, config.max_num_batched_tokens,
+                                                                 config.block_size)
+                del probe
+                torch.cuda.empty_cache()
+            self.num_kv_blocks = self._num_kv_blocks()
+            kv_caches = self._allocate_kv(self.num_kv_blocks)
+        self.runner = make_runner(kv_caches)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            with self._phase("capture CUDA graphs"):
+                sizes = self._cuda_graph_sizes()
+                self.runner.capture_decode_graphs(sizes, -(-self.max_model_len // config.block_size))
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -187,6 +204,23 @@ class LLMEngine:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.model_config.num_hidden_layers * self._num_kv_heads() * self._head_dim() * elem
 
+    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        return allocate_kv_caches(
+            self.model_config.num_hidden_layers, num_blocks, self.config.block_size,
+            self._num_kv_heads(), self._head_dim(), self.dtype, self.device,
+        )
+
+    def _cuda_graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture: the plan's decode buckets, or 1, 2, 4, 8, 16, 32, ..."""
+        plan = self.prepared.plan
+        if plan is not None:
+            return sorted({b.num_seqs for b in plan.buckets() if b.kind == "decode"})
+        sizes, n = [], 1
+        while n < self.config.max_num_seqs:
+            sizes.append(n)
+            n *= 2
+        return sizes + [self.config.max_num_seqs]
+
     def _num_kv_blocks(self) -> int:
         bs = self.config.block_size
         if self.config.num_kv_blocks is not None:
@@ -196,8 +230,22 @@ class LLMEngine:
             ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             fit = int(ram * CPU_KV_MEMORY_FRACTION) // (self.kv_bytes_per_token() * bs)
         else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            fit = int(free * 0.9) // (self.kv_bytes_per_token() * bs)
+            _, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization)
+            # Held now (weights, constants) + the largest step's activations + a reserve for
+            # the CUDA graphs' pool and allocator fragmentation.
+            reserve = 512 * 2**20
+            free_for_kv = budget - torch.cuda.memory_allocated(self.device) - self.activation_peak_bytes - reserve
+            fit = free_for_kv // (self.kv_bytes_per_token() * bs)
+            if fit < 2:
+                raise ValueError(
+                    f"no GPU memory left for the KV cache at gpu_memory_utilization="
+                    f"{self.config.gpu_memory_utilization}: weights and a {self.config.max_num_batched_tokens}-token "
+                    "step already take it; lower max_num_batched_tokens or raise gpu_memory_utilization"
+                )
+            logger.info("KV cache: %d blocks (%d tokens) fit in %.1f GiB (activation peak %.2f GiB)",
+                        min(wanted, fit), min(wanted, fit) * bs, free_for_kv / 2**30,
+                        self.activation_peak_bytes / 2**30)
         blocks = max(2, min(wanted, fit))
         return blocks
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kiln.compiler.buckets import Bucket, BucketPlan
+from kiln.compiler.buckets import Bucket, BucketPlan, decode_bucket
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.scheduler import SchedulerOutput
 
@@ -181,9 +181,77 @@ class ModelRunner:
         named = {role.partition(":")[2]: t for role, t in zip(self.input_roles, self._fixed) if t is not None}
         return ModelRunner(graph_fn, roles, named, named, self.kv_caches, self.device, bucket_fns=bucket_fns, plan=plan)
 
+    # ---- CUDA graphs for decode steps ------------------------------------------------------
+    def _step_fn(self, bucket: Bucket) -> Callable[..., Any]:
+        """The callable that runs a step of `bucket`'s shape, taking the batch tensors by name."""
+        if self.bucket_fns is not None:
+            compiled = self.bucket_fns.get(bucket)
+            if compiled is None:
+                raise ValueError(f"no compiled artifact for bucket {bucket.name} to capture")
+            run: Callable[..., Any] = lambda *args: compiled(list(args))  # noqa: E731
+        else:
+            assert self.graph_fn is not None
+            run = self.graph_fn
+
+        def step(**batch: torch.Tensor) -> torch.Tensor:
+            args = list(self._fixed)
+            for i, name in self._batch_slots:
+                args[i] = batch[name]
+            out = run(*args)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        return step
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> dict[str, float]:
+        """Capture one CUDA graph per decode bucket (largest first, one memory pool).
+
+        A decode step then costs one graph replay: the whole model, attention included,
+        without a Python op dispatch per layer. Block tables are captured at their full
+        width (max_model_len / block_size) so that one graph serves every context length.
+        Returns the seconds each capture took, by bucket name.
+        """
+        from kiln.runtime.cuda_graphs import BucketGraphs
+
+        graphs = BucketGraphs(self.device)
+        dev = self.device
+        static: dict[int, dict[str, torch.Tensor]] = {}
+        for b in sizes:
+            static[b] = {
+                "input_ids": torch.zeros((1, b), dtype=torch.long, device=dev),
+                "position_ids": torch.zeros((1, b), dtype=torch.long, device=dev),
+                "slot_mapping": torch.zeros((b,), dtype=torch.long, device=dev),  # the null slot
+                "block_tables": torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev),
+                "seq_lens": torch.ones((b,), dtype=torch.int32, device=dev),
+                "query_start_loc": torch.arange(b + 1, dtype=torch.int32, device=dev),
+                "logits_indices": torch.arange(b, dtype=torch.long, device=dev),
+            }
+        graphs.capture_all({b: self._step_fn(decode_bucket(b)) for b in sizes}, static)
+        self._decode_graphs = graphs
+        self._decode_graph_sizes = sorted(sizes)
+        return {decode_bucket(b).name: s for b, s in graphs.capture_seconds.items()}
+
+    def _replay_decode(self, inputs: StepInputs) -> torch.Tensor | None:
+        graphs = getattr(self, "_decode_graphs", None)
+        if graphs is None:
+            return None
+        t, b, s = inputs.input_ids.shape[1], inputs.seq_lens.shape[0], inputs.logits_indices.shape[0]
+        if not (t == b == s):
+            return None  # prefill or mixed step: run the bucket's artifact (or the FX graph) directly
+        size = next((n for n in self._decode_graph_sizes if n >= b), None)
+        if size is None:
+            return None
+        padded = pad_step_inputs(inputs, decode_bucket(size))
+        self.bucket_counts[f"cudagraph-decode-{size}"] = self.bucket_counts.get(f"cudagraph-decode-{size}", 0) + 1
+        logits = graphs.replay(size, padded.as_dict())
+        return logits[0, :s].float()  # a copy: the static output is overwritten by the next replay
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run one step; returns logits [S, V] (float32) for the rows in `logits_indices`."""
+        replayed = self._replay_decode(inputs)
+        if replayed is not None:
+            return replayed
         num_samples = inputs.logits_indices.shape[0]
         fn: Callable[..., Any]
         if self.bucket_fns is not None:
@@ -218,3 +286,29 @@ def allocate_kv_caches(
         cache[:, 0].zero_()
         caches.append(cache)
     return caches
+
+
+@torch.inference_mode()
+def profile_step_memory(runner: ModelRunner, num_tokens: int, block_size: int) -> int:
+    """Peak bytes a step of `num_tokens` tokens (one prefill) allocates beyond what is held.
+
+    Every token writes to the null slot and attends over the null block, so the profile
+    needs no real KV cache beyond block 0; the activations are those of a real step.
+    """
+    dev = runner.device
+    blocks = -(-num_tokens // block_size)
+    inputs = StepInputs(
+        input_ids=torch.zeros((1, num_tokens), dtype=torch.long, device=dev),
+        position_ids=torch.arange(num_tokens, device=dev).unsqueeze(0),
+        slot_mapping=torch.zeros((num_tokens,), dtype=torch.long, device=dev),
+        block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+        logits_indices=torch.tensor([num_tokens - 1], device=dev),
+    )
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    runner.execute(inputs)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - before
