@@ -39,4 +39,4 @@ def test_kv_cache_is_sized_from_profiled_memory(tiny_model_dir) -> None:
     kv_bytes = engine.num_kv_blocks * engine.config.block_size * engine.kv_bytes_per_token()
     assert kv_bytes <= 0.05 * total
     with pytest.raises(ValueError, match="max_model_len|never fit"):
-        engine.add_request("too-long", list(range(1, 600)), SamplingParams(max_tokens=8))
+        engine.add_request("too-long", [5] * 600, SamplingParams(max_tokens=8))
