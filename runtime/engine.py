@@ -126,6 +126,8 @@ class LLMEngine:
         self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
         if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if not 0 < config.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
 
         # The graph (kiln.compiler.aot): eager capture, or cache lookups -> capture and compile
         # only what is missing -> load artifacts. Warm starts capture nothing: the runtime
@@ -140,6 +142,7 @@ class LLMEngine:
                                                progress=config.progress)
             # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
             weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
+
         def make_runner(kv_caches: list[torch.Tensor]) -> ModelRunner:
             return ModelRunner(
                 self.prepared.graph_fn, self.graph_spec.input_roles, weights, self.graph_spec.constants,
