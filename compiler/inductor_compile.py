@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from kiln.compiler.buckets import Bucket
+from kiln.kernels.paged_attention import kv_cache_shape
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -74,12 +75,6 @@ def inductor_options(device: torch.device) -> dict[str, Any]:
     measurably (README design notes). The kernels themselves keep Inductor's -O3.
     """
     return {"aot_inductor.compile_wrapper_opt_level": "O0"}
-
-
-def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return (2, num_blocks, block_size, heads, head_dim)
 
 
 def example_inputs(

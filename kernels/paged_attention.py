@@ -23,9 +23,24 @@ Triton and a GPU are present.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kiln.kernels.attention import causal_attention
+
+
+def kv_heads_and_head_dim(config: Any) -> tuple[int, int]:
+    """A Hugging Face config's KV heads and head size (GQA configs name the former;
+    configs without `head_dim` split hidden_size evenly across the attention heads)."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    return heads, head_dim
+
+
+def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's cache for `config`: [2, num_blocks, block_size, kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, *kv_heads_and_head_dim(config))
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

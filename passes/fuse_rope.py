@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.base import PassContext, PassStats
 from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm
 from kiln.passes.pattern import Pattern
@@ -146,8 +147,7 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
 
 
 def model_head_dim(config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return int(head_dim or config.hidden_size // config.num_attention_heads)
+    return kv_heads_and_head_dim(config)[1]
 
 
 class FuseRoPEPass(CustomOpFusionPass):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.capture import CapturedModel, capture, graph_input_roles, parameter_shapes
+from kiln.kernels.paged_attention import kv_cache_shape
 from kiln.passes.base import PassContext
 from kiln.passes.manager import PassManager, PassReport
 from kiln.passes.registry import PHASES
@@ -78,9 +79,7 @@ def single_sequence_batch(num_tokens: int, block_size: int, vocab_size: int, see
 
 
 def _kv_cache(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return torch.zeros((2, num_blocks, block_size, heads, head_dim), dtype=dtype)
+    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype)
 
 
 def run_graph(phase_capture: PhaseCapture, num_tokens: int = 8, seed: int = 0) -> torch.Tensor:

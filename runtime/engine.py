@@ -20,6 +20,7 @@ import torch
 from kiln.compiler.model_source import ModelSource, resolve_model
 from kiln.compiler.aot import PreparedModel, prepare_for_engine
 from kiln.compiler.pipeline import ModelGraph
+from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs, profile_step_memory
@@ -196,12 +197,10 @@ class LLMEngine:
         return LLMEngine._PhaseTimer(self, name)
 
     def _num_kv_heads(self) -> int:
-        c = self.model_config
-        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        return kv_heads_and_head_dim(self.model_config)[0]
 
     def _head_dim(self) -> int:
-        c = self.model_config
-        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        return kv_heads_and_head_dim(self.model_config)[1]
 
     def kv_bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
