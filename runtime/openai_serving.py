@@ -21,7 +21,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from kiln.runtime.async_engine import (AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError,
                                        RequestStream)
@@ -245,6 +245,29 @@ class OpenAIServing:
         weakref.finalize(stream, on_collect)
         return stream
 
+    async def _guard_stream(self, sub: _Submitted, response_id: str, events: AsyncGenerator[str, None]
+                            ) -> AsyncIterator[str]:
+        """Every SSE stream's frame: an engine failure or a bug ends the stream with an error
+        event (the server keeps serving), requests a departed client left are aborted, and
+        the stream closes with [DONE]."""
+        ended = False
+        try:
+            async for event in events:
+                yield event
+            ended = True
+        except (EngineStepError, EngineStoppedError) as e:
+            ended = True
+            yield self._sse(_engine_error(e).body())
+        except Exception as e:  # a bug: end this stream with an error event, keep serving
+            ended = True
+            logger.exception("stream %s failed", response_id)
+            yield self._sse(_engine_error(e).body())
+        finally:
+            await events.aclose()  # stop the event source's own merge of engine outputs now
+            # Anything unfinished here was left by a client that went away (or by an error).
+            self._abort(sub, client_gone=not ended)
+        yield "data: [DONE]\n\n"
+
     def _abort(self, sub: _Submitted, client_gone: bool = True) -> None:
         """Abort the request's unfinished prompts (counted as aborted when the client left)."""
         for rid in sub.request_ids:
@@ -347,8 +370,8 @@ class OpenAIServing:
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._abort_when_dropped(self._stream_completion(
-                sub, response_id, model, req.n, echo_texts, req.logprobs is not None, include_usage), sub)
+            return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_completion(
+                sub, response_id, model, req.n, echo_texts, req.logprobs is not None, include_usage)), sub)
         outputs = await self._collect(sub, wait_disconnect)
         choices = []
         usage = _Usage()
@@ -387,7 +410,6 @@ class OpenAIServing:
         progress: dict[int, _ChoiceProgress] = {}
         offsets: dict[int, int] = {}
         usage = _Usage()
-        ended = False
 
         def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
             body: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
@@ -398,47 +420,34 @@ class OpenAIServing:
                 body["usage"] = None
             return self._sse(body)
 
-        try:
-            async for i, out in self._merge(sub):
-                for c in out.outputs:
-                    index = i * n + c.index
-                    p = progress.setdefault(index, _ChoiceProgress())
-                    if p.finished:
-                        continue
-                    text, _, lps = p.advance(c)
-                    if not p.started:
-                        p.started = True
-                        text = echo_texts[i] + text
-                        offsets[index] = len(echo_texts[i])
-                    logprobs = None
-                    if want_logprobs and lps:
-                        logprobs = self._completion_logprobs([lp.token_id for lp in lps], lps, offsets[index])
-                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                    if c.finish_reason is not None:
-                        p.finished = True
-                        usage.completion_tokens += len(c.token_ids)
-                        yield chunk(index, text, logprobs, c.finish_reason, c.stop_reason)
-                    elif text or logprobs:
-                        yield chunk(index, text, logprobs, None)
-                if out.finished:
-                    sub.finished.add(out.request_id)
-                    usage.add_prompt(out)
-                    self._record(out)
-            ended = True
-            if include_usage:
-                yield self._sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                                 "choices": [], "usage": usage.body()})
-        except (EngineStepError, EngineStoppedError) as e:
-            ended = True
-            yield self._sse(_engine_error(e).body())
-        except Exception as e:  # a bug: end this stream with an error event, keep serving
-            ended = True
-            logger.exception("stream %s failed", response_id)
-            yield self._sse(_engine_error(e).body())
-        finally:
-            # Anything unfinished here was left by a client that went away (or by an error).
-            self._abort(sub, client_gone=not ended)
-        yield "data: [DONE]\n\n"
+        async for i, out in self._merge(sub):
+            for c in out.outputs:
+                index = i * n + c.index
+                p = progress.setdefault(index, _ChoiceProgress())
+                if p.finished:
+                    continue
+                text, _, lps = p.advance(c)
+                if not p.started:
+                    p.started = True
+                    text = echo_texts[i] + text
+                    offsets[index] = len(echo_texts[i])
+                logprobs = None
+                if want_logprobs and lps:
+                    logprobs = self._completion_logprobs([lp.token_id for lp in lps], lps, offsets[index])
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                if c.finish_reason is not None:
+                    p.finished = True
+                    usage.completion_tokens += len(c.token_ids)
+                    yield chunk(index, text, logprobs, c.finish_reason, c.stop_reason)
+                elif text or logprobs:
+                    yield chunk(index, text, logprobs, None)
+            if out.finished:
+                sub.finished.add(out.request_id)
+                usage.add_prompt(out)
+                self._record(out)
+        if include_usage:
+            yield self._sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                             "choices": [], "usage": usage.body()})
 
     # ---- /v1/chat/completions ------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, wait_disconnect: WaitDisconnect
@@ -478,8 +487,8 @@ class OpenAIServing:
         parse_tools = bool(tools)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._abort_when_dropped(self._stream_chat(
-                sub, response_id, model, req.logprobs, include_usage, tool_names if parse_tools else None), sub)
+            return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_chat(
+                sub, response_id, model, req.logprobs, include_usage, tool_names if parse_tools else None)), sub)
         (out,) = await self._collect(sub, wait_disconnect)
         usage = _Usage()
         usage.add_prompt(out)
@@ -557,7 +566,6 @@ class OpenAIServing:
         created = int(time.time())
         progress: dict[int, _ChoiceProgress] = {}
         usage = _Usage()
-        ended = False
 
         def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None,
                   stop_reason: Any = None) -> str:
@@ -577,57 +585,44 @@ class OpenAIServing:
                 p.num_tool_calls += 1
             return out
 
-        try:
-            async for _, out in self._merge(sub):
-                for c in out.outputs:
-                    p = progress.setdefault(c.index, _ChoiceProgress())
-                    if p.finished:
-                        continue
-                    if not p.started:
-                        p.started = True
-                        if tool_names is not None:
-                            p.tool_parser = StreamingToolParser(tool_names)
-                        yield chunk(c.index, {"role": "assistant", "content": ""})
-                    text, _, lps = p.advance(c)
-                    logprobs = self._chat_logprobs(lps) if want_logprobs and lps else None
-                    delta: dict[str, Any] = {}
-                    if p.tool_parser is not None:
-                        parsed = p.tool_parser.feed(text)
-                        if c.finish_reason is not None:
-                            rest = p.tool_parser.finish()
-                            parsed.content += rest.content
-                            parsed.tool_calls += rest.tool_calls
-                        if parsed.content:
-                            delta["content"] = parsed.content
-                        if parsed.tool_calls:
-                            delta["tool_calls"] = tool_deltas(p, parsed.tool_calls)
-                    elif text:
-                        delta["content"] = text
+        async for _, out in self._merge(sub):
+            for c in out.outputs:
+                p = progress.setdefault(c.index, _ChoiceProgress())
+                if p.finished:
+                    continue
+                if not p.started:
+                    p.started = True
+                    if tool_names is not None:
+                        p.tool_parser = StreamingToolParser(tool_names)
+                    yield chunk(c.index, {"role": "assistant", "content": ""})
+                text, _, lps = p.advance(c)
+                logprobs = self._chat_logprobs(lps) if want_logprobs and lps else None
+                delta: dict[str, Any] = {}
+                if p.tool_parser is not None:
+                    parsed = p.tool_parser.feed(text)
                     if c.finish_reason is not None:
-                        p.finished = True
-                        usage.completion_tokens += len(c.token_ids)
-                        finish = "tool_calls" if p.num_tool_calls else c.finish_reason
-                        if delta or logprobs:
-                            yield chunk(c.index, delta, logprobs)
-                        yield chunk(c.index, {}, None, finish, c.stop_reason)
-                    elif delta or logprobs:
+                        rest = p.tool_parser.finish()
+                        parsed.content += rest.content
+                        parsed.tool_calls += rest.tool_calls
+                    if parsed.content:
+                        delta["content"] = parsed.content
+                    if parsed.tool_calls:
+                        delta["tool_calls"] = tool_deltas(p, parsed.tool_calls)
+                elif text:
+                    delta["content"] = text
+                if c.finish_reason is not None:
+                    p.finished = True
+                    usage.completion_tokens += len(c.token_ids)
+                    finish = "tool_calls" if p.num_tool_calls else c.finish_reason
+                    if delta or logprobs:
                         yield chunk(c.index, delta, logprobs)
-                if out.finished:
-                    sub.finished.add(out.request_id)
-                    usage.add_prompt(out)
-                    self._record(out)
-            ended = True
-            if include_usage:
-                yield self._sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
-                                 "model": model, "choices": [], "usage": usage.body()})
-        except (EngineStepError, EngineStoppedError) as e:
-            ended = True
-            yield self._sse(_engine_error(e).body())
-        except Exception as e:  # a bug: end this stream with an error event, keep serving
-            ended = True
-            logger.exception("stream %s failed", response_id)
-            yield self._sse(_engine_error(e).body())
-        finally:
-            # Anything unfinished here was left by a client that went away (or by an error).
-            self._abort(sub, client_gone=not ended)
-        yield "data: [DONE]\n\n"
+                    yield chunk(c.index, {}, None, finish, c.stop_reason)
+                elif delta or logprobs:
+                    yield chunk(c.index, delta, logprobs)
+            if out.finished:
+                sub.finished.add(out.request_id)
+                usage.add_prompt(out)
+                self._record(out)
+        if include_usage:
+            yield self._sse({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": [], "usage": usage.body()})
