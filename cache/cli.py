@@ -1,10 +1,12 @@
 """`kiln compile` (ahead-of-time compile into the cache) and `kiln cache ...` (inspect and move it).
 
-    kiln compile [MODEL] [engine options] [--buckets ...] [--cache-dir D] [--dry-run]
+    kiln compile [MODEL] [engine options] [--buckets ...] [--cache-dir D] [--compile auto|inductor|graph] [--dry-run]
     kiln cache ls | info KEY | verify | clear | export FILE | import FILE | explain [MODEL] [options]
 
 `kiln compile` takes the same engine options as `kiln serve`, because they decide the
-bucket plan and the cache keys: compile with the options you will serve with.
+bucket plan and the cache keys: compile with the options you will serve with. What it
+fills depends on the device (kiln.compiler.aot.artifact_mode): on CPU an AOTInductor
+package per bucket, on CUDA the post-pass FX graph as code (`--compile` overrides).
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ def add_subcommands(sub: Any) -> None:
     from kiln.runtime.cli_common import add_engine_args
 
     comp = sub.add_parser(
-        "compile", help="compile every bucket of a model into the cache (ahead of time)",
-        description="Compile MODEL's post-pass graph with Inductor for every bucket of the plan and store "
-                    "the artifacts in the compile cache, so that engines started later with the same "
-                    "options start warm. Exits non-zero if any bucket fails.",
+        "compile", help="fill the compile cache for a model (ahead of time)",
+        description="Fill the compile cache for MODEL, so that engines started later with the same options "
+                    "start warm. On CPU: compile the post-pass graph with Inductor for every bucket of the "
+                    "plan. On CUDA: store the post-pass FX graph itself as code (AOTInductor CUDA packages "
+                    "do not load on torch 2.11+cu130). Exits non-zero if any bucket fails.",
     )
     add_engine_args(comp, model_positional=True, serving=False)
+    _add_mode_arg(comp)
     comp.add_argument("--dry-run", action="store_true", help="print the bucket plan and cache keys; compile nothing")
     comp.set_defaults(func=run_compile)
 
@@ -53,11 +57,27 @@ def add_subcommands(sub: Any) -> None:
                               description="For MODEL and engine options, say which buckets the cache holds "
                                           "and, for each miss, which key factor differs from the nearest entry.")
     add_engine_args(explain, model_positional=True, serving=False)
+    _add_mode_arg(explain)
     explain.set_defaults(func=run_explain)
     cache.set_defaults(func=lambda args: (cache.print_help(), 2)[1])
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+def _add_mode_arg(parser: argparse.ArgumentParser) -> None:
+    # dest is not "compile": engine_kwargs() reads args.compile as the engine's option
+    # (with --require-cache), which these commands do not have.
+    parser.add_argument("--compile", dest="compile_mode", default="auto", choices=["auto", "inductor", "graph"],
+                        help="which artifact: inductor (a package per bucket), graph (the post-pass FX graph as "
+                             "code), or auto (graph on CUDA, inductor on CPU; what an engine's compile='auto' uses)")
+
+
+def _mode(args: argparse.Namespace, setup: Any) -> str:
+    from kiln.compiler.aot import artifact_mode
+
+    mode = getattr(args, "compile_mode", "auto")
+    return artifact_mode(setup.device) if mode == "auto" else mode
+
 
 def _store(args: argparse.Namespace) -> Any:
     from kiln.cache.store import ArtifactStore
@@ -105,6 +125,8 @@ def run_compile(args: argparse.Namespace) -> int:
 
     setup_logging(args.verbose)
     setup = _setup(args)
+    if _mode(args, setup) == "graph":
+        return _run_compile_graph(args, setup)
     with _store(args) as store:
         keys = setup.bucket_keys()
         if args.dry_run:
@@ -130,9 +152,45 @@ def run_compile(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
+    """`kiln compile` in mode "graph": the graph spec and the post-pass graph's code, no buckets."""
+    from kiln.compiler.aot import prepare_graph
+
+    model_key, code_key = setup.model_key(), setup.graph_code_key()
+    where = f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type})"
+    with _store(args) as store:
+        if args.dry_run:
+            print(f"model: {setup.model_type}  dtype: {str(setup.dtype).removeprefix('torch.')}  "
+                  f"device: {setup.device.type}  compile mode: graph (no per-bucket artifacts)  cache: {store.root}")
+            rows = [[label, key, "cached" if key in store else "to capture"]
+                    for label, key in (("graph", model_key), ("graph-code", code_key))]
+            print_table(rows, ["entry", "key", "state"])
+            return 0
+        print(f"kiln compile: the post-pass graph of {where} as code into {store.root} "
+              "(compile mode graph: no per-bucket packages)", file=sys.stderr)
+        had = {key: key in store for key in (model_key, code_key)}
+        prepared = prepare_graph(setup, store)
+        sizes = {key: (m.size if (m := store.manifest(key)) is not None else 0) for key in (model_key, code_key)}
+    report = prepared.report
+    dropped = {key for key, _ in report.dropped}
+    rows = []
+    for label, key in (("graph", model_key), ("graph-code", code_key)):
+        result = "stored" if key in report.stored else ("cache hit" if had[key] and key not in dropped else "-")
+        rows.append([label, result, _size(sizes[key]) if sizes[key] else "-", key])
+    print_table(rows, ["entry", "result", "size", "key"])
+    phases = ", ".join(f"{k} {v:.1f}s" for k, v in report.timings.items())
+    print(f"{report.summary()} ({phases})")
+    if report.mode != "graph":
+        print(f"kiln compile: {report.note}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ---- kiln cache ... --------------------------------------------------------------------------
 
 def run_ls(args: argparse.Namespace) -> int:
+    from kiln.cache.keys import BUCKET_KIND
+
     with _store(args) as store:
         manifests = store.manifests()
         if not manifests:
@@ -143,7 +201,7 @@ def run_ls(args: argparse.Namespace) -> int:
             f = m.factors
             created = datetime.datetime.fromtimestamp(m.created).strftime("%Y-%m-%d %H:%M")
             rows.append([m.key, m.model, m.label, f.get("dtype", "?"), f"{f.get('device', '?')}/{f.get('capability', '?')}",
-                         _size(m.size), f"{m.compile_seconds:.1f}" if m.kind != "graph" else "-", created])
+                         _size(m.size), f"{m.compile_seconds:.1f}" if m.kind == BUCKET_KIND else "-", created])
         print_table(rows, ["key", "model", "entry", "dtype", "device", "size", "compile s", "created"])
         print(f"{len(manifests)} entries, {_size(store.volume())} of {_size(store.size_limit)} ({store.root})")
     return 0
@@ -203,8 +261,9 @@ def run_explain(args: argparse.Namespace) -> int:
     from kiln.cache.explain import explain_setup
 
     setup = _setup(args)
+    mode = _mode(args, setup)
     with _store(args) as store:
-        rows = explain_setup(store, setup)
+        rows = explain_setup(store, setup, mode)
         hits = sum(r.hit for r in rows)
         print(f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type}) against "
               f"{store.root}: {hits} of {len(rows)} entries would hit")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.cache.keys import BUCKET_KIND, MODEL_KIND, bucket_factors, factor_differences
+from kiln.cache.keys import BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, bucket_factors, factor_differences
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
 
@@ -49,7 +49,7 @@ def explain_miss(store: ArtifactStore, kind: str, want: dict[str, Any], manifest
     manifests = store.manifests() if manifests is None else manifests
     candidates = [m for m in manifests if m.kind == kind]
     if not candidates:
-        what = "graph spec" if kind == MODEL_KIND else "bucket"
+        what = {MODEL_KIND: "graph spec", GRAPH_CODE_KIND: "graph code"}.get(kind, "bucket")
         return f"miss: the cache holds no {what} entry at all" if manifests else "miss: the cache is empty"
     found = nearest_entry(candidates, want)
     assert found is not None  # candidates is not empty
@@ -59,14 +59,21 @@ def explain_miss(store: ArtifactStore, kind: str, want: dict[str, Any], manifest
     return f"miss: nearest entry {nearest.key} ({nearest.model} {nearest.label}) {describe_differences(diffs)}"
 
 
-def explain_setup(store: ArtifactStore, setup: Any) -> list[Explanation]:
-    """Hit or miss, and why, for the graph spec and every bucket of a `ModelSetup`."""
+def explain_setup(store: ArtifactStore, setup: Any, mode: str = "inductor") -> list[Explanation]:
+    """Hit or miss, and why, for the graph spec and every bucket of a `ModelSetup` (mode
+    "inductor"), or the graph spec and the graph code (mode "graph")."""
     manifests = store.manifests()
     base = setup.model_factors()
     rows = []
     model_key = setup.model_key()
     hit = model_key in store
     rows.append(Explanation("graph", model_key, hit, "hit" if hit else explain_miss(store, MODEL_KIND, base, manifests)))
+    if mode == "graph":
+        key = setup.graph_code_key()
+        hit = key in store
+        reason = "hit" if hit else explain_miss(store, GRAPH_CODE_KIND, setup.graph_code_factors(), manifests)
+        rows.append(Explanation("graph-code", key, hit, reason))
+        return rows
     for bucket, key in setup.bucket_keys().items():
         hit = key in store
         reason = "hit" if hit else explain_miss(store, BUCKET_KIND, bucket_factors(base, bucket), manifests)

@@ -12,6 +12,11 @@ A key is the SHA-256 of its *factors*, a JSON-able dict:
   the CPU's vector ISA, since the C++ kernels are built for it);
 - `format` of the artifact; and, for a bucket, the bucket's static shape.
 
+Entry kinds: `graph` (the model's GraphSpec, shared by every compile mode), `bucket` (one
+AOTInductor package per bucket, mode "inductor") and `graphcode` (the post-pass FX graph's
+Python source, mode "graph"; its `format` factor is its own, so its key never equals
+another kind's even apart from the kind prefix).
+
 No absolute path or hostname enters a key, so a cache compiled in CI is valid anywhere the
 factors match. Factors are kept in each entry's manifest so a miss can be explained.
 """
@@ -31,6 +36,8 @@ from kiln.compiler.buckets import Bucket
 
 MODEL_KIND = "graph"
 BUCKET_KIND = "bucket"
+# No hyphen: the store's keys are `<lowercase kind>-<32 hex>` (kiln.cache.store._KEY_RE).
+GRAPH_CODE_KIND = "graphcode"
 
 # Config fields that never change the computation: where the model came from, tokenizer
 # ids, defaults for generation, transformers' own bookkeeping. Fields starting with "_"
@@ -134,6 +141,11 @@ def model_factors(
 
 def bucket_factors(model: dict[str, Any], bucket: Bucket) -> dict[str, Any]:
     return {**model, "bucket": bucket.shape()}
+
+
+def graph_code_factors(model: dict[str, Any], code_format: str) -> dict[str, Any]:
+    """A graph-code entry's factors: the model's, with the code's own artifact format."""
+    return {**model, "format": code_format}
 
 
 def key_for(kind: str, factors: dict[str, Any]) -> str:

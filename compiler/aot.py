@@ -1,15 +1,26 @@
 """The compile driver shared by `kiln compile` (ahead of time) and engine start-up (warm start).
 
+Mode "inductor" (the CPU default with a cache):
+
     cache lookups ─ all hit ──────────────────────────────────► load artifacts
          │ graph spec or a bucket missing
          ▼
     graph capture (torch.export + passes) ─► compile each missing bucket ─► store ─► load
 
+Mode "graph" (the CUDA default with a cache): the artifact is the post-pass FX graph
+itself, as Python source (kiln.compiler.graph_code), one per model setup:
+
+    cache lookups ─ spec and code hit ─► exec the code (no capture)
+         │ either missing or unloadable
+         ▼
+    graph capture ─► store spec + code ─► run the captured graph
+
 The cache holds one *graph spec* per model setup (kiln.compiler.pipeline.GraphSpec: input
-roles, parameter names, constants, weight transforms, pass report) and one artifact per
-bucket. With all of them present nothing is traced or compiled: a warm start is a few
-file reads and `dlopen`s. A compile takes the key's lock first and looks again, so two
-processes that miss the same key at once compile it once and both end up with it.
+roles, parameter names, constants, weight transforms, pass report), shared by both modes,
+plus one artifact per bucket (inductor) or one graph-code entry (graph). With all of them
+present nothing is traced or compiled: a warm start is a few file reads and `dlopen`s (or
+one `exec`). A compile takes the key's lock first and looks again, so two processes that
+miss the same key at once compile it once and both end up with it.
 """
 
 from __future__ import annotations
@@ -22,10 +33,15 @@ from typing import Any, Callable
 
 import torch
 
-from kiln.cache.keys import BUCKET_KIND, MODEL_KIND, bucket_factors, key_for, model_factors
+from kiln.cache.keys import (
+    BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, bucket_factors, graph_code_factors, key_for, model_factors,
+)
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
 from kiln.compiler.buckets import Bucket, BucketPlan
+from kiln.compiler.graph_code import (
+    GRAPH_CODE_FORMAT, GraphCode, GraphCodeError, load_graph_code, serialize_graph_code,
+)
 from kiln.compiler.inductor_compile import (
     ARTIFACT_FORMAT, BucketCompileError, LoadedBucket, compile_bucket, load_bucket,
 )
@@ -34,7 +50,7 @@ from kiln.passes.manager import PassManager
 
 logger = logging.getLogger("kiln.compiler")
 
-COMPILE_MODES = ("auto", "eager", "inductor")
+COMPILE_MODES = ("auto", "eager", "inductor", "graph")
 
 
 class CacheMissError(ValueError):
@@ -62,6 +78,7 @@ class StartupReport:
     buckets: list[BucketResult] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # corrupt entries found and dropped
     note: str = ""  # why this mode, when it is not what was asked for literally
+    stored: list[str] = field(default_factory=list)  # mode "graph": keys this start-up wrote
 
     @property
     def num_from_cache(self) -> int:
@@ -75,6 +92,16 @@ class StartupReport:
         if self.mode == "eager":
             return "graph: eager (post-pass FX graph run directly, nothing compiled" + (
                 f"; {self.note})" if self.note else ")")
+        if self.mode == "graph":
+            if not self.captured:
+                text = "graph: post-pass FX graph from cache (capture skipped)"
+            elif "store graph" in self.timings:  # stored now, or found stored by another process
+                text = "graph: graph captured and cached"
+            else:
+                text = "graph: graph captured (cache not written)"
+            if self.dropped:
+                text += f", {len(self.dropped)} corrupt entries dropped" + (" and rebuilt" if self.stored else "")
+            return text + (f" ({self.note})" if self.note else "")
         parts = [f"graph: inductor, {self.num_from_cache}/{len(self.buckets)} buckets from cache"]
         if self.num_compiled:
             parts.append(f"{self.num_compiled} compiled")
@@ -87,17 +114,23 @@ class StartupReport:
 @dataclass
 class PreparedModel:
     """The runnable model minus weights and KV cache: a spec plus an artifact per bucket (or,
-    in eager mode, the post-pass FX graph itself)."""
+    in eager and graph modes, the post-pass FX graph itself, captured or loaded as code)."""
 
     spec: GraphSpec
     plan: BucketPlan
     report: StartupReport
     graph: ModelGraph | None = None  # None on a warm start: nothing was captured
     bucket_fns: dict[Bucket, LoadedBucket] | None = None
+    graph_code: GraphCode | None = None  # mode "graph", warm: the graph loaded from the cache
 
     @property
     def graph_fn(self) -> Callable[..., Any] | None:
-        return self.graph.graph_module if self.graph is not None and self.bucket_fns is None else None
+        """What the runner calls with the inputs in `spec.input_roles` order (None: bucket_fns)."""
+        if self.bucket_fns is not None:
+            return None
+        if self.graph_code is not None:
+            return self.graph_code
+        return self.graph.graph_module if self.graph is not None else None
 
 
 @dataclass
@@ -123,6 +156,12 @@ class ModelSetup:
         base = self.model_factors()
         return {b: key_for(BUCKET_KIND, bucket_factors(base, b)) for b in self.plan.buckets()}
 
+    def graph_code_factors(self) -> dict[str, Any]:
+        return graph_code_factors(self.model_factors(), GRAPH_CODE_FORMAT)
+
+    def graph_code_key(self) -> str:
+        return key_for(GRAPH_CODE_KIND, self.graph_code_factors())
+
     @property
     def model_type(self) -> str:
         return str(getattr(self.config, "model_type", "?"))
@@ -133,25 +172,39 @@ class ModelSetup:
 WARM_OR_EAGER = "warm-or-eager"
 
 
-def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, cache_dir_given: bool) -> str:
-    """"eager", "inductor" or WARM_OR_EAGER for an engine's `compile` option.
+def artifact_mode(device: torch.device) -> str:
+    """The cached artifact `auto` means on `device`: "graph" on CUDA, "inductor" elsewhere.
 
-    `auto` compiles only when a cache is asked for (cache_dir given, or require_cache);
-    otherwise it uses the cache if `kiln compile` already filled it for these settings, and
-    else runs the graph eagerly. Compiling at start-up is never implicit: on CPU a bucket
-    costs ~20-25 s of CPU time for a step at most ~20% faster, on CUDA about a minute even
-    for a tiny model (Triton autotuning), and the default plan has 16 buckets (README
-    design notes). `device` is accepted for symmetry; the rule is the same on both.
+    On CUDA the fast path is the post-pass graph run directly (its fused ops are Kiln's
+    Triton kernels) with decode steps replayed from CUDA graphs, so the cache keeps that
+    graph and a warm start skips only the capture; and the lent image's torch (2.11+cu130)
+    segfaults loading *any* CUDA AOTInductor package. On CPU, AOTI packages load in
+    milliseconds and run 0-20% faster than the eager graph (README design notes).
+    """
+    return "graph" if device.type == "cuda" else "inductor"
+
+
+def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, cache_dir_given: bool) -> str:
+    """"eager", "inductor", "graph" or WARM_OR_EAGER for an engine's `compile` option.
+
+    `auto` writes to the cache only when one is asked for (cache_dir given, or
+    require_cache): then it is "graph" on CUDA and "inductor" on CPU (`artifact_mode`).
+    Otherwise it uses the cache if it already holds every entry of that device's artifact
+    for these settings (`kiln compile` fills it), and else runs the graph eagerly, writing
+    nothing. Compiling at start-up is never implicit: on CPU a bucket costs ~20-25 s of
+    CPU time for a step at most ~20% faster, and the default plan has 16 buckets (README
+    design notes). Explicit "inductor" and "graph" work on both devices ("inductor" on CUDA
+    builds packages that this image's torch cannot load; see `artifact_mode`).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "eager" and require_cache:
-        raise ValueError("require_cache=True needs compiled artifacts, but compile='eager' runs none; "
-                         "use compile='inductor' or 'auto'")
+        raise ValueError("require_cache=True needs cached artifacts, but compile='eager' uses none; "
+                         "use compile='auto', 'graph' or 'inductor'")
     if mode != "auto":
         return mode
     if require_cache or cache_dir_given:
-        return "inductor"
+        return artifact_mode(device)
     return WARM_OR_EAGER
 
 
@@ -170,12 +223,119 @@ class _Timer:
         self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.t
 
 
+def _capture(setup: ModelSetup) -> ModelGraph:
+    return build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
+                             pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
+
+
 def prepare_eager(setup: ModelSetup) -> PreparedModel:
     report = StartupReport(mode="eager", captured=True)
     with _timed(report.timings, "graph capture"):
-        graph = build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
-                                  pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
+        graph = _capture(setup)
     return PreparedModel(spec=graph.spec(), plan=setup.plan, report=report, graph=graph)
+
+
+def _read_spec(store: ArtifactStore, key: str) -> GraphSpec | None:
+    entry = store.get(key)
+    if entry is None:
+        return None
+    try:
+        return GraphSpec.from_bytes(entry.data)
+    except GraphSpecError as e:
+        store.drop(key, str(e))
+        return None
+
+
+def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool = False,
+                  write: bool = True) -> PreparedModel:
+    """Mode "graph": the post-pass FX graph from the cache as code, or captured and stored.
+
+    Both the graph spec and the graph-code entry present and loadable: nothing is captured
+    (`report.captured` False). Otherwise the graph is captured once and, with `write`, the
+    missing entries are stored under their keys' locks (looking again after taking each);
+    a code entry that does not load is dropped as corrupt and rebuilt. With
+    `require_cache`, a miss raises CacheMissError naming each missing entry and why.
+    A graph whose source cannot be stored (kiln.compiler.graph_code) runs eagerly, with a note.
+    """
+    report = StartupReport(mode="graph")
+    model_key, code_key = setup.model_key(), setup.graph_code_key()
+    dropped_before = len(store.dropped)
+
+    with _timed(report.timings, "cache lookups"):
+        spec = _read_spec(store, model_key)
+        code_entry = store.get(code_key)
+    code: GraphCode | None = None
+    if spec is not None and code_entry is not None:
+        with _timed(report.timings, "load graph code"):
+            try:
+                code = load_graph_code(code_entry.data, spec.input_roles, setup.device, name=code_key)
+            except GraphCodeError as e:
+                store.drop(code_key, str(e))
+    if code is not None:
+        assert spec is not None  # loaded against it just above
+        report.graph_from_cache = True
+        report.dropped = store.dropped[dropped_before:]
+        return PreparedModel(spec=spec, plan=setup.plan, report=report, graph_code=code)
+
+    if require_cache:
+        from kiln.cache.explain import explain_miss
+
+        lines = []
+        if spec is None:
+            lines.append(f"  graph spec ({model_key}): {explain_miss(store, MODEL_KIND, setup.model_factors())}")
+        lines.append(f"  graph code ({code_key}): "
+                     f"{explain_miss(store, GRAPH_CODE_KIND, setup.graph_code_factors())}")
+        lines += [f"  (entry {key} was corrupt and has been dropped: {problem})"
+                  for key, problem in store.dropped[dropped_before:]]
+        what = "the graph spec and the graph code" if spec is None else "the graph code"
+        raise CacheMissError(
+            f"require_cache is set but the cache at {store.root} lacks {what} (compile mode 'graph'):\n"
+            + "\n".join(lines)
+            + f"\nrun `kiln compile --device {setup.device.type} --compile graph` with the same model and settings "
+            "(or drop --require-cache to capture and cache the graph now)"
+        )
+
+    with _timed(report.timings, "graph capture"):
+        graph = _capture(setup)
+    report.captured = True
+    stale_spec = spec is not None and spec.input_roles != graph.input_roles()
+    if stale_spec:
+        # Same key, different graph: only possible if something outside the key changed the
+        # capture. Trust the graph just built.
+        logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", model_key)
+    spec = graph.spec()
+    try:
+        data = serialize_graph_code(graph.graph_module, spec.input_roles, setup.device)
+        # Check now that what would be stored loads, rather than at the next start-up.
+        load_graph_code(data, spec.input_roles, setup.device, name=code_key)
+    except GraphCodeError as e:
+        report.mode = "eager"
+        report.note = f"compile='graph' fell back to eager: the post-pass graph cannot be cached as code ({e})"
+        logger.warning("kiln cache: %s", report.note)
+        report.dropped = store.dropped[dropped_before:]
+        return PreparedModel(spec=spec, plan=setup.plan, report=report, graph=graph)
+
+    if write:
+        with _timed(report.timings, "store graph"):
+            factors = setup.model_factors()
+            with store.lock(model_key):
+                if stale_spec:
+                    store.delete(model_key)
+                if store.get(model_key) is None:
+                    store.put(Manifest(key=model_key, kind=MODEL_KIND, label="graph", model=setup.model_type,
+                                       factors=factors, checksum="", size=0, created=time.time()),
+                              spec.to_bytes())
+                    report.stored.append(model_key)
+            with store.lock(code_key):
+                if store.get(code_key) is None:  # another process may have stored it while we waited
+                    capture_s = report.timings.get("graph capture", 0.0)
+                    store.put(Manifest(key=code_key, kind=GRAPH_CODE_KIND, label="graph-code",
+                                       model=setup.model_type, factors=setup.graph_code_factors(), checksum="",
+                                       size=0, created=time.time(), extra={"capture_seconds": round(capture_s, 3)}),
+                              data)
+                    report.stored.append(code_key)
+    report.dropped = store.dropped[dropped_before:]
+    return PreparedModel(spec=spec, plan=setup.plan, report=report, graph=graph)
 
 
 def prepare_compiled(
@@ -199,13 +359,7 @@ def prepare_compiled(
     dropped_before = len(store.dropped)
 
     with _timed(report.timings, "cache lookups"):
-        spec = None
-        spec_entry = store.get(model_key)
-        if spec_entry is not None:
-            try:
-                spec = GraphSpec.from_bytes(spec_entry.data)
-            except GraphSpecError as e:
-                store.drop(model_key, str(e))
+        spec = _read_spec(store, model_key)
         found: dict[Bucket, bytes] = {}
         for bucket, key in bucket_keys.items():
             t0 = time.perf_counter()
@@ -237,8 +391,7 @@ def prepare_compiled(
     graph = None
     if spec is None or missing:
         with _timed(report.timings, "graph capture"):
-            graph = build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
-                                      pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
+            graph = _capture(setup)
         report.captured = True
         if spec is not None and spec.input_roles != graph.input_roles():
             # Same key, different graph: only possible if something outside the key changed
@@ -332,7 +485,7 @@ def setup_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype, 
 
 
 def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype, device: torch.device) -> PreparedModel:
-    """Engine start-up's graph phase: eager capture, or cache lookups + compile + load."""
+    """Engine start-up's graph phase: eager capture, or cache lookups + capture/compile + load."""
     setup = setup_for_engine(engine_config, model_config, dtype, device)
     mode = resolve_compile_mode(engine_config.compile, device, engine_config.require_cache,
                                 engine_config.cache_dir is not None)
@@ -340,6 +493,9 @@ def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype
         prepared = _prepare_warm_or_eager(setup, engine_config.cache_dir, engine_config.progress)
     elif mode == "eager":
         prepared = prepare_eager(setup)
+    elif mode == "graph":
+        with ArtifactStore(engine_config.cache_dir) as store:
+            prepared = prepare_graph(setup, store, require_cache=engine_config.require_cache)
     else:
         with ArtifactStore(engine_config.cache_dir) as store:
             prepared = prepare_compiled(setup, store, require_cache=engine_config.require_cache,
@@ -353,18 +509,32 @@ def _prepare_warm_or_eager(setup: ModelSetup, cache_dir: str | None, progress: b
     from kiln.cache.store import CacheStoreError
 
     t0 = time.perf_counter()
-    keys = [setup.model_key(), *setup.bucket_keys().values()]
+    artifact = artifact_mode(setup.device)
+    if artifact == "graph":
+        keys = [setup.model_key(), setup.graph_code_key()]
+    else:
+        keys = [setup.model_key(), *setup.bucket_keys().values()]
     present = 0
     try:
         with ArtifactStore(cache_dir) as store:
             present = sum(key in store for key in keys)
             if present == len(keys):
+                if artifact == "graph":
+                    # write=False: an entry found unloadable is dropped, and the graph then
+                    # captured runs without being stored, as an eager start would.
+                    prepared = prepare_graph(setup, store, write=False)
+                    if prepared.report.captured and prepared.report.mode == "graph":
+                        prepared.report.note = "compile=auto: the cached graph code was unusable; nothing written"
+                    return prepared
                 return prepare_compiled(setup, store, progress=progress)
     except CacheStoreError as e:  # an unusable default cache must not stop an eager start
         logger.debug("compile cache not usable (%s); running eagerly", e)
     lookups = time.perf_counter() - t0
     prepared = prepare_eager(setup)
     prepared.report.timings = {"cache lookups": lookups, **prepared.report.timings}
-    prepared.report.note = (f"compile=auto: {present} of {len(keys)} cache entries present, none compiled; "
-                            "`kiln compile` with these settings, or compile='inductor', uses Inductor artifacts")
+    if artifact == "graph":
+        how = "`kiln compile` with these settings, or compile='graph', caches the post-pass graph"
+    else:
+        how = "`kiln compile` with these settings, or compile='inductor', uses Inductor artifacts"
+    prepared.report.note = f"compile=auto: {present} of {len(keys)} cache entries present, none compiled; {how}"
     return prepared

@@ -46,10 +46,11 @@ def add_cache_args(parser: argparse.ArgumentParser, serving: bool = True) -> Non
     c.add_argument("--buckets", nargs="+", default=[], metavar="KIND:N,N",
                    help="bucket sizes instead of the default plan, e.g. --buckets decode:1,2,4 tokens:64,256")
     if serving:
-        c.add_argument("--compile", default="auto", choices=["auto", "eager", "inductor"],
-                       help="auto: use Inductor artifacts when the cache holds them all, compile missing ones "
-                            "only with --cache-dir or --require-cache, else run eagerly; eager: run the FX graph "
-                            "directly, compiling nothing; inductor: compile what is missing")
+        c.add_argument("--compile", default="auto", choices=["auto", "eager", "inductor", "graph"],
+                       help="auto: use the device's cached artifact (CPU: Inductor packages; CUDA: the post-pass "
+                            "graph as code) when the cache holds it all, fill misses only with --cache-dir or "
+                            "--require-cache, else run eagerly; eager: run the FX graph directly, compiling "
+                            "nothing; inductor: compile what is missing; graph: cache the post-pass FX graph")
         c.add_argument("--require-cache", action="store_true",
                        help="fail at start-up, naming the missing buckets, instead of compiling (see `kiln compile`)")
 

@@ -52,11 +52,13 @@ class EngineConfig:
     enable_passes: list[str] = field(default_factory=list)
     disable_passes: list[str] = field(default_factory=list)
     progress: bool = True
-    # Compile and cache (kiln.compiler.aot). compile: "auto" (artifacts when the cache holds
-    # them all, compiling misses only if cache_dir or require_cache is given; else eager),
-    # "eager" or "inductor". cache_dir: None for $KILN_CACHE_DIR or the user's cache
-    # directory. require_cache: fail at start-up, naming the missing buckets, instead of
-    # compiling. *_buckets: None for the default plan.
+    # Compile and cache (kiln.compiler.aot). compile: "auto" (the device's cached artifact
+    # when the cache holds it all, filling misses only if cache_dir or require_cache is
+    # given; else eager), "eager", "inductor" (an AOTInductor package per bucket; the CPU
+    # artifact) or "graph" (the post-pass FX graph cached as code; the CUDA artifact; see
+    # resolve_compile_mode). cache_dir: None for $KILN_CACHE_DIR or the user's cache
+    # directory. require_cache: fail at start-up, naming the missing entries, instead of
+    # capturing or compiling. *_buckets: None for the default plan.
     compile: str = "auto"
     cache_dir: str | None = None
     require_cache: bool = False
@@ -91,6 +93,10 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    # False: step() reports this request only when it finishes (offline generate); building
+    # an output copies every completion's tokens, per step, per request: at batch 256 that
+    # was most of a decode step's host time.
+    every_step: bool = True
 
 
 @dataclass
@@ -315,11 +321,15 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | dict[str, Any] | None = None,
         arrival_time: float | None = None,
+        *,
+        every_step: bool = True,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field, queueing nothing.
 
         `params` may be a dict (see `SamplingParams.from_dict`). `arrival_time` (monotonic
         clock) lets a server count queueing before the engine saw the request.
+        `every_step=False` makes `step()` return this request's output only once it has
+        finished (what `LLM.generate` wants), instead of after every step that changed it.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -341,7 +351,7 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                 seq.text = OutputText(detok, params.stop)
         self.requests[request_id] = _Request(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs,
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs, every_step,
         )
         for seq in seqs:
             self.scheduler.add(seq)
@@ -393,7 +403,8 @@ class LLMEngine:
         for item in sched.scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
-        inputs = prepare_step_inputs(sched, self.block_manager, self.device)
+        # Built on the host; the runner uploads them (pinned, two copies for a decode graph).
+        inputs = prepare_step_inputs(sched, self.block_manager, "cpu")
         logits = self.runner.execute(inputs)
         sampling: list[Sequence] = []
         for item in sched.scheduled:
@@ -408,11 +419,16 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         for seq, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
             self._append_token(seq, int(token), logprobs, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
-        outputs = [self._request_output(req) for req in touched.values()]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
+            req = self.requests[seq.request_id]
+            if req.every_step or seq.is_finished:
+                touched[seq.request_id] = req
+        outputs = []
+        for req in touched.values():
+            finished = all(s.is_finished for s in req.seqs)
+            if req.every_step or finished:
+                outputs.append(self._request_output(req))
+            if finished:
+                del self.requests[req.request_id]
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:

@@ -99,7 +99,7 @@ class LLM:
             try:
                 if isinstance(prompt, ValueError):
                     raise prompt
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, every_step=False)  # only final outputs are kept
                 ids.append(rid)
             except ValueError as e:
                 errors[i] = str(e)

@@ -9,6 +9,7 @@ steps to the next decode bucket, other steps to the next token bucket.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -59,9 +60,8 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
             sample_rows.append(starts[-1] - 1)
         tables.append(seq.block_table)
     width = max(1, max(len(t) for t in tables))
-    block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    # One tensor from padded rows (0 is the null block): one call instead of one per row.
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
     def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype)
@@ -107,6 +107,76 @@ def pad_step_inputs(inputs: StepInputs, bucket: Bucket) -> StepInputs:
         query_start_loc=torch.cat([qsl, qsl[-1:].expand(pad_b)]),
         logits_indices=F.pad(inputs.logits_indices, (0, pad_s)),
     )
+
+
+@dataclass
+class DecodeStaging:
+    """The batch inputs of one captured decode graph: device views the graph reads, packed
+    by dtype into two flat buffers, and pinned host mirrors of them.
+
+    A step writes its (CPU) inputs into the host views and issues one asynchronous copy per
+    dtype, instead of one synchronous copy per tensor from pageable memory. The pinned
+    buffers are reused every step, so `upload` first waits for the previous upload's copies
+    (already done in practice: the step after it read its sampled tokens back).
+    """
+
+    device: dict[str, torch.Tensor]
+    host: dict[str, torch.Tensor]
+    device_flat: list[torch.Tensor]
+    host_flat: list[torch.Tensor]
+    copied: Any  # torch.cuda.Event recorded after the last upload's copies
+
+    @staticmethod
+    def allocate(batch: int, max_blocks_per_seq: int, device: torch.device) -> "DecodeStaging":
+        layout = {  # name -> (dtype, shape, initial value)
+            "input_ids": (torch.long, (1, batch), 0),
+            "position_ids": (torch.long, (1, batch), 0),
+            "slot_mapping": (torch.long, (batch,), 0),  # slot 0: the null block
+            "logits_indices": (torch.long, (batch,), None),  # arange
+            "block_tables": (torch.int32, (batch, max_blocks_per_seq), 0),
+            "seq_lens": (torch.int32, (batch,), 1),
+            "query_start_loc": (torch.int32, (batch + 1,), None),  # arange
+        }
+        dev_views: dict[str, torch.Tensor] = {}
+        host_views: dict[str, torch.Tensor] = {}
+        dev_flat, host_flat = [], []
+        for dtype in (torch.long, torch.int32):
+            names = [n for n, (dt, _, _) in layout.items() if dt == dtype]
+            total = sum(math.prod(layout[n][1]) for n in names)
+            d = torch.zeros(total, dtype=dtype, device=device)
+            h = torch.zeros(total, dtype=dtype).pin_memory()
+            offset = 0
+            for n in names:
+                _, shape, init = layout[n]
+                size = math.prod(shape)
+                dv = d[offset:offset + size].view(shape)
+                hv = h[offset:offset + size].view(shape)
+                if init is None:
+                    hv.copy_(torch.arange(size, dtype=dtype).view(shape))
+                else:
+                    hv.fill_(init)
+                dev_views[n], host_views[n] = dv, hv
+                offset += size
+            d.copy_(h)
+            dev_flat.append(d)
+            host_flat.append(h)
+        event = torch.cuda.Event()
+        event.record()
+        return DecodeStaging(dev_views, host_views, dev_flat, host_flat, event)
+
+    def upload(self, inputs: StepInputs) -> None:
+        """Copy a step's CPU inputs (padded to this batch) into the graph's device buffers."""
+        self.copied.synchronize()
+        for name, value in inputs.as_dict().items():
+            view = self.host[name]
+            if value.shape == view.shape:
+                view.copy_(value)
+            else:  # block tables narrower than max_model_len's: pad with the null block
+                view.zero_()
+                view[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        for d, h in zip(self.device_flat, self.host_flat):
+            d.copy_(h, non_blocking=True)
+        self.copied.record()
 
 
 class ModelRunner:
@@ -209,23 +279,15 @@ class ModelRunner:
         A decode step then costs one graph replay: the whole model, attention included,
         without a Python op dispatch per layer. Block tables are captured at their full
         width (max_model_len / block_size) so that one graph serves every context length.
-        Returns the seconds each capture took, by bucket name.
+        Each graph's batch inputs live in two flat device buffers (int64 and int32) mirrored
+        by pinned host buffers, so a step's inputs reach the GPU in two asynchronous copies
+        (`DecodeStaging`). Returns the seconds each capture took, by bucket name.
         """
         from kiln.runtime.cuda_graphs import BucketGraphs
 
         graphs = BucketGraphs(self.device)
-        dev = self.device
-        static: dict[int, dict[str, torch.Tensor]] = {}
-        for b in sizes:
-            static[b] = {
-                "input_ids": torch.zeros((1, b), dtype=torch.long, device=dev),
-                "position_ids": torch.zeros((1, b), dtype=torch.long, device=dev),
-                "slot_mapping": torch.zeros((b,), dtype=torch.long, device=dev),  # the null slot
-                "block_tables": torch.zeros((b, max_blocks_per_seq), dtype=torch.int32, device=dev),
-                "seq_lens": torch.ones((b,), dtype=torch.int32, device=dev),
-                "query_start_loc": torch.arange(b + 1, dtype=torch.int32, device=dev),
-                "logits_indices": torch.arange(b, dtype=torch.long, device=dev),
-            }
+        self._decode_staging = {b: DecodeStaging.allocate(b, max_blocks_per_seq, self.device) for b in sizes}
+        static = {b: self._decode_staging[b].device for b in sizes}
         graphs.capture_all({b: self._step_fn(decode_bucket(b)) for b in sizes}, static)
         self._decode_graphs = graphs
         self._decode_graph_sizes = sorted(sizes)
@@ -243,7 +305,12 @@ class ModelRunner:
             return None
         padded = pad_step_inputs(inputs, decode_bucket(size))
         self.bucket_counts[f"cudagraph-decode-{size}"] = self.bucket_counts.get(f"cudagraph-decode-{size}", 0) + 1
-        logits = graphs.replay(size, padded.as_dict())
+        staging = self._decode_staging[size]
+        if padded.input_ids.device.type == "cpu":
+            staging.upload(padded)  # two async copies through pinned memory
+            logits = graphs.replay(size, {})
+        else:  # already on the device (callers that built device inputs): copy buffer by buffer
+            logits = graphs.replay(size, padded.as_dict())
         return logits[0, :s].float()  # a copy: the static output is overwritten by the next replay
 
     @torch.inference_mode()
@@ -252,6 +319,8 @@ class ModelRunner:
         replayed = self._replay_decode(inputs)
         if replayed is not None:
             return replayed
+        if inputs.input_ids.device.type != self.device.type:
+            inputs = StepInputs(**{k: v.to(self.device, non_blocking=True) for k, v in inputs.as_dict().items()})
         num_samples = inputs.logits_indices.shape[0]
         fn: Callable[..., Any]
         if self.bucket_fns is not None:

@@ -79,7 +79,11 @@ class Sampler:
 
     # ---- step 1-2: what the sampler sees ------------------------------------------------
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Penalties and the min_tokens mask applied to a copy of `logits`."""
+        """Penalties and the min_tokens mask applied to a copy of `logits` (`logits` itself,
+        unchanged, when no row has either: the copy of a 128K-vocabulary batch per step is
+        host time and a kernel for nothing)."""
+        if not any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
+            return logits.float()
         out = logits.float().clone()
         self._apply_penalties(out, seqs)
         self._apply_min_tokens(out, seqs)

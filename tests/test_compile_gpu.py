@@ -50,7 +50,8 @@ def test_cuda_cold_compile_then_warm_start(cuda_packages_load, tiny_model_dir, t
     if dtype == "float32":
         assert cold["tokens"] == cold["eager_tokens"]
     fresh = tmp_path / "fresh-inductor-cache"
-    warm = run_worker({**common, "require_cache": True},
+    # compile="inductor": on CUDA, "auto" with a cache means the graph-code artifact.
+    warm = run_worker({**common, "compile": "inductor", "require_cache": True},
                       env={"TORCHINDUCTOR_CACHE_DIR": str(fresh), "TRITON_CACHE_DIR": str(tmp_path / "fresh-triton")})
     assert warm["tokens"] == cold["tokens"] and warm["from_cache"] == 2
     assert_compiled_nothing(warm, fresh)
