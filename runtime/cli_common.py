@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                    help="CUDA: fraction of GPU memory for weights, activations and the KV cache (default 0.9)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: run decode steps without capturing CUDA graphs")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="read every step's tokens back before scheduling the next (default: the next "
+                        "decode step is launched first, overlapping the host's work with the device's)")
     g.add_argument("--verbose", "-v", action="store_true", help="log start-up phases and more")
     add_cache_args(parser, serving)
 
@@ -63,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
         enable_passes=args.enable_pass, disable_passes=args.disable_pass,
         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
         **cache_kwargs(args),
     )
 

@@ -26,9 +26,9 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs, profile_step_memory
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from kiln.runtime.sampler import Sampler
+from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
 logger = logging.getLogger("kiln.runtime")
@@ -68,6 +68,10 @@ class EngineConfig:
     # cache), and whether decode steps replay captured CUDA graphs (False = always eager).
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
+    # Launch the next decode step before reading this one's tokens, so the host's per-step
+    # work (reading tokens, stop checks, outputs, scheduling) overlaps the device's
+    # (see step()). False: every step is read back before the next is scheduled.
+    async_scheduling: bool = True
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -97,6 +101,15 @@ class _Request:
     # an output copies every completion's tokens, per step, per request: at batch 256 that
     # was most of a decode step's host time.
     every_step: bool = True
+
+
+@dataclass
+class _LaunchedStep:
+    """A step running on the device whose sampled tokens have not been read back yet."""
+
+    scheduled: list[ScheduledSequence]
+    sampling: list[Sequence]  # the rows of `pending`, in order
+    pending: PendingSample | None  # None: no sequence samples (prefill chunks only)
 
 
 @dataclass
@@ -179,6 +192,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, not read back
+        self.num_discarded_tokens = 0  # computed for a sequence that had ended meanwhile
         self._seq_ids = itertools.count()
         self.timings["total"] = time.perf_counter() - t0
         logger.info(
@@ -372,7 +387,9 @@ class LLMEngine:
         return self._request_output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        in_flight = self._in_flight
+        return self.scheduler.has_unfinished() or (
+            in_flight is not None and not all(seq.is_finished for seq in in_flight.sampling))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -395,29 +412,78 @@ class LLMEngine:
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of requests that produced tokens or ended."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        """Run one engine step; returns the outputs of requests that produced tokens or ended.
+
+        Async scheduling keeps at most one step in flight: a step is launched (inputs
+        uploaded, graph replayed, draw queued on the device), then, when the next step is a
+        plain decode continuation of it (`Scheduler.schedule_continuation`), that one is
+        launched too, its input ids taken on the device from the first one's draw, and only
+        then are the first one's tokens read back and processed while the device computes.
+        A sequence that turns out to end with the token read back (EOS, a stop string, an
+        abort) is dropped when the next step is read back: its extra token is discarded.
+        """
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None and all(seq.is_finished for seq in launched.sampling):
+            launched = None  # all it ran ended meanwhile (aborted, stopped): nothing to read back
+        if launched is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            launched = self._launch(sched.scheduled)
+        if self.config.async_scheduling:
+            self._in_flight = self._launch_continuation(launched)
+        return self._collect(launched)
+
+    def _launch(self, scheduled: list[ScheduledSequence], input_ids: torch.Tensor | None = None) -> _LaunchedStep:
+        """Run `scheduled` on the device and queue its draw; nothing is read back."""
         now = time.monotonic()
-        for item in sched.scheduled:
+        for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         # Built on the host; the runner uploads them (pinned, two copies for a decode graph).
-        inputs = prepare_step_inputs(sched, self.block_manager, "cpu")
-        logits = self.runner.execute(inputs)
+        inputs = prepare_step_inputs(SchedulerOutput(scheduled=scheduled), self.block_manager, "cpu")
+        logits = self.runner.execute(inputs, input_ids)
         sampling: list[Sequence] = []
-        for item in sched.scheduled:
+        for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit(item.seq)
             if item.samples:
                 sampling.append(item.seq)
-        if not sampling:
+        pending = self.sampler.launch(logits, sampling) if sampling else None
+        for seq in sampling:
+            seq.num_inflight_tokens += 1
+        return _LaunchedStep(scheduled, sampling, pending)
+
+    def _launch_continuation(self, prev: _LaunchedStep) -> _LaunchedStep | None:
+        """Launch the decode step after `prev` before `prev`'s tokens are read, if it is one."""
+        if prev.pending is None:
+            return None
+        for seq in prev.sampling:
+            # Ending by length with the token in flight changes the batch: read it first.
+            if (seq.num_output_tokens + seq.num_inflight_tokens >= seq.params.max_tokens
+                    or seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len):
+                return None
+        if not self.sampler.can_defer(prev.sampling):
+            return None
+        items = self.scheduler.schedule_continuation(prev.scheduled)
+        if items is None:
+            return None
+        return self._launch(items, input_ids=prev.pending.tokens)
+
+    def _collect(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Read `step`'s tokens back (waits for the device) and process them."""
+        for item in step.scheduled:
+            if not item.samples and not item.seq.is_finished:
+                self.block_manager.commit(item.seq)  # a prefill chunk's full blocks
+        if step.pending is None:
             return []
-        sampled = self.sampler.sample(logits, sampling)
+        sampled = self.sampler.collect(step.pending)
         now = time.monotonic()
         touched: dict[str, _Request] = {}
-        for seq, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+        for seq, token, logprobs in zip(step.sampling, sampled.token_ids, sampled.logprobs):
+            seq.num_inflight_tokens -= 1
+            if seq.is_finished:
+                self.num_discarded_tokens += 1
+                continue  # ended (stop, abort) while this step was in flight: the token is dropped
             self._append_token(seq, int(token), logprobs, now)
             req = self.requests[seq.request_id]
             if req.every_step or seq.is_finished:
@@ -438,6 +504,9 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
+        # Every token id of its computed blocks is known now (with async scheduling the last
+        # one may be this token): full blocks enter the prefix cache before a finish frees them.
+        self.block_manager.commit(seq)
         reason = self._finish_reason(seq, token)
         if reason is not None:
             seq.finish_time = now

@@ -167,6 +167,15 @@ class GuidedSampler:
             self._mask(logits, seqs)
         return self.inner.sample(logits, seqs, *args, **kwargs)
 
+    def launch(self, logits: torch.Tensor, seqs: list[Any]) -> Any:
+        if self._grammars:
+            self._mask(logits, seqs)
+        return self.inner.launch(logits, seqs)
+
+    def can_defer(self, seqs: list[Any]) -> bool:
+        # A guided row's mask follows the grammar from every earlier token: it needs them all.
+        return not any(seq.request_id in self._grammars for seq in seqs) and self.inner.can_defer(seqs)
+
     def __getattr__(self, name: str) -> Any:
         # Anything else the engine asks of its sampler goes to the real one.
         return getattr(self.inner, name)

@@ -8,6 +8,7 @@ steps to the next decode bucket, other steps to the next token bucket.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     for item in step.scheduled:
         seq, n = item.seq, item.num_new_tokens
         begin = seq.num_computed_tokens
-        ids = seq.all_token_ids
-        tokens.extend(ids[begin:begin + n])
+        ids = seq.all_token_ids[begin:begin + n]
+        # A continuation step (async scheduling) computes a token still on the device: its
+        # id is a placeholder here, and the runner takes the real one from the device.
+        tokens.extend(ids if len(ids) == n else ids + [0] * (n - len(ids)))
         positions.extend(range(begin, begin + n))
         slots.extend(block_manager.slot(seq, p) for p in range(begin, begin + n))
         seq_lens.append(begin + n)
@@ -293,7 +296,7 @@ class ModelRunner:
         self._decode_graph_sizes = sorted(sizes)
         return {decode_bucket(b).name: s for b, s in graphs.capture_seconds.items()}
 
-    def _replay_decode(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _replay_decode(self, inputs: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
         graphs = getattr(self, "_decode_graphs", None)
         if graphs is None:
             return None
@@ -308,19 +311,31 @@ class ModelRunner:
         staging = self._decode_staging[size]
         if padded.input_ids.device.type == "cpu":
             staging.upload(padded)  # two async copies through pinned memory
+            if input_ids is not None:  # after the upload on the stream: it overwrites the placeholders
+                staging.device["input_ids"][0, : input_ids.shape[0]].copy_(input_ids)
             logits = graphs.replay(size, {})
         else:  # already on the device (callers that built device inputs): copy buffer by buffer
+            if input_ids is not None:
+                padded.input_ids[0, : input_ids.shape[0]].copy_(input_ids)
             logits = graphs.replay(size, padded.as_dict())
         return logits[0, :s].float()  # a copy: the static output is overwritten by the next replay
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run one step; returns logits [S, V] (float32) for the rows in `logits_indices`."""
-        replayed = self._replay_decode(inputs)
+    def execute(self, inputs: StepInputs, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns logits [S, V] (float32) for the rows in `logits_indices`.
+
+        `input_ids` ([T] int64, on the device) replaces `inputs.input_ids`: a continuation
+        step's tokens are the previous step's samples, which never visit the host first.
+        """
+        if input_ids is not None and input_ids.shape[0] != inputs.input_ids.shape[1]:
+            raise ValueError(f"{input_ids.shape[0]} device input ids for a step of {inputs.input_ids.shape[1]} tokens")
+        replayed = self._replay_decode(inputs, input_ids)
         if replayed is not None:
             return replayed
         if inputs.input_ids.device.type != self.device.type:
             inputs = StepInputs(**{k: v.to(self.device, non_blocking=True) for k, v in inputs.as_dict().items()})
+        if input_ids is not None:
+            inputs = dataclasses.replace(inputs, input_ids=input_ids.view(1, -1).to(inputs.input_ids.dtype))
         num_samples = inputs.logits_indices.shape[0]
         fn: Callable[..., Any]
         if self.bucket_fns is not None:

@@ -36,6 +36,14 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where the request did not ask
 
 
+@dataclass
+class PendingSample:
+    """A launched draw: the tokens still on the device (read them with `Sampler.collect`)."""
+
+    tokens: torch.Tensor  # [S] int64, on the logits' device
+    logprobs: list[TokenLogprobs | None]
+
+
 def row_seed(seed: int, index: int, position: int) -> int:
     """A 63-bit generator seed for one draw of one completion of a seeded request."""
     digest = hashlib.blake2b(f"{seed}/{index}/{position}".encode(), digest_size=8).digest()
@@ -61,6 +69,14 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """One token per row of `logits` [S, V] (float32), row i belonging to seqs[i]."""
+        return self.collect(self.launch(logits, seqs))
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queue the draw on the logits' device without waiting for it (`collect` reads it).
+
+        Rows asking for logprobs are read back here already (they never run deferred:
+        see `can_defer`)."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
         seen = self.process_logits(logits, seqs)
@@ -75,14 +91,31 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in seqs):
             logprobs = self._logprobs(seen, tokens, seqs)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return PendingSample(tokens, logprobs)
+
+    @staticmethod
+    def collect(pending: PendingSample) -> SamplerOutput:
+        """The tokens of a launched draw, on the host (waits for the device)."""
+        return SamplerOutput(token_ids=pending.tokens.tolist(), logprobs=pending.logprobs)
+
+    @staticmethod
+    def can_defer(seqs: list[Sequence]) -> bool:
+        """Whether these rows can be drawn before their previous token is on the host.
+
+        Penalties and logprobs need the host's token lists (and logprobs a read-back at
+        launch); the min_tokens mask is exact with in-flight tokens counted, but only worth
+        deferring once it no longer applies. Seeded draws count in-flight tokens (`_draw`).
+        """
+        return not any(s.params.has_penalties or s.params.logprobs is not None
+                       or s.num_output_tokens + s.num_inflight_tokens < s.params.min_tokens for s in seqs)
 
     # ---- step 1-2: what the sampler sees ------------------------------------------------
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Penalties and the min_tokens mask applied to a copy of `logits` (`logits` itself,
         unchanged, when no row has either: the copy of a 128K-vocabulary batch per step is
         host time and a kernel for nothing)."""
-        if not any(s.params.has_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs):
+        if not any(s.params.has_penalties or s.num_output_tokens + s.num_inflight_tokens < s.params.min_tokens
+                   for s in seqs):
             return logits.float()
         out = logits.float().clone()
         self._apply_penalties(out, seqs)
@@ -138,7 +171,7 @@ class Sampler:
         vocab = logits.shape[1]
         for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens >= p.min_tokens:
+            if seq.num_output_tokens + seq.num_inflight_tokens >= p.min_tokens:
                 continue
             stops = set(p.stop_token_ids)
             if not p.ignore_eos:
@@ -166,7 +199,9 @@ class Sampler:
             gen = self._generator(self._seeded, device)
             for i in seeded:
                 seq = seqs[i]
-                gen.manual_seed(row_seed(params[i].seed, seq.index, seq.num_output_tokens))
+                # In-flight tokens count: a deferred draw is for the same position as a
+                # synchronous one would be.
+                gen.manual_seed(row_seed(params[i].seed, seq.index, seq.num_output_tokens + seq.num_inflight_tokens))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

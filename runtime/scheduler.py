@@ -55,6 +55,8 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     # Prompt tokens a sibling (n > 1) took from its first completion instead of computing.
     num_forked_tokens: int = 0
+    # Decode steps scheduled before the previous step's tokens were read (async scheduling).
+    num_continuation_steps: int = 0
 
 
 class Scheduler:
@@ -109,6 +111,31 @@ class Scheduler:
             budget = self._admit_waiting(out, budget)
         self.stats.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return out
+
+    def schedule_continuation(self, prev: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
+        """The decode step after `prev`, scheduled before `prev`'s tokens are known (async
+        scheduling): each of `prev`'s sequences gets one token, the one `prev` is sampling.
+
+        Only when that is exactly what `schedule()` would do once those tokens land: `prev`
+        sampled every running sequence, in the running order, nobody is waiting for a slot
+        that is free, and the blocks fit without preempting anyone. Otherwise None, and the
+        caller reads `prev`'s tokens first and schedules normally. Sequences that turn out
+        to finish with `prev`'s token are dropped from the result when it is read back.
+        """
+        seqs = [item.seq for item in prev]
+        if not prev or not all(item.samples for item in prev) or seqs != self.running:
+            return None
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            return None  # an admission may be possible: let schedule() decide it
+        bm = self.block_manager
+        if sum(bm.blocks_needed(seq, 1) for seq in seqs) > bm.num_available_blocks:
+            return None  # schedule() would preempt
+        for seq in seqs:
+            bm.allocate(seq, 1)
+        self.stats.num_steps += 1
+        self.stats.num_continuation_steps += 1
+        self.stats.num_scheduled_tokens += len(seqs)
+        return [ScheduledSequence(seq, 1, samples=True) for seq in seqs]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager

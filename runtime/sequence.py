@@ -37,6 +37,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     # Tokens whose K/V are in the cache; the next step computes from here.
     num_computed_tokens: int = 0
+    # Tokens sampled on the device but not yet read back and appended (async scheduling:
+    # at most 1 while a continuation step that consumes it is in flight).
+    num_inflight_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Hash chain over the full blocks of `all_token_ids` (filled lazily by the block manager;
     # stays valid across preemption because tokens are only ever appended).

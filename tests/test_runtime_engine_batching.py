@@ -237,19 +237,19 @@ def test_n_completions(batched):
 def test_logprobs_equal_log_softmax_of_what_the_sampler_saw(batched):
     engine = batched.engine
     seen: list[tuple[torch.Tensor, list[tuple[str, int, int]]]] = []
-    original = engine.sampler.sample
+    original = engine.sampler.launch  # what the engine calls for every draw
 
     def recording(logits, seqs, *a, **kw):
         seen.append((logits.clone(), [(s.request_id, s.index, s.num_output_tokens) for s in seqs]))
         return original(logits, seqs, *a, **kw)
 
-    engine.sampler.sample = recording
+    engine.sampler.launch = recording
     try:
         outs = batched.generate([list(range(5, 30)), list(range(60, 63))],
                                 [SamplingParams(max_tokens=5, temperature=0.8, seed=1, logprobs=4, ignore_eos=True),
                                  SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True)])
     finally:
-        engine.sampler.sample = original
+        engine.sampler.launch = original
     rows = {key: logits[j] for logits, keys in seen for j, key in enumerate(keys)}
     for out in outs:
         comp = out.outputs[0]
