@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -38,10 +38,18 @@ class SamplerOutput:
 
 @dataclass
 class PendingSample:
-    """A launched draw: the tokens still on the device (read them with `Sampler.collect`)."""
+    """A launched draw: the tokens still on the device (read them with `Sampler.collect`).
 
-    tokens: torch.Tensor  # [S] int64, on the logits' device
+    On CUDA the tokens' copy to the host is queued right behind the draw, into pinned
+    memory, with an event after it: `collect` waits for that event only. A plain `.tolist()`
+    would queue its copy at collect time, behind whatever was launched since (the next
+    step's whole graph, with async scheduling) and wait for all of it.
+    """
+
+    tokens: torch.Tensor  # [S] int64, on the logits' device (the next step's input ids)
     logprobs: list[TokenLogprobs | None]
+    host_tokens: torch.Tensor | None = None  # pinned copy being filled (CUDA)
+    copied: Any = None  # torch.cuda.Event recorded after that copy
 
 
 def row_seed(seed: int, index: int, position: int) -> int:
@@ -91,11 +99,20 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in seqs):
             logprobs = self._logprobs(seen, tokens, seqs)
-        return PendingSample(tokens, logprobs)
+        pending = PendingSample(tokens, logprobs)
+        if tokens.device.type == "cuda":
+            pending.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            pending.host_tokens.copy_(tokens, non_blocking=True)
+            pending.copied = torch.cuda.Event()
+            pending.copied.record()
+        return pending
 
     @staticmethod
     def collect(pending: PendingSample) -> SamplerOutput:
-        """The tokens of a launched draw, on the host (waits for the device)."""
+        """The tokens of a launched draw, on the host (waits for the draw, nothing after it)."""
+        if pending.host_tokens is not None:
+            pending.copied.synchronize()
+            return SamplerOutput(token_ids=pending.host_tokens.tolist(), logprobs=pending.logprobs)
         return SamplerOutput(token_ids=pending.tokens.tolist(), logprobs=pending.logprobs)
 
     @staticmethod
