@@ -1,7 +1,8 @@
 """Where a decode step's time goes: end-to-end step vs CUDA-graph replay vs kernels.
 
 For each batch size B (after a `--prompt-len`-token prefill, random ids):
-  step_ms      - one `engine.step()` (schedule, inputs to the GPU, replay, sample, outputs);
+  step_ms      - one `engine.step()` (schedule, inputs to the GPU, replay, sample, outputs),
+                 with the engine's async scheduling as configured;
   replay_ms    - the captured decode graph alone, replayed back to back (GPU time per step);
   host_gap_ms  - step_ms - replay_ms: what the host adds between replays;
   kernels      - the kernels of one decode step from the profiler (eager run of the same
@@ -82,7 +83,11 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: i
     torch.cuda.synchronize()
     out["step_ms"] = (time.perf_counter() - t0) * 1e3 / steps
 
-    # 2. the graph alone, and 3. the host's share of a step, pieces timed on the host
+    # 2. the graph alone, and 3. the host's share of a step, pieces timed on the host.
+    # Scheduling by hand below needs no step in flight: read the async one back first.
+    async_scheduling = engine.config.async_scheduling
+    engine.config.async_scheduling = False
+    engine.step()
     runner = engine.runner
     sched = engine.scheduler.schedule()
     inputs = prepare_step_inputs(sched, engine.block_manager, engine.device)
@@ -126,6 +131,7 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: i
     out["eager_forward_ms"] = _time_cuda(lambda: fn(**batch_inputs), 10)
     for rid in list(engine.requests):
         engine.abort(rid)
+    engine.config.async_scheduling = async_scheduling
     return out
 
 

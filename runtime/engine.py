@@ -8,6 +8,8 @@ loads weights, sizes and allocates the KV cache, and logs how long each phase to
 
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import logging
 import os
@@ -195,6 +197,16 @@ class LLMEngine:
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, not read back
         self.num_discarded_tokens = 0  # computed for a sequence that had ended meanwhile
         self._seq_ids = itertools.count()
+        # Everything start-up left on the heap (torch, transformers, the graph, the weights'
+        # Python objects) goes to the collector's permanent generation: otherwise every
+        # collection the per-step outputs trigger walks it again. At batch 128 that was 60%
+        # of a decode step's host time (CPU, tiny model: 3.4 ms -> 1.4 ms per step).
+        gc.collect()
+        gc.freeze()
+        # ... and back before the interpreter's final collection, so that extension objects
+        # (Triton's nanobind types) are finalized instead of reported as leaked at exit.
+        atexit.unregister(gc.unfreeze)  # one registration however many engines a process makes
+        atexit.register(gc.unfreeze)
         self.timings["total"] = time.perf_counter() - t0
         logger.info(
             "engine ready in %.2fs (%s) | %s | %d KV blocks x %d tokens",
