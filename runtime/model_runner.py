@@ -120,7 +120,7 @@ class DecodeStaging:
     A step writes its (CPU) inputs into the host views and issues one asynchronous copy per
     dtype, instead of one synchronous copy per tensor from pageable memory. The pinned
     buffers are reused every step, so `upload` first waits for the previous upload's copies
-    (already done in practice: the step after it read its sampled tokens back).
+    (long done in practice: they ran ahead of the step before, which has been read back).
     """
 
     device: dict[str, torch.Tensor]

@@ -1,4 +1,5 @@
-"""The compile cache on CUDA: AOTInductor packages with Triton kernels, warm start in a new process."""
+"""The compile cache on CUDA: AOTInductor packages (which the lent image cannot load) and the
+post-pass graph as code (the CUDA default), each with a warm start in a new process."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ def test_cuda_cold_compile_then_warm_start(cuda_packages_load, tiny_model_dir, t
     assert warm["tokens"] == cold["tokens"] and warm["from_cache"] == 2
     assert_compiled_nothing(warm, fresh)
     print(f"cuda {dtype}: compile {cold['buckets']}, warm first token {warm['engine_first_token_seconds']:.2f}s")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graph_mode_cold_then_warm_start(tiny_model_dir, tmp_path, dtype):
+    """The CUDA default with a cache (compile mode "graph"): one process captures and stores
+    the post-pass graph; a fresh one loads it, captures nothing, and generates the same tokens."""
+    model = str(tiny_model_dir("llama")[0])
+    common = {"model": model, "dtype": dtype, "device": "cuda", "cache_dir": str(tmp_path / "cache"),
+              **TINY_SETTINGS, "prompts": TINY_PROMPTS, "max_tokens": 10}
+    cold = run_worker(common)  # compile="auto" with a cache on CUDA -> "graph"
+    assert cold["mode"] == "graph" and cold["captured"]
+    warm = run_worker({**common, "require_cache": True})
+    assert warm["mode"] == "graph" and not warm["captured"] and warm["graph_from_cache"]
+    assert "graph capture" not in warm["timings"]
+    assert warm["tokens"] == cold["tokens"]

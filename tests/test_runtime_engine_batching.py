@@ -174,7 +174,9 @@ def test_prefix_caching_can_be_turned_off(model_dir):
 def test_no_leak_with_random_requests_and_aborts(model_dir):
     """The real-model version of the block manager's property test (fewer requests)."""
     rng = random.Random(11)
-    llm = make_llm(model_dir, num_kv_blocks=30, max_num_seqs=6, max_num_batched_tokens=64)
+    # 24 blocks: tight enough that preemption happens in every run (5-9 times), whatever the
+    # unseeded rows draw (with 30 it was 0-2 times, so the assertion below could fail).
+    llm = make_llm(model_dir, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=64)
     shared = random_prompt(rng, 40)
     requests = []
     for _ in range(40):
@@ -188,7 +190,7 @@ def test_no_leak_with_random_requests_and_aborts(model_dir):
     assert any(o.outputs[0].finish_reason == "abort" for o in finished.values())
     bm = llm.engine.block_manager
     bm.check_invariants([])
-    assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == 29
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == 23
     assert llm.engine.scheduler.stats.num_preemptions > 0
     assert not llm.engine.requests
 
