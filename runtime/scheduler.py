@@ -123,7 +123,8 @@ class Scheduler:
         to finish with `prev`'s token are dropped from the result when it is read back.
         """
         seqs = [item.seq for item in prev]
-        if not prev or not all(item.samples for item in prev) or seqs != self.running:
+        if (not prev or not all(item.samples for item in prev) or len(seqs) != len(self.running)
+                or any(a is not b for a, b in zip(seqs, self.running))):
             return None
         if self.waiting and len(self.running) < self.max_num_seqs:
             return None  # an admission may be possible: let schedule() decide it
