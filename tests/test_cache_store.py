@@ -154,12 +154,16 @@ def test_lock_serializes_holders(tmp_path):
         code = (
             "import sys, time; from kiln.cache.store import ArtifactStore\n"
             f"s = ArtifactStore({str(tmp_path)!r})\n"
+            "print('ready', flush=True)\n"
             "t = time.perf_counter()\n"
             f"with s.lock({key!r}): print(round(time.perf_counter() - t, 2))\n"
         )
         with store.lock(key):
             proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-            time.sleep(2.0)
+            # Hold the lock for 1.5 s from when the child is about to ask for it: its start-up
+            # (imports) takes a second or more on a loaded machine and must not count.
+            assert proc.stdout.readline().strip() == "ready"
+            time.sleep(1.5)
             assert proc.poll() is None  # still waiting for the lock
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0 and float(out.strip()) >= 1.0
