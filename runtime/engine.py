@@ -113,6 +113,11 @@ class _LaunchedStep:
     sampling: list[Sequence]  # the rows of `pending`, in order
     pending: PendingSample | None  # None: no sequence samples (prefill chunks only)
 
+    @property
+    def ended(self) -> bool:
+        """Every sequence it samples for has ended meanwhile (aborted, stopped)."""
+        return all(seq.is_finished for seq in self.sampling)
+
 
 @dataclass
 class EngineStats:
@@ -399,9 +404,7 @@ class LLMEngine:
         return self._request_output(req)
 
     def has_unfinished(self) -> bool:
-        in_flight = self._in_flight
-        return self.scheduler.has_unfinished() or (
-            in_flight is not None and not all(seq.is_finished for seq in in_flight.sampling))
+        return self.scheduler.has_unfinished() or (self._in_flight is not None and not self._in_flight.ended)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -435,8 +438,8 @@ class LLMEngine:
         abort) is dropped when the next step is read back: its extra token is discarded.
         """
         launched, self._in_flight = self._in_flight, None
-        if launched is not None and all(seq.is_finished for seq in launched.sampling):
-            launched = None  # all it ran ended meanwhile (aborted, stopped): nothing to read back
+        if launched is not None and launched.ended:
+            launched = None  # nothing to read back
         if launched is None:
             sched = self.scheduler.schedule()
             if sched.is_empty:
@@ -471,7 +474,7 @@ class LLMEngine:
             return None
         for seq in prev.sampling:
             # Ending by length with the token in flight changes the batch: read it first.
-            if (seq.num_output_tokens + seq.num_inflight_tokens >= seq.params.max_tokens
+            if (seq.num_sampled_tokens >= seq.params.max_tokens
                     or seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len):
                 return None
         if not self.sampler.can_defer(prev.sampling):

@@ -162,10 +162,8 @@ class GuidedSampler:
     def num_guided(self) -> int:
         return len(self._grammars)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        if self._grammars:
-            self._mask(logits, seqs)
-        return self.inner.sample(logits, seqs, *args, **kwargs)
+    def sample(self, logits: torch.Tensor, seqs: list[Any]) -> Any:
+        return self.inner.collect(self.launch(logits, seqs))
 
     def launch(self, logits: torch.Tensor, seqs: list[Any]) -> Any:
         if self._grammars:

@@ -124,15 +124,14 @@ class Sampler:
         deferring once it no longer applies. Seeded draws count in-flight tokens (`_draw`).
         """
         return not any(s.params.has_penalties or s.params.logprobs is not None
-                       or s.num_output_tokens + s.num_inflight_tokens < s.params.min_tokens for s in seqs)
+                       or s.num_sampled_tokens < s.params.min_tokens for s in seqs)
 
     # ---- step 1-2: what the sampler sees ------------------------------------------------
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Penalties and the min_tokens mask applied to a copy of `logits` (`logits` itself,
         unchanged, when no row has either: the copy of a 128K-vocabulary batch per step is
         host time and a kernel for nothing)."""
-        if not any(s.params.has_penalties or s.num_output_tokens + s.num_inflight_tokens < s.params.min_tokens
-                   for s in seqs):
+        if not any(s.params.has_penalties or s.num_sampled_tokens < s.params.min_tokens for s in seqs):
             return logits.float()
         out = logits.float().clone()
         self._apply_penalties(out, seqs)
@@ -188,7 +187,7 @@ class Sampler:
         vocab = logits.shape[1]
         for i, seq in enumerate(seqs):
             p = seq.params
-            if seq.num_output_tokens + seq.num_inflight_tokens >= p.min_tokens:
+            if seq.num_sampled_tokens >= p.min_tokens:
                 continue
             stops = set(p.stop_token_ids)
             if not p.ignore_eos:
@@ -218,7 +217,7 @@ class Sampler:
                 seq = seqs[i]
                 # In-flight tokens count: a deferred draw is for the same position as a
                 # synchronous one would be.
-                gen.manual_seed(row_seed(params[i].seed, seq.index, seq.num_output_tokens + seq.num_inflight_tokens))
+                gen.manual_seed(row_seed(params[i].seed, seq.index, seq.num_sampled_tokens))
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

@@ -93,6 +93,12 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens drawn so far, those still on the device (async scheduling) included:
+        what the output length will be once they are read back."""
+        return len(self.output_token_ids) + self.num_inflight_tokens
+
+    @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -256,21 +256,27 @@ def test_transforms_round_trip_through_json():
 @pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2"])
 def test_engine_greedy_parity_with_all_fusions(arch, tiny_model_dir, monkeypatch):
     from kiln.runtime.engine import EngineConfig, LLMEngine
-    from kiln.runtime.sampling_params import SamplingParams
 
     monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
     path, hf = tiny_model_dir(arch)
     engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=32, block_size=BLOCK_SIZE, progress=False))
     ran = {r.name: r.stats for r in engine.graph.report.records}
     assert ran["fuse_rmsnorm"]["add_rms_norm"] == 2 * LAYERS and ran["merge_qkv"]["qkv_proj_merged"] == LAYERS
-    prompts = [[3, 17, 99, 4, 60, 12, 7, 45, 81, 2, 33], [5, 77, 21]]
+    assert_greedy_equals_hf(engine, hf, [[3, 17, 99, 4, 60, 12, 7, 45, 81, 2, 33], [5, 77, 21]], 8, arch)
+
+
+def assert_greedy_equals_hf(engine, hf, prompts: list[list[int]], max_tokens: int, label: str) -> None:
+    """Run `prompts` together through `engine` (greedy) and compare each with `hf.generate` alone."""
+    from kiln.runtime.sampling_params import SamplingParams
+
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     got: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
             got[out.request_id] = list(out.outputs[0].token_ids)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
-        assert got[str(i)] == expected, f"{arch} prompt {i}"
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                   do_sample=False)[0, len(prompt):].tolist()
+        assert got[str(i)] == expected, f"{label} prompt {i}"

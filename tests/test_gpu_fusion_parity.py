@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_fusion_passes import BLOCK_SIZE, LAYERS, build, run_steps
+from test_fusion_passes import BLOCK_SIZE, LAYERS, assert_greedy_equals_hf, build, run_steps
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,6 @@ CASES = [(arch, "eager") for arch in ARCHS] + [("llama3.1", "inductor"), ("qwen3
 @pytest.mark.parametrize("arch,compile_mode", CASES)
 def test_gpu_float32_greedy_equals_hf_cpu(arch, compile_mode, tiny_model_dir, tmp_path):
     from kiln.runtime.engine import EngineConfig, LLMEngine
-    from kiln.runtime.sampling_params import SamplingParams
 
     path, hf = tiny_model_dir(arch)
     engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=64,
@@ -31,16 +30,7 @@ def test_gpu_float32_greedy_equals_hf_cpu(arch, compile_mode, tiny_model_dir, tm
         ran = {r.name: r.stats for r in engine.graph.report.records}
         assert ran["fuse_rmsnorm"]["add_rms_norm"] == 2 * LAYERS  # fusions are on by default on CUDA
     prompts = [[3, 17, 99, 4, 60, 12, 7, 45, 81, 2, 33, 90, 14, 5, 66, 71, 8, 23], [5, 77, 21], [9]]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    got: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] = list(out.outputs[0].token_ids)
-    for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-        assert got[str(i)] == expected, f"{arch} prompt {i}"
+    assert_greedy_equals_hf(engine, hf, prompts, 12, arch)
 
 
 @pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2"])
