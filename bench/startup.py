@@ -40,11 +40,14 @@ def child_kiln(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               cache_dir=args.cache_dir, max_num_seqs=args.max_num_seqs, progress=False, **bc.bucket_options(args))
     ready = time.perf_counter()
+    # torch._dynamo (with sympy) is seconds of imports that a warm start should not need.
+    dynamo_at_ready = "torch._dynamo" in sys.modules
     llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     bc.sync(args.device)
     first = time.perf_counter()
     return {"import_s": imported - PROCESS_START, "ready_s": ready - imported, "first_token_s": first - ready,
-            "process_to_first_token_s": first - PROCESS_START, "phases": dict(llm.engine.timings)}
+            "process_to_first_token_s": first - PROCESS_START, "phases": dict(llm.engine.timings),
+            "dynamo_imported_at_ready": dynamo_at_ready}
 
 
 @torch.inference_mode()

@@ -2,7 +2,9 @@
 
 Workload (seeded): `--num-requests` requests (1,000 by default), prompt lengths uniform in
 [128, 1024] (random token ids), `--output-len` (256) output tokens each with ignore_eos.
-Kiln gets every request at once (`LLM.generate`, continuous batching). The baseline is
+Kiln gets every request at once (`LLM.generate`, continuous batching) with up to 1,024
+running sequences and 16,384 tokens per step, vLLM's defaults for offline use on GPUs of
+70 GiB or more (`--max-num-seqs`, `--max-num-batched-tokens`). The baseline is
 Hugging Face transformers eager on the same requests in static batches of 64, left-padded
 to the longest prompt of the batch; it runs the first `--hf-requests` requests (a whole
 number of batches) and its tokens/s is reported for that subset, which is the same
@@ -74,8 +76,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=128, help="baseline subset (rounded to batches of 64)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # vLLM's defaults for its offline LLM class on GPUs of >= 70 GiB (H100, H200).
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not torch.cuda.is_available():

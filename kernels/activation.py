@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.library import kiln_op
+
 
 def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).contiguous()
 
 
-@torch.library.custom_op("kiln::silu_and_mul", mutates_args=())
+@kiln_op("kiln::silu_and_mul", mutates_args=())
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")

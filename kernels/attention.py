@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.kernels.library import kiln_op
+
 
 def causal_attention(
     q: torch.Tensor,
@@ -48,7 +50,7 @@ def causal_attention(
     return out.to(q.dtype)
 
 
-@torch.library.custom_op("kiln::attention", mutates_args=())
+@kiln_op("kiln::attention", mutates_args=())
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.attention import causal_attention
+from kiln.kernels.library import kiln_op
 
 
 def kv_heads_and_head_dim(config: Any) -> tuple[int, int]:
@@ -85,7 +86,7 @@ def paged_attention_reference(
     return out
 
 
-@torch.library.custom_op("kiln::paged_attention", mutates_args=("kv_cache",))
+@kiln_op("kiln::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.kernels.library import kiln_op
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.to(torch.float32)
@@ -41,7 +43,7 @@ def check_rms_norm_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
         raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ in shape")
 
 
-@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+@kiln_op("kiln::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_rms_norm_args(x, weight)
     return rms_norm_reference(x, weight, eps)
@@ -52,7 +54,7 @@ def _rms_norm_fake(x, weight, eps):
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
 
 
-@torch.library.custom_op("kiln::add_rms_norm", mutates_args=())
+@kiln_op("kiln::add_rms_norm", mutates_args=())
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.kernels.library import kiln_op
 from kiln.kernels.rms_norm import rms_norm_reference
 
 
@@ -61,7 +62,7 @@ def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError(f"rope: cos/sin must be [T, D] = [{t}, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
 
 
-@torch.library.custom_op("kiln::rope", mutates_args=())
+@kiln_op("kiln::rope", mutates_args=())
 def rope(
     q: torch.Tensor,
     k: torch.Tensor,

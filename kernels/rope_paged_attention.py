@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from kiln.kernels.library import kiln_op
 from kiln.kernels.paged_attention import paged_attention_reference
 from kiln.kernels.rope import check_rope_args, rope_reference
 
 
-@torch.library.custom_op("kiln::rope_paged_attention", mutates_args=("kv_cache",))
+@kiln_op("kiln::rope_paged_attention", mutates_args=("kv_cache",))
 def rope_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -31,6 +31,20 @@ def multiprocessor_count(device: torch.device) -> int:
     return _sm_count(index)
 
 
+@functools.cache
+def _max_shared_memory(device_index: int) -> int:
+    return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on a CUDA device (0 for CPU tensors: the
+    interpreter, where launch shapes only need to be valid)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_memory(index)
+
+
 def num_warps_for(block_elements: int) -> int:
     """Warps for a one-row-per-program kernel touching `block_elements` elements."""
     if block_elements >= 8192:

@@ -24,6 +24,8 @@ runs inside a captured CUDA graph (shapes are static per bucket) and never synch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,13 +33,15 @@ import triton.language as tl
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import paged_attention_reference
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
-from kiln.kernels.triton_common import multiprocessor_count, num_warps_for, pow2_at_least
+from kiln.kernels.triton_common import max_shared_memory, multiprocessor_count, num_warps_for, pow2_at_least
 from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
+# Sequences' tile starts scanned per vector load when a program looks for its sequence.
+SEQ_CHUNK = 64
 PREFILL_TILE_ROWS = 64
 
 
@@ -61,7 +65,10 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dest_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton compiles a variant per
+# "divisible by 16" / "equals 1" pattern of its int arguments): a continuous-batching run
+# would otherwise meet new variants mid-run and stall on their compilation.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -70,18 +77,21 @@ def _paged_attention_kernel(
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which sequence owns this tile (see the module docstring for the numbering).
-    offs_b = tl.arange(0, SEQS_PAD)
-    q_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
-    tile_starts = tl.where(offs_b < num_seqs, q_starts // BLOCK_T + offs_b, 2147483647)
-    seq = tl.sum((tile_starts <= tile_id).to(tl.int32), axis=0) - 1
+    # Which sequence owns this tile (see the module docstring for the numbering): count the
+    # sequences whose first tile is at or before this one, SEQ_CHUNK starts at a time.
+    seq = -1
+    for chunk in range(0, num_seqs, SEQ_CHUNK):
+        offs_b = chunk + tl.arange(0, SEQ_CHUNK)
+        q_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
+        tile_starts = tl.where(offs_b < num_seqs, q_starts // BLOCK_T + offs_b, 2147483647)
+        seq += tl.sum((tile_starts <= tile_id).to(tl.int32), axis=0)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
@@ -148,7 +158,7 @@ def _paged_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
@@ -191,6 +201,38 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
     )
 
 
+@dataclass(frozen=True)
+class AttentionTiling:
+    """Launch shape of `_paged_attention_kernel`: rows (tokens x grouped heads) per query
+    tile, keys per inner iteration, warps (0: from the tile size) and pipeline stages."""
+
+    tile_rows: int
+    block_n: int
+    num_warps: int = 0
+    num_stages: int = 2
+
+
+def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool) -> AttentionTiling:
+    """Decode-shaped steps (one token per sequence) get short tiles, prefills tall ones.
+
+    Measured on an H200 (bench/tune_attention.py, Llama-3-8B heads, the throughput
+    workload's contexts): decode reads the KV cache fastest with 128 keys per iteration
+    and 3 stages (2.9 TB/s against 2.6 for 64 keys, 2 stages), which needs ~200 KB of shared
+    memory for K and V tiles at head dim 128, so smaller GPUs keep 64 keys; prefill and
+    mixed steps run best with 64-row tiles on 4 warps (0.73 ms against 1.21 with 8 warps
+    on a mixed step of 256 decodes and 8,000 prompt tokens). Small-batch decode, whose grid
+    does not fill the GPU (`fills_gpu` False) and is split over the KV length instead,
+    keeps the 64-key tiles its split sizes were tuned with.
+    """
+    if num_tokens <= num_seqs:
+        kv_tile_bytes = 2 * 128 * d_pad * 2  # K and V, 128 keys, 16-bit
+        if fills_gpu and d_pad <= 128 and shared_memory >= 3 * kv_tile_bytes:
+            return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=3)
+        return AttentionTiling(DECODE_TILE_ROWS, block_n=64 if d_pad <= 128 else 32)
+    return AttentionTiling(PREFILL_TILE_ROWS, block_n=64 if d_pad <= 128 else 32,
+                           num_warps=4 if d_pad <= 128 else 0)
+
+
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
                       kv_capacity: int, num_sms: int) -> int:
     """How many ways to split the KV length so that the grid fills the GPU (shapes only)."""
@@ -217,8 +259,9 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int,
     num_splits: int | None = None,
+    tiling: AttentionTiling | None = None,
 ) -> torch.Tensor:
-    """Write K/V into the cache and attend; `num_splits` overrides the heuristic (tests)."""
+    """Write K/V into the cache and attend; `num_splits` and `tiling` override the heuristics (tests)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
@@ -226,7 +269,7 @@ def paged_attention_triton(
                                          query_start_loc, scale, sliding_window)
     write_kv_cache_triton(k, v, kv_cache, slot_mapping)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits)
+                               num_splits, tiling)
 
 
 def attend_paged_triton(
@@ -238,8 +281,11 @@ def attend_paged_triton(
     scale: float,
     sliding_window: int,
     num_splits: int | None = None,
+    tiling: AttentionTiling | None = None,
 ) -> torch.Tensor:
-    """Attention of q over the cache, whose slots for this step's tokens are already written."""
+    """Attention of q over the cache, whose slots for this step's tokens are already written.
+
+    `num_splits` and `tiling` override the shape-based choices (tests, bench/tune_attention.py)."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     if hq % hkv:
@@ -250,14 +296,15 @@ def attend_paged_triton(
     cache_block = kv_cache.shape[2]
     group = hq // hkv
     group_pad = pow2_at_least(group, 1)  # MHA keeps 1: the block shape is BLOCK_M = block_t * group_pad
-    decode_shaped = t <= num_seqs
-    block_t = max(1, (DECODE_TILE_ROWS if decode_shaped else PREFILL_TILE_ROWS) // group_pad)
-    block_m = block_t * group_pad
     d_pad = pow2_at_least(d, 16)
-    block_n = 64 if d_pad <= 128 else 32
+    num_sms = multiprocessor_count(q.device)
+    tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms)
+    block_t = max(1, tiling.tile_rows // group_pad)
+    block_m = block_t * group_pad
+    block_n = tiling.block_n
     if num_splits is None:
         num_splits = choose_num_splits(t, num_seqs, hkv, block_t, block_n, block_tables.shape[1] * cache_block,
-                                       multiprocessor_count(q.device))
+                                       num_sms)
     num_tiles = t // block_t + num_seqs
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if num_splits > 1:
@@ -270,7 +317,7 @@ def attend_paged_triton(
     else:
         out = torch.zeros_like(q)  # rows of padded tokens stay zero
         part_out = part_lse = out  # unused by the kernel
-    num_warps = 4 if block_m * d_pad <= 64 * 64 else 8
+    num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
     _paged_attention_kernel[(num_tiles, hkv, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc,
@@ -279,8 +326,8 @@ def attend_paged_triton(
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=d, D_PAD=d_pad, SEQS_PAD=pow2_at_least(num_seqs), CACHE_BLOCK=cache_block,
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=2,
+        HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
+        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(t, hq)](

@@ -23,8 +23,8 @@ from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # 
 from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import (choose_num_splits, paged_attention_triton,  # noqa: E402
-                                                 rope_paged_attention_triton)
+from kiln.kernels.triton_paged_attention import (AttentionTiling, choose_num_splits, choose_tiling,  # noqa: E402
+                                                 paged_attention_triton, rope_paged_attention_triton)
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -341,9 +341,9 @@ def assert_cache_matches(cache: torch.Tensor, ref_cache: torch.Tensor, batch: di
 
 
 def check_paged_attention(batch: dict, scale: float, window: int, num_splits: int | None,
-                          atol: float = 2e-5, rtol: float = 2e-5) -> None:
+                          atol: float = 2e-5, rtol: float = 2e-5, tiling: AttentionTiling | None = None) -> None:
     ref_batch = {k: v.clone() for k, v in batch.items()}
-    out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits)
+    out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits, tiling=tiling)
     ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window)
     assert_attention_close(out, ref, batch, atol, rtol)
     # The cache after the write must match too (the write is a copy: exactly).
@@ -400,6 +400,33 @@ def test_paged_attention_decode_heuristic_splits():
     assert choose_num_splits(2, 2, 2, 4, 64, kv_capacity=4096, num_sms=132) == 16
     assert choose_num_splits(2048, 1, 8, 16, 64, kv_capacity=4096, num_sms=132) == 1
     check_paged_attention(batch, scale=32 ** -0.5, window=0, num_splits=None)
+
+
+def test_attention_tiling_choice():
+    h200_smem, a100_smem = 232448, 166912
+    # Large-batch decode: 128 keys per iteration, 3 stages, where shared memory holds them.
+    assert choose_tiling(256, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(16, 128, 4, 3)
+    assert choose_tiling(256, 256, 128, a100_smem, fills_gpu=True).block_n == 64
+    # Small-batch decode (split over the KV length) and head dim 256 keep 64 / 32 keys.
+    assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False).block_n == 64
+    assert choose_tiling(256, 256, 256, h200_smem, fills_gpu=True).block_n == 32
+    # Prefill and mixed steps: 64-row tiles on 4 warps.
+    assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(64, 64, 4, 2)
+
+
+def test_paged_attention_more_sequences_than_one_search_chunk():
+    # 70 sequences (the kernel scans tile starts 64 at a time): decodes, then two prefills.
+    new_tokens = [1] * 68 + [6, 3]
+    cached = [(i * 7) % 13 for i in range(68)] + [0, 5]
+    batch = make_paged_batch(new_tokens=new_tokens, cached=cached, hq=4, hkv=2, d=16, block_size=4,
+                             num_blocks=4 * 70 + 8, seed=6)
+    check_paged_attention(batch, scale=0.25, window=0, num_splits=1)
+
+
+def test_paged_attention_explicit_tilings_agree():
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=5)
+    for tiling in (AttentionTiling(16, 32, 4, 2), AttentionTiling(64, 64, 4, 3), AttentionTiling(32, 16, 2, 2)):
+        check_paged_attention(batch, scale=0.25, window=0, num_splits=1, tiling=tiling)
 
 
 @pytest.mark.parametrize("with_norm,splits", [(False, 1), (True, 2)])

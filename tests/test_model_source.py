@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +16,11 @@ from safetensors.torch import load_file, save_file
 from tiny_models import tiny_config
 
 from kiln.compiler.capture import UnsupportedArchitectureError, capture
-from kiln.compiler.model_source import ModelSourceError, default_model_path, resolve_model
+from kiln.compiler.model_source import (ALLOW_TORCHVISION_ENV, ModelSourceError, default_model_path, resolve_model,
+                                       text_only_transformers)
 from kiln.runtime import LLM, SamplingParams
+
+BENCH_CONFIG = Path(__file__).resolve().parents[1] / "bench" / "llama3_8b.json"
 
 
 def test_missing_path_is_named(tmp_path) -> None:
@@ -99,3 +107,42 @@ def test_corrupt_gguf_is_named(tmp_path) -> None:
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     with pytest.raises(ModelSourceError, match="cannot read GGUF file .*broken.gguf"):
         resolve_model(bad)
+
+
+def test_text_only_transformers_hides_torchvision_and_restores_it(tmp_path, monkeypatch) -> None:
+    # A stand-in torchvision on the path: importable outside the context, absent inside it.
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text("IMPORTED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torchvision", raising=False)
+    monkeypatch.delenv(ALLOW_TORCHVISION_ENV, raising=False)
+    with text_only_transformers():
+        assert importlib.util.find_spec("torchvision") is None
+        with pytest.raises(ImportError):
+            import torchvision  # noqa: F401
+    assert "torchvision" not in sys.modules
+    assert importlib.util.find_spec("torchvision") is not None
+    # Already imported by the host program, or allowed by the environment: left alone.
+    import torchvision  # noqa: F401
+
+    with text_only_transformers():
+        assert sys.modules["torchvision"].IMPORTED
+    monkeypatch.delitem(sys.modules, "torchvision")
+    monkeypatch.setenv(ALLOW_TORCHVISION_ENV, "1")
+    with text_only_transformers():
+        assert importlib.util.find_spec("torchvision") is not None
+
+
+def test_config_resolution_does_not_import_torchvision_or_dynamo(tmp_path) -> None:
+    # In a fresh process, with a torchvision on the path that records being imported.
+    (tmp_path / "torchvision").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "torchvision" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    code = ("import sys; from kiln.compiler.model_source import resolve_model; "
+            f"resolve_model({str(BENCH_CONFIG)!r}, 'dummy'); print('torch._dynamo' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop(ALLOW_TORCHVISION_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+    assert not marker.exists()

@@ -1,0 +1,156 @@
+"""Where the offline-throughput run's time goes, step by step.
+
+Runs the workload of `throughput.py` (same seeded requests, same engine settings) through
+`LLMEngine.step()` and times every model step on the device with CUDA events recorded
+around `ModelRunner.execute` (no synchronisation is added, so async scheduling and the
+overlap it buys are unchanged). Steps are grouped by kind:
+  decode-graph - a decode-only step replayed from a captured CUDA graph;
+  mixed        - decodes and prefill chunks in one step, run through the FX graph;
+  prefill      - prefill chunks only.
+Per kind: steps, tokens, device milliseconds (from one step's start event to the next
+one's, so device idle time waiting for the host counts too) and the forward's own share.
+Then `--profile-steps` mixed steps from the steady state run under torch.profiler and their
+kernels are summed by family (GEMM, attention, norm/RoPE/activation, other).
+
+    python bench/profile_throughput.py --num-requests 1000 --out profile-throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+import bench_common as bc
+from throughput import workload
+
+KERNEL_FAMILIES = (  # first match wins; names as the profiler reports them
+    ("attention", ("paged_attention", "attn", "flash")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "splitk", "splitK", "cublas")),
+    ("norm/rope/act", ("rms", "rope", "silu")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return family
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bc.add_common_args(parser)
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--output-len", type=int, default=256)
+    # vLLM's defaults for its offline LLM class on GPUs of >= 70 GiB (H100, H200).
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--profile-steps", type=int, default=6, help="mixed steps to run under the profiler")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("profile_throughput.py profiles the GPU; no CUDA device is available")
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    config = bc.load_config(args.model, args.load_format)
+    prompts = workload(args.num_requests, config.vocab_size, args.seed)
+    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args))
+    engine = llm.engine
+    runner = engine.runner
+    llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+
+    steps: list[dict[str, Any]] = []
+    execute = runner.execute
+
+    def timed_execute(inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        t, b, s = inputs.input_ids.shape[1], inputs.seq_lens.shape[0], inputs.logits_indices.shape[0]
+        qsl = inputs.query_start_loc.tolist()  # CPU tensors here: no device sync
+        chunk = [qsl[i + 1] - qsl[i] for i in range(b)]
+        decodes = sum(1 for n in chunk if n == 1)
+        kind = "decode-graph" if t == b == s and b <= max(runner._decode_graph_sizes) else (
+            "prefill" if decodes == 0 else "mixed")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = execute(inputs, input_ids)
+        end.record()
+        steps.append({"kind": kind, "tokens": t, "seqs": b, "decodes": decodes, "start": start, "end": end})
+        return out
+
+    runner.execute = timed_execute
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params, every_step=False)
+    profiled: dict[str, Any] = {}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    prof_ctx = None
+    mixed_seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        if steps and steps[-1]["kind"] == "mixed":
+            mixed_seen += 1
+        if prof_ctx is None and not profiled and mixed_seen == 40:
+            prof_ctx = profile(activities=[ProfilerActivity.CUDA])
+            prof_ctx.__enter__()
+            prof_first = len(steps)
+        elif prof_ctx is not None and len(steps) - prof_first >= args.profile_steps:
+            torch.cuda.synchronize()
+            prof_ctx.__exit__(None, None, None)
+            window = steps[prof_first:]
+            families: dict[str, float] = defaultdict(float)
+            top: dict[str, float] = defaultdict(float)
+            for ev in prof_ctx.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+                    families[kernel_family(ev.name)] += ev.device_time / 1e3
+                    top[ev.name[:80]] += ev.device_time / 1e3
+            profiled = {"steps": [{k: s[k] for k in ("kind", "tokens", "seqs", "decodes")} for s in window],
+                        "kernel_ms_by_family": dict(families),
+                        "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+            prof_ctx = None
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+
+    by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    forwards: dict[str, list[float]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        nxt = steps[i + 1]["start"] if i + 1 < len(steps) else s["end"]
+        row = by_kind[s["kind"]]
+        row["steps"] += 1
+        row["tokens"] += s["tokens"]
+        row["decode_tokens"] += s["decodes"]
+        row["device_ms"] += s["start"].elapsed_time(nxt)
+        forwards[s["kind"]].append(s["start"].elapsed_time(s["end"]))
+    for kind, row in by_kind.items():
+        ms = sorted(forwards[kind])
+        row["forward_ms"] = sum(ms)
+        row["forward_ms_median"] = ms[len(ms) // 2]
+        row["forward_ms_max"] = ms[-1]
+        row["forward_ms_top5"] = sum(ms[-5:])  # one-off costs (Triton compiles) show here
+        row["ms_per_step"] = row["device_ms"] / row["steps"]
+        row["tokens_per_step"] = row["tokens"] / row["steps"]
+    result = {
+        "benchmark": "profile_throughput", "env": bc.environment(), "model": args.model, "dtype": args.dtype,
+        "workload": {"requests": args.num_requests, "output_len": args.output_len,
+                     "prompt_tokens": sum(map(len, prompts))},
+        "engine": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "num_kv_blocks": engine.num_kv_blocks,
+                   "preemptions": engine.scheduler.stats.num_preemptions},
+        "wall_s": wall, "output_tokens_per_s": args.num_requests * args.output_len / wall,
+        "steps_by_kind": {k: dict(v) for k, v in by_kind.items()},
+        "profiled_window": profiled,
+    }
+    bc.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

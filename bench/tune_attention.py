@@ -1,0 +1,120 @@
+"""Paged attention (`attend_paged_triton`) on the steps of the throughput workload, per tiling.
+
+Three step shapes of the offline-throughput run (Llama-3-8B heads: 32 query, 8 KV, dim
+128; block size 16; contexts drawn like its requests):
+  decode  - `--decode-seqs` sequences, one new token each, contexts uniform in [128, 1280];
+  prefill - `--prefill-tokens` new tokens in whole prompts of 128-1024 tokens;
+  mixed   - both in one call, as a mixed step of continuous batching runs them
+(decode + prefill, each at its best tiling, is what splitting a mixed step's launch in two
+would cost). Each is timed (CUDA events, median of `--repeats`) for every tiling in the
+sweep and for the default choice, with the KV bytes read (decode) and FLOPs (prefill)
+turned into TB/s and TFLOP/s.
+
+    python bench/tune_attention.py --out tune-attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any
+
+import torch
+
+import bench_common as bc
+
+HQ, HKV, D, BLOCK = 32, 8, 128, 16
+
+
+def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, gen: torch.Generator) -> dict[str, Any]:
+    """Inputs of one attention call: decodes first, then whole-prompt prefills (as scheduled)."""
+    new = [1] * len(decode_ctx) + prompts
+    ctx = decode_ctx + prompts
+    blocks_per_seq = [-(-c // BLOCK) for c in ctx]
+    width = max(blocks_per_seq)
+    total_blocks = sum(blocks_per_seq) + 1
+    perm = torch.randperm(total_blocks - 1, generator=gen) + 1  # scattered blocks, 0 is the null block
+    tables = torch.zeros((len(ctx), width), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = perm[at:at + n]
+        at += n
+    qsl = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
+    t = int(qsl[-1])
+    kv = torch.randn((2, total_blocks, BLOCK, HKV, D), generator=gen).to(torch.bfloat16)
+    return {
+        "q": torch.randn((t, HQ, D), generator=gen).to(torch.bfloat16).to(device),
+        "kv_cache": kv.to(device), "block_tables": tables.to(device),
+        "seq_lens": torch.tensor(ctx, dtype=torch.int32, device=device), "query_start_loc": qsl.to(device),
+        "kv_bytes": sum(ctx) * HKV * D * 2 * 2,
+        "flops": sum(4 * n * (c - n + (n + 1) / 2) * HQ * D for n, c in zip(new, ctx) if n > 1),
+    }
+
+
+def time_call(fn: Any, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode-seqs", type=int, default=256)
+    parser.add_argument("--prefill-tokens", type=int, default=8000)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("tune_attention.py times the Triton kernels; no CUDA device is available")
+    from kiln.kernels.triton_paged_attention import AttentionTiling, attend_paged_triton
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    decode_ctx = torch.randint(128, 1281, (args.decode_seqs,), generator=gen).tolist()
+    prompts: list[int] = []
+    while sum(prompts) < args.prefill_tokens:
+        prompts.append(int(torch.randint(128, 1025, (1,), generator=gen)))
+    steps = {
+        "decode": make_step(decode_ctx, [], device, gen),
+        "prefill": make_step([], prompts, device, gen),
+        "mixed": make_step(decode_ctx, prompts, device, gen),
+    }
+    # Decode-shaped steps use one-token tiles whatever the row count: sweep their inner loop.
+    decode_tilings = [AttentionTiling(16, bn, warps, stages)
+                      for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
+    prefill_tilings = [AttentionTiling(rows, bn, warps, stages)
+                       for rows, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+    result: dict[str, Any] = {"benchmark": "tune_attention", "env": bc.environment(),
+                              "shapes": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK,
+                                         "decode_seqs": args.decode_seqs, "prefill_prompts": prompts}}
+    for name, step in steps.items():
+        rows = []
+        for tiling in [None] + (decode_tilings if name == "decode" else prefill_tilings):
+            def call(tiling: AttentionTiling | None = tiling) -> None:
+                attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
+                                    step["query_start_loc"], D ** -0.5, 0, tiling=tiling)
+            try:
+                ms = time_call(call, args.repeats)
+            except Exception as e:  # a tiling the compiler rejects (shared memory): skip it
+                rows.append({"tiling": repr(tiling), "error": str(e)[:120]})
+                continue
+            rows.append({"tiling": "default" if tiling is None else tiling.__dict__, "ms": ms,
+                         "kv_tb_s": step["kv_bytes"] / ms / 1e9, "tflop_s": step["flops"] / ms / 1e9})
+        ok = [r for r in rows if "ms" in r]
+        best = min(ok, key=lambda r: r["ms"])
+        default = next(r for r in ok if r["tiling"] == "default")
+        result[name] = {"default": default, "best": best, "all": rows}
+        print(f"[{name}] default {default['ms']:.3f} ms, best {best['ms']:.3f} ms {best['tiling']}", flush=True)
+    bc.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
