@@ -42,6 +42,11 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
         "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
         "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
     })
+    # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
+    # projections, merged and pruned, become kiln::linear (CUDA graphs by default).
+    from kiln.passes.use_triton_linear import UseTritonLinearPass
+
+    factories["use_triton_linear"] = UseTritonLinearPass
     return factories
 
 

@@ -1,0 +1,193 @@
+"""`kiln::linear`'s Triton GEMV against F.linear: small shapes here, Llama-3-8B shapes on the GPU.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before
+the kernel module is imported: Triton decides at definition time), with explicit small
+blocks so each launch is a handful of programs. The interpreter rounds float32 -> bfloat16
+by truncation and its tl.dot on bfloat16 returns garbage (Triton 3.9), so on CPU bfloat16
+is checked on the row kernel (M == 1) only, with a tolerance of two bf16 ulps; the dot
+kernel's bfloat16 is checked on the GPU (the `gpu` tests at the end).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # stays set: the interpreter reads it at every launch
+
+import kiln.kernels  # noqa: E402,F401  (registers the ops)
+from kiln.kernels import triton_linear  # noqa: E402
+from kiln.kernels.triton_linear import GEMV_MAX_ROWS, GemvConfig, choose_config, linear_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = DEVICE == "cpu"
+SMALL = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    # Weights scaled by 1/sqrt(K): outputs of order one, so one tolerance serves every K.
+    x = randn(1, m, k, seed=seed, dtype=dtype)
+    w = randn(n, k, seed=seed + 1, dtype=dtype, scale=k ** -0.5)
+    b = randn(n, seed=seed + 2, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def assert_matches_f_linear(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref = F.linear(x, w, b)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = TOL[x.dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_kernels_are_interpreted_exactly_when_there_is_no_gpu():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton_linear._gemv_row_kernel, InterpretedFunction) == INTERPRETED
+    assert isinstance(triton_linear._gemv_dot_kernel, InterpretedFunction) == INTERPRETED
+
+
+# N = 40 is not a multiple of BLOCK_N: the last program's columns past N are not stored.
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(m, dtype, bias):
+    x, w, b = operands(m, 40, 256, dtype, bias)
+    assert_matches_f_linear(linear_triton(x, w, b, SMALL), x, w, b)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_gemv_bfloat16(m):
+    if m > 1 and INTERPRETED:
+        pytest.skip("the interpreter's tl.dot on bfloat16 is broken; checked on the GPU")
+    x, w, b = operands(m, 48, 128, torch.bfloat16, bias=True, seed=3)
+    assert_matches_f_linear(linear_triton(x, w, b, SMALL), x, w, b)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_table_configs_at_small_shapes(m):
+    # No config given: the table's tiles (BLOCK_K 512 for 2-byte weights, 256 for float32).
+    x, w, _ = operands(m, 48, 512, torch.float32, bias=False, seed=5)
+    assert choose_config(48, 512, m, element_size=4) is not None
+    assert_matches_f_linear(linear_triton(x, w), x, w, None)
+
+
+def test_strided_rows_and_leading_dims():
+    # x as a slice of a wider tensor (a row stride of 2K) with two leading dimensions.
+    merged = randn(2, 3, 128, seed=6)
+    x = merged[..., :64]
+    w = randn(24, 64, seed=7, scale=0.125)
+    out = linear_triton(x, w, None, SMALL)
+    assert out.shape == (2, 3, 24)
+    assert_matches_f_linear(out, x, w, None)
+    vec = randn(64, seed=8)  # one-dimensional x, as F.linear allows
+    assert_matches_f_linear(linear_triton(vec, w, None, SMALL), vec, w, None)
+
+
+def test_heuristic_table_holds_the_h200_configs():
+    llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    row = {"qkv": (16, 512, 8, 4), "o": (16, 512, 8, 3), "gate_up": (16, 256, 4, 4), "down": (16, 512, 8, 4)}
+    dot = {"qkv": (64, 256, 4, 4), "o": (32, 512, 4, 4), "gate_up": None, "down": (32, 512, 4, 4),
+           "lm_head": (64, 128, 4, 3)}
+    llama["lm_head"], row["lm_head"] = (128256, 4096), (16, 256, 4, 4)
+    for name, (n, k) in llama.items():
+        assert choose_config(n, k, 1) == GemvConfig(*row[name])
+        for m in (2, 8, GEMV_MAX_ROWS):  # gate/up keeps cuBLAS above one row
+            assert choose_config(n, k, m) == (GemvConfig(*dot[name]) if dot[name] else None)
+    assert choose_config(4096, 4096, GEMV_MAX_ROWS + 1) is None  # cuBLAS from 17 rows
+    assert choose_config(4096, 4096, 0) is None
+    assert choose_config(4096, 4000, 1) is None  # K not a multiple of BLOCK_K
+    # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
+    assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("the Triton kernel was launched where F.linear was expected")
+
+
+def test_falls_back_to_f_linear(monkeypatch):
+    monkeypatch.setattr(triton_linear, "_gemv_row_kernel", _NoLaunch())
+    monkeypatch.setattr(triton_linear, "_gemv_dot_kernel", _NoLaunch())
+    x, w, _ = operands(1, 32, 128, torch.float32, bias=False)
+    cases = [
+        (x, w.t().contiguous().t(), SMALL),                 # weight not contiguous
+        (x[..., :96], w[:, :96].contiguous(), SMALL),       # K = 96 not a multiple of 64
+        (randn(17, 128, seed=9), w, SMALL),                 # too many rows
+        (x.to(torch.float64), w.to(torch.float64), SMALL),  # dtype without a kernel
+        (x[:, :0], w, SMALL),                               # no rows
+    ]
+    for xi, wi, config in cases:
+        assert torch.equal(linear_triton(xi, wi, None, config), F.linear(xi, wi))
+
+
+def test_shape_errors():
+    x, w = randn(3, 64, seed=0), randn(16, 64, seed=1)
+    bad = [
+        ((x, randn(16, 32, seed=2), None), "does not match the last dimension"),
+        ((x, randn(64, seed=2), None), "must be 2-D"),
+        ((x, w, randn(8, seed=3)), "bias of shape"),
+        ((x, w.to(torch.float16), None), "share a dtype"),
+        ((torch.tensor(1.0, device=DEVICE), w, None), "at least one dimension"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            linear_triton(*args)
+        with pytest.raises(ValueError, match=message):
+            torch.ops.kiln.linear(*args)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_op_is_f_linear_and_passes_opcheck(bias):
+    x, w, b = operands(3, 16, 32, torch.float32, bias)
+    x, w, b = x.cpu(), w.cpu(), (b.cpu() if b is not None else None)
+    assert torch.equal(torch.ops.kiln.linear(x, w, b), F.linear(x, w, b))
+    torch.library.opcheck(torch.ops.kiln.linear.default, (x, w, b), test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- on the GPU: the Llama-3-8B decode shapes, the op's dispatch, CUDA-graph capture -------------
+
+LLAMA3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+             "lm_head": (128256, 4096)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("name", list(LLAMA3_8B))
+def test_gpu_llama3_8b_decode_shapes(name, m):
+    n, k = LLAMA3_8B[name]
+    x, w, _ = operands(m, n, k, torch.bfloat16, bias=False, seed=11)
+    config = choose_config(n, k, m)
+    if config is None:  # gate/up above one row: the engine uses cuBLAS; the kernel is checked anyway
+        assert name == "gate_up"
+        config = GemvConfig(64, 128, 4, 3)
+    else:  # the op dispatches to this very kernel on CUDA
+        assert torch.equal(torch.ops.kiln.linear(x, w), linear_triton(x, w))
+    out = linear_triton(x, w, config=config)
+    ref = F.linear(x.float(), w.float())
+    # Both sides accumulate in fp32 and round once: within two bf16 ulps of the exact product.
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_replays_in_a_cuda_graph():
+    x, w, b = operands(8, 4096, 4096, torch.bfloat16, bias=True, seed=12)
+    static_x = x.clone()
+    linear_triton(static_x, w, b)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = linear_triton(static_x, w, b)
+    static_x.copy_(randn(1, 8, 4096, seed=13, dtype=torch.bfloat16))
+    graph.replay()
+    torch.testing.assert_close(static_out, linear_triton(static_x, w, b), atol=0, rtol=0)
