@@ -2,13 +2,14 @@
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency throughput startup profile
+#                                         profile_throughput tune_attention
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
 # ./gpu-out). Stage times on the H200 (2026-11-30): tests ~5 min (the GPU-marked tests;
 # the CUDA AOTInductor smoke alone takes a minute), latency ~2 min (Hugging Face baseline
-# included), throughput ~2 min (the issue's 1,000 requests; baseline on 64), startup ~1 min,
-# profile ~2 min. A device command may run 10 minutes: split the stages over calls.
+# included), throughput ~1.5 min (the issue's 1,000 requests; baseline on 64), startup ~1 min,
+# profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may run 10 minutes: split the stages over calls.
 #
 # On a bare device machine (see ../shared/device/README.md) the wheels in .whl/ and an
 # editable install of kiln are set up first when kiln is not importable yet.
@@ -53,8 +54,12 @@ for stage in $STAGES; do
       run_stage startup 300 $PY bench/startup.py --out "$OUT/startup.json" ;;
     profile)
       run_stage profile 300 $PY bench/profile_decode.py --batch-sizes 1,8,32 --steps 30 --out "$OUT/profile.json" ;;
+    profile_throughput)
+      run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
+    tune_attention)
+      run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
     *)
-      echo "unknown stage $stage (tests latency throughput startup profile)"; status=2 ;;
+      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention)"; status=2 ;;
   esac
 done
 exit $status
