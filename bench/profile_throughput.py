@@ -9,8 +9,9 @@ overlap it buys are unchanged). Steps are grouped by kind:
   prefill      - prefill chunks only.
 Per kind: steps, tokens, device milliseconds (from one step's start event to the next
 one's, so device idle time waiting for the host counts too) and the forward's own share.
-Then `--profile-steps` mixed steps from the steady state run under torch.profiler and their
-kernels are summed by family (GEMM, attention, norm/RoPE/activation, other).
+Then `--profile-steps` steps from the steady state (after `--profile-after` mixed steps) run
+under torch.profiler and their kernels are summed by family (GEMM, attention,
+norm/RoPE/activation, other); decode steps replayed from a CUDA graph show no kernels there.
 
     python bench/profile_throughput.py --num-requests 1000 --out profile-throughput.json
 """
@@ -50,7 +51,9 @@ def main() -> None:
     # vLLM's defaults for its offline LLM class on GPUs of >= 70 GiB (H100, H200).
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--profile-steps", type=int, default=6, help="mixed steps to run under the profiler")
+    parser.add_argument("--profile-steps", type=int, default=6, help="steps to run under the profiler")
+    parser.add_argument("--profile-after", type=int, default=10,
+                        help="start profiling after this many mixed steps (the steady state)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -99,7 +102,7 @@ def main() -> None:
         engine.step()
         if steps and steps[-1]["kind"] == "mixed":
             mixed_seen += 1
-        if prof_ctx is None and not profiled and mixed_seen == 40:
+        if prof_ctx is None and not profiled and mixed_seen == args.profile_after:
             prof_ctx = profile(activities=[ProfilerActivity.CUDA])
             prof_ctx.__enter__()
             prof_first = len(steps)
