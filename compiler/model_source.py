@@ -42,12 +42,14 @@ def text_only_transformers() -> Iterator[None]:
     """While Kiln reads a config or tokenizer, transformers does not see torchvision.
 
     A model's config module (configuration_llama, ...) imports transformers' video and image
-    utilities, which import torchvision when it is installed, and torchvision imports
-    torch._dynamo: on the H200 machine that chain was 5 of a warm start's 12 seconds, for a
-    text model that never touches an image. `sys.modules["torchvision"] = None` makes
-    `importlib.util.find_spec` report it absent, so transformers takes its no-torchvision
-    path; the entry is removed afterwards. Nothing changes when torchvision is already
-    imported (the host program uses it) or when KILN_ALLOW_TORCHVISION=1.
+    utilities, which import torchvision when it is installed, for a text model that never
+    touches an image: ~0.4 s of imports on the H200 machine, plus torch._dynamo (seconds),
+    which torchvision imports (transformers 5.17 also imports torch._dynamo from the config
+    class's docstring decorator, so there only the 0.4 s is saved; bench/RESULTS.md).
+    `sys.modules["torchvision"] = None` makes `importlib.util.find_spec` report it absent,
+    so transformers takes its no-torchvision path; the entry is removed afterwards. Nothing
+    changes when torchvision is already imported (the host program uses it) or when
+    KILN_ALLOW_TORCHVISION=1.
     """
     if "torchvision" in sys.modules or os.environ.get(ALLOW_TORCHVISION_ENV, "") in ("1", "true", "yes"):
         yield

@@ -4,8 +4,8 @@
 first call imports `torch._dynamo` (and sympy with it) so that `torch.compile` never traces
 into the kernel. Kiln never runs its ops under Dynamo: graphs are captured with
 `torch.export` (which sees only the fake implementation) and compiled by Inductor, which
-calls the op as an opaque kernel. On the H200 machine that import took 5.9 s, more than
-half of a warm start's budget, paid at the first step. So the ops are declared here with
+calls the op as an opaque kernel. On the H200 machine that import took 5.9 s, paid at the
+first step of any process that had not imported it already. So the ops are declared with
 the plain dispatcher API: the same schema (inferred from the reference's type hints, as
 `custom_op` does), the reference registered for every device, a fake implementation for
 tracing, and device kernels (Triton on CUDA) registered over the reference.

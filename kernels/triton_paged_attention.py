@@ -40,9 +40,9 @@ MAX_SPLITS = 16
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
+PREFILL_TILE_ROWS = 64
 # Sequences' tile starts scanned per vector load when a program looks for its sequence.
 SEQ_CHUNK = 64
-PREFILL_TILE_ROWS = 64
 
 
 @triton.jit
