@@ -43,10 +43,9 @@ def cpu_fusions_requested() -> bool:
     return os.environ.get(CPU_FUSIONS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class CustomOpFusionPass(PatternPass):
-    """A pattern pass whose replacements are Kiln custom ops: on CUDA always, on CPU on request."""
-
-    phase = "fusion"
+class CudaByDefault:
+    """Mixin for passes that rewrite into Kiln custom ops: on CUDA always, on CPU on request
+    (the policy above). Put it before the pass's base class; `applies_to` tells `__call__`."""
 
     def __init__(self, on_cpu: bool | None = None):
         self.on_cpu = cpu_fusions_requested() if on_cpu is None else bool(on_cpu)
@@ -55,13 +54,20 @@ class CustomOpFusionPass(PatternPass):
         return {"on_cpu": self.on_cpu}
 
     def uuid(self) -> str:
-        # The patterns call helpers defined here (hf_rms_norm): their source is part of the identity.
-        h = hashlib.sha256(super().uuid().encode())
+        # The policy, and helpers the patterns call (hf_rms_norm), live here: this module's
+        # source is part of the identity.
+        h = hashlib.sha256(super().uuid().encode())  # type: ignore[misc]
         h.update(inspect.getsource(sys.modules[__name__]).encode())
         return h.hexdigest()[:16]
 
     def applies_to(self, gm: torch.fx.GraphModule) -> bool:
         return self.on_cpu or graph_device_type(gm) != "cpu"
+
+
+class CustomOpFusionPass(CudaByDefault, PatternPass):
+    """A pattern pass whose replacements are Kiln custom ops: on CUDA always, on CPU on request."""
+
+    phase = "fusion"
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         if not self.applies_to(gm):

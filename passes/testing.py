@@ -84,12 +84,20 @@ def _kv_cache(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype)
 
 def run_graph(phase_capture: PhaseCapture, num_tokens: int = 8, seed: int = 0) -> torch.Tensor:
     """Run the graph once on seeded random weights and tokens; returns its output (logits)."""
-    captured = phase_capture.captured
+    return run_captured(phase_capture.captured, phase_capture.block_size, num_tokens, seed)
+
+
+def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, seed: int = 0,
+                 weights: dict[str, torch.Tensor] | None = None, sample_all_rows: bool = False) -> torch.Tensor:
+    """`run_graph` for any captured graph: `weights` replace the seeded random ones (e.g.
+    merged as the loader merges them), `sample_all_rows` samples every token's row."""
     gm = captured.graph_module
     config = captured.config
-    weights = random_weights(captured, seed=seed)
-    bs = phase_capture.block_size
+    weights = random_weights(captured, seed=seed) if weights is None else weights
+    bs = block_size
     batch = single_sequence_batch(num_tokens, bs, config.vocab_size, seed=seed)
+    if sample_all_rows:
+        batch["logits_indices"] = torch.arange(num_tokens)
     num_blocks = -(-num_tokens // bs) + 1
     args = []
     for role in graph_input_roles(gm):

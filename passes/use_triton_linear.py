@@ -19,17 +19,12 @@ but an opaque call Inductor cannot see through).
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from typing import Any
-
 import torch
 
 from kiln.compiler.capture import INPUT_META_KEY
 from kiln.kernels.linear import linear as linear_op
-from kiln.passes import fuse_common
 from kiln.passes.base import KilnPass, PassContext, PassStats
-from kiln.passes.fuse_common import cpu_fusions_requested, graph_device_type
+from kiln.passes.fuse_common import CudaByDefault
 
 aten = torch.ops.aten
 
@@ -45,24 +40,12 @@ def parameter_linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
             if len(n.args) >= 2 and _is_param(n.args[1])]
 
 
-class UseTritonLinearPass(KilnPass):
+class UseTritonLinearPass(CudaByDefault, KilnPass):
     name = "use_triton_linear"
     phase = "logits"
 
-    def __init__(self, on_cpu: bool | None = None):
-        self.on_cpu = cpu_fusions_requested() if on_cpu is None else bool(on_cpu)
-
-    def options(self) -> dict[str, Any]:
-        return {"on_cpu": self.on_cpu}
-
-    def uuid(self) -> str:
-        # The device policy lives in fuse_common: its source is part of this pass's identity.
-        h = hashlib.sha256(super().uuid().encode())
-        h.update(inspect.getsource(fuse_common).encode())
-        return h.hexdigest()[:16]
-
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
-        if not (self.on_cpu or graph_device_type(gm) != "cpu"):
+        if not self.applies_to(gm):
             return {"skipped_on_cpu": 1}
         graph = gm.graph
         replaced = 0

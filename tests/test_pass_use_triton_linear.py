@@ -13,15 +13,14 @@ import inspect
 import pytest
 import torch
 
-from kiln.compiler.capture import INPUT_META_KEY, graph_input_roles
+from kiln.compiler.capture import INPUT_META_KEY
 from kiln.compiler.pipeline import ModelGraph, build_model_graph
-from kiln.kernels.paged_attention import kv_cache_shape
 from kiln.passes import PassManager, op_counts
 from kiln.passes import use_triton_linear as module
 from kiln.passes.base import PassContext
 from kiln.passes.fuse_common import CPU_FUSIONS_ENV
 from kiln.passes.registry import create_pass
-from kiln.passes.testing import random_weights, single_sequence_batch
+from kiln.passes.testing import random_weights, run_captured
 from kiln.passes.use_triton_linear import UseTritonLinearPass
 from kiln.passes.weight_transforms import apply_weight_transforms
 
@@ -45,23 +44,8 @@ def stats_of(graph: ModelGraph, name: str) -> dict[str, int]:
 def run(graph: ModelGraph, num_tokens: int = 8) -> torch.Tensor:
     """Logits of one prefill on seeded random weights (merged as the loader merges them),
     every row sampled so the LM head sees several rows."""
-    captured = graph.captured
-    weights = apply_weight_transforms(random_weights(captured), graph.weight_transforms)
-    batch = single_sequence_batch(num_tokens, BLOCK_SIZE, captured.config.vocab_size)
-    batch["logits_indices"] = torch.arange(num_tokens)
-    args = []
-    for role in graph_input_roles(graph.graph_module):
-        kind, _, name = role.partition(":")
-        if kind == "param":
-            args.append(weights[name])
-        elif kind == "constant":
-            args.append(captured.constants[name])
-        elif kind == "kv_cache":
-            args.append(torch.zeros(kv_cache_shape(captured.config, 2, BLOCK_SIZE), dtype=captured.dtype))
-        else:
-            args.append(batch[name])
-    with torch.no_grad():
-        return graph.graph_module(*args)
+    weights = apply_weight_transforms(random_weights(graph.captured), graph.weight_transforms)
+    return run_captured(graph.captured, BLOCK_SIZE, num_tokens, weights=weights, sample_all_rows=True)
 
 
 # Per layer: llama qkv, o, gate_up, down (7 unmerged); mixtral qkv, o and the router (its
