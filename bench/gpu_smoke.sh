@@ -9,7 +9,8 @@
 # ./gpu-out). Stage times on the H200 (2026-11-30): tests ~5 min (the GPU-marked tests;
 # the CUDA AOTInductor smoke alone takes a minute), latency ~2 min (Hugging Face baseline
 # included), throughput ~1.5 min (the 1,000 requests; baseline on 64), startup ~1 min,
-# profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may run 10 minutes: split the stages over calls.
+# profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may
+# run 10 minutes: split the stages over calls.
 #
 # On a bare device machine (see ../shared/device/README.md) the wheels in .whl/ and an
 # editable install of kiln are set up first when kiln is not importable yet.
