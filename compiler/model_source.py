@@ -146,9 +146,6 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
 
 def load_config(config_path: Path) -> Any:
     """Read a config.json into a transformers config, checking the fields Kiln needs."""
-    with text_only_transformers():
-        from transformers import AutoConfig
-
     try:
         raw = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
@@ -160,6 +157,8 @@ def load_config(config_path: Path) -> Any:
         raise ModelSourceError(f"{config_path} lacks required field(s): {', '.join(missing)}")
     try:
         with text_only_transformers():
+            from transformers import AutoConfig
+
             return AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
         raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} ({e})") from e
