@@ -28,11 +28,16 @@ import importlib.metadata
 import json
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from kiln.compiler.buckets import Bucket
+
+
+class BucketShape(Protocol):
+    """What a key needs of a bucket (kiln.compiler.buckets.Bucket): its static shape."""
+
+    def shape(self) -> dict[str, Any]: ...
 
 MODEL_KIND = "graph"
 BUCKET_KIND = "bucket"
@@ -139,7 +144,7 @@ def model_factors(
     }
 
 
-def bucket_factors(model: dict[str, Any], bucket: Bucket) -> dict[str, Any]:
+def bucket_factors(model: dict[str, Any], bucket: BucketShape) -> dict[str, Any]:
     return {**model, "bucket": bucket.shape()}
 
 

@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from kiln.runtime.engine import EngineConfig, LLMEngine
-from kiln.runtime.server import ServerConfig, build_app
+from kiln.runtime.serving.app import ServerConfig, build_app
 from server_process import metric
 
 

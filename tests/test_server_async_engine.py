@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kiln.runtime.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
+from kiln.runtime.serving.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
 from kiln.runtime.engine import EngineConfig, LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
 

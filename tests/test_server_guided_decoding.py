@@ -12,7 +12,7 @@ from kiln.runtime.guided_decoding import GrammarCompiler, GrammarError, GuidedSa
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
-from kiln.runtime.tool_parser import parse_tool_calls
+from kiln.runtime.serving.tool_parser import parse_tool_calls
 
 WEATHER = ToolSchema("get_weather", {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},

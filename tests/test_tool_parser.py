@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kiln.runtime.tool_parser import StreamingToolParser, parse_tool_calls
+from kiln.runtime.serving.tool_parser import StreamingToolParser, parse_tool_calls
 
 ONE_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 TWO_CALLS = (

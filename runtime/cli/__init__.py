@@ -1,9 +1,10 @@
-"""The `kiln` command line. Each sub-command lives with the code it drives:
+"""The `kiln` command line, the one front door. Every sub-command's module is in this package,
+so that the folders below `runtime/` (cache, passes, compiler) import nothing from it:
 
-  kiln generate / chat   -> kiln.runtime.cli_generate
-  kiln serve             -> kiln.runtime.server   (OpenAI-compatible HTTP server)
-  kiln compile / cache   -> kiln.cache.cli        (ahead-of-time compile, cache tools)
-  kiln passes            -> kiln.passes.cli       (pass pipeline inspection)
+  kiln generate / chat   -> kiln.runtime.cli.generate
+  kiln serve             -> kiln.runtime.cli.serve    (the server itself: kiln.runtime.serving)
+  kiln compile / cache   -> kiln.runtime.cli.cache    (ahead-of-time compile, cache tools)
+  kiln passes            -> kiln.runtime.cli.passes   (pass pipeline inspection)
 
 A module registers its sub-commands with `add_subcommands(subparsers)`; each parser sets
 `func` to a callable taking the parsed args and returning an exit code.
@@ -16,10 +17,10 @@ import importlib
 import sys
 
 SUBCOMMAND_MODULES = (
-    "kiln.runtime.cli_generate",
-    "kiln.runtime.server",
-    "kiln.cache.cli",
-    "kiln.passes.cli",
+    "kiln.runtime.cli.generate",
+    "kiln.runtime.cli.serve",
+    "kiln.runtime.cli.cache",
+    "kiln.runtime.cli.passes",
 )
 
 
@@ -30,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name == module_name:
-                continue  # that part of Kiln is not built yet
-            raise
-        module.add_subcommands(sub)
+        importlib.import_module(module_name).add_subcommands(sub)
     return parser
 
 
@@ -54,6 +49,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

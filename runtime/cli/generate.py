@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any, Callable, TextIO
 
-from kiln.runtime.cli_common import add_engine_args, engine_kwargs, setup_logging
+from kiln.runtime.cli.common import add_engine_args, engine_kwargs, setup_logging
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """The OpenAI API on top of the async engine: validated requests in, response bodies and
-stream chunks out. No HTTP here (that is `kiln.runtime.server`).
+stream chunks out. No HTTP here (that is `kiln.runtime.serving.app`).
 
 Every check that can fail for a request runs before anything is queued: the body's types
 (pydantic), sampling values (`SamplingParams`), the prompt against the context and the
@@ -23,18 +23,18 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from kiln.runtime.async_engine import (AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError,
+from kiln.runtime.serving.async_engine import (AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError,
                                        RequestStream)
-from kiln.runtime.chat_prompt import render_chat_prompt
+from kiln.runtime.serving.chat_prompt import render_chat_prompt
 from kiln.runtime.guided_decoding import GrammarError, ToolSchema
-from kiln.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
+from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
 from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.server_metrics import ServerMetrics
-from kiln.runtime.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls
+from kiln.runtime.serving.metrics import ServerMetrics
+from kiln.runtime.serving.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls
 
-logger = logging.getLogger("kiln.runtime.server")
+logger = logging.getLogger("kiln.runtime.serving.app")
 
 # What JSON cannot hold (-inf logprobs of masked tokens) is sent as this, like OpenAI does.
 MIN_LOGPROB = -9999.0

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kiln.runtime.async_engine import AsyncLLMEngine
+from kiln.runtime.serving.async_engine import AsyncLLMEngine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -19,19 +19,14 @@ left is aborted and the engine thread stopped.
 """
 
 
-import argparse
 import hmac
 import json
 import logging
-import os
-import signal
-import socket
-import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-logger = logging.getLogger("kiln.runtime.server")
+logger = logging.getLogger("kiln.runtime.serving.app")
 
 DEFAULT_MAX_WAITING_REQUESTS = 512
 # A request body bigger than this is refused (413) before it is parsed.
@@ -57,11 +52,11 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     from pydantic import BaseModel, ValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from kiln.runtime.async_engine import AsyncLLMEngine
-    from kiln.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
+    from kiln.runtime.serving.async_engine import AsyncLLMEngine
+    from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
                                               server_error, validation_error)
-    from kiln.runtime.openai_serving import ClientDisconnected, OpenAIServing
-    from kiln.runtime.server_metrics import CONTENT_TYPE, ServerMetrics
+    from kiln.runtime.serving.openai_serving import ClientDisconnected, OpenAIServing
+    from kiln.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
 
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     metrics = ServerMetrics(async_engine, cache_info=lambda: _cache_info(engine))
@@ -221,97 +216,4 @@ def _cache_info(engine: Any) -> dict[str, int]:
     return counts
 
 
-# ---- the `kiln serve` command ----------------------------------------------------------------
-
-def add_subcommands(sub: Any) -> None:
-    from kiln.runtime.cli_common import add_engine_args
-
-    p = sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics). Binds to 127.0.0.1 unless --host says otherwise.",
-    )
-    add_engine_args(p, model_positional=True)
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    g.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY, else none)")
-    g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
-                   help="model name clients send (repeat for aliases; default: the model's path or name)")
-    g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                   help="requests allowed to wait for the engine before new ones get 503 "
-                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
-    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (default warning)")
-    p.set_defaults(func=run_serve)
-
-
-def default_served_name(model: str | None) -> str:
-    if model is None:
-        from kiln.compiler.model_source import default_model_path
-
-        try:
-            return default_model_path().stem
-        except Exception:
-            return "default"
-    return model
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Fail before the (slow) engine start if the address cannot be bound."""
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} cannot be resolved: {e}") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kiln.runtime.cli_common import engine_kwargs, setup_logging
-    from kiln.runtime.engine import EngineConfig, LLMEngine
-
-    setup_logging(args.verbose)
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty; give a key or leave the option out")
-    check_port_free(args.host, args.port)
-    names = args.served_model_name or [default_served_name(args.model)]
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
-    app = build_app(engine, ServerConfig(served_model_names=names, api_key=args.api_key,
-                                         max_waiting_requests=args.max_waiting_requests,
-                                         shutdown_timeout=args.shutdown_timeout))
-    where = f"http://{args.host}:{args.port}" if ":" not in args.host else f"http://[{args.host}]:{args.port}"
-    print(f"kiln serve: {names[0]} on {where}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose)
-    server = uvicorn.Server(config)
-    # uvicorn handles SIGTERM itself (graceful shutdown), then re-raises it once it has
-    # restored the previous handler: with this one in place that ends in a clean exit 0
-    # instead of death by signal.
-    terminated: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda sig, frame: terminated.append(sig))
-    try:
-        server.run()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if terminated:
-        print("kiln serve: stopped (SIGTERM)", file=sys.stderr, flush=True)
-    # uvicorn exits quietly when it cannot bind (e.g. the port was taken meanwhile).
-    return 0 if server.started else 1
-
-
-__all__ = ["ServerConfig", "build_app", "add_subcommands", "run_serve"]
+__all__ = ["ServerConfig", "build_app", "DEFAULT_MAX_WAITING_REQUESTS"]

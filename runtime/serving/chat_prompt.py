@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kiln.runtime.openai_protocol import ChatCompletionRequest, bad_request
+from kiln.runtime.serving.protocol import ChatCompletionRequest, bad_request
 
 TOOLS_SYSTEM_PROMPT = (
     "You can call functions to help with the user's request. The functions are described "

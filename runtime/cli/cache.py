@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 
 def add_subcommands(sub: Any) -> None:
-    from kiln.runtime.cli_common import add_engine_args
+    from kiln.runtime.cli.common import add_engine_args
 
     comp = sub.add_parser(
         "compile", help="fill the compile cache for a model (ahead of time)",
@@ -107,7 +107,7 @@ def _setup(args: argparse.Namespace) -> Any:
     """The ModelSetup for a model and engine options (config only: no weights are read)."""
     from kiln.compiler.aot import setup_for_engine
     from kiln.compiler.model_source import resolve_model
-    from kiln.runtime.cli_common import engine_kwargs
+    from kiln.runtime.cli.common import engine_kwargs
     from kiln.runtime.engine import EngineConfig
 
     config = EngineConfig(**engine_kwargs(args))
@@ -121,7 +121,7 @@ def _setup(args: argparse.Namespace) -> Any:
 
 def run_compile(args: argparse.Namespace) -> int:
     from kiln.compiler.aot import prepare_compiled
-    from kiln.runtime.cli_common import setup_logging
+    from kiln.runtime.cli.common import setup_logging
 
     setup_logging(args.verbose)
     setup = _setup(args)

@@ -32,7 +32,7 @@ from kiln.runtime.guided_decoding import GrammarCompiler, GuidedSampler
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
-logger = logging.getLogger("kiln.runtime.async_engine")
+logger = logging.getLogger("kiln.runtime.serving.async_engine")
 
 # How long the engine thread sleeps when idle before re-checking for commands; a command
 # wakes it at once, so this only bounds how stale the idle stats can get.

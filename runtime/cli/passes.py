@@ -152,7 +152,7 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
 
 def run_show(args: argparse.Namespace) -> int:
     from kiln.passes.manager import op_counts
-    from kiln.runtime.cli_common import setup_logging
+    from kiln.runtime.cli.common import setup_logging
 
     if args.verbose:
         setup_logging(True)
@@ -204,7 +204,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 
 def add_subcommands(sub: Any) -> None:
-    from kiln.runtime.cli_common import add_engine_args
+    from kiln.runtime.cli.common import add_engine_args
 
     passes = sub.add_parser("passes", help="inspect the graph pass pipeline (list passes, show a model's graph)",
                             description="Inspect Kiln's graph pass pipeline.")
