@@ -22,6 +22,9 @@ from typing import Any
 import torch
 
 import kiln.kernels  # noqa: F401  (registers kiln::attention)
+from kiln.compiler.graph_inputs import (
+    INPUT_META_KEY, batch_role, constant_role, graph_input_roles, param_role,
+)
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -35,7 +38,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 ATTN_IMPLEMENTATION = "kiln"
-INPUT_META_KEY = "kiln_input"
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -131,17 +133,6 @@ class CapturedModel:
         return graph_input_roles(self.graph_module)
 
 
-def graph_input_roles(gm: torch.fx.GraphModule) -> list[str]:
-    """The `kiln_input` role of each placeholder, in call order."""
-    roles = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        role = node.meta.get(INPUT_META_KEY)
-        if role is None:
-            raise ValueError(f"graph input {node.name!r} has no {INPUT_META_KEY!r} role; a pass added it untagged")
-        roles.append(role)
-    return roles
-
-
 def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
             max_num_tokens: int = 8192) -> CapturedModel:
     """Trace the HF model for `config` into a flat graph with parameters as inputs."""
@@ -177,17 +168,17 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
             names = [_strip_wrapper(n) for n in aliases[id(named_params[spec.target])]]
             names += [tied[n] for n in names if n in tied]
             param_aliases[hf_name] = list(dict.fromkeys([hf_name] + names))
-            node.meta[INPUT_META_KEY] = f"param:{hf_name}"
+            node.meta[INPUT_META_KEY] = param_role(hf_name)
         elif kind == "BUFFER":
             name = _strip_wrapper(spec.target)
             constants[name] = named_buffers[spec.target].detach().clone()
-            node.meta[INPUT_META_KEY] = f"constant:{name}"
+            node.meta[INPUT_META_KEY] = constant_role(name)
         elif kind == "CONSTANT_TENSOR":
             name = str(spec.target)
             constants[name] = program.constants[spec.target].detach().clone()
-            node.meta[INPUT_META_KEY] = f"constant:{name}"
+            node.meta[INPUT_META_KEY] = constant_role(name)
         elif kind == "USER_INPUT":
-            node.meta[INPUT_META_KEY] = f"batch:{spec.arg.name}"
+            node.meta[INPUT_META_KEY] = batch_role(spec.arg.name)
         else:
             raise ValueError(f"unexpected graph input kind {kind} for {node.name}")
     _unwrap_single_output(gm)

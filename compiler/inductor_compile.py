@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import torch
 
 from kiln.compiler.buckets import Bucket
+from kiln.compiler.graph_inputs import BATCH_INPUTS, InputRole, RoleKind, bind, bucket_sizes, empty_step, param_role
 from kiln.kernels.paged_attention import kv_cache_shape
 
 logger = logging.getLogger("kiln.compiler")
@@ -45,16 +46,6 @@ ARTIFACT_FORMAT = "aoti-pt2/1"
 MAX_KV_BLOCKS = 2**24
 MAX_BLOCK_TABLE_WIDTH = 2**20
 
-# Batch inputs: (dtype, shape from the bucket). Must match kiln.runtime.model_runner's StepInputs.
-_BATCH_INPUTS: dict[str, tuple[torch.dtype, str]] = {
-    "input_ids": (torch.long, "1,T"),
-    "position_ids": (torch.long, "1,T"),
-    "slot_mapping": (torch.long, "T"),
-    "block_tables": (torch.int32, "B,W"),
-    "seq_lens": (torch.int32, "B"),
-    "query_start_loc": (torch.int32, "B+1"),
-    "logits_indices": (torch.long, "S"),
-}
 EXAMPLE_NUM_BLOCKS = 64
 EXAMPLE_BLOCK_TABLE_WIDTH = 8
 # Whether the user chose Inductor's cache directory, read before torch's first use of it
@@ -90,7 +81,7 @@ def example_inputs(
     """Tensors with the bucket's shapes for every graph input, and export's dynamic_shapes.
 
     Values do not matter (export and AOTInductor read only shapes, dtypes and devices), so
-    weights are uninitialised; the batch metadata is zeros, which is a valid empty step.
+    weights are uninitialised; the batch inputs hold a valid empty step (graph_inputs.empty_step).
     """
     from torch.export import Dim
 
@@ -99,35 +90,31 @@ def example_inputs(
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(roles):
         raise BucketCompileError(f"graph has {len(placeholders)} inputs but {len(roles)} roles")
-    sizes = {"T": bucket.num_tokens, "B": bucket.num_seqs, "B+1": bucket.num_seqs + 1, "S": bucket.num_samples,
-             "1": 1, "W": EXAMPLE_BLOCK_TABLE_WIDTH}
-    args: list[torch.Tensor] = []
+    node_of = {role: node for node, role in zip(placeholders, roles)}
+
+    def param(name: str) -> torch.Tensor:
+        val = node_of[param_role(name)].meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise BucketCompileError(f"graph input {param_role(name)} has no recorded shape")
+        return torch.empty(tuple(int(s) for s in val.shape), dtype=val.dtype, device=device)
+
+    kv_shape = kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size)
+    sizes = bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, EXAMPLE_BLOCK_TABLE_WIDTH)
+    try:
+        args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
+                    kv_caches=lambda layer: torch.zeros(kv_shape, dtype=dtype, device=device),
+                    batch=empty_step(sizes, device))
+    except ValueError as e:
+        raise BucketCompileError(f"bucket {bucket.name}: {e}") from e
     dynamic: list[dict[int, Any] | None] = []
-    for node, role in zip(placeholders, roles):
-        kind, _, name = role.partition(":")
-        dyn = None
-        if kind == "param":
-            val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
-                raise BucketCompileError(f"graph input {node.name} ({role}) has no recorded shape")
-            t = torch.empty(tuple(int(s) for s in val.shape), dtype=val.dtype, device=device)
-        elif kind == "constant":
-            t = constants[name].to(device)
-        elif kind == "kv_cache":
-            t = torch.zeros(kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size), dtype=dtype, device=device)
-            dyn = {1: num_blocks}
-        elif kind == "batch":
-            if name not in _BATCH_INPUTS:
-                raise BucketCompileError(f"graph input role {role!r} is unknown to the bucket compiler")
-            tdtype, shape = _BATCH_INPUTS[name]
-            t = torch.zeros([sizes[d] for d in shape.split(",")], dtype=tdtype, device=device)
-            if name == "block_tables":
-                dyn = {1: width}
+    for role in map(InputRole.parse, roles):
+        if role.kind is RoleKind.KV_CACHE:
+            dynamic.append({1: num_blocks})
+        elif role.kind is RoleKind.BATCH and "W" in BATCH_INPUTS[role.name].dims:
+            dynamic.append({BATCH_INPUTS[role.name].dims.index("W"): width})
         else:
-            raise BucketCompileError(f"graph input role {role!r} is unknown to the bucket compiler")
-        args.append(t)
-        dynamic.append(dyn)
-    return args, dynamic
+            dynamic.append(None)
+    return args, dynamic  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 `GraphSpec` is everything the runtime needs from that graph besides a compiled artifact:
 the input roles in call order, the checkpoint names of each parameter, the config-derived
 constants (RoPE's inv_freq), the weight transforms of layout passes, and the pass report.
-The compile cache stores it once per model (kiln.compiler.aot), so a warm start needs no
+The compile cache stores it once per model (kiln.compiler.startup), so a warm start needs no
 capture at all: it reads the spec, loads weights by its names and calls the artifacts.
 """
 
@@ -110,6 +110,6 @@ def build_model_graph(
 ) -> ModelGraph:
     pm = pass_manager or PassManager.default()
     captured = capture(config, dtype=dtype, device=device, max_num_tokens=max_num_tokens)
-    ctx = PassContext(config=config, dtype=dtype, block_size=block_size)
+    ctx = PassContext(config=config, dtype=dtype)
     report = pm.run(captured.graph_module, ctx)
     return ModelGraph(captured=captured, report=report, pass_manager=pm, weight_transforms=ctx.weight_transforms)

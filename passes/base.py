@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from kiln.compiler.capture import INPUT_META_KEY
+from kiln.compiler.graph_inputs import add_graph_input  # noqa: F401  (part of the pass API)
 
 PassStats = dict[str, int]
 
@@ -25,7 +25,6 @@ class PassContext:
 
     config: Any
     dtype: torch.dtype = torch.float32
-    block_size: int = 16
     # Filled by passes for later stages (e.g. weight transforms the loader applies).
     weight_transforms: list[Any] = field(default_factory=list)
 
@@ -57,18 +56,3 @@ class KilnPass:
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         raise NotImplementedError
-
-
-def add_graph_input(gm: torch.fx.GraphModule, name: str, role: str, example: torch.Tensor | None = None) -> torch.fx.Node:
-    """Append a placeholder (after the existing ones) tagged with its runtime role."""
-    graph = gm.graph
-    existing = {n.meta.get(INPUT_META_KEY): n for n in graph.find_nodes(op="placeholder")}
-    if role in existing:
-        return existing[role]
-    last = list(graph.find_nodes(op="placeholder"))[-1]
-    with graph.inserting_after(last):
-        node = graph.placeholder(name)
-    node.meta[INPUT_META_KEY] = role
-    if example is not None:
-        node.meta["val"] = example
-    return node

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.compiler.capture import INPUT_META_KEY
+from kiln.compiler.graph_inputs import INPUT_META_KEY
 from kiln.passes.base import GraphPass, PassContext, PassStats
 from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass
 

@@ -18,8 +18,8 @@ from collections import defaultdict
 
 import torch
 
-from kiln.compiler.capture import INPUT_META_KEY
-from kiln.passes.base import PassContext, PassStats, add_graph_input
+from kiln.compiler.graph_inputs import RoleKind, add_graph_input, param_role, role_of
+from kiln.passes.base import PassContext, PassStats
 from kiln.passes.weight_transforms import ConcatWeights
 
 aten = torch.ops.aten
@@ -27,9 +27,9 @@ aten = torch.ops.aten
 
 def _param_name(node: object) -> str | None:
     if isinstance(node, torch.fx.Node) and node.op == "placeholder":
-        role = node.meta.get(INPUT_META_KEY, "")
-        if role.startswith("param:"):
-            return role[len("param:"):]
+        role = role_of(node)
+        if role is not None and role.kind is RoleKind.PARAM:
+            return role.name
     return None
 
 
@@ -96,7 +96,7 @@ def _merge_group(gm: torch.fx.GraphModule, ctx: PassContext, x: torch.fx.Node, p
         if not params:
             continue
         name = f"{prefix}{merged}.{leaf}"
-        placeholder = add_graph_input(gm, name.replace(".", "_"), f"param:{name}",
+        placeholder = add_graph_input(gm, name.replace(".", "_"), param_role(name),
                                       _fake_val(lambda *ts: torch.cat(ts, 0), *params))
         ctx.weight_transforms.append(ConcatWeights(output=name, inputs=tuple(_param_name(p) for p in params), dim=0))
         new_inputs.append(placeholder)

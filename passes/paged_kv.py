@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.passes.base import KilnPass, PassContext, PassStats, add_graph_input
+from kiln.compiler.graph_inputs import add_graph_input, batch_role, kv_cache_role
+from kiln.passes.base import KilnPass, PassContext, PassStats
 
 METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
 
@@ -29,10 +30,10 @@ class PagedKVPass(KilnPass):
         markers = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default))
         if not markers:
             return {"attention_replaced": 0}
-        metadata = {name: add_graph_input(gm, name, f"batch:{name}") for name in METADATA_INPUTS}
+        metadata = {name: add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS}
         for node in markers:
             q, k, v, layer_idx, scale, window = node.args
-            kv_cache = add_graph_input(gm, f"kv_cache_{layer_idx}", f"kv_cache:{layer_idx}")
+            kv_cache = add_graph_input(gm, f"kv_cache_{layer_idx}", kv_cache_role(layer_idx))
             with graph.inserting_before(node):
                 paged = graph.call_function(
                     torch.ops.kiln.paged_attention.default,

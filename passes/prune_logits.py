@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.passes.base import KilnPass, PassContext, PassStats, add_graph_input
+from kiln.compiler.graph_inputs import add_graph_input, batch_role
+from kiln.passes.base import KilnPass, PassContext, PassStats
 
 aten = torch.ops.aten
 # Ops between the LM head and the output that keep rows aligned (HF's logits_to_keep slice).
@@ -38,7 +39,7 @@ class PruneLogitsPass(KilnPass):
         hidden = head.args[0]
         if isinstance(hidden, torch.fx.Node) and hidden.target == aten.index_select.default:
             return {"lm_head_pruned": 0}  # already pruned
-        indices = add_graph_input(gm, "logits_indices", "batch:logits_indices")
+        indices = add_graph_input(gm, "logits_indices", batch_role("logits_indices"))
         with gm.graph.inserting_before(head):
             selected = gm.graph.call_function(aten.index_select.default, (hidden, 1, indices))
         head.replace_input_with(hidden, selected)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.capture import INPUT_META_KEY
+from kiln.compiler.graph_inputs import RoleKind, role_of
 from kiln.kernels.linear import linear as linear_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import CudaByDefault
@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 def _is_param(node: object) -> bool:
     return (isinstance(node, torch.fx.Node) and node.op == "placeholder"
-            and node.meta.get(INPUT_META_KEY, "").startswith("param:"))
+            and (role := role_of(node)) is not None and role.kind is RoleKind.PARAM)
 
 
 def parameter_linears(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -1,6 +1,8 @@
 """Kiln's runtime: engine loop, scheduler, block manager, model runner, sampler, LLM API, CLI."""
 
-from kiln.runtime.engine import EngineConfig, LLMEngine
+from kiln.runtime.config import EngineConfig
+
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.llm import LLM, GenerateError
 from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams

@@ -33,6 +33,8 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
+from kiln.compiler.graph_inputs import copy_into
+
 logger = logging.getLogger("kiln.runtime")
 
 
@@ -47,7 +49,7 @@ class CapturedBucket:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]
     output: Any
-    pad_values: dict[str, float | int] = field(default_factory=dict)
+    pad_values: dict[str, int] = field(default_factory=dict)
 
 
 class BucketGraphs:
@@ -72,7 +74,7 @@ class BucketGraphs:
         self,
         step_fns: Callable[..., Any] | Mapping[Hashable, Callable[..., Any]],
         static_inputs: Mapping[Hashable, dict[str, torch.Tensor]],
-        pad_values: Mapping[str, float | int] | None = None,
+        pad_values: Mapping[str, int] | None = None,
         size: Callable[[Hashable], Any] | None = None,
     ) -> None:
         """Capture every bucket, largest first (by `size(bucket)`, default the bucket itself)."""
@@ -85,7 +87,7 @@ class BucketGraphs:
 
     @torch.inference_mode()
     def capture(self, bucket: Hashable, step_fn: Callable[..., Any], inputs: dict[str, torch.Tensor],
-                pad_values: Mapping[str, float | int] | None = None) -> None:
+                pad_values: Mapping[str, int] | None = None) -> None:
         for name, buf in inputs.items():
             if buf.device != self.device:
                 raise CudaGraphError(f"bucket {bucket}: static input {name!r} is on {buf.device}, not {self.device}")
@@ -113,18 +115,9 @@ class BucketGraphs:
             buf = captured.inputs.get(name)
             if buf is None:
                 raise CudaGraphError(f"bucket {bucket!r} has no static input {name!r}")
-            _copy_padded(buf, value, captured.pad_values.get(name, 0), name, bucket)
+            try:
+                copy_into(buf, value, captured.pad_values.get(name, 0))
+            except ValueError as e:
+                raise CudaGraphError(f"bucket {bucket!r}: input {name!r}: {e}") from None
         captured.graph.replay()
         return captured.output
-
-
-def _copy_padded(buf: torch.Tensor, value: torch.Tensor, pad: float | int, name: str, bucket: Hashable) -> None:
-    if value.shape == buf.shape:
-        buf.copy_(value, non_blocking=True)
-        return
-    if value.dim() != buf.dim() or any(v > b for v, b in zip(value.shape, buf.shape)):
-        raise CudaGraphError(
-            f"input {name!r} of shape {tuple(value.shape)} does not fit bucket {bucket!r}'s buffer {tuple(buf.shape)}"
-        )
-    buf.fill_(pad)
-    buf[tuple(slice(0, n) for n in value.shape)].copy_(value, non_blocking=True)

@@ -2,8 +2,9 @@
 
     step() = schedule -> prepare inputs -> run the graph -> sample -> update sequences
 
-Start-up (`LLMEngine.__init__`) resolves the model, builds the graph (capture + passes),
-loads weights, sizes and allocates the KV cache, and logs how long each phase took.
+Start-up (`LLMEngine.__init__`) resolves the model, gets the graph (kiln.compiler.startup:
+cache, capture, compile), loads weights, builds the KV cache (kiln.runtime.kv_cache),
+captures CUDA graphs, and logs how long each phase took.
 """
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ import atexit
 import gc
 import itertools
 import logging
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kiln.compiler.model_source import ModelSource, resolve_model
-from kiln.compiler.aot import PreparedModel, prepare_for_engine
 from kiln.compiler.pipeline import ModelGraph
-from kiln.kernels.paged_attention import kv_heads_and_head_dim
+from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches, prepare_step_inputs, profile_step_memory
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token
+from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
+from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
 from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
@@ -34,62 +36,6 @@ from kiln.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from kiln.runtime.sequence import Sequence
 
 logger = logging.getLogger("kiln.runtime")
-
-# KV-cache budget on CPU when the caller gives no num_kv_blocks: a fraction of RAM.
-CPU_KV_MEMORY_FRACTION = 0.2
-
-
-@dataclass
-class EngineConfig:
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    load_format: str = "auto"
-    enable_passes: list[str] = field(default_factory=list)
-    disable_passes: list[str] = field(default_factory=list)
-    progress: bool = True
-    # Compile and cache (kiln.compiler.aot). compile: "auto" (the device's cached artifact
-    # when the cache holds it all, filling misses only if cache_dir or require_cache is
-    # given; else eager), "eager", "inductor" (an AOTInductor package per bucket; the CPU
-    # artifact) or "graph" (the post-pass FX graph cached as code; the CUDA artifact; see
-    # resolve_compile_mode). cache_dir: None for $KILN_CACHE_DIR or the user's cache
-    # directory. require_cache: fail at start-up, naming the missing entries, instead of
-    # capturing or compiling. *_buckets: None for the default plan.
-    compile: str = "auto"
-    cache_dir: str | None = None
-    require_cache: bool = False
-    decode_buckets: list[int] | None = None
-    token_buckets: list[int] | None = None
-    # CUDA only: fraction of the GPU's memory Kiln may use (weights + activations + KV
-    # cache), and whether decode steps replay captured CUDA graphs (False = always eager).
-    gpu_memory_utilization: float = 0.9
-    cuda_graphs: bool = True
-    # Launch the next decode step before reading this one's tokens, so the host's per-step
-    # work (reading tokens, stop checks, outputs, scheduling) overlaps the device's
-    # (see step()). False: every step is read back before the next is scheduled.
-    async_scheduling: bool = True
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} asked for, but CUDA is not available on this machine")
-        return torch.device(self.device)
-
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-        if self.dtype not in dtypes:
-            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
-        return dtypes[self.dtype]
 
 
 @dataclass
@@ -145,26 +91,23 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
 
-        with self._phase("resolve model"):
+        with timed(self.timings, "resolve model"):
             self.source: ModelSource = resolve_model(config.model, config.load_format)
             self.model_config = self.source.config
-        with self._phase("load tokenizer"):
+        with timed(self.timings, "load tokenizer"):
             self.tokenizer = self.source.tokenizer()
         self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
-        if config.max_num_batched_tokens < 1 or config.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not 0 < config.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {config.gpu_memory_utilization}")
 
-        # The graph (kiln.compiler.aot): eager capture, or cache lookups -> capture and compile
-        # only what is missing -> load artifacts. Warm starts capture nothing: the runtime
-        # reads what it needs (input roles, weight names, constants) from the cached spec.
-        self.prepared: PreparedModel = prepare_for_engine(config, self.model_config, self.dtype, self.device)
+        # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
+        # compile only what is missing -> load artifacts. Warm starts capture nothing: the
+        # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
+        self.prepared: PreparedModel = prepare_for_engine(config.compile_options(), self.model_config, self.dtype,
+                                                          self.device)
         self.timings.update(self.prepared.report.timings)
         self.startup_report = self.prepared.report
         self.graph_spec = self.prepared.spec
         self.graph: ModelGraph | None = self.prepared.graph  # None when nothing was captured
-        with self._phase("load weights"):
+        with timed(self.timings, "load weights"):
             weights = self.source.load_weights(self.graph_spec.param_aliases, self.dtype, self.device,
                                                progress=config.progress)
             # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
@@ -176,28 +119,24 @@ class LLMEngine:
                 kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
             )
 
-        with self._phase("allocate KV cache"):
-            self.activation_peak_bytes = 0
-            if self.device.type == "cuda" and config.num_kv_blocks is None:
-                # Profile the largest step with a one-block cache, then give the KV cache
-                # what is left of gpu_memory_utilization.
-                probe = make_runner(self._allocate_kv(1))
-                self.activation_peak_bytes = profile_step_memory(probe, config.max_num_batched_tokens,
-                                                                 config.block_size)
-                del probe
-                torch.cuda.empty_cache()
-            self.num_kv_blocks = self._num_kv_blocks()
-            kv_caches = self._allocate_kv(self.num_kv_blocks)
-        self.runner = make_runner(kv_caches)
+        with timed(self.timings, "allocate KV cache"):
+            kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len, make_runner)
+        self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
+        self.runner = make_runner(kv.layers)
         if self.device.type == "cuda" and config.cuda_graphs:
-            with self._phase("capture CUDA graphs"):
-                sizes = self._cuda_graph_sizes()
-                self.runner.capture_decode_graphs(sizes, -(-self.max_model_len // config.block_size))
+            with timed(self.timings, "capture CUDA graphs"):
+                self.runner.capture_decode_graphs(cuda_graph_sizes(self.prepared.plan),
+                                                  -(-self.max_model_len // config.block_size))
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)
+        # Guided decoding: grammars compiled against the tokenizer (lazily), and the logits
+        # processor that masks guided rows before every draw.
+        vocab, stops = int(self.model_config.vocab_size), sorted(self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, stops)
+        self.grammar_masker = GrammarMasker(vocab, stops)
         self.requests: dict[str, _Request] = {}
         self._in_flight: _LaunchedStep | None = None  # async scheduling: launched, not read back
         self.num_discarded_tokens = 0  # computed for a sequence that had ended meanwhile
@@ -220,74 +159,8 @@ class LLMEngine:
             self.startup_report.summary(), self.num_kv_blocks, config.block_size,
         )
 
-    # ---- start-up helpers -------------------------------------------------------------
-    class _PhaseTimer:
-        def __init__(self, engine: "LLMEngine", name: str):
-            self.engine, self.name = engine, name
-
-        def __enter__(self) -> None:
-            self.t = time.perf_counter()
-
-        def __exit__(self, *exc: Any) -> None:
-            self.engine.timings[self.name] = time.perf_counter() - self.t
-
-    def _phase(self, name: str) -> "_PhaseTimer":
-        return LLMEngine._PhaseTimer(self, name)
-
-    def _num_kv_heads(self) -> int:
-        return kv_heads_and_head_dim(self.model_config)[0]
-
-    def _head_dim(self) -> int:
-        return kv_heads_and_head_dim(self.model_config)[1]
-
     def kv_bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.model_config.num_hidden_layers * self._num_kv_heads() * self._head_dim() * elem
-
-    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(
-            self.model_config.num_hidden_layers, num_blocks, self.config.block_size,
-            self._num_kv_heads(), self._head_dim(), self.dtype, self.device,
-        )
-
-    def _cuda_graph_sizes(self) -> list[int]:
-        """Decode batch sizes to capture: the plan's decode buckets, or 1, 2, 4, 8, 16, 32, ..."""
-        plan = self.prepared.plan
-        if plan is not None:
-            return sorted({b.num_seqs for b in plan.buckets() if b.kind == "decode"})
-        sizes, n = [], 1
-        while n < self.config.max_num_seqs:
-            sizes.append(n)
-            n *= 2
-        return sizes + [self.config.max_num_seqs]
-
-    def _num_kv_blocks(self) -> int:
-        bs = self.config.block_size
-        if self.config.num_kv_blocks is not None:
-            return int(self.config.num_kv_blocks)
-        wanted = -(-self.config.max_num_seqs * self.max_model_len // bs) + 1
-        if self.device.type == "cpu":
-            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            fit = int(ram * CPU_KV_MEMORY_FRACTION) // (self.kv_bytes_per_token() * bs)
-        else:
-            _, total = torch.cuda.mem_get_info(self.device)
-            budget = int(total * self.config.gpu_memory_utilization)
-            # Held now (weights, constants) + the largest step's activations + a reserve for
-            # the CUDA graphs' pool and allocator fragmentation.
-            reserve = 512 * 2**20
-            free_for_kv = budget - torch.cuda.memory_allocated(self.device) - self.activation_peak_bytes - reserve
-            fit = free_for_kv // (self.kv_bytes_per_token() * bs)
-            if fit < 2:
-                raise ValueError(
-                    f"no GPU memory left for the KV cache at gpu_memory_utilization="
-                    f"{self.config.gpu_memory_utilization}: weights and a {self.config.max_num_batched_tokens}-token "
-                    "step already take it; lower max_num_batched_tokens or raise gpu_memory_utilization"
-                )
-            logger.info("KV cache: %d blocks (%d tokens) fit in %.1f GiB (activation peak %.2f GiB)",
-                        min(wanted, fit), min(wanted, fit) * bs, free_for_kv / 2**30,
-                        self.activation_peak_bytes / 2**30)
-        blocks = max(2, min(wanted, fit))
-        return blocks
+        return kv_bytes_per_token(self.model_config, self.dtype)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -355,6 +228,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         *,
         every_step: bool = True,
+        grammar: Any = None,
     ) -> None:
         """Validate and queue a request; raises ValueError naming the bad field, queueing nothing.
 
@@ -362,6 +236,8 @@ class LLMEngine:
         clock) lets a server count queueing before the engine saw the request.
         `every_step=False` makes `step()` return this request's output only once it has
         finished (what `LLM.generate` wants), instead of after every step that changed it.
+        `grammar` (compiled by `self.grammars`) constrains the output; without one, the
+        params' `structured_outputs` is compiled here (a bad one is a ValueError).
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -370,6 +246,8 @@ class LLMEngine:
         elif isinstance(params, dict):
             params = SamplingParams.from_dict(params)
         token_ids = self.validate_request(prompt, params)
+        if grammar is None and params.structured_outputs is not None:
+            grammar = self.grammars.structured(params.structured_outputs)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [
             Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=token_ids,
@@ -387,11 +265,14 @@ class LLMEngine:
         )
         for seq in seqs:
             self.scheduler.add(seq)
+        if grammar is not None:
+            self.grammar_masker.register(request_id, grammar)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish reason
         "abort"), or None if the request is unknown or already finished."""
         req = self.requests.pop(request_id, None)
+        self.grammar_masker.release(request_id)
         if req is None:
             return None
         now = time.monotonic()
@@ -463,7 +344,10 @@ class LLMEngine:
             item.seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
                 sampling.append(item.seq)
-        pending = self.sampler.launch(logits, sampling) if sampling else None
+        pending = None
+        if sampling:
+            self.grammar_masker.apply(logits, sampling)  # the logits processor: guided rows only
+            pending = self.sampler.launch(logits, sampling)
         for seq in sampling:
             seq.num_inflight_tokens += 1
         return _LaunchedStep(scheduled, sampling, pending)
@@ -477,7 +361,7 @@ class LLMEngine:
             if (seq.num_sampled_tokens >= seq.params.max_tokens
                     or seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len):
                 return None
-        if not self.sampler.can_defer(prev.sampling):
+        if not self.sampler.can_defer(prev.sampling) or self.grammar_masker.guides(prev.sampling):
             return None
         items = self.scheduler.schedule_continuation(prev.scheduled)
         if items is None:
@@ -510,6 +394,7 @@ class LLMEngine:
                 outputs.append(self._request_output(req))
             if finished:
                 del self.requests[req.request_id]
+                self.grammar_masker.release(req.request_id)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:

@@ -1,7 +1,10 @@
 """Guided (constrained) decoding: masks the logits so the output follows a grammar.
 
-Used by the server for tool calls and JSON output, built on xgrammar (grammar compiler and
-per-sequence token-mask matcher):
+The engine owns it (kiln.runtime.engine): a request whose SamplingParams carry
+`structured_outputs` (JSON schema, regex, choice or EBNF grammar), or that the server hands a
+compiled grammar (tool calls, response_format), has its rows of the logits masked before
+every draw, so `LLM.generate` and the server constrain output the same way. Built on
+xgrammar (grammar compiler and per-sequence token-mask matcher). What the server compiles:
 
 - `tool_choice` naming a function: the reply must be exactly one Hermes-style call of that
   function, `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`, with ARGS
@@ -12,10 +15,10 @@ per-sequence token-mask matcher):
   starts a call cannot produce a broken one.
 - `response_format` `json_object` / `json_schema`: the reply is JSON (following the schema).
 
-`GuidedSampler` wraps the engine's sampler: before each sampling call it advances every
-guided sequence's matcher by the tokens sampled since, and masks the rows of the logits that
-belong to guided sequences. Unguided rows are left untouched, so a batch mixes both freely.
-All its methods run on the engine thread.
+`GrammarMasker` is the engine's logits processor: before each draw it advances every guided
+sequence's matcher by the tokens sampled since, and masks the rows of the logits that belong
+to guided sequences. Unguided rows are left untouched, so a batch mixes both freely. All its
+methods run on the engine thread.
 """
 
 from __future__ import annotations
@@ -98,6 +101,24 @@ class GrammarCompiler:
             fmt = OrFormat(elements=tags)
         return self._compile(lambda c: c.compile_structural_tag(StructuralTag(format=fmt)), "tools")
 
+    def structured(self, spec: Any, param: str = "structured_outputs") -> Any:
+        """The compiled grammar of a `StructuredOutputs` (kiln.runtime.sampling_params)."""
+        if spec.json is not None:
+            schema = None if spec.json is True else spec.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise GrammarError(f"{param}.json is not valid JSON: {e}", f"{param}.json") from None
+            return self.json(schema, f"{param}.json")
+        if spec.regex is not None:
+            return self._compile(lambda c: c.compile_regex(spec.regex), f"{param}.regex")
+        if spec.choice is not None:
+            # One alternative per choice, each matched literally.
+            ebnf = "root ::= " + " | ".join(json.dumps(c) for c in spec.choice)
+            return self._compile(lambda c: c.compile_grammar(ebnf), f"{param}.choice")
+        return self._compile(lambda c: c.compile_grammar(spec.grammar), f"{param}.grammar")
+
     def json(self, schema: dict[str, Any] | None, param: str) -> Any:
         """Any JSON value when schema is None (response_format json_object), else the schema."""
         if schema is None:
@@ -140,11 +161,10 @@ class _SequenceMatcher:
         self.broken = False
 
 
-class GuidedSampler:
-    """Wraps the engine's sampler; masks guided rows of the logits before sampling."""
+class GrammarMasker:
+    """The engine's logits processor: masks guided rows of the logits before each draw."""
 
-    def __init__(self, inner: Any, vocab_size: int, stop_token_ids: list[int]):
-        self.inner = inner
+    def __init__(self, vocab_size: int, stop_token_ids: list[int]):
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._grammars: dict[str, Any] = {}  # request_id -> compiled grammar
@@ -162,23 +182,15 @@ class GuidedSampler:
     def num_guided(self) -> int:
         return len(self._grammars)
 
-    def sample(self, logits: torch.Tensor, seqs: list[Any]) -> Any:
-        return self.inner.collect(self.launch(logits, seqs))
+    def guides(self, seqs: list[Any]) -> bool:
+        """Whether any of `seqs` is guided. A guided row's mask follows the grammar from every
+        earlier token, so its next step cannot be launched before its token is read back."""
+        return bool(self._grammars) and any(seq.request_id in self._grammars for seq in seqs)
 
-    def launch(self, logits: torch.Tensor, seqs: list[Any]) -> Any:
-        if self._grammars:
-            self._mask(logits, seqs)
-        return self.inner.launch(logits, seqs)
-
-    def can_defer(self, seqs: list[Any]) -> bool:
-        # A guided row's mask follows the grammar from every earlier token: it needs them all.
-        return not any(seq.request_id in self._grammars for seq in seqs) and self.inner.can_defer(seqs)
-
-    def __getattr__(self, name: str) -> Any:
-        # Anything else the engine asks of its sampler goes to the real one.
-        return getattr(self.inner, name)
-
-    def _mask(self, logits: torch.Tensor, seqs: list[Any]) -> None:
+    def apply(self, logits: torch.Tensor, seqs: list[Any]) -> None:
+        """Mask (in place) the rows of `logits` whose sequences are guided; row i is seqs[i]."""
+        if not self._grammars:
+            return
         import xgrammar as xgr
 
         rows: list[int] = []

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator, Sequence as Seq
 
-from kiln.runtime.engine import EngineConfig, LLMEngine
+from kiln.runtime.config import EngineConfig
+
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -31,44 +33,12 @@ class GenerateError(ValueError):
 
 
 class LLM:
-    """Offline generation.
+    """Offline generation: `LLM(model, **options)` with the options of `EngineConfig`
+    (kiln.runtime.config), e.g. `max_num_seqs`, `num_kv_blocks` (overrides the memory-derived
+    KV-cache size), `cache_dir` / `require_cache` / `compile` (the compile cache)."""
 
-    `num_kv_blocks` overrides the memory-derived KV-cache size (tests use it to force
-    preemption); `enable_prefix_caching` reuses the K/V of prompt prefixes seen before.
-    """
-
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        load_format: str = "auto",
-        enable_passes: list[str] | None = None,
-        disable_passes: list[str] | None = None,
-        progress: bool = True,
-        cache_dir: str | None = None,
-        require_cache: bool = False,
-        compile: str = "auto",
-        **engine_options: Any,
-    ):
-        # cache_dir / require_cache / compile: the compile cache (see EngineConfig); with
-        # require_cache=True start-up fails, naming the missing buckets, instead of compiling.
-        # engine_options: further EngineConfig fields (e.g. decode_buckets), passed through.
-        self.engine = LLMEngine(EngineConfig(
-            model=str(model) if model is not None else None, dtype=dtype, device=device,
-            max_model_len=max_model_len, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, load_format=load_format,
-            enable_passes=list(enable_passes or []), disable_passes=list(disable_passes or []),
-            progress=progress, cache_dir=str(cache_dir) if cache_dir is not None else None,
-            require_cache=require_cache, compile=compile, **engine_options,
-        ))
+    def __init__(self, model: str | None = None, **options: Any):
+        self.engine = LLMEngine(EngineConfig.from_options(model, **options))
         self._ids = itertools.count()
 
     @property

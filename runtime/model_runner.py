@@ -8,36 +8,20 @@ steps to the next decode bucket, other steps to the next token bucket.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from kiln.compiler.buckets import Bucket, BucketPlan, decode_bucket
+from kiln.compiler.graph_inputs import (
+    BATCH_INPUTS, StepInputs, batch_slots, bind, bucket_sizes, copy_into, empty_step, single_prefill_step,
+)
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.scheduler import SchedulerOutput
 
 logger = logging.getLogger("kiln.runtime")
-
-
-@dataclass
-class StepInputs:
-    """The batch tensors of one step (token-major, packed)."""
-
-    input_ids: torch.Tensor  # [1, T] int64
-    position_ids: torch.Tensor  # [1, T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B+1] int32
-    logits_indices: torch.Tensor  # [S] int64: the rows to sample
-
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.__dict__)
 
 
 def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, device: torch.device | str) -> StepInputs:
@@ -78,7 +62,12 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         query_start_loc=t(starts, torch.int32),
         logits_indices=t(sample_rows, torch.long),
     )
-    return StepInputs(**{k: v.to(device, non_blocking=True) for k, v in inputs.as_dict().items()})
+    # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
+    sizes = bucket_sizes(len(tokens), len(seq_lens), len(sample_rows), width)
+    for name, spec in BATCH_INPUTS.items():
+        if name not in inputs:
+            inputs[name] = spec.empty_step_value(sizes)
+    return inputs.to(device)
 
 
 def pad_step_inputs(inputs: StepInputs, bucket: Bucket) -> StepInputs:
@@ -90,26 +79,13 @@ def pad_step_inputs(inputs: StepInputs, bucket: Bucket) -> StepInputs:
     and are cut off by the runner, so nothing padded is ever sampled. Block tables keep
     their width: it is a dynamic dimension of every artifact.
     """
-    pad_t = bucket.num_tokens - inputs.input_ids.shape[1]
-    pad_b = bucket.num_seqs - inputs.seq_lens.shape[0]
-    pad_s = bucket.num_samples - inputs.logits_indices.shape[0]
-    if pad_t < 0 or pad_b < 0 or pad_s < 0:
+    if (inputs.num_tokens > bucket.num_tokens or inputs.num_seqs > bucket.num_seqs
+            or inputs.num_samples > bucket.num_samples):
         raise ValueError(
-            f"a step of {inputs.input_ids.shape[1]} tokens, {inputs.seq_lens.shape[0]} sequences and "
-            f"{inputs.logits_indices.shape[0]} sampled rows does not fit bucket {bucket.name}"
+            f"a step of {inputs.num_tokens} tokens, {inputs.num_seqs} sequences and "
+            f"{inputs.num_samples} sampled rows does not fit bucket {bucket.name}"
         )
-    if pad_t == pad_b == pad_s == 0:
-        return inputs
-    qsl = inputs.query_start_loc
-    return StepInputs(
-        input_ids=F.pad(inputs.input_ids, (0, pad_t)),
-        position_ids=F.pad(inputs.position_ids, (0, pad_t)),
-        slot_mapping=F.pad(inputs.slot_mapping, (0, pad_t)),  # slot 0: the null block
-        block_tables=F.pad(inputs.block_tables, (0, 0, 0, pad_b)),
-        seq_lens=F.pad(inputs.seq_lens, (0, pad_b)),
-        query_start_loc=torch.cat([qsl, qsl[-1:].expand(pad_b)]),
-        logits_indices=F.pad(inputs.logits_indices, (0, pad_s)),
-    )
+    return inputs.padded(bucket.num_tokens, bucket.num_seqs, bucket.num_samples)
 
 
 @dataclass
@@ -127,59 +103,48 @@ class DecodeStaging:
     host: dict[str, torch.Tensor]
     device_flat: list[torch.Tensor]
     host_flat: list[torch.Tensor]
-    copied: Any  # torch.cuda.Event recorded after the last upload's copies
+    copied: Any  # torch.cuda.Event recorded after the last upload's copies (None on CPU)
 
     @staticmethod
     def allocate(batch: int, max_blocks_per_seq: int, device: torch.device) -> "DecodeStaging":
-        layout = {  # name -> (dtype, shape, initial value)
-            "input_ids": (torch.long, (1, batch), 0),
-            "position_ids": (torch.long, (1, batch), 0),
-            "slot_mapping": (torch.long, (batch,), 0),  # slot 0: the null block
-            "logits_indices": (torch.long, (batch,), None),  # arange
-            "block_tables": (torch.int32, (batch, max_blocks_per_seq), 0),
-            "seq_lens": (torch.int32, (batch,), 1),
-            "query_start_loc": (torch.int32, (batch + 1,), None),  # arange
-        }
+        # One flat buffer per dtype: a step's inputs reach the device in one copy per dtype.
+        initial = empty_step(bucket_sizes(batch, batch, batch, max_blocks_per_seq))
         dev_views: dict[str, torch.Tensor] = {}
         host_views: dict[str, torch.Tensor] = {}
         dev_flat, host_flat = [], []
-        for dtype in (torch.long, torch.int32):
-            names = [n for n, (dt, _, _) in layout.items() if dt == dtype]
-            total = sum(math.prod(layout[n][1]) for n in names)
+        for dtype in dict.fromkeys(spec.dtype for spec in BATCH_INPUTS.values()):
+            names = [n for n, spec in BATCH_INPUTS.items() if spec.dtype == dtype]
+            total = sum(initial[n].numel() for n in names)
             d = torch.zeros(total, dtype=dtype, device=device)
-            h = torch.zeros(total, dtype=dtype).pin_memory()
+            h = torch.zeros(total, dtype=dtype)
+            h = h.pin_memory() if device.type == "cuda" else h
             offset = 0
             for n in names:
-                _, shape, init = layout[n]
-                size = math.prod(shape)
-                dv = d[offset:offset + size].view(shape)
-                hv = h[offset:offset + size].view(shape)
-                if init is None:
-                    hv.copy_(torch.arange(size, dtype=dtype).view(shape))
-                else:
-                    hv.fill_(init)
-                dev_views[n], host_views[n] = dv, hv
+                size = initial[n].numel()
+                dev_views[n] = d[offset:offset + size].view(initial[n].shape)
+                host_views[n] = h[offset:offset + size].view(initial[n].shape)
+                host_views[n].copy_(initial[n])
                 offset += size
             d.copy_(h)
             dev_flat.append(d)
             host_flat.append(h)
-        event = torch.cuda.Event()
-        event.record()
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
         return DecodeStaging(dev_views, host_views, dev_flat, host_flat, event)
 
     def upload(self, inputs: StepInputs) -> None:
         """Copy a step's CPU inputs (padded to this batch) into the graph's device buffers."""
-        self.copied.synchronize()
-        for name, value in inputs.as_dict().items():
-            view = self.host[name]
-            if value.shape == view.shape:
-                view.copy_(value)
-            else:  # block tables narrower than max_model_len's: pad with the null block
-                view.zero_()
-                view[tuple(slice(0, n) for n in value.shape)].copy_(value)
+        if self.copied is not None:
+            self.copied.synchronize()
+        for name, value in inputs.items():
+            # Block tables narrower than max_model_len's are padded with the null block.
+            copy_into(self.host[name], value, pad=0)
         for d, h in zip(self.device_flat, self.host_flat):
             d.copy_(h, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record()
 
 
 class ModelRunner:
@@ -217,26 +182,12 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.bucket_counts: dict[str, int] = {}  # steps run per bucket (for stats and tests)
-        # Fixed inputs resolved once; batch inputs are filled per step.
-        self._fixed: list[torch.Tensor | None] = []
-        self._batch_slots: list[tuple[int, str]] = []
-        for i, role in enumerate(input_roles):
-            kind, _, name = role.partition(":")
-            if kind == "param":
-                if name not in weights:
-                    raise ValueError(f"graph input {role!r} has no loaded weight named {name!r}")
-                w = weights[name]
-                # Compiled artifacts assume the dense strides they were traced with.
-                self._fixed.append(w.contiguous() if bucket_fns is not None else w)
-            elif kind == "constant":
-                self._fixed.append(constants[name].to(device))
-            elif kind == "kv_cache":
-                self._fixed.append(kv_caches[int(name)])
-            elif kind == "batch":
-                self._fixed.append(None)
-                self._batch_slots.append((i, name))
-            else:
-                raise ValueError(f"graph input role {role!r} is unknown to the runner")
+        # Fixed inputs resolved once; batch inputs are filled per step. Compiled artifacts
+        # assume the dense strides they were traced with.
+        params = {n: (w.contiguous() if bucket_fns is not None else w) for n, w in weights.items()}
+        self._fixed: list[torch.Tensor | None] = bind(
+            input_roles, params=params, constants=lambda name: constants[name].to(device), kv_caches=kv_caches)
+        self._batch_slots = batch_slots(input_roles)
 
     def twin(
         self,
@@ -333,9 +284,9 @@ class ModelRunner:
         if replayed is not None:
             return replayed
         if inputs.input_ids.device.type != self.device.type:
-            inputs = StepInputs(**{k: v.to(self.device, non_blocking=True) for k, v in inputs.as_dict().items()})
+            inputs = inputs.to(self.device)
         if input_ids is not None:
-            inputs = dataclasses.replace(inputs, input_ids=input_ids.view(1, -1).to(inputs.input_ids.dtype))
+            inputs = StepInputs(inputs, input_ids=input_ids.view(1, -1).to(inputs.input_ids.dtype))
         num_samples = inputs.logits_indices.shape[0]
         fn: Callable[..., Any]
         if self.bucket_fns is not None:
@@ -356,43 +307,3 @@ class ModelRunner:
         if isinstance(logits, (tuple, list)):
             logits = logits[0]
         return logits[0, :num_samples].float()
-
-
-def allocate_kv_caches(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
-) -> list[torch.Tensor]:
-    caches = []
-    for _ in range(num_layers):
-        # Uninitialised: attention only reads slots a sequence has written. The null block
-        # (padding's target) is zeroed so padded rows never see NaN garbage.
-        cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
-        cache[:, 0].zero_()
-        caches.append(cache)
-    return caches
-
-
-@torch.inference_mode()
-def profile_step_memory(runner: ModelRunner, num_tokens: int, block_size: int) -> int:
-    """Peak bytes a step of `num_tokens` tokens (one prefill) allocates beyond what is held.
-
-    Every token writes to the null slot and attends over the null block, so the profile
-    needs no real KV cache beyond block 0; the activations are those of a real step.
-    """
-    dev = runner.device
-    blocks = -(-num_tokens // block_size)
-    inputs = StepInputs(
-        input_ids=torch.zeros((1, num_tokens), dtype=torch.long, device=dev),
-        position_ids=torch.arange(num_tokens, device=dev).unsqueeze(0),
-        slot_mapping=torch.zeros((num_tokens,), dtype=torch.long, device=dev),
-        block_tables=torch.zeros((1, blocks), dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-        logits_indices=torch.tensor([num_tokens - 1], device=dev),
-    )
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    before = torch.cuda.memory_allocated(dev)
-    runner.execute(inputs)
-    torch.cuda.synchronize(dev)
-    return torch.cuda.max_memory_allocated(dev) - before

@@ -24,6 +24,35 @@ def _is_number(x: Any) -> bool:
 
 
 @dataclass
+class StructuredOutputs:
+    """A constraint on the output (exactly one field set): `json` a JSON schema (a dict or
+    its JSON text; True for any JSON value), `regex` a regular expression, `choice` one of
+    these strings, `grammar` an EBNF grammar (xgrammar's dialect, with a `root` rule)."""
+
+    json: dict[str, Any] | str | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_fields = [f.name for f in fields(self) if getattr(self, f.name) is not None]
+        if len(set_fields) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar; "
+                             f"got {', '.join(set_fields) or 'none'}")
+        if self.json is not None and not (isinstance(self.json, (dict, str)) or self.json is True):
+            raise ValueError(f"structured_outputs.json must be a JSON schema object, its JSON text, or true; "
+                             f"got {self.json!r}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
+
+
+@dataclass
 class SamplingParams:
     """Decoding options of one request.
 
@@ -35,7 +64,9 @@ class SamplingParams:
     `logprobs=N` returns, per generated token, its own logprob plus the N most likely.
     `stop` strings end generation and are not part of the returned text; `stop_token_ids`
     end it like EOS does. `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
-    until that many tokens exist; `ignore_eos` keeps going past EOS.
+    until that many tokens exist; `ignore_eos` keeps going past EOS. `structured_outputs`
+    constrains the output to a JSON schema, regex, choice or grammar (a `StructuredOutputs`
+    or a dict of its fields).
     """
 
     max_tokens: int = 16
@@ -54,8 +85,18 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - {f.name for f in fields(StructuredOutputs)})
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                                 "use json, regex, choice or grammar")
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict, "
+                             f"got {type(self.structured_outputs).__name__}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None:

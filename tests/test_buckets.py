@@ -91,7 +91,8 @@ def tiny_graph(tiny_model_dir):
 
 
 def _runner(config, graph, weights, num_blocks, bucket_fns=None, plan=None):
-    from kiln.runtime.model_runner import ModelRunner, allocate_kv_caches
+    from kiln.runtime.kv_cache import allocate_kv_caches
+    from kiln.runtime.model_runner import ModelRunner
 
     heads = config.num_key_value_heads
     caches = allocate_kv_caches(config.num_hidden_layers, num_blocks, 4, heads,
@@ -105,7 +106,7 @@ def _runner(config, graph, weights, num_blocks, bucket_fns=None, plan=None):
 
 def _mixed_step():
     """One prefill of 5 tokens (blocks 1-2) and one decode at position 6 (blocks 3-4), block size 4."""
-    from kiln.runtime.model_runner import StepInputs
+    from kiln.compiler.graph_inputs import StepInputs
 
     return StepInputs(
         input_ids=torch.tensor([[3, 9, 27, 81, 5, 17]]),

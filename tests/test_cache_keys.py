@@ -13,7 +13,7 @@ from kiln.cache.explain import explain_setup
 from kiln.cache.keys import BUCKET_KIND, MODEL_KIND, architecture_fields, bucket_factors, factor_differences
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
-from kiln.compiler.aot import ModelSetup
+from kiln.compiler.startup import ModelSetup
 from kiln.compiler.buckets import make_bucket_plan
 from kiln.passes.manager import PassManager
 

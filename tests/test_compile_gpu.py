@@ -1,4 +1,4 @@
-"""The compile cache on CUDA: AOTInductor packages (which the lent image cannot load) and the
+"""The compile cache on CUDA: AOTInductor packages (which some torch builds cannot load) and the
 post-pass graph as code (the CUDA default), each with a warm start in a new process."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 from test_warm_start import TINY_PROMPTS, TINY_SETTINGS, assert_compiled_nothing, run_worker
 
-# Compile and load a one-matmul AOTInductor package for CUDA in a fresh process. On the lent
-# GPU image (torch 2.11+cu130, driver 580) loading *any* CUDA package segfaults inside
-# torch's AOTIModelPackageLoader, Kiln or not; the test below then cannot run there.
+# Compile and load a one-matmul AOTInductor package for CUDA in a fresh process: on some
+# torch builds (README, "Design notes: compile and cache") loading *any* CUDA package
+# segfaults, Kiln or not; the test below is then skipped with that reason.
 _SMOKE = """
 import torch, tempfile, os
 class M(torch.nn.Module):

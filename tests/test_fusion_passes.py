@@ -255,7 +255,8 @@ def test_transforms_round_trip_through_json():
 
 @pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2"])
 def test_engine_greedy_parity_with_all_fusions(arch, tiny_model_dir, monkeypatch):
-    from kiln.runtime.engine import EngineConfig, LLMEngine
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
 
     monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
     path, hf = tiny_model_dir(arch)

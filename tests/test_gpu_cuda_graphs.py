@@ -8,15 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.runtime.cuda_graphs import BucketGraphs, CudaGraphError, _copy_padded
+from kiln.compiler.graph_inputs import copy_into
+from kiln.runtime.cuda_graphs import BucketGraphs, CudaGraphError
 
 
 def test_copy_padded_fills_what_the_input_leaves():
     buf = torch.full((4, 3), 7, dtype=torch.int32)
-    _copy_padded(buf, torch.ones(2, 2, dtype=torch.int32), 0, "block_tables", 4)
+    copy_into(buf, torch.ones(2, 2, dtype=torch.int32), 0)
     assert buf.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
-    with pytest.raises(CudaGraphError, match="does not fit"):
-        _copy_padded(buf, torch.ones(5, 3, dtype=torch.int32), 0, "block_tables", 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        copy_into(buf, torch.ones(5, 3, dtype=torch.int32), 0)
 
 
 def test_cpu_device_is_refused():

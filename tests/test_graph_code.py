@@ -20,12 +20,12 @@ CLI_FLAGS = ["--max-num-seqs", "1", "--max-num-batched-tokens", "16", "--buckets
 
 def _setup(model: str):
     """The ModelSetup of an engine with TINY_SETTINGS on CPU (float32), and the store helpers."""
-    from kiln.compiler.aot import setup_for_engine
+    from kiln.compiler.startup import setup_for_engine
     from kiln.compiler.model_source import resolve_model
-    from kiln.runtime.engine import EngineConfig
+    from kiln.runtime.config import EngineConfig
 
     config = EngineConfig(model=model, device="cpu", **TINY_SETTINGS)
-    return setup_for_engine(config, resolve_model(model, "auto").config, torch.float32, CPU)
+    return setup_for_engine(config.compile_options(), resolve_model(model, "auto").config, torch.float32, CPU)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def cold(tiny_model_dir, tmp_path_factory):
 
 def _step_inputs(num_tokens: int):
     """A prefill of `num_tokens` tokens of one sequence in block 1 (slots 16...)."""
-    from kiln.runtime.model_runner import StepInputs
+    from kiln.compiler.graph_inputs import StepInputs
 
     return StepInputs(
         input_ids=torch.arange(3, 3 + num_tokens).unsqueeze(0),
@@ -110,7 +110,7 @@ def test_unloadable_code_entry_is_dropped_and_rebuilt(cold, tmp_path, damage):
     import shutil
 
     from kiln.cache.store import ArtifactStore
-    from kiln.compiler.aot import prepare_graph
+    from kiln.compiler.startup import prepare_graph
     from kiln.compiler.graph_code import load_graph_code
 
     model, cache, _, _ = cold
@@ -145,7 +145,7 @@ def test_require_cache_names_the_missing_entries(cold, tmp_path):
     import shutil
 
     from kiln.cache.store import ArtifactStore
-    from kiln.compiler.aot import CacheMissError, prepare_graph
+    from kiln.compiler.startup import CacheMissError, prepare_graph
 
     model, cache, _, _ = cold
     setup = _setup(model)
@@ -169,7 +169,7 @@ def test_require_cache_names_the_missing_entries(cold, tmp_path):
 
 def test_a_graph_with_module_state_is_refused_and_the_mode_falls_back_to_eager(cold, tmp_path, monkeypatch):
     from kiln.cache.store import ArtifactStore
-    from kiln.compiler import aot
+    from kiln.compiler import startup as aot
     from kiln.compiler.graph_code import GraphCodeError, serialize_graph_code
 
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))  # reads self.weight / self.bias
@@ -202,13 +202,13 @@ def test_a_graph_with_module_state_is_refused_and_the_mode_falls_back_to_eager(c
     ("eager", CUDA, False, False, "eager"),
 ])
 def test_resolve_compile_mode(mode, device, require_cache, cache_dir_given, want):
-    from kiln.compiler.aot import resolve_compile_mode
+    from kiln.compiler.startup import resolve_compile_mode
 
     assert resolve_compile_mode(mode, device, require_cache, cache_dir_given) == want
 
 
 def test_resolve_compile_mode_refuses_bad_combinations():
-    from kiln.compiler.aot import resolve_compile_mode
+    from kiln.compiler.startup import resolve_compile_mode
 
     with pytest.raises(ValueError, match="compile must be one of auto, eager, inductor, graph"):
         resolve_compile_mode("aoti", CPU, False, False)
@@ -261,7 +261,7 @@ def test_auto_without_a_cache_option_uses_full_graph_code_entries_else_eager(col
     """compile='auto' with no cache option, as on CUDA (artifact "graph"; patched in, since
     this runs on CPU): warm from spec + code when both are cached, else eager, writing nothing."""
     from kiln.cache.store import ArtifactStore
-    from kiln.compiler import aot
+    from kiln.compiler import startup as aot
 
     model, cache, _, _ = cold
     monkeypatch.setattr(aot, "artifact_mode", lambda device: "graph")

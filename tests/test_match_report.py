@@ -10,7 +10,7 @@ from tiny_models import tiny_config
 
 from kiln.passes.match_report import explain_pattern
 from kiln.passes.pattern import Pattern
-from kiln.passes.testing import capture_through
+from kiln.compiler.pass_testing import capture_through
 
 X, W, EPS = torch.randn(2, 8, 64), torch.randn(64), 1e-6
 

@@ -20,7 +20,7 @@ from kiln.passes import use_triton_linear as module
 from kiln.passes.base import PassContext
 from kiln.passes.fuse_common import CPU_FUSIONS_ENV
 from kiln.passes.registry import create_pass
-from kiln.passes.testing import random_weights, run_captured
+from kiln.compiler.pass_testing import random_weights, run_captured
 from kiln.passes.use_triton_linear import UseTritonLinearPass
 from kiln.passes.weight_transforms import apply_weight_transforms
 

@@ -9,7 +9,7 @@ from tiny_models import COMMON, tiny_config
 
 from kiln.passes import PassContext, op_counts
 from kiln.passes.pattern import Pattern, PatternError, PatternPass, trace_function
-from kiln.passes.testing import capture_through, run_graph
+from kiln.compiler.pass_testing import capture_through, run_graph
 
 EXAMPLE = (torch.randn(2, 8, 64), torch.randn(64), 1e-6)
 

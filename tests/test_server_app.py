@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from kiln.runtime.engine import EngineConfig, LLMEngine
+from kiln.runtime.config import EngineConfig
+
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.serving.app import ServerConfig, build_app
 from server_process import metric
 

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 
 from kiln.runtime.serving.async_engine import AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError
-from kiln.runtime.engine import EngineConfig, LLMEngine
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kiln.runtime.guided_decoding import GrammarCompiler, GrammarError, GuidedSampler, ToolSchema
+from kiln.runtime.guided_decoding import GrammarCompiler, GrammarError, GrammarMasker, ToolSchema
 from kiln.runtime.sampler import Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.sequence import Sequence
@@ -37,13 +37,13 @@ def setup(tokenizer):
 
 
 def generate(setup, compiled, seed: int, n: int = 1, max_tokens: int = 120, temperature: float = 0.0) -> list[str]:
-    """Sample (greedy: the random logits are the randomness) through GuidedSampler(Sampler)
-    until EOS; the decoded texts."""
+    """Sample (greedy: the random logits are the randomness) through the engine's logits
+    processor (GrammarMasker) and Sampler until EOS; the decoded texts."""
     grammars, vocab, eos = setup
-    sampler = GuidedSampler(Sampler(eos), vocab, eos)
+    masker, sampler = GrammarMasker(vocab, eos), Sampler(eos)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, n=n)
     seqs = [Sequence(seq_id=i, request_id="r", prompt_token_ids=[1], params=params, index=i) for i in range(n)]
-    sampler.register("r", compiled)
+    masker.register("r", compiled)
     gen = torch.Generator().manual_seed(seed)
     live = list(seqs)
     for _ in range(max_tokens):
@@ -51,6 +51,7 @@ def generate(setup, compiled, seed: int, n: int = 1, max_tokens: int = 120, temp
             break
         # Spiky random logits: a different "favourite" token at every step.
         logits = torch.randn(len(live), vocab, generator=gen) * 4
+        masker.apply(logits, live)
         out = sampler.sample(logits, live)
         for seq, token in zip(list(live), out.token_ids):
             if token in eos:
@@ -58,7 +59,7 @@ def generate(setup, compiled, seed: int, n: int = 1, max_tokens: int = 120, temp
             else:
                 seq.output_token_ids.append(token)
     assert not live, "the grammar never let the sequence end"
-    sampler.release("r")
+    masker.release("r")
     return [grammars._tokenizer.decode(s.output_token_ids) for s in seqs]
 
 
@@ -97,14 +98,15 @@ def test_json_schema_and_json_object(setup) -> None:
 
 def test_unguided_rows_are_untouched(setup) -> None:
     grammars, vocab, eos = setup
-    sampler = GuidedSampler(Sampler(eos), vocab, eos)
+    masker, sampler = GrammarMasker(vocab, eos), Sampler(eos)
     params = SamplingParams(max_tokens=5, temperature=0)
     guided = Sequence(seq_id=0, request_id="g", prompt_token_ids=[1], params=params)
     free = Sequence(seq_id=1, request_id="f", prompt_token_ids=[1], params=params)
-    sampler.register("g", grammars.tool_calls([WEATHER], "named"))
+    masker.register("g", grammars.tool_calls([WEATHER], "named"))
     logits = torch.zeros(2, vocab)
     logits[:, 42] = 10.0  # both rows want token 42
-    out = sampler.sample(logits.clone(), [guided, free])
+    masker.apply(logits, [guided, free])
+    out = sampler.sample(logits, [guided, free])
     assert out.token_ids[1] == 42
     assert out.token_ids[0] != 42  # "<tool_call>" must come first
     assert grammars._tokenizer.decode([out.token_ids[0]]).startswith("<")

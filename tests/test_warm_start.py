@@ -135,7 +135,7 @@ def test_truncated_entry_is_reported_rebuilt_and_verified(tiny_cache, tmp_path):
 
 
 def test_require_cache_with_a_corrupt_entry_fails_naming_it(tiny_cache, tmp_path):
-    from kiln.compiler.aot import CacheMissError
+    from kiln.compiler.startup import CacheMissError
     from kiln.runtime.llm import LLM
 
     model, cache, _ = tiny_cache
@@ -151,7 +151,7 @@ def test_require_cache_with_a_corrupt_entry_fails_naming_it(tiny_cache, tmp_path
 
 
 def test_require_cache_names_missing_buckets_and_why(tiny_cache):
-    from kiln.compiler.aot import CacheMissError
+    from kiln.compiler.startup import CacheMissError
     from kiln.runtime.llm import LLM
 
     model, cache, _ = tiny_cache

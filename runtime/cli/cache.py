@@ -5,7 +5,7 @@
 
 `kiln compile` takes the same engine options as `kiln serve`, because they decide the
 bucket plan and the cache keys: compile with the options you will serve with. What it
-fills depends on the device (kiln.compiler.aot.artifact_mode): on CPU an AOTInductor
+fills depends on the device (kiln.compiler.startup.artifact_mode): on CPU an AOTInductor
 package per bucket, on CUDA the post-pass FX graph as code (`--compile` overrides).
 """
 
@@ -73,7 +73,7 @@ def _add_mode_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _mode(args: argparse.Namespace, setup: Any) -> str:
-    from kiln.compiler.aot import artifact_mode
+    from kiln.compiler.startup import artifact_mode
 
     mode = getattr(args, "compile_mode", "auto")
     return artifact_mode(setup.device) if mode == "auto" else mode
@@ -105,22 +105,22 @@ def print_table(rows: list[list[str]], header: list[str], out: TextIO | None = N
 
 def _setup(args: argparse.Namespace) -> Any:
     """The ModelSetup for a model and engine options (config only: no weights are read)."""
-    from kiln.compiler.aot import setup_for_engine
+    from kiln.compiler.startup import setup_for_engine
     from kiln.compiler.model_source import resolve_model
     from kiln.runtime.cli.common import engine_kwargs
-    from kiln.runtime.engine import EngineConfig
+    from kiln.runtime.config import EngineConfig
 
     config = EngineConfig(**engine_kwargs(args))
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
     source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto")
-    return setup_for_engine(config, source.config, dtype, device)
+    return setup_for_engine(config.compile_options(), source.config, dtype, device)
 
 
 # ---- kiln compile ----------------------------------------------------------------------------
 
 def run_compile(args: argparse.Namespace) -> int:
-    from kiln.compiler.aot import prepare_compiled
+    from kiln.compiler.startup import prepare_compiled
     from kiln.runtime.cli.common import setup_logging
 
     setup_logging(args.verbose)
@@ -154,7 +154,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
     """`kiln compile` in mode "graph": the graph spec and the post-pass graph's code, no buckets."""
-    from kiln.compiler.aot import prepare_graph
+    from kiln.compiler.startup import prepare_graph
 
     model_key, code_key = setup.model_key(), setup.graph_code_key()
     where = f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type})"

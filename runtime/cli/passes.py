@@ -79,7 +79,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    rows = pass_rows(args.enable_pass, args.disable_pass)
+    rows = pass_rows(args.enable_passes, args.disable_passes)
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=2))
         return 0
@@ -106,7 +106,7 @@ class PhaseGraph:
 
 def _resolve(args: argparse.Namespace) -> tuple[Any, str, Any, Any]:
     from kiln.compiler.model_source import resolve_model
-    from kiln.runtime.engine import EngineConfig
+    from kiln.runtime.config import EngineConfig
 
     # The graph needs the architecture only: weights are never read here.
     source = resolve_model(args.model, load_format="dummy")
@@ -128,7 +128,7 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
     from kiln.passes.registry import create_pass
 
     config, model_name, dtype, device = _resolve(args)
-    pm = PassManager.default(enable=args.enable_pass, disable=args.disable_pass)
+    pm = PassManager.default(enable=args.enable_passes, disable=args.disable_passes)
     passes = list(pm.passes)
     target = None
     if stop_before is not None:
@@ -143,7 +143,7 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
     else:
         passes = []
     captured = capture(config, dtype=dtype, device=device, max_num_tokens=max(args.max_num_batched_tokens, 2))
-    ctx = PassContext(config=config, dtype=dtype, block_size=args.block_size)
+    ctx = PassContext(config=config, dtype=dtype)
     report = PassManager(passes).run(captured.graph_module, ctx, dump_dir=args.dump_graphs)
     graph = PhaseGraph(graph_module=captured.graph_module, records=report.records, pipeline=[p.name for p in passes],
                        config=config, dtype=dtype, device=device, model_name=model_name)
@@ -213,8 +213,10 @@ def add_subcommands(sub: Any) -> None:
 
     lst = passes_sub.add_parser("list", help="every registered pass: phase, name, uuid, enabled, source",
                                 description="List every registered pass (built-in and installed plugins).")
-    lst.add_argument("--enable-pass", action="append", default=[], metavar="NAME", help="show as if this pass were enabled")
-    lst.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="show as if this pass were disabled")
+    lst.add_argument("--enable-pass", dest="enable_passes", action="append", default=[], metavar="NAME",
+                     help="show as if this pass were enabled")
+    lst.add_argument("--disable-pass", dest="disable_passes", action="append", default=[], metavar="NAME",
+                     help="show as if this pass were disabled")
     lst.add_argument("--json", action="store_true", help="print JSON instead of a table")
     lst.set_defaults(func=run_list)
 

@@ -70,7 +70,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kiln.runtime.cli.common import engine_kwargs, setup_logging
-    from kiln.runtime.engine import EngineConfig, LLMEngine
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
 
     setup_logging(args.verbose)
     if args.max_waiting_requests < 1:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from kiln.runtime.engine import LLMEngine
-from kiln.runtime.guided_decoding import GrammarCompiler, GuidedSampler
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -130,14 +129,7 @@ class AsyncLLMEngine:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        stop_ids = sorted(getattr(engine, "eos_token_ids", set()) or [])
-        vocab = int(engine.model_config.vocab_size)
-        self.grammars = GrammarCompiler(engine.tokenizer, vocab, stop_ids)
-        # The engine samples through this wrapper so that guided requests get their logits
-        # masked; requests without a grammar pass straight through.
-        inner = engine.sampler.inner if isinstance(engine.sampler, GuidedSampler) else engine.sampler
-        self.guided = GuidedSampler(inner, vocab, stop_ids)
-        engine.sampler = self.guided
+        self.grammars = engine.grammars  # compiled off the engine thread, masked by the engine
         self.stats = EngineSnapshot()
 
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -289,13 +281,11 @@ class AsyncLLMEngine:
                 if not accepted.set_running_or_notify_cancel():
                     continue  # the caller gave up before the engine got to it
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params, arrival_time=arrival)
+                    self.engine.add_request(request_id, prompt_ids, params, arrival_time=arrival, grammar=grammar)
                 except Exception as e:  # ValueError naming the field, or anything else
                     accepted.set_exception(e)
                     continue
                 self._live.add(request_id)
-                if grammar is not None:
-                    self.guided.register(request_id, grammar)
                 accepted.set_result(None)
             elif kind == "abort":
                 self._abort_in_engine(cmd[1])
@@ -304,7 +294,6 @@ class AsyncLLMEngine:
 
     def _abort_in_engine(self, request_id: str) -> None:
         self._live.discard(request_id)
-        self.guided.release(request_id)
         try:
             self.engine.abort(request_id)
         except Exception:
@@ -329,7 +318,6 @@ class AsyncLLMEngine:
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
-                self.guided.release(out.request_id)
         self._refresh_stats()
         if outputs:
             self._post(outputs, [])
@@ -357,4 +345,4 @@ class AsyncLLMEngine:
         s.prefix_cache_hits = e.prefix_cache_hits
         s.num_steps = e.num_steps
         s.num_preemptions = e.num_preemptions
-        s.num_guided_requests = self.guided.num_guided
+        s.num_guided_requests = self.engine.grammar_masker.num_guided

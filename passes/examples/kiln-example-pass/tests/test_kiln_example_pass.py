@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from kiln.passes import PassContext, op_counts
-from kiln.passes.testing import capture_through, run_graph
+from kiln.compiler.pass_testing import capture_through, run_graph
 
 from kiln_example_pass import GELU_TANH_AND_MUL, FuseGeluTanhAndMul, gelu_tanh_and_mul_reference
 

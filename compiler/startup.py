@@ -1,4 +1,6 @@
-"""The compile driver shared by `kiln compile` (ahead of time) and engine start-up (warm start).
+"""The start-up driver: how an engine (or `kiln compile`, ahead of time) gets a runnable
+graph, in every compile mode: eager capture, or cache lookups -> capture and compile only what
+is missing -> load artifacts.
 
 Mode "inductor" (the CPU default with a cache):
 
@@ -25,11 +27,13 @@ miss the same key at once compile it once and both end up with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -50,7 +54,55 @@ from kiln.passes.manager import PassManager
 
 logger = logging.getLogger("kiln.compiler")
 
-COMPILE_MODES = ("auto", "eager", "inductor", "graph")
+
+
+class CompileMode(str, Enum):
+    """An engine's `compile` option, and what `auto` resolves to (resolve_compile_mode)."""
+
+    AUTO = "auto"
+    EAGER = "eager"
+    INDUCTOR = "inductor"
+    GRAPH = "graph"
+    # `auto` without an explicit cache: the artifacts if the cache holds every one, else
+    # eager; never compile.
+    WARM_OR_EAGER = "warm-or-eager"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+COMPILE_MODES = tuple(m.value for m in CompileMode if m is not CompileMode.WARM_OR_EAGER)
+WARM_OR_EAGER = CompileMode.WARM_OR_EAGER
+
+
+@dataclass
+class CompileOptions:
+    """What start-up needs of the engine's options (the runtime's EngineConfig.compile_options)."""
+
+    enable_passes: list[str] = field(default_factory=list)
+    disable_passes: list[str] = field(default_factory=list)
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    decode_buckets: list[int] | None = None  # None: the default plan
+    token_buckets: list[int] | None = None
+    mode: str = "auto"
+    cache_dir: str | None = None  # None: $KILN_CACHE_DIR or the user's cache directory
+    require_cache: bool = False  # a miss is an error naming the missing entries
+    progress: bool = True
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Add the seconds the block takes to `timings[name]` (start-up logs report them)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
 class CacheMissError(ValueError):
@@ -167,24 +219,19 @@ class ModelSetup:
         return str(getattr(self.config, "model_type", "?"))
 
 
-# resolve_compile_mode's answer for `auto` without an explicit cache: use the artifacts if
-# the cache already holds every one, else run eagerly; never compile.
-WARM_OR_EAGER = "warm-or-eager"
-
-
 def artifact_mode(device: torch.device) -> str:
     """The cached artifact `auto` means on `device`: "graph" on CUDA, "inductor" elsewhere.
 
     On CUDA the fast path is the post-pass graph run directly (its fused ops are Kiln's
     Triton kernels) with decode steps replayed from CUDA graphs, so the cache keeps that
-    graph and a warm start skips only the capture; and the lent image's torch (2.11+cu130)
-    segfaults loading *any* CUDA AOTInductor package. On CPU, AOTI packages load in
-    milliseconds and run 0-20% faster than the eager graph (README design notes).
+    graph and a warm start skips only the capture (README design notes say why CUDA does not
+    use AOTInductor packages). On CPU, AOTI packages load in milliseconds and run 0-20%
+    faster than the eager graph.
     """
-    return "graph" if device.type == "cuda" else "inductor"
+    return CompileMode.GRAPH if device.type == "cuda" else CompileMode.INDUCTOR
 
 
-def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, cache_dir_given: bool) -> str:
+def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, cache_dir_given: bool) -> CompileMode:
     """"eager", "inductor", "graph" or WARM_OR_EAGER for an engine's `compile` option.
 
     `auto` writes to the cache only when one is asked for (cache_dir given, or
@@ -194,33 +241,18 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
     nothing. Compiling at start-up is never implicit: on CPU a bucket costs ~20-25 s of
     CPU time for a step at most ~20% faster, and the default plan has 16 buckets (README
     design notes). Explicit "inductor" and "graph" work on both devices ("inductor" on CUDA
-    builds packages that this image's torch cannot load; see `artifact_mode`).
+    builds packages; see the README for which torch builds load them).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
-    if mode == "eager" and require_cache:
+    if mode == CompileMode.EAGER and require_cache:
         raise ValueError("require_cache=True needs cached artifacts, but compile='eager' uses none; "
                          "use compile='auto', 'graph' or 'inductor'")
-    if mode != "auto":
-        return mode
+    if mode != CompileMode.AUTO:
+        return CompileMode(mode)
     if require_cache or cache_dir_given:
         return artifact_mode(device)
     return WARM_OR_EAGER
-
-
-def _timed(timings: dict[str, float], name: str) -> "_Timer":
-    return _Timer(timings, name)
-
-
-class _Timer:
-    def __init__(self, timings: dict[str, float], name: str):
-        self.timings, self.name = timings, name
-
-    def __enter__(self) -> None:
-        self.t = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timings[self.name] = self.timings.get(self.name, 0.0) + time.perf_counter() - self.t
 
 
 def _capture(setup: ModelSetup) -> ModelGraph:
@@ -230,7 +262,7 @@ def _capture(setup: ModelSetup) -> ModelGraph:
 
 def prepare_eager(setup: ModelSetup) -> PreparedModel:
     report = StartupReport(mode="eager", captured=True)
-    with _timed(report.timings, "graph capture"):
+    with timed(report.timings, "graph capture"):
         graph = _capture(setup)
     return PreparedModel(spec=graph.spec(), plan=setup.plan, report=report, graph=graph)
 
@@ -246,6 +278,53 @@ def _read_spec(store: ArtifactStore, key: str) -> GraphSpec | None:
         return None
 
 
+def _cache_miss_error(store: ArtifactStore, what: str, missing: list[tuple[str, str, str, dict[str, Any]]],
+                      dropped: list[tuple[str, str]], hint: str) -> CacheMissError:
+    """The require-cache error: each missing entry (label, key, kind, factors) with the factor
+    that differs from the nearest stored entry, the corrupt entries dropped, and what to run."""
+    from kiln.cache.explain import explain_miss
+
+    lines = [f"  {label} ({key}): {explain_miss(store, kind, factors)}" for label, key, kind, factors in missing]
+    lines += [f"  (entry {key} was corrupt and has been dropped: {problem})" for key, problem in dropped]
+    return CacheMissError(f"require_cache (--require-cache) is set but the cache at {store.root} lacks {what}:\n"
+                          + "\n".join(lines) + "\n" + hint)
+
+
+def _store_once(store: ArtifactStore, manifest: Manifest, data: bytes, replace: bool = False) -> bool:
+    """Store an entry under its key's lock unless another process stored it meanwhile (or,
+    with `replace`, replacing what is there). True if this process wrote it."""
+    with store.lock(manifest.key):
+        if replace:
+            store.delete(manifest.key)
+        elif store.get(manifest.key) is not None:
+            return False
+        store.put(manifest, data)
+        return True
+
+
+def _spec_manifest(setup: ModelSetup, key: str) -> Manifest:
+    return Manifest(key=key, kind=MODEL_KIND, label="graph", model=setup.model_type, factors=setup.model_factors(),
+                    checksum="", size=0, created=time.time())
+
+
+def _load_cached_graph(setup: ModelSetup, store: ArtifactStore, report: StartupReport
+                       ) -> tuple[GraphSpec | None, GraphCode | None]:
+    """Mode "graph": the spec and the loaded graph code from the cache (None where missing);
+    a code entry that does not load is dropped as corrupt."""
+    model_key, code_key = setup.model_key(), setup.graph_code_key()
+    with timed(report.timings, "cache lookups"):
+        spec = _read_spec(store, model_key)
+        code_entry = store.get(code_key)
+    if spec is None or code_entry is None:
+        return spec, None
+    with timed(report.timings, "load graph code"):
+        try:
+            return spec, load_graph_code(code_entry.data, spec.input_roles, setup.device, name=code_key)
+        except GraphCodeError as e:
+            store.drop(code_key, str(e))
+            return spec, None
+
+
 def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool = False,
                   write: bool = True) -> PreparedModel:
     """Mode "graph": the post-pass FX graph from the cache as code, or captured and stored.
@@ -257,45 +336,26 @@ def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool =
     `require_cache`, a miss raises CacheMissError naming each missing entry and why.
     A graph whose source cannot be stored (kiln.compiler.graph_code) runs eagerly, with a note.
     """
-    report = StartupReport(mode="graph")
+    report = StartupReport(mode=CompileMode.GRAPH.value)
     model_key, code_key = setup.model_key(), setup.graph_code_key()
     dropped_before = len(store.dropped)
-
-    with _timed(report.timings, "cache lookups"):
-        spec = _read_spec(store, model_key)
-        code_entry = store.get(code_key)
-    code: GraphCode | None = None
-    if spec is not None and code_entry is not None:
-        with _timed(report.timings, "load graph code"):
-            try:
-                code = load_graph_code(code_entry.data, spec.input_roles, setup.device, name=code_key)
-            except GraphCodeError as e:
-                store.drop(code_key, str(e))
+    spec, code = _load_cached_graph(setup, store, report)
     if code is not None:
-        assert spec is not None  # loaded against it just above
+        assert spec is not None  # loaded against it
         report.graph_from_cache = True
         report.dropped = store.dropped[dropped_before:]
         return PreparedModel(spec=spec, plan=setup.plan, report=report, graph_code=code)
-
     if require_cache:
-        from kiln.cache.explain import explain_miss
-
-        lines = []
+        missing = [("graph code", code_key, GRAPH_CODE_KIND, setup.graph_code_factors())]
         if spec is None:
-            lines.append(f"  graph spec ({model_key}): {explain_miss(store, MODEL_KIND, setup.model_factors())}")
-        lines.append(f"  graph code ({code_key}): "
-                     f"{explain_miss(store, GRAPH_CODE_KIND, setup.graph_code_factors())}")
-        lines += [f"  (entry {key} was corrupt and has been dropped: {problem})"
-                  for key, problem in store.dropped[dropped_before:]]
-        what = "the graph spec and the graph code" if spec is None else "the graph code"
-        raise CacheMissError(
-            f"require_cache is set but the cache at {store.root} lacks {what} (compile mode 'graph'):\n"
-            + "\n".join(lines)
-            + f"\nrun `kiln compile --device {setup.device.type} --compile graph` with the same model and settings "
-            "(or drop --require-cache to capture and cache the graph now)"
-        )
+            missing.insert(0, ("graph spec", model_key, MODEL_KIND, setup.model_factors()))
+        raise _cache_miss_error(
+            store, ("the graph spec and the graph code" if spec is None else "the graph code") + " (compile mode 'graph')",
+            missing, store.dropped[dropped_before:],
+            f"run `kiln compile --device {setup.device.type} --compile graph` with the same model and settings "
+            "(or drop --require-cache to capture and cache the graph now)")
 
-    with _timed(report.timings, "graph capture"):
+    with timed(report.timings, "graph capture"):
         graph = _capture(setup)
     report.captured = True
     stale_spec = spec is not None and spec.input_roles != graph.input_roles()
@@ -309,33 +369,56 @@ def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool =
         # Check now that what would be stored loads, rather than at the next start-up.
         load_graph_code(data, spec.input_roles, setup.device, name=code_key)
     except GraphCodeError as e:
-        report.mode = "eager"
+        report.mode = CompileMode.EAGER.value
         report.note = f"compile='graph' fell back to eager: the post-pass graph cannot be cached as code ({e})"
         logger.warning("kiln cache: %s", report.note)
-        report.dropped = store.dropped[dropped_before:]
-        return PreparedModel(spec=spec, plan=setup.plan, report=report, graph=graph)
-
-    if write:
-        with _timed(report.timings, "store graph"):
-            factors = setup.model_factors()
-            with store.lock(model_key):
-                if stale_spec:
-                    store.delete(model_key)
-                if store.get(model_key) is None:
-                    store.put(Manifest(key=model_key, kind=MODEL_KIND, label="graph", model=setup.model_type,
-                                       factors=factors, checksum="", size=0, created=time.time()),
-                              spec.to_bytes())
+    else:
+        if write:
+            with timed(report.timings, "store graph"):
+                if _store_once(store, _spec_manifest(setup, model_key), spec.to_bytes(), replace=stale_spec):
                     report.stored.append(model_key)
-            with store.lock(code_key):
-                if store.get(code_key) is None:  # another process may have stored it while we waited
-                    capture_s = report.timings.get("graph capture", 0.0)
-                    store.put(Manifest(key=code_key, kind=GRAPH_CODE_KIND, label="graph-code",
-                                       model=setup.model_type, factors=setup.graph_code_factors(), checksum="",
-                                       size=0, created=time.time(), extra={"capture_seconds": round(capture_s, 3)}),
-                              data)
+                capture_s = round(report.timings.get("graph capture", 0.0), 3)
+                code_manifest = Manifest(key=code_key, kind=GRAPH_CODE_KIND, label="graph-code",
+                                         model=setup.model_type, factors=setup.graph_code_factors(), checksum="",
+                                         size=0, created=time.time(), extra={"capture_seconds": capture_s})
+                if _store_once(store, code_manifest, data):
                     report.stored.append(code_key)
     report.dropped = store.dropped[dropped_before:]
     return PreparedModel(spec=spec, plan=setup.plan, report=report, graph=graph)
+
+
+def _look_up_buckets(setup: ModelSetup, store: ArtifactStore, report: StartupReport
+                     ) -> tuple[GraphSpec | None, dict[Bucket, bytes]]:
+    """Mode "inductor": the cached spec and every cached bucket's artifact bytes."""
+    found: dict[Bucket, bytes] = {}
+    with timed(report.timings, "cache lookups"):
+        spec = _read_spec(store, setup.model_key())
+        for bucket, key in setup.bucket_keys().items():
+            t0 = time.perf_counter()
+            entry = store.get(key)
+            if entry is not None:
+                found[bucket] = entry.data
+                report.buckets.append(BucketResult(bucket, key, "hit", time.perf_counter() - t0, len(entry.data)))
+    report.graph_from_cache = spec is not None
+    return spec, found
+
+
+def _capture_for_compile(setup: ModelSetup, store: ArtifactStore, spec: GraphSpec | None,
+                         report: StartupReport) -> tuple[ModelGraph, GraphSpec]:
+    """Capture the graph to compile missing buckets; store its spec if the cache lacks it."""
+    model_key = setup.model_key()
+    with timed(report.timings, "graph capture"):
+        graph = _capture(setup)
+    report.captured = True
+    stale = spec is not None and spec.input_roles != graph.input_roles()
+    if stale:
+        # Same key, different graph: only possible if something outside the key changed the
+        # capture. Trust the graph just built and replace the stale spec.
+        logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", model_key)
+    if spec is None or stale:
+        spec = graph.spec()
+        _store_once(store, _spec_manifest(setup, model_key), spec.to_bytes(), replace=stale)
+    return graph, spec
 
 
 def prepare_compiled(
@@ -352,80 +435,42 @@ def prepare_compiled(
     `load=False` (kiln compile) stores artifacts without loading them. A bucket whose compile
     fails is recorded as failed and the others go on; the caller decides what that means.
     """
-    report = StartupReport(mode="inductor")
-    scratch = store.root / "tmp"
-    model_key = setup.model_key()
+    report = StartupReport(mode=CompileMode.INDUCTOR.value)
     bucket_keys = setup.bucket_keys()
     dropped_before = len(store.dropped)
-
-    with _timed(report.timings, "cache lookups"):
-        spec = _read_spec(store, model_key)
-        found: dict[Bucket, bytes] = {}
-        for bucket, key in bucket_keys.items():
-            t0 = time.perf_counter()
-            entry = store.get(key)
-            if entry is not None:
-                found[bucket] = entry.data
-                report.buckets.append(BucketResult(bucket, key, "hit", time.perf_counter() - t0, len(entry.data)))
+    spec, found = _look_up_buckets(setup, store, report)
     missing = [b for b in setup.plan.buckets() if b not in found]
-    report.graph_from_cache = spec is not None
-
     if require_cache and (missing or spec is None):
-        from kiln.cache.explain import explain_miss
-
-        lines = []
-        if spec is None:
-            lines.append(f"  graph spec ({model_key}): {explain_miss(store, MODEL_KIND, setup.model_factors())}")
         base = setup.model_factors()
-        for b in missing:
-            why = explain_miss(store, BUCKET_KIND, bucket_factors(base, b))
-            lines.append(f"  {b.name} ({bucket_keys[b]}): {why}")
-        lines += [f"  (entry {key} was corrupt and has been dropped: {problem})"
-                  for key, problem in store.dropped[dropped_before:]]
-        raise CacheMissError(
-            f"require_cache is set but the cache at {store.root} lacks {len(missing)} of {len(bucket_keys)} "
-            f"bucket(s){' and the graph spec' if spec is None else ''}:\n" + "\n".join(lines)
-            + "\nrun `kiln compile` with the same model and settings (or drop --require-cache to compile now)"
-        )
-
+        entries = [(b.name, bucket_keys[b], BUCKET_KIND, bucket_factors(base, b)) for b in missing]
+        if spec is None:
+            entries.insert(0, ("graph spec", setup.model_key(), MODEL_KIND, base))
+        raise _cache_miss_error(
+            store, f"{len(missing)} of {len(bucket_keys)} bucket(s)" + (" and the graph spec" if spec is None else ""),
+            entries, store.dropped[dropped_before:],
+            "run `kiln compile` with the same model and settings (or drop --require-cache to compile now)")
     graph = None
     if spec is None or missing:
-        with _timed(report.timings, "graph capture"):
-            graph = _capture(setup)
-        report.captured = True
-        if spec is not None and spec.input_roles != graph.input_roles():
-            # Same key, different graph: only possible if something outside the key changed
-            # the capture. Trust the graph just built and replace the stale spec.
-            logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", model_key)
-            store.delete(model_key)
-            spec = None
-        if spec is None:
-            spec = graph.spec()
-            with store.lock(model_key):
-                if store.get(model_key) is None:
-                    store.put(Manifest(key=model_key, kind=MODEL_KIND, label="graph", model=setup.model_type,
-                                       factors=setup.model_factors(), checksum="", size=0, created=time.time()),
-                              spec.to_bytes())
-
+        graph, spec = _capture_for_compile(setup, store, spec, report)
     if missing:
         assert graph is not None  # captured just above
-        with _timed(report.timings, "compile"):
-            found.update(_compile_missing(setup, store, graph, spec, missing, bucket_keys, report, scratch,
-                                          progress))
+        with timed(report.timings, "compile"):
+            found.update(_compile_missing(setup, store, graph, spec, missing, report, progress))
     report.dropped = store.dropped[dropped_before:]
-    # Report buckets in plan order.
     order = {b: i for i, b in enumerate(setup.plan.buckets())}
-    report.buckets.sort(key=lambda r: order[r.bucket])
-
-    bucket_fns = None
-    if load:
-        failed = [r.bucket.name for r in report.buckets if r.status == "failed"]
-        if failed:
-            errors = "; ".join(f"{r.bucket.name}: {r.error}" for r in report.buckets if r.status == "failed")
-            raise BucketCompileError(f"{len(failed)} bucket(s) failed to compile: {errors}")
-        with _timed(report.timings, "load artifacts"):
-            bucket_fns = {b: load_bucket(b, found[b], setup.device, scratch) for b in setup.plan.buckets()}
+    report.buckets.sort(key=lambda r: order[r.bucket])  # plan order
+    bucket_fns = _load_buckets(setup, found, report, store.root / "tmp") if load else None
     return PreparedModel(spec=spec, plan=setup.plan, report=report, graph=graph, bucket_fns=bucket_fns)
+
+
+def _load_buckets(setup: ModelSetup, found: dict[Bucket, bytes], report: StartupReport,
+                  scratch: Path) -> dict[Bucket, LoadedBucket]:
+    failed = [r for r in report.buckets if r.status == "failed"]
+    if failed:
+        errors = "; ".join(f"{r.bucket.name}: {r.error}" for r in failed)
+        raise BucketCompileError(f"{len(failed)} bucket(s) failed to compile: {errors}")
+    with timed(report.timings, "load artifacts"):
+        return {b: load_bucket(b, found[b], setup.device, scratch) for b in setup.plan.buckets()}
 
 
 def _compile_missing(
@@ -434,15 +479,15 @@ def _compile_missing(
     graph: ModelGraph,
     spec: GraphSpec,
     missing: list[Bucket],
-    bucket_keys: dict[Bucket, str],
     report: StartupReport,
-    scratch: Path,
     progress: bool,
 ) -> dict[Bucket, bytes]:
     from tqdm import tqdm
 
     out: dict[Bucket, bytes] = {}
     base = setup.model_factors()
+    bucket_keys = setup.bucket_keys()
+    scratch = store.root / "tmp"
     bar = tqdm(missing, desc="Compiling buckets", unit="bucket", disable=not progress)
     for bucket in bar:
         bar.set_postfix_str(bucket.name)
@@ -472,36 +517,37 @@ def _compile_missing(
     return out
 
 
-def setup_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype, device: torch.device) -> ModelSetup:
-    """The `ModelSetup` an engine with `engine_config` (a kiln.runtime EngineConfig) runs."""
+def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,
+                     device: torch.device) -> ModelSetup:
+    """The `ModelSetup` (key factors, bucket plan, pass pipeline) for these options."""
     from kiln.compiler.buckets import make_bucket_plan
 
-    pm = PassManager.default(enable=engine_config.enable_passes, disable=engine_config.disable_passes)
-    plan = make_bucket_plan(engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
-                            engine_config.decode_buckets, engine_config.token_buckets)
+    pm = PassManager.default(enable=options.enable_passes, disable=options.disable_passes)
+    plan = make_bucket_plan(options.max_num_seqs, options.max_num_batched_tokens,
+                            options.decode_buckets, options.token_buckets)
     return ModelSetup(config=model_config, dtype=dtype, device=device, pass_manager=pm,
-                      block_size=engine_config.block_size, plan=plan,
-                      max_num_tokens=max(engine_config.max_num_batched_tokens, 2))
+                      block_size=options.block_size, plan=plan,
+                      max_num_tokens=max(options.max_num_batched_tokens, 2))
 
 
-def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype, device: torch.device) -> PreparedModel:
+def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,
+                       device: torch.device) -> PreparedModel:
     """Engine start-up's graph phase: eager capture, or cache lookups + capture/compile + load."""
-    setup = setup_for_engine(engine_config, model_config, dtype, device)
-    mode = resolve_compile_mode(engine_config.compile, device, engine_config.require_cache,
-                                engine_config.cache_dir is not None)
-    if mode == WARM_OR_EAGER:
-        prepared = _prepare_warm_or_eager(setup, engine_config.cache_dir, engine_config.progress)
-    elif mode == "eager":
+    setup = setup_for_engine(options, model_config, dtype, device)
+    mode = resolve_compile_mode(options.mode, device, options.require_cache, options.cache_dir is not None)
+    if mode == CompileMode.WARM_OR_EAGER:
+        prepared = _prepare_warm_or_eager(setup, options.cache_dir, options.progress)
+    elif mode == CompileMode.EAGER:
         prepared = prepare_eager(setup)
-    elif mode == "graph":
-        with ArtifactStore(engine_config.cache_dir) as store:
-            prepared = prepare_graph(setup, store, require_cache=engine_config.require_cache)
     else:
-        with ArtifactStore(engine_config.cache_dir) as store:
-            prepared = prepare_compiled(setup, store, require_cache=engine_config.require_cache,
-                                        progress=engine_config.progress)
+        with ArtifactStore(options.cache_dir) as store:
+            if mode == CompileMode.GRAPH:
+                prepared = prepare_graph(setup, store, require_cache=options.require_cache)
+            else:
+                prepared = prepare_compiled(setup, store, require_cache=options.require_cache,
+                                            progress=options.progress)
     logger.debug("%s (%s)", prepared.report.summary(),
-                ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
+                 ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
     return prepared
 
 

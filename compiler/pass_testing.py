@@ -1,6 +1,6 @@
 """Helpers for testing a pass as *before graph -> after graph* on a real captured model.
 
-    from kiln.passes.testing import capture_through, run_graph
+    from kiln.compiler.pass_testing import capture_through, run_graph
 
     before = capture_through(config, "fusion", dtype=torch.float32)   # graph a fusion pass sees
     after = copy.deepcopy(before)
@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.capture import CapturedModel, capture, graph_input_roles, parameter_shapes
+from kiln.compiler.capture import CapturedModel, capture, parameter_shapes
+from kiln.compiler.graph_inputs import StepInputs, bind, graph_input_roles, single_prefill_step
 from kiln.kernels.paged_attention import kv_cache_shape
 from kiln.passes.base import PassContext
 from kiln.passes.manager import PassManager, PassReport
@@ -53,7 +54,7 @@ def capture_through(config: Any, phase: str, dtype: torch.dtype = torch.float32,
     limit = PHASES.index(phase) + (1 if inclusive else 0)
     passes = [p for p in pm.passes if PHASES.index(p.phase) < limit]
     captured = capture(config, dtype=dtype, device="cpu")
-    report = PassManager(passes).run(captured.graph_module, PassContext(config=config, dtype=dtype, block_size=block_size))
+    report = PassManager(passes).run(captured.graph_module, PassContext(config=config, dtype=dtype))
     return PhaseCapture(captured=captured, report=report, block_size=block_size)
 
 
@@ -63,23 +64,10 @@ def random_weights(captured: CapturedModel, seed: int = 0, std: float = 0.08) ->
     return {name: (torch.randn(shapes[name], generator=g) * std).to(captured.dtype) for name in captured.param_aliases}
 
 
-def single_sequence_batch(num_tokens: int, block_size: int, vocab_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """One prefill of `num_tokens` tokens in blocks 1.. (block 0 is the null block), sampling the last."""
+def single_sequence_batch(num_tokens: int, block_size: int, vocab_size: int, seed: int = 0) -> StepInputs:
+    """One prefill of `num_tokens` random tokens in blocks 1.. (block 0 is the null block), sampling the last."""
     g = torch.Generator().manual_seed(seed)
-    n_blocks = -(-num_tokens // block_size)
-    return {
-        "input_ids": torch.randint(0, vocab_size, (1, num_tokens), generator=g),
-        "position_ids": torch.arange(num_tokens).unsqueeze(0),
-        "slot_mapping": torch.arange(block_size, block_size + num_tokens),
-        "block_tables": torch.arange(1, n_blocks + 1, dtype=torch.int32).unsqueeze(0),
-        "seq_lens": torch.tensor([num_tokens], dtype=torch.int32),
-        "query_start_loc": torch.tensor([0, num_tokens], dtype=torch.int32),
-        "logits_indices": torch.tensor([num_tokens - 1]),
-    }
-
-
-def _kv_cache(config: Any, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype)
+    return single_prefill_step(num_tokens, block_size, input_ids=torch.randint(0, vocab_size, (1, num_tokens), generator=g))
 
 
 def run_graph(phase_capture: PhaseCapture, num_tokens: int = 8, seed: int = 0) -> torch.Tensor:
@@ -91,29 +79,17 @@ def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, 
                  weights: dict[str, torch.Tensor] | None = None, sample_all_rows: bool = False) -> torch.Tensor:
     """`run_graph` for any captured graph: `weights` replace the seeded random ones (e.g.
     merged as the loader merges them), `sample_all_rows` samples every token's row."""
-    gm = captured.graph_module
     config = captured.config
     weights = random_weights(captured, seed=seed) if weights is None else weights
-    bs = block_size
-    batch = single_sequence_batch(num_tokens, bs, config.vocab_size, seed=seed)
+    batch = single_sequence_batch(num_tokens, block_size, config.vocab_size, seed=seed)
     if sample_all_rows:
         batch["logits_indices"] = torch.arange(num_tokens)
-    num_blocks = -(-num_tokens // bs) + 1
-    args = []
-    for role in graph_input_roles(gm):
-        kind, _, name = role.partition(":")
-        if kind == "param":
-            args.append(weights[name])
-        elif kind == "constant":
-            args.append(captured.constants[name])
-        elif kind == "batch":
-            args.append(batch[name])
-        elif kind == "kv_cache":
-            args.append(_kv_cache(config, num_blocks, bs, captured.dtype))
-        else:
-            raise ValueError(f"graph input role {role!r} is unknown to kiln.passes.testing.run_graph")
+    num_blocks = -(-num_tokens // block_size) + 1
+    args = bind(graph_input_roles(captured.graph_module), params=weights, constants=captured.constants,
+                kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=captured.dtype),
+                batch=batch)
     with torch.no_grad():
-        return gm(*args)
+        return captured.graph_module(*args)
 
 
-__all__ = ["PhaseCapture", "capture_through", "random_weights", "run_graph", "single_sequence_batch"]
+__all__ = ["PhaseCapture", "capture_through", "random_weights", "run_captured", "run_graph", "single_sequence_batch"]

@@ -1,0 +1,131 @@
+"""`EngineConfig`: the one definition of the engine's options.
+
+`LLM(model, **options)` takes exactly these fields, and `kiln` commands derive their flags
+(name, default, help, choices) from the field metadata here (kiln.runtime.cli.common), so an
+option is added in one place. The compiler receives its own `CompileOptions`, built by
+`compile_options()`: it never sees the runtime's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.compiler.startup import COMPILE_MODES, CompileOptions
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+MODEL_HELP = "Hugging Face directory, .gguf file or config.json (default: SmolLM2-135M-Instruct GGUF)"
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = "", group: str = "engine",
+           choices: tuple[str, ...] | None = None, serving_only: bool = False, default_factory: Any = None,
+           ) -> Any:
+    """A dataclass field with what the CLI needs: its help, its flag ("" for --field-name,
+    None for no flag; a flag starting "--no-"/"--enforce-" stores False), its argument group,
+    its choices, and whether only commands that run an engine have it (not `kiln compile`)."""
+    meta = {"help": help, "flag": flag, "group": group, "choices": choices, "serving_only": serving_only}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = option(None, help=MODEL_HELP, flag=None)
+    dtype: str = option("auto", help="float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
+    device: str = option("auto", help="cpu | cuda | auto (CUDA when available)")
+    load_format: str = option("auto", choices=("auto", "dummy"),
+                              help="'dummy' uses deterministic random weights (benchmarks)")
+    max_model_len: int | None = option(None, help="longest prompt + output, in tokens (default: the model's, "
+                                                  "at most 8192)")
+    max_num_seqs: int = option(64, help="most sequences in one step")
+    max_num_batched_tokens: int = option(2048, help="token budget of one step")
+    block_size: int = option(16, help="tokens per KV-cache block")
+    num_kv_blocks: int | None = option(None, help="KV-cache blocks (default: sized from memory)")
+    enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
+                                         help="disable reuse of cached prompt prefixes")
+    enable_passes: list[str] = option(default_factory=list, flag="--enable-pass",
+                                      help="turn on an optional pass (repeatable)")
+    disable_passes: list[str] = option(default_factory=list, flag="--disable-pass", help="turn off a pass (repeatable)")
+    gpu_memory_utilization: float = option(0.9, help="CUDA: fraction of GPU memory for weights, activations and "
+                                                     "the KV cache")
+    cuda_graphs: bool = option(True, flag="--enforce-eager", help="CUDA: run decode steps without capturing CUDA graphs")
+    # Launch the next decode step before reading this one's tokens, so the host's per-step
+    # work overlaps the device's (LLMEngine.step).
+    async_scheduling: bool = option(True, flag="--no-async-scheduling",
+                                    help="read every step's tokens back before scheduling the next (default: the "
+                                         "next decode step is launched first, overlapping host and device work)")
+    progress: bool = option(True, flag=None, help="progress bars while loading weights and compiling")
+    # The compile cache (kiln.compiler.startup): see CompileOptions and resolve_compile_mode.
+    compile: str = option("auto", group="compile cache", choices=COMPILE_MODES, serving_only=True,
+                          help="auto: use the device's cached artifact (CPU: Inductor packages; CUDA: the post-pass "
+                               "graph as code) when the cache holds it all, fill misses only with --cache-dir or "
+                               "--require-cache, else run eagerly; eager: run the FX graph directly, compiling "
+                               "nothing; inductor: compile what is missing; graph: cache the post-pass FX graph")
+    cache_dir: str | None = option(None, group="compile cache",
+                                   help="compile cache directory (default: $KILN_CACHE_DIR or ~/.cache/kiln)")
+    require_cache: bool = option(False, group="compile cache", serving_only=True,
+                                 help="fail at start-up, naming the missing buckets, instead of compiling "
+                                      "(see `kiln compile`)")
+    # Bucket sizes (None: the default plan); the CLI's --buckets sets both.
+    decode_buckets: list[int] | None = option(None, flag=None, help="decode batch sizes to compile")
+    token_buckets: list[int] | None = option(None, flag=None, help="token counts of prefill/mixed steps to compile")
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.model = str(self.model)
+        if self.cache_dir is not None:
+            self.cache_dir = str(self.cache_dir)
+        self.enable_passes, self.disable_passes = list(self.enable_passes), list(self.disable_passes)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
+
+    @classmethod
+    def from_options(cls, model: Any = None, **options: Any) -> "EngineConfig":
+        """An EngineConfig from keyword options, refusing unknown names with a suggestion."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in options if k not in names]
+        if unknown:
+            hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, names, 1))
+                                 else "") for k in unknown]
+            raise TypeError(f"unknown engine option(s) {', '.join(hints)}; options are: {', '.join(names)}")
+        return cls(model=model, **options)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} asked for, but CUDA is not available on this machine")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+    def compile_options(self) -> CompileOptions:
+        """What the compiler needs of these options (kiln.compiler.startup)."""
+        return CompileOptions(
+            enable_passes=list(self.enable_passes), disable_passes=list(self.disable_passes),
+            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, decode_buckets=self.decode_buckets,
+            token_buckets=self.token_buckets, mode=self.compile, cache_dir=self.cache_dir,
+            require_cache=self.require_cache, progress=self.progress,
+        )

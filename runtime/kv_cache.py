@@ -1,0 +1,126 @@
+"""Start-up's KV-cache work: size the paged KV cache from memory, allocate it, and pick the
+decode batch sizes to capture as CUDA graphs. The engine calls `build_kv_cache` once; the
+per-step loop (kiln.runtime.engine) never comes here.
+
+On CUDA, the largest step the engine may run (max_num_batched_tokens tokens, one prefill) is
+profiled first with a one-block cache: every token writes to the null slot and attends over
+the null block, so the probe needs no real cache, and the activations it measures are a
+real step's. The KV cache then gets what is left of `gpu_memory_utilization` after the
+weights, that peak, and a reserve for the CUDA graphs' pool. On CPU it gets a fixed share of
+RAM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kiln.compiler.buckets import BucketPlan
+from kiln.compiler.graph_inputs import single_prefill_step
+from kiln.kernels.paged_attention import kv_heads_and_head_dim
+from kiln.runtime.config import EngineConfig
+
+logger = logging.getLogger("kiln.runtime")
+
+# KV-cache budget on CPU when the caller gives no num_kv_blocks: a fraction of RAM.
+CPU_KV_MEMORY_FRACTION = 0.2
+# CUDA: memory kept back from the KV cache for the CUDA graphs' pool and fragmentation.
+CUDA_RESERVE_BYTES = 512 * 2**20
+
+
+@dataclass
+class KVCache:
+    """The allocated cache: one tensor per layer, [2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    layers: list[torch.Tensor]
+    num_blocks: int
+    activation_peak_bytes: int  # profiled on CUDA; 0 on CPU or when num_kv_blocks was given
+
+
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
+    kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * elem
+
+
+def allocate_kv_caches(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> list[torch.Tensor]:
+    caches = []
+    for _ in range(num_layers):
+        # Uninitialised: attention only reads slots a sequence has written. The null block
+        # (padding's target) is zeroed so padded rows never see NaN garbage.
+        cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        cache[:, 0].zero_()
+        caches.append(cache)
+    return caches
+
+
+@torch.inference_mode()
+def profile_step_memory(runner: Any, num_tokens: int, block_size: int) -> int:
+    """Peak bytes a step of `num_tokens` tokens (one prefill, K/V to the null block)
+    allocates beyond what is held. `runner` is a ModelRunner over a one-block cache."""
+    dev = runner.device
+    inputs = single_prefill_step(num_tokens, block_size, null_blocks=True, device=dev)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    runner.execute(inputs)
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - before
+
+
+def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int, activation_peak_bytes: int) -> int:
+    """Blocks for max_num_seqs sequences of max_model_len, capped by what memory holds."""
+    bs = config.block_size
+    if config.num_kv_blocks is not None:
+        return int(config.num_kv_blocks)
+    per_block = kv_bytes_per_token(model_config, dtype) * bs
+    wanted = -(-config.max_num_seqs * max_model_len // bs) + 1
+    if device.type == "cpu":
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        fit = int(ram * CPU_KV_MEMORY_FRACTION) // per_block
+    else:
+        _, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization)
+        free_for_kv = budget - torch.cuda.memory_allocated(device) - activation_peak_bytes - CUDA_RESERVE_BYTES
+        fit = free_for_kv // per_block
+        if fit < 2:
+            raise ValueError(
+                f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}: "
+                f"weights and a {config.max_num_batched_tokens}-token step already take it; lower "
+                "max_num_batched_tokens or raise gpu_memory_utilization"
+            )
+        logger.info("KV cache: %d blocks (%d tokens) fit in %.1f GiB (activation peak %.2f GiB)",
+                    min(wanted, fit), min(wanted, fit) * bs, free_for_kv / 2**30, activation_peak_bytes / 2**30)
+    return max(2, min(wanted, fit))
+
+
+def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> KVCache:
+    """Size (profiling a probe runner from `make_runner` on CUDA) and allocate the KV cache."""
+    kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+
+    def allocate(blocks: int) -> list[torch.Tensor]:
+        return allocate_kv_caches(model_config.num_hidden_layers, blocks, config.block_size, kv_heads, head_dim,
+                                  dtype, device)
+
+    peak = 0
+    if device.type == "cuda" and config.num_kv_blocks is None:
+        probe = make_runner(allocate(1))
+        peak = profile_step_memory(probe, config.max_num_batched_tokens, config.block_size)
+        del probe
+        torch.cuda.empty_cache()
+    blocks = num_kv_blocks(config, model_config, dtype, device, max_model_len, peak)
+    return KVCache(layers=allocate(blocks), num_blocks=blocks, activation_peak_bytes=peak)
+
+
+def cuda_graph_sizes(plan: BucketPlan) -> list[int]:
+    """Decode batch sizes to capture: the plan's decode buckets."""
+    return sorted({b.num_seqs for b in plan.buckets() if b.kind == "decode"})
