@@ -32,6 +32,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 ATTN_IMPLEMENTATION = "kiln"
@@ -87,9 +90,11 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     register_kiln_attention()
     cls = getattr(transformers, SUPPORTED_ARCHITECTURES[model_type])
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
-    if model_type == "mixtral":
-        # The default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
-        # batched_mm gathers each token's expert weights and stays shape-static.
+    if cls._can_set_experts_implementation():
+        # Any model with transformers' pluggable experts (Mixtral, Qwen2/3-MoE, OLMoE, ...):
+        # the default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
+        # batched_mm gathers each token's expert weights and stays shape-static. It is also
+        # the form `fuse_moe` (kiln.passes.fuse_moe) recognises.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
         model = cls._from_config(config, **kwargs)
