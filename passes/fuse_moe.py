@@ -17,7 +17,8 @@ After `normalize` one block reads (float32 drops the two optional casts):
     y      = sum(view(y * unsqueeze(reshape(vals, [-1]), -1), [T, k, H]), [1])
     y      = to(y, dtype)                                # Mixtral below float32
 
-and becomes `y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`.
+(`silu(g) * u` may already be `kiln::silu_and_mul(g, u)` if `fuse_silu_mul` ran first; the
+registry runs `fuse_moe` before it) and becomes `y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`.
 The router GEMM (`logits`) stays in the graph: it is one small projection. Qwen2-MoE's shared
 expert and its sigmoid gate are a dense MLP beside this subgraph, untouched here (the dense
 passes merge and fuse it like any MLP).
@@ -157,9 +158,14 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     w_down, ids, act = down
     if not (_is(ids, aten.reshape.default, aten.view.default) and ids.args[0] is idx and list(ids.args[1]) == [-1]):
         return None
-    if not (_is(act, aten.mul.Tensor) and _is(act.args[0], aten.silu.default)):
+    if _is(act, aten.mul.Tensor) and _is(act.args[0], aten.silu.default):
+        act_nodes = [act.args[0], act]
+        gate, up = act.args[0].args[0], act.args[1]
+    elif _is(act, torch.ops.kiln.silu_and_mul.default):  # fuse_silu_mul ran first
+        act_nodes = [act]
+        gate, up = act.args
+    else:
         return None
-    gate, up = act.args[0].args[0], act.args[1]
     if not (_is(gate, operator.getitem) and _is(up, operator.getitem)):
         return None
     chunk = gate.args[0]
@@ -180,7 +186,7 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     squeeze_gu = chunk.args[0]
     bmm_gu = squeeze_gu.args[0]
     index_gu, col_gu = bmm_gu.args
-    nodes += [ids, repeated, index_gu, col_gu, bmm_gu, squeeze_gu, chunk, gate, up, act.args[0], act,
+    nodes += [ids, repeated, index_gu, col_gu, bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes,
               index_down, col_down, bmm_down, squeeze_down]
 
     # The weighted sum over each token's k slots: sum(view(y, [T, k, H]), [1]) [to(dtype)].
