@@ -17,8 +17,8 @@ After `normalize` one block reads (float32 drops the two optional casts):
     y      = sum(view(y * unsqueeze(reshape(vals, [-1]), -1), [T, k, H]), [1])
     y      = to(y, dtype)                                # Mixtral below float32
 
-(`silu(g) * u` may already be `kiln::silu_and_mul(g, u)` if `fuse_silu_mul` ran first; the
-registry runs `fuse_moe` before it) and becomes `y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`.
+(`silu(g) * u` is `kiln::silu_and_mul(g, u)` when `fuse_silu_mul` ran first, as it does in the
+registry's order) and becomes `y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`.
 The router GEMM (`logits`) stays in the graph: it is one small projection. Qwen2-MoE's shared
 expert and its sigmoid gate are a dense MLP beside this subgraph, untouched here (the dense
 passes merge and fuse it like any MLP).

@@ -40,12 +40,11 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.merge_qkv import MergeQKVPass
 
     factories.update({
-        "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass,
-        # Mixture-of-experts blocks (issue 17), before fuse_silu_mul would take the experts'
-        # silu * up (it matches either form, but one op for the whole block is the point).
-        "fuse_moe": FuseMoEPass,
-        "fuse_rope": FuseRoPEPass,
+        "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
         "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
+        # Mixture-of-experts blocks (issue 17). fuse_silu_mul has by then turned the experts'
+        # silu * up into kiln::silu_and_mul; fuse_moe matches either form.
+        "fuse_moe": FuseMoEPass,
     })
     # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
     # projections, merged and pruned, become kiln::linear (CUDA graphs by default).
