@@ -20,9 +20,12 @@ captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLO
 min(E, pairs); blocks past the used ones exit at once.
 
 Tiling is chosen per shape (`choose_tiling`): decode (a few rows per expert) takes
-BLOCK_M = 16, the smallest tensor-core tile, and narrow BLOCK_N for more programs over the
-weight-streaming work; prefill (many rows per expert) takes larger tiles that reuse each
-weight tile over more rows. The table is a starting point, not yet swept on the H200.
+BLOCK_M = 16, the smallest tensor-core tile, and BLOCK_N narrowed until the blocks in use
+times the column tiles fill the GPU (the work is streaming weights); prefill (many rows per
+expert) takes larger row tiles that reuse each weight tile over more rows. With few pairs for
+many experts (batch-1 decode; `pair_per_block`) each pair is its own block, taken straight
+from the router's expert ids, and the grouping ops are skipped. The table is a starting
+point, not yet swept on the H200.
 
 Rounding follows the unfused graph: gate/up and the down projection are rounded to the
 model dtype like the bmm outputs, silu's output is rounded before the multiply (as
@@ -53,18 +56,39 @@ class MoETiling:
     num_stages: int
 
 
+# Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
+TARGET_PROGRAMS = 256
+
+
+def pair_per_block(num_pairs: int, num_experts: int) -> bool:
+    """Decode with few pairs for many experts: each pair gets its own row block (one valid row
+    of BLOCK_M) straight from the router's expert ids, skipping the grouping's ~25 small device
+    ops per layer. Pairs rarely share an expert then, so the weights are still read about once
+    per pair."""
+    return num_pairs <= max(2, num_experts // 2)
+
+
 def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size: int = 2) -> MoETiling:
     """Tiles for a grouped GEMM of `num_pairs` rows spread over `num_experts` experts, each an
-    [n, k] weight (n: output columns; for gate/up, the columns of each half)."""
+    [n, k] weight (n: output columns; for gate/up, the columns of each half). BLOCK_M depends
+    on the pairs and experts only, so both GEMMs of a step agree on the row blocks."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    if rows_per_expert <= 16:      # decode: weight streaming; many narrow column tiles
-        tiling = MoETiling(16, 64, 128, 4, 4)
+    if rows_per_expert <= 16:
+        # Decode: bound by streaming the weights. Column tiles narrow enough that the blocks
+        # in use (about one per expert touched) times the column tiles fill the GPU.
+        blocks = min(num_experts, num_pairs)
+        block_n = 64
+        while block_n > 16 and blocks * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
+            block_n //= 2
+        tiling = MoETiling(16, block_n, 128, 4, 4)
     elif rows_per_expert <= 64:
         tiling = MoETiling(32, 64, 128, 4, 4)
     elif rows_per_expert <= 256:
-        tiling = MoETiling(64, 128, 64, 8, 3)
-    else:                          # prefill: reuse each weight tile over many rows
-        tiling = MoETiling(128, 128, 64, 8, 3)
+        tiling = MoETiling(64, 64, 64, 4, 3)
+    else:
+        # Prefill: reuse each weight tile over many rows. BLOCK_N stays 64: the gate/up kernel
+        # holds two [BLOCK_M, BLOCK_N] float32 accumulators.
+        tiling = MoETiling(128, 64, 64, 8, 3)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = MoETiling(tiling.block_m, tiling.block_n, max(16, tiling.block_k * 2 // element_size),
                            tiling.num_warps, tiling.num_stages)
@@ -112,16 +136,28 @@ def group_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBl
 
 
 @triton.jit
+def _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+    """The expert of row block `pid_m` (-1: unused) and its BLOCK_M pair indices (num_pairs:
+    padding). PAIR_PER_BLOCK: block i is pair i alone, `block_expert_ptr` the router's ids."""
+    lanes = tl.arange(0, BLOCK_M)
+    if PAIR_PER_BLOCK:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.where(lanes == 0, pid_m, num_pairs)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + lanes)
+    return expert, pair
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
                         stride_xt, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
     pid_m = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
     token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,13 +196,11 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
 def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
     pid_m = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + pid_m)
+    expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,9 +234,10 @@ def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
-                     tiling: MoETiling | None = None) -> torch.Tensor:
-    """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling` overrides `choose_tiling`, for
-    tests); tensors the kernels cannot take go to the reference."""
+                     tiling: MoETiling | None = None, per_pair: bool | None = None) -> torch.Tensor:
+    """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling` and `per_pair` override
+    `choose_tiling` and `pair_per_block`, for tests); tensors the kernels cannot take go to
+    the reference."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     if not _applies(hidden, w_gate_up, w_down):
         return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
@@ -212,28 +247,34 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     if t == 0:
         return torch.empty_like(hidden)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
-    if tiling is None:
-        tiling = choose_tiling(num_pairs, num_experts, inter, h, hidden.element_size())
-    tiling = _fit(tiling, inter, h)
-    blocks = group_pairs(routing.experts, num_experts, tiling.block_m)
+    elem = hidden.element_size()
+    gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem)
+    down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem)
+    if per_pair is None:
+        per_pair = pair_per_block(num_pairs, num_experts)
+    if per_pair:
+        num_blocks, sorted_pairs, block_expert = num_pairs, routing.experts, routing.experts  # pairs unused
+    else:
+        blocks = group_pairs(routing.experts, num_experts, gu_tiling.block_m)
+        num_blocks, sorted_pairs, block_expert = blocks.num_blocks, blocks.sorted_pairs, blocks.block_expert
     ieee = hidden.dtype == torch.float32
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-    _moe_gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, tiling.block_n))](
-        hidden, w_gate_up, act, blocks.sorted_pairs, blocks.block_expert, num_pairs, inter, h,
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, gu_tiling.block_n))](
+        hidden, w_gate_up, act, sorted_pairs, block_expert, num_pairs, inter, h,
         hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k,
-        EVEN_K=h % tiling.block_k == 0, IEEE=ieee, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
+        EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages,
     )
-    # Same row blocks (BLOCK_M); column and K tiles fitted to the down projection's shape.
-    down_tiling = _fit(tiling, h, inter)
     weights = routing.weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                            device=hidden.device)
-    _moe_down_kernel[(blocks.num_blocks, triton.cdiv(h, down_tiling.block_n))](
-        act, w_down, weights, products, blocks.sorted_pairs, blocks.block_expert, num_pairs, h, inter,
+    _moe_down_kernel[(num_blocks, triton.cdiv(h, down_tiling.block_n))](
+        act, w_down, weights, products, sorted_pairs, block_expert, num_pairs, h, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), products.stride(0),
-        BLOCK_M=tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
-        EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
+        BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
+        EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
     )
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 

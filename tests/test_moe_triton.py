@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kiln.kernels.moe import fused_moe_reference  # noqa: E402
-from kiln.kernels.triton_moe import MoETiling, choose_tiling, fused_moe_triton, group_pairs  # noqa: E402
+from kiln.kernels.triton_moe import (MoETiling, choose_tiling, fused_moe_triton, group_pairs,  # noqa: E402
+                                    pair_per_block)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -67,24 +68,33 @@ def test_tiling_follows_rows_per_expert() -> None:
     decode = choose_tiling(num_pairs=2, num_experts=8, n=14336, k=4096)
     prefill = choose_tiling(num_pairs=8192 * 2, num_experts=8, n=14336, k=4096)
     assert decode.block_m == 16 and prefill.block_m == 128
-    assert decode.block_n < prefill.block_n
+    # Decode narrows the column tiles until the blocks in use fill the GPU: Mixtral's down
+    # projection (4096 columns, 2 experts) needs 32-wide tiles for 256 programs.
+    assert choose_tiling(2, 8, 4096, 14336).block_n == 32
+    assert decode.block_n == 64
     assert choose_tiling(64 * 8, 128, 768, 2048).block_m == 16  # Qwen3-30B batch 64: 4 rows per expert
-    assert choose_tiling(2, 8, 24, 40).block_n == 32  # never wider than the (rounded) shape
+    assert choose_tiling(4096, 4, 24, 40).block_n == 32  # never wider than the (rounded) shape
+    assert pair_per_block(2, 8) and pair_per_block(8, 128) and not pair_per_block(128, 8)
 
 
-CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling
-    (5, 48, 24, 4, 2, True, True, None),                       # decode-like, K and N not tile multiples
-    (3, 32, 32, 6, 3, False, False, None),
-    (40, 32, 48, 4, 2, False, True, MoETiling(32, 32, 16, 4, 2)),   # many rows per expert, K loop
-    (17, 64, 16, 8, 1, True, False, MoETiling(16, 16, 32, 4, 2)),
+CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair
+    (5, 48, 24, 4, 2, True, True, None, False),                       # K and N not tile multiples
+    (3, 32, 32, 6, 3, False, False, None, False),
+    (40, 32, 48, 4, 2, False, True, MoETiling(32, 32, 16, 4, 2), False),   # many rows per expert, K loop
+    (17, 64, 16, 8, 1, True, False, MoETiling(16, 16, 32, 4, 2), False),
+    (1, 48, 40, 8, 2, True, True, None, None),                        # batch-1 decode: a block per pair
+    (2, 32, 24, 16, 4, True, False, None, None),
+    (6, 32, 24, 4, 2, False, True, None, True),                       # per pair with shared experts
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling", CASES)
-def test_fused_moe_triton_matches_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, dtype) -> None:
+@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling,per_pair", CASES)
+def test_fused_moe_triton_matches_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair,
+                                            dtype) -> None:
     hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
-    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling)
+    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
+                           per_pair=per_pair)
     ref = fused_moe_reference(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
     assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
     if dtype == torch.float32:
