@@ -90,7 +90,7 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     register_kiln_attention()
     cls = getattr(transformers, SUPPORTED_ARCHITECTURES[model_type])
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
-    if cls._can_set_experts_implementation():
+    if getattr(cls, "_can_set_experts_implementation", lambda: False)():
         # Any model with transformers' pluggable experts (Mixtral, Qwen2/3-MoE, OLMoE, ...):
         # the default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
         # batched_mm gathers each token's expert weights and stays shape-static. It is also
