@@ -19,8 +19,9 @@ shapes fixed by T, E, top_k and BLOCK_M: nothing is read back to the host, so a 
 captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLOCK_M) +
 min(E, pairs); blocks past the used ones exit at once.
 
-Tiling is chosen per shape (`choose_tiling`): decode (a few rows per expert) takes
-BLOCK_M = 16, the smallest tensor-core tile, and BLOCK_N narrowed until the blocks in use
+Tiling is chosen per shape (`choose_tiling`): BLOCK_M from the mean rows per expert (1.5x
+it, so most experts' rows fit one block and their weights are read once; at least 16, the
+smallest tensor-core tile); decode takes BLOCK_N narrowed until the blocks in use
 times the column tiles fill the GPU (the work is streaming weights); prefill (many rows per
 expert) takes larger row tiles that reuse each weight tile over more rows. With few pairs for
 many experts (batch-1 decode; `pair_per_block`) each pair is its own block, taken straight
@@ -35,6 +36,7 @@ weights) or rounded to the model dtype (`fp32_weights=False`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,18 +75,17 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
     [n, k] weight (n: output columns; for gate/up, the columns of each half). BLOCK_M depends
     on the pairs and experts only, so both GEMMs of a step agree on the row blocks."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    if rows_per_expert <= 16:
+    # Row blocks big enough that most experts' rows fit in one (routing is uneven: 1.5x the
+    # mean), so each expert's weights are read once per step; 16 is tl.dot's smallest tile.
+    block_m = min(128, max(16, triton.next_power_of_2(math.ceil(1.5 * rows_per_expert))))
+    if block_m <= 64:
         # Decode: bound by streaming the weights. Column tiles narrow enough that the blocks
         # in use (about one per expert touched) times the column tiles fill the GPU.
         blocks = min(num_experts, num_pairs)
         block_n = 64
         while block_n > 16 and blocks * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
             block_n //= 2
-        tiling = MoETiling(16, block_n, 128, 4, 4)
-    elif rows_per_expert <= 64:
-        tiling = MoETiling(32, 64, 128, 4, 4)
-    elif rows_per_expert <= 256:
-        tiling = MoETiling(64, 64, 64, 4, 3)
+        tiling = MoETiling(block_m, block_n, 128 if block_m <= 32 else 64, 4, 4 if block_m <= 32 else 3)
     else:
         # Prefill: reuse each weight tile over many rows. BLOCK_N stays 64: the gate/up kernel
         # holds two [BLOCK_M, BLOCK_N] float32 accumulators.

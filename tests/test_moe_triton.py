@@ -73,6 +73,7 @@ def test_tiling_follows_rows_per_expert() -> None:
     assert choose_tiling(2, 8, 4096, 14336).block_n == 32
     assert decode.block_n == 64
     assert choose_tiling(64 * 8, 128, 768, 2048).block_m == 16  # Qwen3-30B batch 64: 4 rows per expert
+    assert choose_tiling(64 * 2, 8, 14336, 4096).block_m == 32  # Mixtral batch 64: 16 rows per expert
     assert choose_tiling(4096, 4, 24, 40).block_n == 32  # never wider than the (rounded) shape
     assert pair_per_block(2, 8) and pair_per_block(8, 128) and not pair_per_block(128, 8)
 
@@ -85,6 +86,8 @@ CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair
     (1, 48, 40, 8, 2, True, True, None, None),                        # batch-1 decode: a block per pair
     (2, 32, 24, 16, 4, True, False, None, None),
     (6, 32, 24, 4, 2, False, True, None, True),                       # per pair with shared experts
+    (40, 32, 24, 2, 1, True, True, None, None),                       # chosen tiling: 32-row blocks
+    (48, 32, 24, 3, 2, False, False, None, None),                     # chosen tiling: 64-row blocks
 ]
 
 
