@@ -23,6 +23,7 @@ to check the script; the fused-MoE pass is enabled on CPU there, `KILN_CPU_FUSIO
 
     python bench/moe.py --shape mixtral-8x7b --out moe_mixtral.json          # on the H200
     python bench/moe.py --shape qwen3-moe-30b-a3b --out moe_qwen3.json
+    (--no-offline / --no-decode split the Mixtral run in two, e.g. under a per-command limit)
     python bench/moe.py --tiny                                               # CPU check
 """
 
@@ -126,6 +127,7 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
     dtype = bc.kiln_dtype(args.dtype)
     config = bc.load_config(model, "dummy")
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    decode_batches = [] if args.no_decode else batches
     wbytes = bc.weight_bytes(config, dtype)
     experts_total, experts_active = expert_bytes(config, dtype)
     active_bytes = wbytes - experts_total + experts_active
@@ -147,7 +149,7 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
         result["baseline"] = {"name": "transformers eager (sdpa)",
                               "experts_implementation": getattr(model_hf.config, "_experts_implementation", None),
                               "decode": {}}
-        for b in batches:
+        for b in decode_batches:
             r = hf_decode(model_hf, b, args.prompt_len, args.hf_steps, config.vocab_size, seed=b)
             result["baseline"]["decode"][str(b)] = r
             print(f"[hf {shape.name}] decode batch {b}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
@@ -168,9 +170,10 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
     result["kiln_startup_s"] = time.perf_counter() - t0
     result["kiln_fuse_moe"] = pass_stats(llm, "fuse_moe")
     engine = llm.engine
-    kiln_decode(engine, 1, args.prompt_len, 2, config.vocab_size, seed=999)  # warm-up
+    if decode_batches:
+        kiln_decode(engine, 1, args.prompt_len, 2, config.vocab_size, seed=999)  # warm-up
     result["kiln"] = {"decode": {}}
-    for b in batches:
+    for b in decode_batches:
         r = kiln_decode(engine, b, args.prompt_len, args.steps, config.vocab_size, seed=b)
         r["active_bytes_read_tb_s"] = active_bytes * r["steps_per_s"] / 1e12  # a lower bound above batch 1
         if bandwidth:
@@ -208,6 +211,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON result here (also printed)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face transformers baseline")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline workload")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode figures (offline workload only)")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=None, help="decode prompts (default 128; 16 with --tiny)")
     parser.add_argument("--steps", type=int, default=None, help="Kiln decode steps timed (default 128; 8 with --tiny)")
