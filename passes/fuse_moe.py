@@ -81,6 +81,26 @@ def _is_float32_cast(node: object) -> bool:
     return _is(node, *_CASTS) and _dtype(node) == torch.float32  # type: ignore[arg-type]
 
 
+def _shape(node: object) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _is_last_dim(node: torch.fx.Node, dim: object) -> bool:
+    shape = _shape(node)
+    return dim == -1 or (shape is not None and isinstance(dim, int) and dim == len(shape) - 1)
+
+
+def _shapes_agree(hidden: object, logits: object, w_gate_up: object, w_down: object) -> bool:
+    """hidden [T, H], logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I] (sizes that are
+    symbolic, like T, are not compared)."""
+    h, lg, gu, dn = _shape(hidden), _shape(logits), _shape(w_gate_up), _shape(w_down)
+    if h is None or lg is None or gu is None or dn is None or len(h) != 2 or len(lg) != 2 \
+            or len(gu) != 3 or len(dn) != 3:
+        return False
+    return gu[0] == dn[0] == lg[1] and gu[2] == dn[1] == h[1] and gu[1] == 2 * dn[2]
+
+
 def _getitems(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {u.args[1]: u for u in node.users if _is(u, operator.getitem)}
 
@@ -109,7 +129,7 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     if len(topk.args) != 2 or topk.kwargs:  # only topk(x, k): last dim, largest, sorted
         return None
     softmax, top_k = topk.args
-    if not (_is(softmax, *_SOFTMAX) and softmax.args[1] in (-1, 1) and _only_user(softmax) is topk):
+    if not (_is(softmax, *_SOFTMAX) and _is_last_dim(softmax, softmax.args[1]) and _only_user(softmax) is topk):
         return None
     nodes = [softmax, topk]
     router_logits = softmax.args[0]
@@ -204,7 +224,7 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     if _is(after, *_CASTS) and _dtype(after) == hidden_dtype:
         nodes.append(after)
         output = after
-    if _dtype(output) != hidden_dtype:
+    if _dtype(output) != hidden_dtype or not _shapes_agree(hidden, router_logits, w_gate_up, w_down):
         return None
     # Everything but the output must be private to the block (ids feed both gathers).
     inside = set(nodes)
