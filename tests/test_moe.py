@@ -221,6 +221,29 @@ def test_loader_stacks_hub_expert_tensors(arch: str, moe_model_dir) -> None:
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
 
 
+def test_loader_stacks_experts_spread_over_shards(moe_model_dir, tmp_path) -> None:
+    """A sharded checkpoint (as large ones are) with one layer's experts split across files."""
+    from safetensors import safe_open
+
+    from kiln.compiler.capture import capture
+    from kiln.compiler.model_source import resolve_model
+
+    _, hf = moe_model_dir("qwen3_moe")
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    where = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), shard.name))
+    layer0 = {where[f"model.layers.0.mlp.experts.{e}.{w}.weight"] for e in range(6)
+              for w in ("gate_proj", "up_proj", "down_proj")}
+    assert len(layer0) > 1, "the test needs layer 0's experts in more than one shard"
+    source = resolve_model(str(tmp_path))
+    weights = source.load_weights(capture(source.config).param_aliases, torch.float32, "cpu", progress=False)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(weights[name], p, rtol=0, atol=0, msg=name)
+
+
 # ---- parity with Hugging Face -------------------------------------------------------------------
 
 PROMPTS = [[1, 5, 7, 9, 11, 13, 2], [3, 4], list(range(10, 47))]
