@@ -33,6 +33,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -252,8 +254,26 @@ def main() -> None:
                               "device": device.type, "shapes": {}}
     with tempfile.TemporaryDirectory(prefix="kiln-moe-bench-") as tmp:
         for name in names:
-            result["shapes"][name] = run_shape(SHAPES[name], args, device, Path(tmp))
+            if len(names) > 1:
+                # One process per shape: nothing of the previous shape's ~93 GB (weights, KV
+                # cache, CUDA graph pools) can be left behind for the next on the GPU.
+                result["shapes"][name] = _run_shape_in_subprocess(name, Path(tmp))
+            else:
+                result["shapes"][name] = run_shape(SHAPES[name], args, device, Path(tmp))
     bc.emit(result, args.out)
+
+
+def _run_shape_in_subprocess(name: str, tmp: Path) -> dict[str, Any]:
+    out = tmp / f"{name}.json"
+    argv = [a for a in sys.argv[1:]]
+    for flag in ("--shape", "--out"):  # this run's own values replace the parent's
+        while flag in argv:
+            i = argv.index(flag)
+            del argv[i:i + 2]
+        argv = [a for a in argv if not a.startswith(flag + "=")]
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--shape", name, "--out", str(out)],
+                   check=True)
+    return json.loads(out.read_text())["shapes"][name]
 
 
 if __name__ == "__main__":
