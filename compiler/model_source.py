@@ -368,12 +368,6 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     return []
 
 
-def checkpoint_sources(name: str, num_experts: int | None = None) -> list[str] | None:
-    """The Mixtral-layout sources of a model tensor (the first layout), or None."""
-    layouts = checkpoint_source_layouts(name, num_experts)
-    return layouts[0] if layouts else None
-
-
 def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     if _MOE_GATE.match(name):
         return tensors[0]
