@@ -118,15 +118,16 @@ def group_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBl
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    # About 20 small device ops (they run per layer per step, so fewer is better):
+    sorted_experts, order = torch.sort(flat, stable=True)
+    # bounds[e]: the first sorted position of expert e (bounds[E] = num_pairs).
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + (block_m - 1)) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
-    dest = starts[sorted_experts] + rank
+    # Sorted position i (expert e) goes to padded row (ends[e] - padded[e]) + (i - bounds[e]).
+    shift = ends - padded - bounds[:-1]
+    dest = torch.arange(num_pairs, device=device) + shift[sorted_experts]
     num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs[dest] = order.to(torch.int32)

@@ -46,11 +46,11 @@ def test_kernels_run_where_this_machine_can() -> None:
     assert isinstance(triton_moe._moe_down_kernel, InterpretedFunction) == interpreted
 
 
-def test_group_pairs_puts_each_pair_once_in_a_block_of_its_expert() -> None:
-    experts = torch.tensor([[0, 2], [2, 1], [0, 2], [2, 0], [1, 2]])
-    blocks = group_pairs(experts, num_experts=4, block_m=2)
+def check_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> list[int]:
+    """group_pairs' invariants; returns the block experts in order."""
+    blocks = group_pairs(experts, num_experts=num_experts, block_m=block_m)
     flat = experts.reshape(-1)
-    pairs = blocks.sorted_pairs.view(blocks.num_blocks, 2)
+    pairs = blocks.sorted_pairs.view(blocks.num_blocks, block_m)
     valid = pairs < flat.numel()
     assert sorted(pairs[valid].tolist()) == list(range(flat.numel()))
     for b in range(blocks.num_blocks):
@@ -60,8 +60,21 @@ def test_group_pairs_puts_each_pair_once_in_a_block_of_its_expert() -> None:
             assert in_block.numel() == 0
         else:
             assert in_block.numel() > 0 and (flat[in_block.long()] == e).all()
+    used = [e for e in blocks.block_expert.tolist() if e >= 0]
+    assert used == sorted(used) and blocks.block_expert.tolist()[len(used):] == [-1] * (blocks.num_blocks - len(used))
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    assert [used.count(e) for e in range(num_experts)] == [-(-c // block_m) for c in counts]
+    return used
+
+
+def test_group_pairs_puts_each_pair_once_in_a_block_of_its_expert() -> None:
+    experts = torch.tensor([[0, 2], [2, 1], [0, 2], [2, 0], [1, 2]])
     # Expert 2 has 5 pairs -> 3 blocks of 2; experts 0 (3 pairs) 2 blocks, 1 (2 pairs) 1 block; 3 none.
-    assert sorted(blocks.block_expert.tolist()) == [-1] * (blocks.num_blocks - 6) + [0, 0, 1, 2, 2, 2]
+    assert check_blocks(experts, 4, 2) == [0, 0, 1, 2, 2, 2]
+    g = torch.Generator().manual_seed(0)
+    for t, e, k, bm in [(100, 16, 4, 8), (7, 64, 8, 16), (333, 5, 2, 32)]:
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        check_blocks(experts, e, bm)
 
 
 def test_tiling_follows_rows_per_expert() -> None:
