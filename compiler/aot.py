@@ -199,8 +199,8 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == "eager" and require_cache:
-        raise ValueError("require_cache=True needs cached artifacts, but compile='eager' uses none; "
-                         "use compile='auto', 'graph' or 'inductor'")
+        raise ValueError("--require-cache (require_cache=True) needs cached artifacts, but --compile eager uses "
+                         "none; use --compile auto, graph or inductor")
     if mode != "auto":
         return mode
     if require_cache or cache_dir_given:
@@ -289,7 +289,7 @@ def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool =
                   for key, problem in store.dropped[dropped_before:]]
         what = "the graph spec and the graph code" if spec is None else "the graph code"
         raise CacheMissError(
-            f"require_cache is set but the cache at {store.root} lacks {what} (compile mode 'graph'):\n"
+            f"--require-cache is set but the cache at {store.root} lacks {what} (compile mode 'graph'):\n"
             + "\n".join(lines)
             + f"\nrun `kiln compile --device {setup.device.type} --compile graph` with the same model and settings "
             "(or drop --require-cache to capture and cache the graph now)"
@@ -383,7 +383,7 @@ def prepare_compiled(
         lines += [f"  (entry {key} was corrupt and has been dropped: {problem})"
                   for key, problem in store.dropped[dropped_before:]]
         raise CacheMissError(
-            f"require_cache is set but the cache at {store.root} lacks {len(missing)} of {len(bucket_keys)} "
+            f"--require-cache is set but the cache at {store.root} lacks {len(missing)} of {len(bucket_keys)} "
             f"bucket(s){' and the graph spec' if spec is None else ''}:\n" + "\n".join(lines)
             + "\nrun `kiln compile` with the same model and settings (or drop --require-cache to compile now)"
         )
@@ -412,6 +412,7 @@ def prepare_compiled(
         with _timed(report.timings, "compile"):
             found.update(_compile_missing(setup, store, graph, spec, missing, bucket_keys, report, scratch,
                                           progress))
+        report.timings["compile"] -= report.timings.get("waited for another process", 0.0)
     report.dropped = store.dropped[dropped_before:]
     # Report buckets in plan order.
     order = {b: i for i, b in enumerate(setup.plan.buckets())}
@@ -447,10 +448,15 @@ def _compile_missing(
     for bucket in bar:
         bar.set_postfix_str(bucket.name)
         key = bucket_keys[bucket]
-        t0 = time.perf_counter()
+        t_wait = time.perf_counter()
         with store.lock(key):
+            t0 = time.perf_counter()
+            waited = t0 - t_wait
             entry = store.get(key)  # another process may have compiled it while we waited
             if entry is not None:
+                # Its compile seconds are the other process's: this one only waited (reported apart).
+                report.timings["waited for another process"] = (
+                    report.timings.get("waited for another process", 0.0) + waited)
                 result = BucketResult(bucket, key, "hit", time.perf_counter() - t0, len(entry.data))
                 out[bucket] = entry.data
             else:
@@ -489,6 +495,13 @@ def prepare_for_engine(engine_config: Any, model_config: Any, dtype: torch.dtype
     setup = setup_for_engine(engine_config, model_config, dtype, device)
     mode = resolve_compile_mode(engine_config.compile, device, engine_config.require_cache,
                                 engine_config.cache_dir is not None)
+    if engine_config.require_cache:  # a cache that is not there is missing every entry: do not make one
+        from kiln.cache.store import default_cache_dir
+
+        root = Path(engine_config.cache_dir).expanduser() if engine_config.cache_dir else default_cache_dir()
+        if not root.is_dir():
+            raise CacheMissError(f"--require-cache is set but the cache directory {root} does not exist (it is not "
+                                 "created); fill it with `kiln compile --cache-dir DIR` with the same settings first")
     if mode == WARM_OR_EAGER:
         prepared = _prepare_warm_or_eager(setup, engine_config.cache_dir, engine_config.progress)
     elif mode == "eager":
