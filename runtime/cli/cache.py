@@ -255,7 +255,8 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"{len(report.orphans)} orphan data files (no entry points to them; "
                   f"`kiln cache verify --repair` or `kiln cache clear` removes them), e.g. {report.orphans[0]}")
     # Anything found wrong (even if fixed now) exits 1; the next verify of a healthy cache exits 0.
-    return 0 if report.healthy and not store.repairs else 1
+    found = store.repairs or report.adopted or report.removed_orphans
+    return 0 if report.healthy and not found else 1
 
 
 def run_clear(args: argparse.Namespace) -> int:
