@@ -163,6 +163,12 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self.max_prompt_chars = int(self.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len)
         self._executor = executor
+        # The Rust tokenizer's batch encoder without offsets: it holds the GIL for a few ms per
+        # long prompt where the transformers wrapper (which computes offsets and builds a
+        # BatchEncoding) holds it ~20 ms, time the event loop could not run. Same ids (a test
+        # checks); other tokenizers go through the wrapper.
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in a worker thread: the event loop keeps serving meanwhile."""
@@ -228,6 +234,8 @@ class OpenAIServing:
             raise bad_request(f"{param}: this model has no tokenizer; send token ids", param.split("[")[0])
         self._check_chars(len(text), param, "the prompt")
         try:
+            if self._encode_fast is not None:
+                return list(self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids)
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         except (TypeError, ValueError) as e:  # text the tokenizer cannot take (the body checks should catch it)
             raise bad_request(f"{param}: cannot be tokenized ({type(e).__name__}: {e})", param.split("[")[0]) from None
