@@ -84,7 +84,10 @@ def make_cases(rng: random.Random, n: int, model: str) -> list[Case]:
             fields = ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "logprobs", "top_logprobs",
                       "tools", "tool_choice", "response_format", "seed", "stream", "model", "metadata"]
             endpoint = "chat/completions"
-        body[rng.choice(fields)] = rng.choice(junk_values)
+        name, value = rng.choice(fields), rng.choice(junk_values)
+        if name == "max_tokens" and value is None:
+            value = -1  # null is valid and means "to the end of the context": minutes of decoding on CPU
+        body[name] = value
         # A random mutation may happen to be valid (e.g. temperature 0): any 200 or 4xx is fine.
         return Case("mutated", endpoint, _j(body), (200, 400, 404, 413))
 
