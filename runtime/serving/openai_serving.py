@@ -163,10 +163,10 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self.max_prompt_chars = int(self.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len)
         self._executor = executor
-        # The Rust tokenizer's batch encoder without offsets: it holds the GIL for a few ms per
-        # long prompt where the transformers wrapper (which computes offsets and builds a
-        # BatchEncoding) holds it ~20 ms, time the event loop could not run. Same ids (a test
-        # checks); other tokenizers go through the wrapper.
+        # The Rust tokenizer's batch encoder without offsets: it releases the GIL while it
+        # encodes and skips the offsets and BatchEncoding the transformers wrapper builds
+        # while holding it, time the event loop could not run (README: request limits).
+        # Same ids (tests/test_server_hardening.py); other tokenizers use the wrapper.
         backend = getattr(self.tokenizer, "_tokenizer", None)
         self._encode_fast = getattr(backend, "encode_batch_fast", None)
 
