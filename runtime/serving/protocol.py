@@ -123,7 +123,9 @@ def check_json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
 
 def decode_body(raw: bytes) -> str:
     """The body as text. Bytes that are not UTF-8 become lone surrogates (surrogateescape),
-    which `find_bad_text` then reports with the field that holds them."""
+    which `find_bad_text` then reports with the field that holds them. A UTF-8 byte-order
+    mark is dropped, as json.loads does for bytes."""
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
