@@ -106,6 +106,20 @@ class PassManager:
     def uuids(self) -> dict[str, str]:
         return {p.name: p.uuid() for p in self.passes}
 
+    def split_at(self, name: str) -> tuple[list[GraphPass], GraphPass]:
+        """The passes that run before pass `name` in this pipeline, and that pass.
+
+        A pass that is not in the pipeline (a plugin not enabled) is placed where it would
+        run once enabled: last in its phase, after every pass of this pipeline there. This
+        is the graph `kiln passes show --explain NAME` and the pass-test helpers show.
+        """
+        target = next((p for p in self.passes if p.name == name), None)
+        passes = list(self.passes)
+        if target is None:
+            target = create_pass(name)
+            passes = PassManager(passes + [target]).passes  # stable sort: last within its phase
+        return passes[: passes.index(target)], target
+
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, dump_dir: str | os.PathLike | None = None) -> PassReport:
         dump = Path(dump_dir) if dump_dir else (Path(os.environ["KILN_DUMP_GRAPHS"]) if os.environ.get("KILN_DUMP_GRAPHS") else None)
         report = PassReport()

@@ -125,18 +125,13 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
     from kiln.compiler.capture import capture
     from kiln.passes.base import PassContext
     from kiln.passes.manager import PassManager
-    from kiln.passes.registry import create_pass
 
     config, model_name, dtype, device = _resolve(args)
     pm = PassManager.default(enable=args.enable_passes, disable=args.disable_passes)
     passes = list(pm.passes)
     target = None
     if stop_before is not None:
-        target = next((p for p in passes if p.name == stop_before), None)
-        if target is None:
-            target = create_pass(stop_before)
-            passes = PassManager(passes + [target]).passes  # placed last within its phase
-        passes = passes[: passes.index(target)]
+        passes, target = pm.split_at(stop_before)  # the same split as kiln.compiler.pass_testing
     elif until_phase != CAPTURED:
         limit = PHASES.index(until_phase)
         passes = [p for p in passes if PHASES.index(p.phase) <= limit]
