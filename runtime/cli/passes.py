@@ -39,7 +39,7 @@ class PassRow:
 def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None) -> list[PassRow]:
     """One row per registered pass (built-in and plugin), in pipeline order."""
     from kiln.passes.manager import enabled_pass_names
-    from kiln.passes.registry import all_pass_factories, builtin_pass_factories, create_pass
+    from kiln.passes.registry import all_pass_factories, builtin_pass_factories, create_pass, plugin_load_errors
 
     enabled = enabled_pass_names(enable, disable)
     builtins = builtin_pass_factories()
@@ -58,10 +58,13 @@ def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None)
             rows.append(PassRow(phase=p.phase, name=name, uuid=p.uuid(), enabled=name in enabled, source=source))
         except Exception as e:  # a broken pass is listed with its error, not hidden
             rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=source, error=f"{type(e).__name__}: {e}"))
+    load_errors = plugin_load_errors()
     for name, ep in plugin_eps.items():
-        if name not in factories:  # the entry point failed to load (the registry logged why)
-            rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=f"plugin ({ep.value})",
-                                error="cannot load the entry point"))
+        if name not in factories:  # the entry point failed to load: say why, here
+            dist = getattr(ep, "dist", None)
+            source = f"plugin {dist.name} {dist.version} ({ep.value})" if dist is not None else f"plugin ({ep.value})"
+            error = load_errors.get(name, "cannot load the entry point").removesuffix(f" (entry point {ep.value})")
+            rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=source, error=error))
     order = {n: i for i, n in enumerate(enabled)}
 
     def key(r: PassRow) -> tuple[int, int, str]:
