@@ -14,7 +14,7 @@ def test_the_guide_is_what_kiln_prints(tmp_path) -> None:
     text = GUIDE.read_text()
     kinds = [b.kind for b in parse(text)]
     # The guide's checked blocks: the listing, the dumps, the snippets, the cache miss, §9.
-    assert kinds.count("output") >= 5 and kinds.count("excerpt") >= 6 and kinds.count("python") == 3
+    assert kinds.count("output") >= 5 and kinds.count("excerpt") >= 6 and kinds.count("python") >= 4
     _, changed = regenerate(text, tmp_path)
     report = []
     for block, body in changed:
