@@ -205,3 +205,22 @@ def test_generate_takes_token_id_prompts(capsys, tiny_model_dir) -> None:
     assert "not a comma-separated list of token ids" in capsys.readouterr().err
     assert main([*base]) == 2
     assert "--prompt-token-ids" in capsys.readouterr().err
+
+
+def test_a_warm_start_logs_the_cached_pass_stats(tmp_path, caplog) -> None:
+    """No pass runs on a warm start; -v still says what they did, from the cached graph spec."""
+    from kiln.compiler.startup import CompileOptions, prepare_for_engine
+
+    config = tiny_config("llama")
+    options = CompileOptions(mode="graph", cache_dir=str(tmp_path), max_num_seqs=1, max_num_batched_tokens=16,
+                             progress=False)
+    with caplog.at_level(logging.INFO, logger="kiln.passes"):
+        cold = prepare_for_engine(options, config, torch.float32, torch.device("cpu"))
+    assert cold.report.captured
+    assert f"pass merge_qkv (fusion phase): qkv_proj_merged={LAYERS}, inputs_added={LAYERS}" in caplog.messages
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kiln.passes"):
+        warm = prepare_for_engine(options, config, torch.float32, torch.device("cpu"))
+    assert not warm.report.captured
+    assert (f"pass merge_qkv (fusion phase, from the cache): qkv_proj_merged={LAYERS}, inputs_added={LAYERS}"
+            in caplog.messages)
