@@ -224,3 +224,17 @@ def test_a_warm_start_logs_the_cached_pass_stats(tmp_path, caplog) -> None:
     assert not warm.report.captured
     assert (f"pass merge_qkv (fusion phase, from the cache): qkv_proj_merged={LAYERS}, inputs_added={LAYERS}"
             in caplog.messages)
+
+
+def test_passes_show_prints_the_consumed_pattern_note(capsys, monkeypatch, tiny_model_dir) -> None:
+    from kiln.passes import registry
+
+    monkeypatch.setattr(registry, "plugin_pass_factories", lambda: {"plugin_silu_mul": PluginSiluMul})
+    monkeypatch.setenv("KILN_CPU_FUSIONS", "1")
+    model = str(tiny_model_dir("llama")[0])
+    argv = ["passes", "show", model, "--phase", "fusion", "--no-code", "--enable-pass", "plugin_silu_mul"]
+    assert main([*argv, "--json"]) == 0
+    notes = {p["name"]: p["notes"] for p in json.loads(capsys.readouterr().out)["passes"]}
+    assert notes["fuse_silu_mul"] == [] and "'fuse_silu_mul' (2 -> 0)" in notes["plugin_silu_mul"][0]
+    assert main(argv) == 0
+    assert "note: pass 'plugin_silu_mul' matched nothing" in capsys.readouterr().out

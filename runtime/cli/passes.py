@@ -175,7 +175,8 @@ def run_show(args: argparse.Namespace) -> int:
             "model": graph.model_name, "architecture": arch, "num_layers": layers, "dtype": dtype,
             "device": str(graph.device), "graph": shown_phase, "phase": args.phase, "pipeline": graph.pipeline,
             "num_nodes": len(gm.graph.nodes), "op_counts": dict(counts.most_common()),
-            "passes": [{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": r.stats} for r in graph.records],
+            "passes": [{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": r.stats, "notes": r.notes}
+                       for r in graph.records],
         }
         if args.explain:
             out["explain"] = [r.to_dict() for r in explain_reports]
@@ -194,6 +195,9 @@ def run_show(args: argparse.Namespace) -> int:
     write("passes run (stats: what each pass did; a pattern pass counts matches per pattern):\n")
     rows = [[r.phase, r.name, r.uuid, ", ".join(f"{k}={v}" for k, v in r.stats.items()) or "-"] for r in graph.records]
     write(_table(["phase", "pass", "uuid", "stats"], rows) + "\n")
+    for r in graph.records:  # e.g. an enabled pass that matched nothing because another consumed its ops
+        for note in r.notes:
+            write(f"note: {note}\n")
     for report in explain_reports:
         write("\n" + str(report) + "\n")
     if args.explain and not explain_reports:
