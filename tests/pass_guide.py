@@ -19,7 +19,7 @@ it says how (`tests/test_pass_guide.py` runs the check in CI):
     <!-- guide: excerpt-of PATH -->  checked only: every line (but `...`) occurs in the
                                     repository file PATH, in order
 
-Commands run in this process, as a shell would: `NAME=VALUE` prefixes set environment
+Commands run in this process, as a shell would on a CPU machine (CUDA is hidden): `NAME=VALUE` prefixes set environment
 variables, `kiln ARGS` is the `kiln` entry point, `python -c CODE` runs CODE; after a `|`,
 `grep [-A N] TEXT` and `head -n N` filter the output (TEXT may start with `^`). Anything else
 is refused, so the guide only shows commands this runner can check. Paths under `/tmp/` run
@@ -85,11 +85,18 @@ def mask(text: str) -> str:
 
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ, and no CUDA: the guide shows what a CPU machine (CI) prints,
+    and a check on a GPU machine must compare the same thing."""
+    import torch
+
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
+    cuda_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
     try:
         yield
     finally:
+        torch.cuda.is_available = cuda_available  # type: ignore[assignment]
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
