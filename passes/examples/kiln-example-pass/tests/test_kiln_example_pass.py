@@ -40,7 +40,7 @@ def test_fuses_every_mlp_and_keeps_the_logits(dtype: torch.dtype, cpu_fusions: b
     the built-in fusions on, as on CUDA) after fuse_silu_mul and fuse_rmsnorm too."""
     config = gelu_llama()
     before = graph_for_pass(config, PASS, dtype=dtype, cpu_fusions=cpu_fusions)
-    assert before.pipeline[-2:] == ["fuse_rmsnorm", "fuse_silu_mul"]  # the built-ins of its phase ran first
+    assert {"merge_gate_up", "fuse_rmsnorm", "fuse_silu_mul"} <= set(before.pipeline)  # its phase's built-ins ran first
     after = before.copy()
     counts_before = op_counts(before.graph_module)
     assert counts_before["aten.gelu.default"] == config.num_hidden_layers
