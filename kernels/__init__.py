@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from kiln.kernels import activation as activation  # noqa: F401  (registers kiln::silu_and_mul)
+from kiln.kernels import activation as activation  # noqa: F401  (kiln::silu_and_mul, kiln::gelu_tanh_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
 from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)
 from kiln.kernels import paged_attention as paged_attention  # noqa: F401

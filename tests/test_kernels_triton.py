@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
     # Stays set for the session: the interpreter reads it again at every launch.
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
+from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference  # noqa: E402
 from kiln.kernels.paged_attention import paged_attention_reference  # noqa: E402
 from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from kiln.kernels.rope import rope_reference  # noqa: E402
-from kiln.kernels.triton_activation import silu_and_mul_triton  # noqa: E402
+from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from kiln.kernels.triton_paged_attention import (AttentionTiling, choose_num_splits, choose_tiling,  # noqa: E402
                                                  paged_attention_triton, rope_paged_attention_triton)
@@ -189,6 +189,15 @@ def test_rope_rejects_bad_shapes():
 
 
 # ---- SiLU-and-mul ------------------------------------------------------------------------------
+
+def test_gelu_tanh_and_mul_on_merged_halves():
+    # Gemma's gated MLP: the two halves of a merged gate/up projection, read in place.
+    merged = randn(6, 2 * 40, seed=41) * 3
+    gate, up = merged[:, :40], merged[:, 40:]
+    out = gelu_tanh_and_mul_triton(gate, up)
+    torch.testing.assert_close(out, gelu_tanh_and_mul_reference(gate, up), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(out, silu_and_mul_reference(gate, up), atol=1e-2)  # really GELU, not SiLU
+
 
 def test_silu_and_mul_on_merged_halves():
     t, inter = 7, 40
