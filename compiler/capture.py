@@ -42,11 +42,14 @@ _REFUSED_ATTENTION_KWARGS: dict[str, str] = {
     "alibi": "ALiBi attention bias",
     "head_mask": "attention head mask",
 }
-# Arguments that carry nothing the marker needs (bookkeeping for other backends).
+# Tensor arguments that carry nothing the marker needs (flash attention's packing metadata,
+# positions). Any other tensor handed to the attention function is something it would
+# compute with, which the marker would silently drop: refused by name. (Flags such as
+# output_router_logits also travel in the kwargs and are not tensors.)
 _IGNORED_ATTENTION_KWARGS = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
-    "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_past", "dropout", "is_causal",
-    "return_dict", "s_aux", "sinks", "position_bias", "alibi", "head_mask", "sliding_window", "softcap", "scaling",
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_past", "return_dict",
+    "output_hidden_states",
 })
 
 
@@ -72,6 +75,12 @@ def _kiln_attention_forward(
     for name, construct in _REFUSED_ATTENTION_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedArchitectureError(f"{construct} is not supported (argument {name!r} of {where})")
+    unknown = sorted(k for k, v in kwargs.items()
+                     if isinstance(v, torch.Tensor) and k not in _IGNORED_ATTENTION_KWARGS)
+    if unknown:
+        raise UnsupportedArchitectureError(
+            f"attention argument(s) {', '.join(map(repr, unknown))} that Kiln's attention marker does not carry "
+            f"are not supported ({where})")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise UnsupportedArchitectureError(f"bidirectional (non-causal) attention is not supported ({where})")
     if attention_mask is not None:

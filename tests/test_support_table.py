@@ -52,3 +52,16 @@ def test_attention_argument_kiln_cannot_honour_is_refused() -> None:
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(UnsupportedArchitectureError, match="attention sinks"):
         _kiln_attention_forward(module, q, q, q, None, scaling=0.5, s_aux=torch.zeros(2))
+
+
+def test_unknown_tensor_argument_to_attention_is_refused() -> None:
+    # A tensor the attention function would compute with, which the marker has no slot for.
+    import torch
+
+    from kiln.compiler.capture import _kiln_attention_forward
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(UnsupportedArchitectureError, match="attention argument.*'token_type_bias'"):
+        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, token_type_bias=torch.zeros(3))

@@ -76,7 +76,7 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "exaone4": (dict(sliding_window=WINDOW, layer_types=ALTERNATING),
                 "windowed layers with RoPE, global layers without, q/k norm, post-norms"),
     "gptj": (dict(MHA, rotary_dim=8, tie_word_embeddings=False),
-             "interleaved partial rotary, parallel block, learned-free positions, GELU"),
+             "interleaved partial rotary (rotary_dim 8), parallel block, GELU MLP"),
     "codegen": (dict(MHA, rotary_dim=8, tie_word_embeddings=False), "fused qkv (mp-sharded layout), parallel block"),
     "persimmon": (dict(MHA, rope_parameters=_partial_rope(0.5), qk_layernorm=True),
                   "partial rotary, q/k LayerNorm, squared-ReLU MLP"),
