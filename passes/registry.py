@@ -32,6 +32,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     # Fusion phase (issue 5), in run order: merges first; fuse_rope before fuse_rmsnorm so
     # that it takes Qwen3's q/k norms into kiln::rope. See kiln.passes.fuse_common for which
     # devices each runs on.
+    from kiln.passes.fuse_layernorm import FuseLayerNormPass
     from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
     from kiln.passes.fuse_rope import FuseRoPEPass
     from kiln.passes.fuse_silu_mul import FuseSiluMulPass
@@ -40,7 +41,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
 
     factories.update({
         "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
-        "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
+        "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass, "fuse_layernorm": FuseLayerNormPass,
     })
     # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
     # projections, merged and pruned, become kiln::linear (CUDA graphs by default).

@@ -33,7 +33,7 @@ _FUSION_COUNTERS = {
     "fuse_rope": None,  # every stat of fuse_rope is a rewrite count (rope, qk_norm_rope, kv_write_fused)
     "fuse_rmsnorm": None,
     "fuse_silu_mul": None,
-    "fuse_gelu_tanh_mul": None,
+    "fuse_layernorm": None,
 }
 
 

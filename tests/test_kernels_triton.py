@@ -190,6 +190,21 @@ def test_rope_rejects_bad_shapes():
 
 # ---- SiLU-and-mul ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("affine,dtype", [(True, torch.float32), (False, torch.float32), (True, HALF)])
+def test_add_layer_norm(affine, dtype):
+    from kiln.kernels.layer_norm import add_layer_norm_reference
+    from kiln.kernels.triton_norm import add_layer_norm_triton
+
+    # 40 columns (not a power of two: masked lanes must not enter the mean or variance).
+    x, residual = randn(3, 5, 40, seed=51, dtype=dtype) * 2 + 1, randn(3, 5, 40, seed=52, dtype=dtype)
+    weight, bias = (randn(40, seed=53, dtype=dtype), randn(40, seed=54, dtype=dtype)) if affine else (None, None)
+    out, summed = add_layer_norm_triton(x, residual, weight, bias, 1e-5)
+    ref_out, ref_summed = add_layer_norm_reference(x, residual, weight, bias, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+
+
 def test_gelu_tanh_and_mul_on_merged_halves():
     # Gemma's gated MLP: the two halves of a merged gate/up projection, read in place.
     merged = randn(6, 2 * 40, seed=41) * 3
