@@ -137,6 +137,10 @@ def find_unsupported_construct(model: torch.nn.Module) -> str | None:
         if name.endswith(_RECURRENT_PARAMETER_SUFFIXES):
             return f"state-space / recurrent layer (parameter {name})"
     for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            # A causal convolution over the sequence (LFM2's short conv, Mamba's conv): a decode
+            # step would need the previous tokens' inputs, a per-sequence state Kiln lacks.
+            return f"convolution over the sequence ({name}: {type(module).__name__})"
         if type(module).__name__.endswith(("Mixer", "Mamba", "MambaBlock")) and any(
                 n.endswith("conv1d") for n, _ in module.named_modules()):
             return f"state-space layer ({name}: {type(module).__name__})"

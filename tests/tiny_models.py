@@ -90,6 +90,13 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "hunyuan_v1_dense": (dict(head_dim=16), "q/k norm after RoPE"),
     "ernie4_5": (dict(head_dim=16), "interleaved RoPE"),
     "ministral": (dict(head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING), "windowed + global layers"),
+    "ministral3": (dict(head_dim=16), "YaRN rope scaling with Llama 4 attention-temperature scaling of q"),
+    "internlm3": (dict(head_dim=16), "Llama-like (InternLM 3)"),
+    "exaone": (dict(head_dim=16), "Llama-like (EXAONE 3.5)"),
+    "bitnet": (dict(head_dim=16), "sub-norms inside attention and MLP, squared-ReLU gated MLP"),
+    "jais2": (dict(head_dim=16), "LayerNorm, biases everywhere, squared-ReLU MLP without gate"),
+    "vaultgemma": (dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0),
+                   "soft-capping, windowed + global layers, Gemma norms without post-norms"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
@@ -99,6 +106,7 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "falcon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
                "attention computed outside transformers' attention interface"),
     "mamba": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
+    "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
 }
