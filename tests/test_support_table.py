@@ -65,3 +65,17 @@ def test_unknown_tensor_argument_to_attention_is_refused() -> None:
     q = torch.zeros(1, 2, 3, 4)
     with pytest.raises(UnsupportedArchitectureError, match="attention argument.*'token_type_bias'"):
         _kiln_attention_forward(module, q, q, q, None, scaling=0.5, token_type_bias=torch.zeros(3))
+
+
+def test_kv_cache_shape_mismatch_is_caught_at_compile_time() -> None:
+    # A multi-query config that also claims two KV heads: the cache would be sized for two
+    # while each layer's k has one. The paged-KV pass names the layer instead of letting the
+    # runtime write a wrongly shaped cache.
+    import torch
+
+    from kiln.compiler.pipeline import build_model_graph
+
+    config = tiny_config("gpt_bigcode")
+    config.num_key_value_heads = 2
+    with pytest.raises(ValueError, match=r"paged_kv: layer 0 has \(1, 16\) KV heads x head_dim.*\(2, 16\)"):
+        build_model_graph(config, torch.float32, "cpu")
