@@ -126,7 +126,7 @@ def causal_lm_class(config: Any) -> type:
     return getattr(transformers, class_name)
 
 
-# Parameter names that only state-space / recurrent layers have (Mamba's A_log and D, RWKV's
+# Parameter names that only state-space / recurrent layers have (Mamba's A_log and dt_bias, RWKV's
 # time-mixing decay): their state is not a KV cache, so the paged cache cannot hold it.
 _RECURRENT_PARAMETER_SUFFIXES = (".A_log", ".dt_bias", ".time_decay", ".time_first")
 
