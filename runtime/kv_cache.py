@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from kiln.compiler.buckets import BucketPlan
-from kiln.compiler.graph_inputs import single_prefill_step
+from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
 from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.runtime.config import EngineConfig
 
@@ -61,12 +61,22 @@ def allocate_kv_caches(
     return caches
 
 
+def profile_step(num_tokens: int, block_size: int, max_model_len: int, device: torch.device | str = "cpu"
+                 ) -> StepInputs:
+    """The step memory profiling runs: `num_tokens` tokens, K/V to the null block. Positions
+    wrap at max_model_len: a step that large is several sequences, and a model with learned
+    absolute positions (GPT-2, GPT-BigCode) has no embedding past its context length."""
+    inputs = single_prefill_step(num_tokens, block_size, null_blocks=True, device=device)
+    inputs["position_ids"] = inputs["position_ids"] % max_model_len
+    return inputs
+
+
 @torch.inference_mode()
-def profile_step_memory(runner: Any, num_tokens: int, block_size: int) -> int:
-    """Peak bytes a step of `num_tokens` tokens (one prefill, K/V to the null block)
-    allocates beyond what is held. `runner` is a ModelRunner over a one-block cache."""
+def profile_step_memory(runner: Any, num_tokens: int, block_size: int, max_model_len: int) -> int:
+    """Peak bytes a step of `num_tokens` tokens (`profile_step`) allocates beyond what is
+    held. `runner` is a ModelRunner over a one-block cache."""
     dev = runner.device
-    inputs = single_prefill_step(num_tokens, block_size, null_blocks=True, device=dev)
+    inputs = profile_step(num_tokens, block_size, max_model_len, dev)
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
@@ -114,7 +124,7 @@ def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, 
     peak = 0
     if device.type == "cuda" and config.num_kv_blocks is None:
         probe = make_runner(allocate(1))
-        peak = profile_step_memory(probe, config.max_num_batched_tokens, config.block_size)
+        peak = profile_step_memory(probe, config.max_num_batched_tokens, config.block_size, max_model_len)
         del probe
         torch.cuda.empty_cache()
     blocks = num_kv_blocks(config, model_config, dtype, device, max_model_len, peak)

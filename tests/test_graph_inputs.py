@@ -107,3 +107,14 @@ def test_a_new_batch_input_reaches_runner_compiler_and_staging(demo_input: Batch
     staging.upload(padded)
     assert staging.device["demo_bias"].tolist() == [5, 0, 0, 0]
     assert staging.device["demo_bias"].untyped_storage().data_ptr() == staging.device["seq_lens"].untyped_storage().data_ptr()
+
+
+def test_the_memory_profile_step_stays_inside_the_context() -> None:
+    """A model with learned absolute positions indexes its position embedding with the step's
+    positions: the profiled step (max_num_batched_tokens, larger than max_model_len here) must
+    not ask for positions past it (on CUDA that was a device-side assert at start-up)."""
+    from kiln.runtime.kv_cache import profile_step
+
+    step = profile_step(2048, 16, max_model_len=128)
+    assert step.position_ids.shape == (1, 2048) and int(step.position_ids.max()) == 127
+    assert step.slot_mapping.eq(0).all() and step.block_tables.eq(0).all()  # everything in the null block
