@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kiln", description="Kiln: a compiler-first LLM execution engine.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    from kiln.runtime.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).add_subcommands(sub)
@@ -38,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Commands with a positional MODEL take --model too (vLLM's scripts use either).
+    flag_model = getattr(args, "model_option", None)
+    if flag_model is not None:
+        if getattr(args, "model", None) not in (None, flag_model):
+            parser.error(f"the model is given twice: {args.model!r} and --model {flag_model!r}")
+        args.model = flag_model
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
