@@ -220,3 +220,7 @@ class SamplingParams:
     def has_token_masks(self) -> bool:
         """logit_bias / allowed_token_ids / bad_words: applied with the penalties (step 1)."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+
+# vLLM's name (vllm.sampling_params.StructuredOutputsParams).
+StructuredOutputsParams = StructuredOutputs
