@@ -237,3 +237,43 @@ def test_unknown_parser_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown parser 'nope'; choose one of hermes, llama3_json, mistral, "
                                          "qwen3_coder"):
         get_tool_parser("nope")
+
+
+GRAMMAR_EXAMPLES = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                   "</tool_call>",
+}
+
+
+@pytest.fixture(scope="module")
+def grammars(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.guided_decoding import GrammarCompiler
+    from runtime_text_model import text_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(text_model_dir(tmp_path_factory)))
+    return GrammarCompiler(tok, len(tok), [tok.eos_token_id])
+
+
+@pytest.mark.parametrize("family", sorted(GRAMMAR_EXAMPLES))
+def test_grammar_and_parser_agree_per_family(family: str, grammars) -> None:
+    """What the family's tool_choice grammar lets through, its parser reads back as the call;
+    a call of an unknown function is not let through."""
+    import xgrammar as xgr
+
+    from kiln.runtime.guided_decoding import ToolSchema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [ToolSchema("get_weather", schema, "tools[0]")]
+    text = GRAMMAR_EXAMPLES[family]
+    for mode in ("named", "required", "auto"):
+        matcher = xgr.GrammarMatcher(grammars.tool_calls(tools, mode, True, family))
+        assert matcher.accept_string(text), (family, mode)
+        assert not xgr.GrammarMatcher(grammars.tool_calls(tools, mode, True, family)).accept_string(
+            text.replace("get_weather", "get_wether")), (family, mode)
+    (call,) = get_tool_parser(family)({"get_weather": schema}).parse(text).tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
