@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 import shlex
 import signal
@@ -89,6 +91,8 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith("#"):
             continue
         parts = line.rsplit(" ", 1)
-        if len(parts) == 2 and parts[0] == key:
+        # Every kiln: metric carries model_name (as vLLM's do); match the other labels.
+        sample = re.sub(r'model_name="[^"]*",?', "", parts[0]).replace(",}", "}").replace("{}", "")
+        if len(parts) == 2 and sample == key:
             return float(parts[1])
     raise KeyError(f"{key} not in metrics")
