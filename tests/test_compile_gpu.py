@@ -11,7 +11,7 @@ import pytest
 from test_warm_start import TINY_PROMPTS, TINY_SETTINGS, assert_compiled_nothing, run_worker
 
 # Compile and load a one-matmul AOTInductor package for CUDA in a fresh process: on some
-# torch builds (README, "Design notes: compile and cache") loading *any* CUDA package
+# torch builds (compiler/README.md, "Compile and cache") loading *any* CUDA package
 # segfaults, Kiln or not; the test below is then skipped with that reason.
 _SMOKE = """
 import torch, tempfile, os
