@@ -26,10 +26,10 @@ from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token
-from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs
+from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
-from kiln.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from kiln.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs, TopLogprob
 from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -227,6 +227,9 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and self.runner.bucket_fns is not None:
+            raise ValueError("prompt_logprobs: not available while the engine runs compiled buckets (each has a "
+                             "fixed number of logits rows); start it with compile='eager' (--compile eager)")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words: words need a tokenizer, and this model has none")
         return token_ids
@@ -364,7 +367,15 @@ class LLMEngine:
                 item.seq.first_scheduled_time = now
         # Built on the host; the runner uploads them (pinned, two copies for a decode graph).
         inputs = prepare_step_inputs(SchedulerOutput(scheduled=scheduled), self.block_manager, "cpu")
+        # Requests asking for prompt logprobs had rows of their prompt chunk added after the
+        # sampled rows (prepare_step_inputs): which, in the same order.
+        prompt_rows = [(item.seq, p) for item in scheduled
+                       for p in prompt_logprob_positions(item.seq, item.seq.num_computed_tokens, item.num_new_tokens)]
         logits = self.runner.execute(inputs, input_ids)
+        if prompt_rows:
+            num_sampled = logits.shape[0] - len(prompt_rows)
+            self._record_prompt_logprobs(logits[num_sampled:], prompt_rows)
+            logits = logits[:num_sampled]
         sampling: list[Sequence] = []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -438,6 +449,23 @@ class LLMEngine:
         if reason is not None:
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+        """Row i of `logits` is position p of its sequence: the distribution of prompt token p + 1."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor([seq.prompt_token_ids[p + 1] for seq, p in rows], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        top_n = max(seq.params.prompt_logprobs or 0 for seq, _ in rows)
+        top_values, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
+        top_values = top_values.tolist() if top_values is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        chosen_list, target_list = chosen[:, 0].tolist(), targets.tolist()
+        for i, (seq, p) in enumerate(rows):
+            n = seq.params.prompt_logprobs or 0
+            top = [TopLogprob(top_ids[i][j], top_values[i][j]) for j in range(n)] if n else []
+            seq.prompt_logprobs[p + 1] = self._logprob_entry(
+                TokenLogprobs(token_id=target_list[i], logprob=chosen_list[i], rank=ranks[i], top=top))
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """vLLM's per-position shape: token id -> Logprob(logprob, rank, decoded_token), the
@@ -521,4 +549,6 @@ class LLMEngine:
             outputs=[self._completion_output(s) for s in seqs],
             finished=all(s.is_finished for s in seqs), metrics=metrics,
             num_cached_tokens=seqs[0].num_cached_tokens,
+            prompt_logprobs=([None] + [seqs[0].prompt_logprobs.get(p) for p in range(1, len(req.prompt_token_ids))]
+                             if req.params.prompt_logprobs is not None else None),
         )

@@ -102,5 +102,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Prompt tokens whose K/V came from the prefix cache (first completion, last admission).
     num_cached_tokens: int = 0
-    # vLLM's field; Kiln does not compute prompt logprobs (SamplingParams.prompt_logprobs).
+    # SamplingParams.prompt_logprobs, as vLLM returns them: None for the first prompt token,
+    # then token id -> Logprob for each prompt token and the N most likely there.
     prompt_logprobs: PromptLogprobs | None = None

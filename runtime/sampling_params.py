@@ -67,8 +67,9 @@ class SamplingParams:
     `logit_bias` adds a value in [-100, 100] to a token's logit; `allowed_token_ids` keeps only
     those tokens; `bad_words` are never generated (a word's last token is masked whenever the
     output ends with its other tokens, written with and without a leading space, as vLLM does).
-    `top_k` 0 or -1 means off (vLLM's convention). `prompt_logprobs` is accepted for vLLM
-    compatibility but must stay None: Kiln's graph computes logits only for sampled rows. `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
+    `top_k` 0 or -1 means off (vLLM's convention). `prompt_logprobs=N` returns, per prompt
+    token after the first, its logprob plus the N most likely (the engine refuses it when it
+    runs compiled buckets, whose number of logits rows is fixed; see LLMEngine.validate_request). `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
     until that many tokens exist; `ignore_eos` keeps going past EOS. `structured_outputs`
     constrains the output to a JSON schema, regex, choice or grammar (a `StructuredOutputs`
     or a dict of its fields).
@@ -201,12 +202,10 @@ class SamplingParams:
             raise bad("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise bad("include_stop_str_in_output", f"must be true or false, got {self.include_stop_str_in_output!r}")
-        if self.prompt_logprobs is not None:
-            if not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-                raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
-                                             f"got {self.prompt_logprobs!r}")
-            raise bad("prompt_logprobs", "is not supported: Kiln's compiled graph computes logits only for the "
-                                         "rows it samples (the prune_logits pass); leave it unset")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                         f"got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -55,6 +55,8 @@ class Sequence:
     # Per generated token when the request asked for logprobs (vLLM's shape), and their sum.
     logprobs: list[dict[int, "Logprob"]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # SamplingParams.prompt_logprobs: prompt position -> token id -> Logprob (positions >= 1).
+    prompt_logprobs: dict[int, dict[int, "Logprob"]] = field(default_factory=dict)
     # SamplingParams.bad_words as token sequences (the engine tokenizes them at admission).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Output text state (None when the model has no tokenizer).

@@ -344,7 +344,7 @@ def test_stream_deltas_and_timings(batched):
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"),
+    (dict(top_k=-3), "top_k"),  # 0 and -1 both mean off (vLLM)
     (dict(top_k=-2), "top_k"),
     (dict(n=0), "n"),
     (dict(min_p=2.0), "min_p"),
@@ -390,7 +390,7 @@ def test_invalid_requests_name_the_field_and_fail_alone(batched, reference):
     assert e.outputs[2].outputs[0].token_ids == alone(reference, good2, params)[0]
     # Per-prompt dict params: a bad one fails alone too.
     with pytest.raises(GenerateError) as err:
-        batched.generate([good1, good2], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 2, "top_k": 0}])
+        batched.generate([good1, good2], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 2, "top_k": -5}])
     assert set(err.value.errors) == {1} and "top_k" in err.value.errors[1]
     assert len(err.value.outputs[0].outputs[0].token_ids) == 2
     assert not engine.has_unfinished()

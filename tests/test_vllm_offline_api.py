@@ -122,8 +122,25 @@ def test_logprobs_as_vllm_returns_them(llm) -> None:
         assert entry[token].decoded_token == llm.get_tokenizer().decode([token])
     assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
     assert llm.generate("x", GREEDY, use_tqdm=False)[0].outputs[0].cumulative_logprob is None
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        SamplingParams(prompt_logprobs=1)
+
+
+def test_prompt_logprobs_match_the_sampled_ones(llm) -> None:
+    """The logprob of a prompt token (from its prefill row) equals the logprob it had when
+    it was generated (from a sampled row); twice, so the second run would hit the prefix cache."""
+    prompt = llm.get_tokenizer()("Once upon a time there")["input_ids"]
+    gen = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, logprobs=0), use_tqdm=False)[0]
+    extended = prompt + gen.outputs[0].token_ids
+    for _ in range(2):
+        out = llm.generate(extended, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+        assert len(out.prompt_logprobs) == len(extended) and out.prompt_logprobs[0] is None
+        for k, token in enumerate(gen.outputs[0].token_ids):
+            entry = out.prompt_logprobs[len(prompt) + k]
+            assert entry[token].logprob == pytest.approx(gen.outputs[0].logprobs[k][token].logprob, abs=1e-4)
+            assert entry[token].rank == 1  # it was the greedy choice
+        for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert extended[position] in entry and {1, 2} <= {lp.rank for lp in entry.values()}
+    assert llm.generate("x", GREEDY, use_tqdm=False)[0].prompt_logprobs is None
 
 
 def test_engine_seed_makes_unseeded_draws_repeat() -> None:
