@@ -1,0 +1,113 @@
+"""What the server takes from vLLM's API beyond OpenAI's: the extra request fields, the
+structured-output forms (`structured_outputs` and the older `guided_*`), the tolerance for
+fields it does not know, and the bodies of `/tokenize` and `/detokenize`.
+
+vLLM accepts a request field it does not know and logs it (clients add provider-specific
+fields freely); Kiln does the same, logging each unknown field name once per server, so a
+client that sends one on every request does not flood the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from kiln.runtime.sampling_params import StructuredOutputs
+
+logger = logging.getLogger("kiln.serving")
+
+# guided_* field -> StructuredOutputs field (vLLM's older names for the same constraints).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+class VLLMSamplingFields(BaseModel):
+    """vLLM's extra sampling fields, shared by /v1/completions and /v1/chat/completions
+    (OpenAI's own are in protocol._SamplingFields)."""
+
+    include_stop_str_in_output: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's output constraint, from `structured_outputs` or a `guided_*` field;
+        ValueError naming the fields when it gives more than one."""
+        given = [name for name in ("structured_outputs", *GUIDED_FIELDS) if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: give only one of {', '.join(given)}")
+        if not given:
+            return None
+        if given[0] == "structured_outputs":
+            spec = dict(self.structured_outputs or {})
+            spec.pop("disable_any_whitespace", None)  # vLLM options with no meaning here
+            spec.pop("disable_fallback", None)
+            unknown = sorted(set(spec) - {"json", "regex", "choice", "grammar"})
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                                 "use json, regex, choice or grammar")
+            return StructuredOutputs(**spec)
+        return StructuredOutputs(**{GUIDED_FIELDS[given[0]]: getattr(self, given[0])})
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The fields that map one to one onto SamplingParams."""
+        values: dict[str, Any] = {"include_stop_str_in_output": self.include_stop_str_in_output}
+        for name in ("prompt_logprobs", "allowed_token_ids", "bad_words"):
+            if getattr(self, name) is not None:
+                values[name] = getattr(self, name)
+        return values
+
+
+class UnknownFieldLog:
+    """Logs the request fields the server ignored, each name once (one per server)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def note(self, request: BaseModel, endpoint: str) -> None:
+        extra = sorted((request.model_extra or {}).keys())
+        if not extra:
+            return
+        with self._lock:
+            new = [name for name in extra if name not in self._seen]
+            self._seen.update(new)
+        if new:
+            logger.warning("The following fields were present in the request but ignored: %s (%s; each field "
+                           "is reported once)", ", ".join(repr(n) for n in new), endpoint)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
