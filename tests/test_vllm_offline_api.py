@@ -229,3 +229,17 @@ def test_vllm_offline_script_runs_unchanged_but_for_imports(tmp_path, tmp_path_f
     assert "CHAT stop" in lines or "CHAT length" in lines
     assert "CHOICE Positive" in lines or "CHOICE Negative" in lines
     assert "Processed prompts" in out.stderr  # vLLM's progress bar, on by default
+
+
+@pytest.mark.parametrize("command", [["serve"], ["compile"], ["cache", "explain"], ["chat"], ["passes", "show"]])
+def test_model_positional_or_flag_on_every_command(command) -> None:
+    parser = cli.build_parser()
+    for argv in (command + ["org/name"], command + ["--model", "org/name"]):
+        args = parser.parse_args(argv)
+        cli.merge_model_option(args)
+        assert args.model == "org/name", argv
+    args = parser.parse_args(command + ["org/a", "--model", "org/b"])
+    with pytest.raises(ValueError, match="given twice"):
+        cli.merge_model_option(args)
+    # generate keeps its prompts positional: the model is --model there.
+    assert parser.parse_args(["generate", "--model", "org/name", "Hi"]).model == "org/name"
