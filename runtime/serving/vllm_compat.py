@@ -111,3 +111,45 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+def prompt_logprobs_json(prompt_logprobs: list[Any] | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's response field: per prompt token, token id (as a JSON key) -> {logprob, rank,
+    decoded_token}; None for the first token."""
+    if prompt_logprobs is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for entry in prompt_logprobs:
+        if entry is None:
+            out.append(None)
+            continue
+        out.append({str(t): {"logprob": lp.logprob if lp.logprob > -1e30 else -9999.0, "rank": lp.rank,
+                             "decoded_token": lp.decoded_token} for t, lp in entry.items()})
+    return out
+
+
+def system_fingerprint(engine: Any) -> str:
+    """Stable for one server's model and settings (OpenAI's `system_fingerprint`): the Kiln
+    version and a hash of what decides the outputs (architecture config, dtype, passes)."""
+    import hashlib
+    import json
+
+    from kiln.runtime.version import __version__
+
+    config = getattr(engine, "model_config", None)
+    settings = {"config": config.to_dict() if hasattr(config, "to_dict") else repr(config),
+                "dtype": str(getattr(engine, "dtype", "")),
+                "passes": [getattr(engine.config, "enable_passes", []), getattr(engine.config, "disable_passes", [])]
+                if getattr(engine, "config", None) is not None else []}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return f"kiln-{__version__}-{digest}"
+
+
+def request_log_line(request_id: str, endpoint: str, num_prompt_tokens: list[int], params: Any,
+                     guided: bool) -> str:
+    """One line per request (vLLM logs each request unless --disable-log-requests)."""
+    fields = {"n": params.n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+              "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed}
+    shown = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    return (f"request {request_id} {endpoint}: prompt tokens {num_prompt_tokens}, {shown}"
+            + (", guided" if guided else ""))
