@@ -2,7 +2,8 @@
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency throughput startup profile
-#                                         profile_throughput tune_attention
+#                                         profile_throughput tune_attention moe_tests
+#                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -59,8 +60,17 @@ for stage in $STAGES; do
       run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
     tune_attention)
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
+    moe_tests)  # issue 17: fused_moe's Triton kernel at real shapes, MoE parity through the CUDA pipeline
+      run_stage moe_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_moe_triton.py tests/test_moe.py ;;
+    moe_mixtral_decode)
+      run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline --out "$OUT/moe_mixtral_decode.json" ;;
+    moe_mixtral_offline)
+      run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode --out "$OUT/moe_mixtral_offline.json" ;;
+    moe_qwen3)
+      run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
     *)
-      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention)"; status=2 ;;
+      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
+           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3)"; status=2 ;;
   esac
 done
 exit $status

@@ -15,6 +15,7 @@ Passes that add inputs tag them the same way.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 ATTN_IMPLEMENTATION = "kiln"
@@ -89,9 +93,11 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     register_kiln_attention()
     cls = getattr(transformers, SUPPORTED_ARCHITECTURES[model_type])
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
-    if model_type == "mixtral":
-        # The default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
-        # batched_mm gathers each token's expert weights and stays shape-static.
+    if getattr(cls, "_can_set_experts_implementation", lambda: False)():
+        # Any model with transformers' pluggable experts (Mixtral, Qwen2/3-MoE, OLMoE, ...):
+        # the default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
+        # batched_mm gathers each token's expert weights and stays shape-static. It is also
+        # the form `fuse_moe` (kiln.passes.fuse_moe) recognises.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
         model = cls._from_config(config, **kwargs)
@@ -183,7 +189,11 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
             raise ValueError(f"unexpected graph input kind {kind} for {node.name}")
     _unwrap_single_output(gm)
     gm.recompile()
-    del hf, wrapper
+    # The HF model sits in reference cycles, so without a collection its parameters (real
+    # memory when capturing on CUDA) outlive capture and the runtime would load the weights
+    # next to them: at Mixtral-8x7B's 93 GB that does not fit an H200 twice.
+    del hf, wrapper, program, named_params, named_buffers, aliases
+    gc.collect()
     return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants)
 
 

@@ -101,7 +101,7 @@ class ModelSource:
             return dummy_weights(names, self._shapes(), dtype, device)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         getattr(self.config, "num_local_experts", None))
+                                         config_num_experts(self.config))
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
@@ -423,8 +423,9 @@ def _load_safetensors_dir(
     for name, aliases in names.items():
         found = _pick(aliases, where)
         if found is None:
-            sources = checkpoint_sources(name, num_experts)
-            if sources and all(src in where for src in sources):
+            sources = next((layout for layout in checkpoint_source_layouts(name, num_experts)
+                            if all(src in where for src in layout)), None)
+            if sources:
                 derived[name] = sources
                 for src in sources:
                     plan.setdefault(where[src], []).append((src, src))
@@ -451,26 +452,51 @@ def _load_safetensors_dir(
     return out
 
 
-# Checkpoints on the Hub store Mixtral's experts one matrix per expert
-# (block_sparse_moe.experts.E.w1/w2/w3); transformers 5 keeps them stacked per layer
-# (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]).
+# Checkpoints on the Hub store experts one matrix per expert; transformers 5 keeps them
+# stacked per layer (mlp.experts.gate_up_proj [E, 2I, H] = each expert's gate rows then its up
+# rows, mlp.experts.down_proj [E, H, I]). Two Hub layouts:
+#   Mixtral:                    block_sparse_moe.experts.E.w1 (gate) / w3 (up) / w2 (down),
+#                               router block_sparse_moe.gate
+#   Qwen2-MoE, Qwen3-MoE, OLMoE: mlp.experts.E.gate_proj / up_proj / down_proj, router mlp.gate
+#                               (already the model's name; Qwen2-MoE's shared_expert and
+#                               shared_expert_gate are named as in the model too)
 _MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _MOE_GATE = re.compile(r"^(.*)\.mlp\.gate\.weight$")
+# Per layout: Hub names of an expert's (gate, up) and down matrices, from (layer prefix, expert).
+_EXPERT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("{p}.block_sparse_moe.experts.{e}.w1.weight", "{p}.block_sparse_moe.experts.{e}.w3.weight",
+     "{p}.block_sparse_moe.experts.{e}.w2.weight"),
+    ("{p}.mlp.experts.{e}.gate_proj.weight", "{p}.mlp.experts.{e}.up_proj.weight",
+     "{p}.mlp.experts.{e}.down_proj.weight"),
+)
 
 
-def checkpoint_sources(name: str, num_experts: int | None = None) -> list[str] | None:
-    """The checkpoint tensors a model tensor is built from, when the layouts differ."""
+def config_num_experts(config: Any) -> int | None:
+    """Routed experts per layer (Mixtral: num_local_experts; Qwen2/3-MoE, OLMoE: num_experts)."""
+    for attr in ("num_local_experts", "num_experts"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list[list[str]]:
+    """The checkpoint tensors a model tensor can be built from, one list per known Hub layout
+    (the loader takes the first whose tensors are all there); empty when no layout applies."""
     if m := _MOE_GATE.match(name):
-        return [f"{m.group(1)}.block_sparse_moe.gate.weight"]
+        return [[f"{m.group(1)}.block_sparse_moe.gate.weight"]]
     if m := _MOE_STACKED.match(name):
         prefix, kind = m.group(1), m.group(2)
         if num_experts is None:
-            return None
-        experts = range(num_experts)
-        if kind == "gate_up_proj":
-            return [f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")]
-        return [f"{prefix}.block_sparse_moe.experts.{e}.w2.weight" for e in experts]
-    return None
+            return []
+        layouts = []
+        for gate, up, down in _EXPERT_LAYOUTS:
+            if kind == "gate_up_proj":
+                layouts.append([n.format(p=prefix, e=e) for e in range(num_experts) for n in (gate, up)])
+            else:
+                layouts.append([down.format(p=prefix, e=e) for e in range(num_experts)])
+        return layouts
+    return []
 
 
 def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:

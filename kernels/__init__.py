@@ -18,6 +18,7 @@ import torch
 from kiln.kernels import activation as activation  # noqa: F401  (registers kiln::silu_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
 from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)
+from kiln.kernels import moe as moe  # noqa: F401  (registers kiln::fused_moe)
 from kiln.kernels import paged_attention as paged_attention  # noqa: F401
 from kiln.kernels import rms_norm as rms_norm  # noqa: F401  (kiln::rms_norm, kiln::add_rms_norm)
 from kiln.kernels import rope as rope  # noqa: F401  (registers kiln::rope)
@@ -26,7 +27,7 @@ from kiln.kernels import rope_paged_attention as rope_paged_attention  # noqa: F
 logger = logging.getLogger("kiln.kernels")
 
 TRITON_KERNEL_MODULES = ("triton_norm", "triton_rope", "triton_activation", "triton_paged_attention",
-                         "triton_linear")
+                         "triton_linear", "triton_moe")
 
 
 def triton_kernels_available() -> bool:
@@ -52,5 +53,5 @@ def _register_triton_kernels() -> bool:
 
 _TRITON_REGISTERED = _register_triton_kernels()
 
-__all__ = ["activation", "attention", "linear", "paged_attention", "rms_norm", "rope", "rope_paged_attention",
+__all__ = ["activation", "attention", "linear", "moe", "paged_attention", "rms_norm", "rope", "rope_paged_attention",
            "triton_kernels_available"]

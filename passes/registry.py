@@ -32,6 +32,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     # Fusion phase (issue 5), in run order: merges first; fuse_rope before fuse_rmsnorm so
     # that it takes Qwen3's q/k norms into kiln::rope. See kiln.passes.fuse_common for which
     # devices each runs on.
+    from kiln.passes.fuse_moe import FuseMoEPass
     from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
     from kiln.passes.fuse_rope import FuseRoPEPass
     from kiln.passes.fuse_silu_mul import FuseSiluMulPass
@@ -41,6 +42,9 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     factories.update({
         "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
         "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
+        # Mixture-of-experts blocks (issue 17). fuse_silu_mul has by then turned the experts'
+        # silu * up into kiln::silu_and_mul; fuse_moe matches either form.
+        "fuse_moe": FuseMoEPass,
     })
     # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
     # projections, merged and pruned, become kiln::linear (CUDA graphs by default).

@@ -51,7 +51,7 @@ def test_unknown_architecture_in_config(tmp_path) -> None:
 def test_unsupported_architecture_fails_at_capture_listing_supported() -> None:
     from transformers import GPT2Config
 
-    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama, mistral, mixtral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2' is not supported.*llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe"):
         capture(GPT2Config(n_layer=1, n_embd=32, n_head=2))
 
 

@@ -1,0 +1,112 @@
+"""`kiln::fused_moe`: a mixture-of-experts block's routed experts in one op.
+
+    hidden         [T, H]        the tokens (after the block's norm)
+    router_logits  [T, E]        the router's projection of `hidden` (the one GEMM left outside)
+    w_gate_up      [E, 2I, H]    per expert: gate rows then up rows (transformers 5's layout)
+    w_down         [E, H, I]
+    top_k          int           experts per token
+    renormalize    bool          top-k weights divided by their sum (Mixtral; `norm_topk_prob`)
+    fp32_weights   bool          routing weights stay float32 when they scale the expert outputs
+                                 (Mixtral); otherwise they are rounded to the model dtype first
+                                 (Qwen2/3-MoE, OLMoE). Only differs from False below float32.
+Returns [T, H] in hidden's dtype:
+
+    sum over the token's top-k experts e of  weight_e * down_e(silu(gate_e(x)) * up_e(x))
+
+with the router computed as transformers does it: softmax in float32, top-k, optional
+renormalisation. A shared expert (Qwen2-MoE) is not part of the op: it is a dense MLP over
+every token, which the dense passes and kernels already serve, and its sigmoid-gated output
+is added to this op's output by the graph as before.
+
+The CPU implementation is the reference below: tokens are grouped by expert (one stable sort
+of the T*top_k (token, expert) pairs), each expert's rows go through its gate/up GEMM, SiLU
+and multiply, and its down GEMM, are scaled by their routing weights and scattered back to
+their (token, slot) place; the slots are summed per token. It rounds where the batched_mm
+graph transformers exports rounds, so on CPU the fused graph equals the unfused one.
+`kiln.kernels.triton_moe` registers the CUDA implementation (a grouped GEMM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.library import kiln_op
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's experts and their weights, as the router computes them."""
+
+    weights: torch.Tensor  # [T, top_k] float32, or the model dtype (see `fp32_weights`)
+    experts: torch.Tensor  # [T, top_k] int64
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
+          dtype: torch.dtype) -> Routing:
+    """transformers' top-k router: softmax in float32, top-k, optional renormalisation."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if not fp32_weights:
+        weights = weights.to(dtype)
+    return Routing(weights=weights, experts=experts)
+
+
+def check_fused_moe_args(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor, top_k: int) -> None:
+    if hidden.dim() != 2 or router_logits.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(
+            f"fused_moe: expected hidden [T, H], router_logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
+            f"{tuple(hidden.shape)}, {tuple(router_logits.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+    t, h = hidden.shape
+    e, two_i, h2 = w_gate_up.shape
+    if router_logits.shape[0] != t or router_logits.shape[1] != e or h2 != h or two_i % 2:
+        raise ValueError(f"fused_moe: shapes disagree: hidden {tuple(hidden.shape)}, router_logits "
+                         f"{tuple(router_logits.shape)}, w_gate_up {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"fused_moe: w_down {tuple(w_down.shape)} should be {(e, h, two_i // 2)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"fused_moe: top_k={top_k} must be in 1..{e} (the number of experts)")
+
+
+def fused_moe_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    t, h = hidden.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    # The graph multiplies bf16 expert outputs by float32 weights (Mixtral) in float32.
+    out_dtype = torch.promote_types(hidden.dtype, routing.weights.dtype)
+    pairs = routing.experts.reshape(-1)                     # pair p = token p // top_k, slot p % top_k
+    order = torch.argsort(pairs, stable=True)               # pairs grouped by expert
+    counts = torch.bincount(pairs, minlength=num_experts).tolist()
+    tokens = order // top_k
+    weights = routing.weights.reshape(-1)[order]
+    out = torch.zeros(t * top_k, h, dtype=out_dtype, device=hidden.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        x = hidden[tokens[rows]]
+        gate_up = F.linear(x, w_gate_up[e])
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = F.linear(act, w_down[e])
+        out[order[rows]] = y * weights[rows, None]
+        start += n
+    return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+@kiln_op("kiln::fused_moe", mutates_args=())
+def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights):
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)

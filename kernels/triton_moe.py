@@ -1,0 +1,287 @@
+"""Triton kernels for `kiln::fused_moe` (registered for CUDA): a grouped GEMM over experts.
+
+One step of a MoE layer has T tokens x top_k (token, expert) pairs. The pairs are grouped by
+expert into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M, the
+padding marked invalid), so every block belongs to one expert; a program multiplies one
+block of rows by one BLOCK_N slice of that expert's weights. Two launches:
+
+  1. gate/up: rows of x (gathered by token) x w_gate_up[e] -> silu(gate) * up, both halves
+     accumulated by the same program, so the [pairs, 2I] gate/up output never exists;
+  2. down: those [pairs, I] rows x w_down[e], scaled by the pair's routing weight.
+
+The top_k products of a token are then summed (a [T, top_k, H] sum, deterministic: no
+atomics), as transformers' batched_mm does. Every expert's weights are read once per row
+block that uses it, not once per pair as batched_mm's gather does.
+
+The routing (softmax, top-k, renormalisation) and the grouping (a stable sort of the pairs,
+per-expert counts by scatter_add, prefix sums) are plain torch ops on the device with
+shapes fixed by T, E, top_k and BLOCK_M: nothing is read back to the host, so a step can be
+captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLOCK_M) +
+min(E, pairs); blocks past the used ones exit at once.
+
+Tiling is chosen per shape (`choose_tiling`): BLOCK_M from the mean rows per expert (1.5x
+it, so most experts' rows fit one block and their weights are read once; at least 16, the
+smallest tensor-core tile); decode takes BLOCK_N narrowed until the blocks in use
+times the column tiles fill the GPU (the work is streaming weights); prefill (many rows per
+expert) takes larger row tiles that reuse each weight tile over more rows. With few pairs for
+many experts (batch-1 decode; `pair_per_block`) each pair is its own block, taken straight
+from the router's expert ids, and the grouping ops are skipped. The table is a starting
+point, not yet swept on the H200.
+
+Rounding follows the unfused graph: gate/up and the down projection are rounded to the
+model dtype like the bmm outputs, silu's output is rounded before the multiply (as
+`kiln::silu_and_mul`), the weighted products are kept in float32 (Mixtral: float32 routing
+weights) or rounded to the model dtype (`fp32_weights=False`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.moe import check_fused_moe_args, fused_moe_reference, route
+from kiln.kernels.moe import fused_moe as fused_moe_op
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class MoETiling:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
+TARGET_PROGRAMS = 256
+
+
+def pair_per_block(num_pairs: int, num_experts: int) -> bool:
+    """Decode with few pairs for many experts: each pair gets its own row block (one valid row
+    of BLOCK_M) straight from the router's expert ids, skipping the grouping's ~25 small device
+    ops per layer. Pairs rarely share an expert then, so the weights are still read about once
+    per pair."""
+    return num_pairs <= max(2, num_experts // 2)
+
+
+def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size: int = 2) -> MoETiling:
+    """Tiles for a grouped GEMM of `num_pairs` rows spread over `num_experts` experts, each an
+    [n, k] weight (n: output columns; for gate/up, the columns of each half). BLOCK_M depends
+    on the pairs and experts only, so both GEMMs of a step agree on the row blocks."""
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    # Row blocks big enough that most experts' rows fit in one (routing is uneven: 1.5x the
+    # mean), so each expert's weights are read once per step; 16 is tl.dot's smallest tile.
+    block_m = min(128, max(16, triton.next_power_of_2(math.ceil(1.5 * rows_per_expert))))
+    if block_m <= 64:
+        # Decode: bound by streaming the weights. Column tiles narrow enough that the blocks
+        # in use (about one per expert touched) times the column tiles fill the GPU.
+        blocks = min(num_experts, num_pairs)
+        block_n = 64
+        while block_n > 16 and blocks * triton.cdiv(n, block_n) < TARGET_PROGRAMS:
+            block_n //= 2
+        tiling = MoETiling(block_m, block_n, 128 if block_m <= 32 else 64, 4, 4 if block_m <= 32 else 3)
+    else:
+        # Prefill: reuse each weight tile over many rows. BLOCK_N stays 64: the gate/up kernel
+        # holds two [BLOCK_M, BLOCK_N] float32 accumulators.
+        tiling = MoETiling(128, 64, 64, 8, 3)
+    if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
+        tiling = MoETiling(tiling.block_m, tiling.block_n, max(16, tiling.block_k * 2 // element_size),
+                           tiling.num_warps, tiling.num_stages)
+    return _fit(tiling, n, k)
+
+
+def _fit(tiling: MoETiling, n: int, k: int) -> MoETiling:
+    """`tiling` with column and K tiles no wider than the (power-of-two rounded) shape."""
+    block_n = min(tiling.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(tiling.block_k, max(16, triton.next_power_of_2(k)))
+    return MoETiling(tiling.block_m, block_n, block_k, tiling.num_warps, tiling.num_stages)
+
+
+@dataclass(frozen=True)
+class PairBlocks:
+    """The (token, expert) pairs grouped by expert into row blocks of one expert each."""
+
+    sorted_pairs: torch.Tensor   # [num_blocks * block_m] int32: pair index, or num_pairs (padding)
+    block_expert: torch.Tensor   # [num_blocks] int32: the block's expert, or -1 (unused block)
+    num_blocks: int
+
+
+def group_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
+    """Group the flattened pairs of `experts` [T, top_k] by expert, each expert's rows padded to
+    a multiple of `block_m`; device ops only (no host read), shapes fixed by the inputs'."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    device = flat.device
+    # About 20 small device ops (they run per layer per step, so fewer is better):
+    sorted_experts, order = torch.sort(flat, stable=True)
+    # bounds[e]: the first sorted position of expert e (bounds[E] = num_pairs).
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=device))
+    counts = bounds[1:] - bounds[:-1]
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    # Sorted position i (expert e) goes to padded row (ends[e] - padded[e]) + (i - bounds[e]).
+    shift = ends - padded - bounds[:-1]
+    dest = torch.arange(num_pairs, device=device) + shift[sorted_experts]
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1).to(torch.int32)
+    return PairBlocks(sorted_pairs=sorted_pairs, block_expert=block_expert, num_blocks=num_blocks)
+
+
+@triton.jit
+def _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+    """The expert of row block `pid_m` (-1: unused) and its BLOCK_M pair indices (num_pairs:
+    padding). PAIR_PER_BLOCK: block i is pair i alone, `block_expert_ptr` the router's ids."""
+    lanes = tl.arange(0, BLOCK_M)
+    if PAIR_PER_BLOCK:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.where(lanes == 0, pid_m, num_pairs)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + lanes)
+    return expert, pair
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
+                        stride_xt, stride_we, stride_wn, stride_om,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
+    if expert < 0:
+        return
+    valid = pair < num_pairs
+    token = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N re-read the last one (no mask in the K loop); they are never stored.
+    w_cols = tl.minimum(cols, N - 1).to(tl.int64) * stride_wn
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + w_cols[None, :]
+    w_up = w_gate + N * stride_wn
+    x_rows = x_ptr + token[:, None] * stride_xt
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(x_rows + ks[None, :], mask=valid[:, None], other=0.0)
+            bg = tl.load(w_gate + ks[:, None])
+            bu = tl.load(w_up + ks[:, None])
+        else:
+            a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+            bg = tl.load(w_gate + ks[:, None], mask=ks[:, None] < K, other=0.0)
+            bu = tl.load(w_up + ks[:, None], mask=ks[:, None] < K, other=0.0)
+        if IEEE:  # float32 operands: no TF32 (torch's bmm does not use it by default)
+            acc_gate = tl.dot(a, bg, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, bu, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, bg, acc_gate)
+            acc_up = tl.dot(a, bu, acc_up)
+    dt = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    out_rows = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_om
+    tl.store(out_rows + cols[None, :], act.to(dt), mask=valid[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
+                     stride_am, stride_we, stride_wn, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
+    if expert < 0:
+        return
+    valid = pair < num_pairs
+    safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, N - 1).to(tl.int64)[None, :] * stride_wn
+    a_rows = a_ptr + safe_pair[:, None] * stride_am
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=valid[:, None], other=0.0)
+            b = tl.load(w_cols + ks[:, None])
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
+            b = tl.load(w_cols + ks[:, None], mask=ks[:, None] < K, other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    dt = a_ptr.dtype.element_ty
+    routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
+    y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
+    out_rows = out_ptr + safe_pair[:, None] * stride_om
+    tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    return (hidden.dtype in _DTYPES and w_gate_up.dtype == hidden.dtype and w_down.dtype == hidden.dtype
+            and hidden.device == w_gate_up.device == w_down.device
+            and hidden.stride(-1) == 1 and w_gate_up.is_contiguous() and w_down.is_contiguous())
+
+
+def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
+                     tiling: MoETiling | None = None, per_pair: bool | None = None) -> torch.Tensor:
+    """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling` and `per_pair` override
+    `choose_tiling` and `pair_per_block`, for tests); tensors the kernels cannot take go to
+    the reference."""
+    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    if not _applies(hidden, w_gate_up, w_down):
+        return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+    t, h = hidden.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    num_pairs = t * top_k
+    if t == 0:
+        return torch.empty_like(hidden)
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    elem = hidden.element_size()
+    gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem)
+    down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem)
+    if per_pair is None:
+        per_pair = pair_per_block(num_pairs, num_experts)
+    if per_pair:
+        num_blocks, sorted_pairs, block_expert = num_pairs, routing.experts, routing.experts  # pairs unused
+    else:
+        blocks = group_pairs(routing.experts, num_experts, gu_tiling.block_m)
+        num_blocks, sorted_pairs, block_expert = blocks.num_blocks, blocks.sorted_pairs, blocks.block_expert
+    ieee = hidden.dtype == torch.float32
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, gu_tiling.block_n))](
+        hidden, w_gate_up, act, sorted_pairs, block_expert, num_pairs, inter, h,
+        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
+        EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages,
+    )
+    weights = routing.weights.reshape(-1).contiguous()
+    products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
+                           device=hidden.device)
+    _moe_down_kernel[(num_blocks, triton.cdiv(h, down_tiling.block_n))](
+        act, w_down, weights, products, sorted_pairs, block_expert, num_pairs, h, inter,
+        act.stride(0), w_down.stride(0), w_down.stride(1), products.stride(0),
+        BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
+        EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
+    )
+    return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+@fused_moe_op.register_kernel("cuda")
+def _fused_moe_cuda(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    return fused_moe_triton(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)

@@ -1,0 +1,319 @@
+"""Mixture-of-experts: `kiln::fused_moe`, the `fuse_moe` pass, and parity with Hugging Face for
+Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and OLMoE on tiny random models (float32, CPU).
+
+Parity runs each architecture twice: unfused (the CPU default: `fuse_moe` leaves CPU graphs
+alone, the experts run as transformers' batched_mm graph) and fused (`KILN_CPU_FUSIONS=1`:
+the experts run as `kiln::fused_moe`'s CPU reference). The tiny checkpoints are written by
+transformers' `save_pretrained`, which stores the experts one matrix per expert as on the
+Hub; Kiln's loader stacks them back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.moe import fused_moe_reference
+from kiln.passes.base import PassContext
+from kiln.passes.fuse_common import CPU_FUSIONS_ENV
+from kiln.passes.fuse_moe import FuseMoEPass
+from kiln.passes.manager import op_counts
+
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+              max_position_embeddings=512)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# MoE blocks per tiny model (Qwen2-MoE's second layer is a dense MLP: mlp_only_layers).
+MOE_LAYERS = {"mixtral": 2, "qwen2_moe": 1, "qwen3_moe": 2, "olmoe": 2}
+FUSED_OP = "kiln.fused_moe.default"
+
+
+def moe_config(arch: str) -> Any:
+    """Tiny configs keeping what differs: renormalised top-k or not, shared expert with its
+    sigmoid gate (Qwen2-MoE), q/k norms (Qwen3-MoE, OLMoE), dense layers between MoE ones."""
+    import transformers as tf
+
+    if arch == "mixtral":  # renormalised top-2, float32 routing weights
+        return tf.MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # un-renormalised, shared expert, one dense layer
+        return tf.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                 norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False)
+    if arch == "qwen3_moe":  # renormalised, q/k norm
+        return tf.Qwen3MoeConfig(**COMMON, head_dim=32, moe_intermediate_size=32, num_experts=6,
+                                 num_experts_per_tok=3, norm_topk_prob=True)
+    if arch == "olmoe":  # un-renormalised, q/k norm over all heads
+        return tf.OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    raise ValueError(arch)
+
+
+def save_moe_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(arch), attn_implementation="eager").eval()
+    with torch.no_grad():  # spread the logits (and the router's choices) as tests/tiny_models.py does
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(arch: str) -> tuple[Path, torch.nn.Module]:
+        if arch not in made:
+            path = tmp_path_factory.mktemp(f"moe-{arch}")
+            made[arch] = (path, save_moe_model(arch, path))
+        return made[arch]
+
+    return make
+
+
+# ---- the op's reference ------------------------------------------------------------------------
+
+def naive_moe(hidden: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, renormalize: bool) -> torch.Tensor:
+    """Token by token, expert by expert: the definition, written independently of the op."""
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        probs = torch.softmax(logits[t].double(), -1)
+        top = torch.topk(probs, top_k)
+        weights = top.values / top.values.sum() if renormalize else top.values
+        for w, e in zip(weights.tolist(), top.indices.tolist()):
+            gu = w_gate_up[e] @ hidden[t]
+            out[t] += w * (w_down[e] @ (F.silu(gu[:inter]) * gu[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_moe_reference_matches_definition(renormalize: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    t, h, i, e, k = 11, 24, 16, 5, 2
+    hidden, logits = torch.randn(t, h, generator=g), torch.randn(t, e, generator=g)
+    w_gate_up, w_down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    logits[0] = -10.0  # some experts get no token at all
+    logits[:, 3] = -10.0
+    out = torch.ops.kiln.fused_moe(hidden, logits, w_gate_up, w_down, k, renormalize, True)
+    ref = naive_moe(hidden, logits, w_gate_up, w_down, k, renormalize)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert out.shape == (t, h) and out.dtype == hidden.dtype
+
+
+def test_fused_moe_rejects_bad_shapes() -> None:
+    hidden, logits = torch.randn(3, 8), torch.randn(3, 4)
+    w_gate_up, w_down = torch.randn(4, 12, 8), torch.randn(4, 8, 6)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe_reference(hidden, logits, w_gate_up, w_down, 5, True, True)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe_reference(hidden, logits, w_gate_up, torch.randn(4, 8, 5), 2, True, True)
+    with pytest.raises(ValueError, match="disagree"):
+        fused_moe_reference(hidden, torch.randn(3, 5), w_gate_up, w_down, 2, True, True)
+
+
+# ---- the pass: before / after -------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch,dtype", [(a, torch.float32) for a in MOE_ARCHS]
+                         + [("mixtral", torch.bfloat16), ("qwen2_moe", torch.bfloat16)])
+def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dtype: torch.dtype) -> None:
+    from kiln.passes.testing import capture_through, run_graph
+
+    config = moe_config(arch)
+    before = capture_through(config, "fusion", dtype=dtype)
+    after = before.copy()
+    stats = FuseMoEPass(on_cpu=True)(after.graph_module, PassContext(config=config, dtype=dtype))
+    n = MOE_LAYERS[arch]
+    assert stats == {"fused_moe": n}
+    ops_before, ops_after = Counter(op_counts(before.graph_module)), Counter(op_counts(after.graph_module))
+    assert ops_after[FUSED_OP] == n and ops_before[FUSED_OP] == 0
+    # The experts' gathers and batched GEMMs, the router's softmax and top-k are all gone.
+    for op in ("aten.bmm.default", "aten.index.Tensor", "aten.topk.default", "aten.repeat_interleave.self_int"):
+        assert ops_before[op] > 0 and ops_after[op] == 0, op
+    # The router GEMM stays (one aten.linear per block, feeding the op).
+    fused = [nd for nd in after.graph_module.graph.nodes if str(nd.target) == FUSED_OP]
+    assert all(nd.args[1].target == torch.ops.aten.linear.default for nd in fused)
+    renorm = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}[arch]
+    assert {nd.args[5] for nd in fused} == {renorm}
+    assert {nd.args[4] for nd in fused} == {config.num_experts_per_tok}
+    # The CPU reference computes what the unfused graph computes (13 tokens: odd, > top_k).
+    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # same roundings as the graph (fp32 or model-dtype routing weights): at most a last-place flip
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        assert (out == ref).float().mean() > 0.99
+
+
+def test_fuse_moe_matches_after_fuse_silu_mul() -> None:
+    """Whichever runs first: after fuse_silu_mul the experts' activation is kiln::silu_and_mul."""
+    from kiln.passes.fuse_silu_mul import FuseSiluMulPass
+    from kiln.passes.testing import capture_through, run_graph
+
+    config = moe_config("qwen3_moe")
+    before = capture_through(config, "fusion")
+    after = before.copy()
+    ctx = PassContext(config=config)
+    assert FuseSiluMulPass(on_cpu=True)(after.graph_module, ctx)["silu_and_mul"] == 2
+    assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": 2}
+    assert op_counts(after.graph_module)["kiln.silu_and_mul.default"] == 0
+    torch.testing.assert_close(run_graph(after, num_tokens=5), run_graph(before, num_tokens=5), rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_moe_follows_the_device_policy_and_ignores_dense_models(monkeypatch) -> None:
+    from tiny_models import tiny_config
+
+    from kiln.passes.testing import capture_through
+
+    monkeypatch.delenv(CPU_FUSIONS_ENV, raising=False)
+    moe = capture_through(moe_config("mixtral"), "fusion")
+    assert FuseMoEPass()(moe.graph_module, PassContext(config=None)) == {"skipped_on_cpu": 1}
+    monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
+    assert FuseMoEPass()(moe.graph_module, PassContext(config=None)) == {"fused_moe": 2}
+    dense = capture_through(tiny_config("llama"), "fusion")
+    assert FuseMoEPass()(dense.graph_module, PassContext(config=None)) == {"fused_moe": 0}
+    assert FuseMoEPass(on_cpu=True).uuid() != FuseMoEPass(on_cpu=False).uuid()
+
+
+def test_fuse_moe_is_registered_in_the_fusion_phase() -> None:
+    from kiln.passes.registry import create_pass
+
+    p = create_pass("fuse_moe")
+    assert p.phase == "fusion" and isinstance(p, FuseMoEPass)
+
+
+# ---- checkpoints in the Hub layout --------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_loader_stacks_hub_expert_tensors(arch: str, moe_model_dir) -> None:
+    from safetensors import safe_open
+
+    from kiln.compiler.capture import capture
+    from kiln.compiler.model_source import resolve_model
+
+    path, hf = moe_model_dir(arch)
+    keys: set[str] = set()
+    for shard in path.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            keys.update(f.keys())
+    # One matrix per expert on disk, as the Hub stores them; none stacked.
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in keys)
+    expert_key = {"mixtral": "model.layers.0.block_sparse_moe.experts.3.w1.weight"}.get(
+        arch, "model.layers.0.mlp.experts.3.gate_proj.weight")
+    assert expert_key in keys
+
+    source = resolve_model(str(path))
+    captured = capture(source.config, torch.float32)
+    weights = source.load_weights(captured.param_aliases, torch.float32, "cpu", progress=False)
+    expected = dict(hf.named_parameters())
+    assert set(weights) == set(expected)
+    stacked = [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(stacked) == 2 * MOE_LAYERS[arch]
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_loader_stacks_experts_spread_over_shards(moe_model_dir, tmp_path) -> None:
+    """A sharded checkpoint (as large ones are) with one layer's experts split across files."""
+    from safetensors import safe_open
+
+    from kiln.compiler.capture import capture
+    from kiln.compiler.model_source import resolve_model
+
+    _, hf = moe_model_dir("qwen3_moe")
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    where = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), shard.name))
+    layer0 = {where[f"model.layers.0.mlp.experts.{e}.{w}.weight"] for e in range(6)
+              for w in ("gate_proj", "up_proj", "down_proj")}
+    assert len(layer0) > 1, "the test needs layer 0's experts in more than one shard"
+    source = resolve_model(str(tmp_path))
+    weights = source.load_weights(capture(source.config).param_aliases, torch.float32, "cpu", progress=False)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(weights[name], p, rtol=0, atol=0, msg=name)
+
+
+# ---- parity with Hugging Face -------------------------------------------------------------------
+
+PROMPTS = [[1, 5, 7, 9, 11, 13, 2], [3, 4], list(range(10, 47))]
+NEW_TOKENS = 24
+_HF_GREEDY: dict[str, list[list[int]]] = {}
+
+
+def hf_greedy(arch: str, hf: torch.nn.Module) -> list[list[int]]:
+    if arch not in _HF_GREEDY:
+        outs = []
+        for p in PROMPTS:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+        _HF_GREEDY[arch] = outs
+    return _HF_GREEDY[arch]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_greedy_tokens_and_logits_match_hf(arch: str, fused: bool, moe_model_dir, monkeypatch) -> None:
+    from test_parity import kiln_first_step_logits
+
+    from kiln.runtime import LLM, SamplingParams
+
+    if fused:
+        monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
+    else:
+        monkeypatch.delenv(CPU_FUSIONS_ENV, raising=False)
+    path, hf = moe_model_dir(arch)
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
+    graph = llm.engine.graph
+    assert graph is not None
+    n_fused = op_counts(graph.graph_module)[FUSED_OP]
+    assert n_fused == (MOE_LAYERS[arch] if fused else 0)
+    if not fused:
+        assert op_counts(graph.graph_module)["aten.bmm.default"] == 2 * MOE_LAYERS[arch]
+
+    logits = kiln_first_step_logits(llm, PROMPTS)
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
+    rel = (logits - ref).norm() / ref.norm()
+    assert rel < 1e-4, f"{arch}: first-step logits differ by {rel:.2e} (relative)"
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(arch, hf), f"{arch}: greedy tokens differ"
+
+
+# ---- GPU: the whole pipeline with the Triton kernel ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_gpu_moe_float32_greedy_equals_hf_cpu(arch: str, moe_model_dir, tmp_path) -> None:
+    """CUDA, default pipeline (fuse_moe on by default there; kiln::fused_moe runs the Triton
+    grouped GEMM, including inside the decode CUDA graphs): greedy tokens equal HF's on CPU."""
+    from kiln.runtime.engine import EngineConfig, LLMEngine
+    from kiln.runtime.sampling_params import SamplingParams
+
+    path, hf = moe_model_dir(arch)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=64,
+                                    block_size=16, progress=False, compile="eager",
+                                    cache_dir=str(tmp_path / "cache"), max_num_seqs=4, max_num_batched_tokens=64,
+                                    decode_buckets=[1, 2, 4], token_buckets=[16, 32, 64]))
+    assert engine.graph is not None
+    assert op_counts(engine.graph.graph_module)[FUSED_OP] == MOE_LAYERS[arch]
+    outs = hf_greedy(arch, hf)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = list(out.outputs[0].token_ids)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == outs, f"{arch}: greedy tokens differ on the GPU"

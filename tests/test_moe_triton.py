@@ -1,0 +1,163 @@
+"""`kiln::fused_moe`'s Triton kernels against the CPU reference.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before the
+kernel module is imported, as in test_kernels_triton.py) on small shapes; float32 and float16
+(the interpreter's bfloat16 dot is unusable, see test_kernels_triton.py). The `gpu` tests run
+the compiled kernels at Mixtral-8x7B and Qwen3-MoE-30B-A3B layer shapes in bfloat16, and
+inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kiln.kernels.moe import fused_moe_reference  # noqa: E402
+from kiln.kernels.triton_moe import (MoETiling, choose_tiling, fused_moe_triton, group_pairs,  # noqa: E402
+                                    pair_per_block)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def moe_inputs(t: int, h: int, i: int, e: int, dtype: torch.dtype, seed: int = 0, device: str = DEVICE,
+               skew: bool = True) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=g)
+    logits = torch.randn(t, e, generator=g) * 2
+    if skew and e > 2:
+        logits[:, e - 1] -= 20.0  # an expert no token picks: its blocks must not exist
+    w_gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w_down = torch.randn(e, h, i, generator=g) / i**0.5
+    return tuple(x.to(device=device, dtype=dtype) for x in (hidden, logits, w_gate_up, w_down))
+
+
+def test_kernels_run_where_this_machine_can() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from kiln.kernels import triton_moe
+
+    interpreted = DEVICE == "cpu"
+    assert isinstance(triton_moe._moe_gate_up_kernel, InterpretedFunction) == interpreted
+    assert isinstance(triton_moe._moe_down_kernel, InterpretedFunction) == interpreted
+
+
+def check_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> list[int]:
+    """group_pairs' invariants; returns the block experts in order."""
+    blocks = group_pairs(experts, num_experts=num_experts, block_m=block_m)
+    flat = experts.reshape(-1)
+    pairs = blocks.sorted_pairs.view(blocks.num_blocks, block_m)
+    valid = pairs < flat.numel()
+    assert sorted(pairs[valid].tolist()) == list(range(flat.numel()))
+    for b in range(blocks.num_blocks):
+        in_block = pairs[b][valid[b]]
+        e = int(blocks.block_expert[b])
+        if e < 0:
+            assert in_block.numel() == 0
+        else:
+            assert in_block.numel() > 0 and (flat[in_block.long()] == e).all()
+    used = [e for e in blocks.block_expert.tolist() if e >= 0]
+    assert used == sorted(used) and blocks.block_expert.tolist()[len(used):] == [-1] * (blocks.num_blocks - len(used))
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    assert [used.count(e) for e in range(num_experts)] == [-(-c // block_m) for c in counts]
+    return used
+
+
+def test_group_pairs_puts_each_pair_once_in_a_block_of_its_expert() -> None:
+    experts = torch.tensor([[0, 2], [2, 1], [0, 2], [2, 0], [1, 2]])
+    # Expert 2 has 5 pairs -> 3 blocks of 2; experts 0 (3 pairs) 2 blocks, 1 (2 pairs) 1 block; 3 none.
+    assert check_blocks(experts, 4, 2) == [0, 0, 1, 2, 2, 2]
+    g = torch.Generator().manual_seed(0)
+    for t, e, k, bm in [(100, 16, 4, 8), (7, 64, 8, 16), (333, 5, 2, 32)]:
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        check_blocks(experts, e, bm)
+
+
+def test_tiling_follows_rows_per_expert() -> None:
+    decode = choose_tiling(num_pairs=2, num_experts=8, n=14336, k=4096)
+    prefill = choose_tiling(num_pairs=8192 * 2, num_experts=8, n=14336, k=4096)
+    assert decode.block_m == 16 and prefill.block_m == 128
+    # Decode narrows the column tiles until the blocks in use fill the GPU: Mixtral's down
+    # projection (4096 columns, 2 experts) needs 32-wide tiles for 256 programs.
+    assert choose_tiling(2, 8, 4096, 14336).block_n == 32
+    assert decode.block_n == 64
+    assert choose_tiling(64 * 8, 128, 768, 2048).block_m == 16  # Qwen3-30B batch 64: 4 rows per expert
+    assert choose_tiling(64 * 2, 8, 14336, 4096).block_m == 32  # Mixtral batch 64: 16 rows per expert
+    assert choose_tiling(4096, 4, 24, 40).block_n == 32  # never wider than the (rounded) shape
+    assert pair_per_block(2, 8) and pair_per_block(8, 128) and not pair_per_block(128, 8)
+
+
+CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair
+    (5, 48, 24, 4, 2, True, True, None, False),                       # K and N not tile multiples
+    (3, 32, 32, 6, 3, False, False, None, False),
+    (40, 32, 48, 4, 2, False, True, MoETiling(32, 32, 16, 4, 2), False),   # many rows per expert, K loop
+    (17, 64, 16, 8, 1, True, False, MoETiling(16, 16, 32, 4, 2), False),
+    (1, 48, 40, 8, 2, True, True, None, None),                        # batch-1 decode: a block per pair
+    (2, 32, 24, 16, 4, True, False, None, None),
+    (6, 32, 24, 4, 2, False, True, None, True),                       # per pair with shared experts
+    (40, 32, 24, 2, 1, True, True, None, None),                       # chosen tiling: 32-row blocks
+    (48, 32, 24, 3, 2, False, False, None, None),                     # chosen tiling: 64-row blocks
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling,per_pair", CASES)
+def test_fused_moe_triton_matches_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair,
+                                            dtype) -> None:
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
+    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
+                           per_pair=per_pair)
+    ref = fused_moe_reference(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+# ---- GPU: real shapes -------------------------------------------------------------------------
+
+REAL_SHAPES = {  # name: hidden, moe intermediate, experts, top_k, renormalize
+    "mixtral-8x7b": (4096, 14336, 8, 2, True),
+    "qwen3-moe-30b-a3b": (2048, 768, 128, 8, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+def test_fused_moe_triton_matches_reference_at_real_shapes(shape: str, tokens: int) -> None:
+    import kiln.kernels
+
+    assert kiln.kernels.triton_kernels_available()
+    h, i, e, k, renorm = REAL_SHAPES[shape]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    out = torch.ops.kiln.fused_moe(hidden, logits, w_gate_up, w_down, k, renorm, True)  # dispatches to Triton
+    ref = fused_moe_reference(hidden.float(), logits.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"{shape}, {tokens} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_fused_moe_triton_replays_in_a_cuda_graph() -> None:
+    """No host read in the launch path: captured once, replayed with other tokens and routing."""
+    h, i, e, k, renorm = 1024, 512, 16, 4, True
+    hidden, logits, w_gate_up, w_down = moe_inputs(64, h, i, e, torch.bfloat16, device="cuda", skew=False)
+    static_h, static_l = hidden.clone(), logits.clone()
+    torch.ops.kiln.fused_moe(static_h, static_l, w_gate_up, w_down, k, renorm, True)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.kiln.fused_moe(static_h, static_l, w_gate_up, w_down, k, renorm, True)
+    new_h, new_l, _, _ = moe_inputs(64, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
+    static_h.copy_(new_h)
+    static_l.copy_(new_l)
+    graph.replay()
+    ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
