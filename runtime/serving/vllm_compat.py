@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -153,3 +154,47 @@ def request_log_line(request_id: str, endpoint: str, num_prompt_tokens: list[int
     shown = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
     return (f"request {request_id} {endpoint}: prompt tokens {num_prompt_tokens}, {shown}"
             + (", guided" if guided else ""))
+
+
+@dataclass
+class ServingOptions:
+    """The server options vLLM users know (`kiln serve` flags of the same names)."""
+
+    tool_call_parser: str = "hermes"  # --tool-call-parser (kiln.runtime.serving.tool_parser)
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is allowed
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    log_requests: bool = True  # off with --disable-log-requests
+
+
+def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None, max_model_len: int) -> dict[str, Any]:
+    """/tokenize (blocking: run it off the event loop). Messages are rendered with the
+    server's chat template (--chat-template) or the model's; ValueError names the field."""
+    if tokenizer is None:
+        raise ValueError("model: this model has no tokenizer")
+    if req.prompt is not None:
+        ids = list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+    else:
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template (start the server with --chat-template)")
+        kwargs = dict(req.chat_template_kwargs or {})
+        try:
+            ids = tokenizer.apply_chat_template(
+                req.messages, chat_template=chat_template, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, tokenize=True, return_dict=False, **kwargs)
+        except Exception as e:  # the template's own errors (jinja, raise_exception)
+            raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
+        ids = list(ids)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(tokenizer: Any, req: DetokenizeRequest, vocab_size: int) -> dict[str, Any]:
+    """/detokenize; ValueError naming `tokens` for ids outside the vocabulary."""
+    if tokenizer is None:
+        raise ValueError("model: this model has no tokenizer")
+    bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return {"prompt": tokenizer.decode(req.tokens)}
