@@ -8,12 +8,22 @@ Layout under the cache directory:
     index/     diskcache.Cache: key -> manifest, for listing without reading (and without
                refreshing the LRU clock of) every artifact; entries evicted since are
                pruned from it as they are found.
+    manifests/ one JSON file per entry (its manifest), next to the data files: what a
+               damaged database is rebuilt from.
     locks/     one lock file per key being compiled (fcntl.flock, released by the kernel
                if the holder dies), so two processes never compile the same key at once.
 
 Every read checks the bytes against the manifest's size and SHA-256. A corrupt, truncated
 or half-deleted entry is reported (a warning naming the key and what is wrong), dropped,
 and reported to the caller as a miss, so it is rebuilt; it is never loaded.
+
+Opening the store checks both SQLite databases (`PRAGMA quick_check` and a read of
+diskcache's table, which fail fast). A damaged or empty (0-byte) database is moved aside
+(`cache.db.damaged-<time>`, with a warning naming the file) and rebuilt: the entries'
+database from the data files whose size and checksum match a manifest (from `manifests/`
+or the index), the index from the entries. Data files no database row points to (orphans)
+are listed by `verify()` and removed by `verify(repair=True)` and `clear()`. Every entry is
+stored as a file (never inline in the database), so each one can be recovered this way.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import json
 import logging
 import os
 import re
+import sqlite3
 import tarfile
 import time
 from dataclasses import dataclass, field
@@ -77,10 +88,23 @@ class VerifyReport:
     ok: list[Manifest] = field(default_factory=list)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (key, what was wrong)
     warnings: list[str] = field(default_factory=list)
+    orphans: list[Path] = field(default_factory=list)  # data files no entry points to (left in place)
+    removed_orphans: list[Path] = field(default_factory=list)  # ... removed (repair=True)
+    adopted: list[str] = field(default_factory=list)  # keys recovered from orphan files (repair=True)
 
     @property
     def healthy(self) -> bool:
-        return not self.dropped and not self.warnings
+        return not self.dropped and not self.warnings and not self.orphans
+
+
+@dataclass
+class DatabaseRepair:
+    """One damaged database found on open: moved aside and rebuilt."""
+
+    path: Path  # the database file that was damaged
+    problem: str
+    moved_to: Path | None
+    recovered: list[str] = field(default_factory=list)  # keys rebuilt from data files
 
 
 @dataclass
@@ -93,24 +117,153 @@ class ImportReport:
 class ArtifactStore:
     """Checked, size-limited, process-safe storage of cache entries (see module doc)."""
 
-    def __init__(self, root: str | os.PathLike | None = None, size_limit: int | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, size_limit: int | None = None, create: bool = True):
+        """Open (with `create`, make) the cache at `root`; see the module doc for the checks on open.
+
+        Raises CacheStoreError for a directory that cannot be used (and, with
+        `create=False`, for one that does not exist), never a database error.
+        """
         self.root = Path(root).expanduser() if root is not None else default_cache_dir()
         if self.root.exists() and not self.root.is_dir():
             raise CacheStoreError(f"cache directory {self.root} exists and is not a directory")
+        if not create and not self.root.is_dir():
+            raise CacheStoreError(f"cache directory {self.root} does not exist")
         if size_limit is None:
             size_limit = parse_size(os.environ[SIZE_LIMIT_ENV]) if os.environ.get(SIZE_LIMIT_ENV) else DEFAULT_SIZE_LIMIT
+        # Keys dropped as corrupt by this store object, with the reason (for start-up reports).
+        self.dropped: list[tuple[str, str]] = []
+        # Damaged databases found (and rebuilt) when this store was opened.
+        self.repairs: list[DatabaseRepair] = []
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             (self.root / "locks").mkdir(exist_ok=True)
-            # cull_limit=0: diskcache's own culling evicts ten rows at a time, which can include
-            # the entry just written; put() evicts least-recently-used entries one by one instead.
-            self.entries = diskcache.Cache(str(self.root / "entries"), size_limit=int(size_limit),
-                                           eviction_policy="least-recently-used", cull_limit=0)
-            self.index = diskcache.Cache(str(self.root / "index"), eviction_policy="none")
+            (self.root / "manifests").mkdir(exist_ok=True)
+            # One process at a time checks (and, if need be, rebuilds) the databases.
+            with open(self.root / "locks" / "open.lock", "a+b") as fh:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+                damaged = {name: self._check_database(name) for name in ("entries", "index")}
+                self._open(int(size_limit))
+                if damaged["entries"] is not None:
+                    self._rebuild_entries(damaged["entries"])
+                if damaged["entries"] is not None or damaged["index"] is not None:
+                    self._sync_index()
         except OSError as e:
             raise CacheStoreError(f"cannot use cache directory {self.root}: {e}") from e
-        # Keys dropped as corrupt by this store object, with the reason (for start-up reports).
-        self.dropped: list[tuple[str, str]] = []
+        except sqlite3.Error as e:  # damaged in a way the checks on open did not catch
+            raise CacheStoreError(f"the cache database in {self.root} cannot be used ({e}); move the directory "
+                                  "aside or delete it") from e
+
+    def _open(self, size_limit: int) -> None:
+        # cull_limit=0: diskcache's own culling evicts ten rows at a time, which can include
+        # the entry just written; put() evicts least-recently-used entries one by one instead.
+        # disk_min_file_size=0: every value is a file, so a lost database can be rebuilt from them.
+        self.entries = diskcache.Cache(str(self.root / "entries"), size_limit=size_limit,
+                                       eviction_policy="least-recently-used", cull_limit=0, disk_min_file_size=0)
+        self.index = diskcache.Cache(str(self.root / "index"), eviction_policy="none")
+
+    def _check_database(self, name: str) -> DatabaseRepair | None:
+        """Check `name`/cache.db; if it is damaged or empty, move it aside (warning) and say so."""
+        path = self.root / name / "cache.db"
+        if not path.exists():
+            return None
+        problem = database_problem(path)
+        if problem is None:
+            return None
+        aside = path.with_name(f"cache.db.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        for suffix in ("", "-wal", "-shm"):  # a stale write-ahead log must not meet the new database
+            part = Path(str(path) + suffix)
+            if part.exists():
+                os.replace(part, Path(str(aside) + suffix))
+        logger.warning("kiln cache: the database %s is damaged (%s); moved it to %s and rebuilding it%s",
+                       path, problem, aside.name,
+                       " from the data files that still verify" if name == "entries" else " from the entries")
+        repair = DatabaseRepair(path=path, problem=problem, moved_to=aside)
+        self.repairs.append(repair)
+        return repair
+
+    def _known_manifests(self) -> dict[str, Manifest]:
+        """Every manifest on disk (manifests/ files, then the index), newest per key."""
+        found: dict[str, Manifest] = {}
+
+        def consider(text: str | None) -> None:
+            try:
+                m = Manifest.from_json(text)
+            except ManifestError:
+                return
+            if _KEY_RE.match(m.key) and (m.key not in found or m.created > found[m.key].created):
+                found[m.key] = m
+
+        for f in (self.root / "manifests").glob("*.json"):
+            with contextlib.suppress(OSError, UnicodeDecodeError):
+                consider(f.read_text())
+        with contextlib.suppress(sqlite3.Error):
+            for key in list(self.index.iterkeys()):
+                consider(self.index.get(key, retry=True))
+        return found
+
+    def _rebuild_entries(self, repair: DatabaseRepair | None) -> list[str]:
+        """Store again every orphan data file whose size and checksum match a manifest; returns their keys."""
+        orphans = self.orphan_files()
+        if not orphans:
+            return []
+        by_size: dict[int, list[Path]] = {}
+        for f in orphans:
+            with contextlib.suppress(OSError):
+                by_size.setdefault(f.stat().st_size, []).append(f)
+        recovered = []
+        for key, manifest in self._known_manifests().items():
+            if key in self.entries:
+                continue
+            for f in by_size.get(manifest.size, []):
+                try:
+                    data = f.read_bytes()
+                except OSError:
+                    continue
+                if checksum(data) != manifest.checksum:
+                    continue
+                self.entries.set(key, data, tag=manifest.to_json(), retry=True)
+                by_size[manifest.size].remove(f)
+                self._remove_data_file(f)  # stored again under a new name just above
+                recovered.append(key)
+                break
+        if repair is not None:
+            repair.recovered = recovered
+        if recovered:
+            logger.warning("kiln cache: recovered %d entries of %s from their data files: %s", len(recovered),
+                           self.root, ", ".join(recovered))
+        self.evict()
+        return recovered
+
+    def _sync_index(self) -> None:
+        """Make the index hold exactly the entries' manifests (after a rebuild)."""
+        keys = set(self.entries.iterkeys())
+        for key in keys:
+            _, tag = self.entries.get(key, default=None, read=True, tag=True, retry=True)
+            if tag is not None and self.index.get(key, retry=True) is None:
+                self.index.set(key, tag, retry=True)
+        for key in list(self.index.iterkeys()):
+            if key not in keys:
+                self.index.delete(key, retry=True)
+
+    def _remove_data_file(self, f: Path) -> bool:
+        """Delete a data file and the directories diskcache made for it, if now empty (its check
+        warns about empty directories)."""
+        try:
+            f.unlink()
+        except OSError:
+            return False
+        base = self.root / "entries"
+        for d in (f.parent, f.parent.parent):
+            if d != base and base in d.parents:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # fails, as wanted, when not empty
+        return True
+
+    def orphan_files(self) -> list[Path]:
+        """Data files under entries/ that no row of the entries' database points to."""
+        referenced = {row[0] for row in self.entries._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+        base = self.root / "entries"
+        return sorted(f for f in base.rglob("*.val") if f.relative_to(base).as_posix() not in referenced)
 
     # ---- reading ----------------------------------------------------------------------
     def get(self, key: str) -> StoredEntry | None:
@@ -199,8 +352,12 @@ class ArtifactStore:
         text = manifest.to_json()
         self.entries.set(manifest.key, data, tag=text, retry=True)
         self.index.set(manifest.key, text, retry=True)
+        _write_atomic(self._manifest_file(manifest.key), text.encode())
         self.evict(keep=manifest.key)
         return manifest
+
+    def _manifest_file(self, key: str) -> Path:
+        return self.root / "manifests" / f"{key}.json"
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop least-recently-used entries (never `keep`) until the volume fits the size limit."""
@@ -225,16 +382,25 @@ class ArtifactStore:
     def delete(self, key: str) -> bool:
         found = bool(self.entries.delete(key, retry=True))
         self.index.delete(key, retry=True)
+        if _KEY_RE.match(key):
+            with contextlib.suppress(OSError):
+                self._manifest_file(key).unlink()
         return found
 
     def clear(self) -> int:
-        """Remove every entry; returns how many there were."""
+        """Remove every entry, orphan data file and manifest; returns how many entries there were."""
         n = len(self.entries)
         self.entries.clear(retry=True)
         self.index.clear(retry=True)
-        for lock in (self.root / "locks").glob("*.lock"):
+        for f in self.orphan_files():
+            self._remove_data_file(f)
+        for f in [*(self.root / "manifests").glob("*.json"), *self.root.glob("*/cache.db.damaged-*")]:
             with contextlib.suppress(OSError):
-                lock.unlink()
+                f.unlink()
+        for lock in (self.root / "locks").glob("*.lock"):
+            if lock.name != "open.lock":  # held by whoever is opening the store right now
+                with contextlib.suppress(OSError):
+                    lock.unlink()
         return n
 
     def drop(self, key: str, problem: str) -> None:
@@ -259,9 +425,13 @@ class ArtifactStore:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
     # ---- checking, export, import -----------------------------------------------------
-    def verify(self) -> VerifyReport:
-        """Read and check every entry; corrupt ones are dropped and listed."""
+    def verify(self, repair: bool = False) -> VerifyReport:
+        """Read and check every entry; corrupt ones are dropped and listed. Data files no entry
+        points to are listed as orphans; with `repair`, those matching a manifest are stored
+        again and the rest removed."""
         report = VerifyReport()
+        if repair:
+            report.adopted = self._rebuild_entries(None)
         before = len(self.dropped)
         for key in list(self.entries.iterkeys()):
             entry = self.get(key)
@@ -270,10 +440,23 @@ class ArtifactStore:
                 if self.index.get(key, retry=True) is None:
                     self.index.set(key, entry.manifest.to_json(), retry=True)  # written before a crash
         report.dropped = self.dropped[before:]
-        report.warnings = [str(w.message) for w in self.entries.check()]
         for key in list(self.index.iterkeys()):
             if key not in self.entries:
                 self.index.delete(key, retry=True)
+        report.orphans = self.orphan_files()
+        if repair:
+            report.removed_orphans = [f for f in report.orphans if self._remove_data_file(f)]
+            report.orphans = [f for f in report.orphans if f not in report.removed_orphans]
+            live = set(self.entries.iterkeys())
+            for f in (self.root / "manifests").glob("*.json"):
+                if f.stem not in live:  # the manifest of an entry that is gone
+                    with contextlib.suppress(OSError):
+                        f.unlink()
+        # diskcache's own consistency check; orphans are reported above, not again as "unknown file".
+        report.warnings = [str(w.message) for w in self.entries.check(fix=repair)
+                           if not issubclass(w.category, diskcache.UnknownFileWarning)]
+        if repair:
+            report.warnings = [w for w in report.warnings if not w.startswith("empty directory")]  # fixed
         return report
 
     def export_to(self, path: str | os.PathLike) -> list[Manifest]:
@@ -352,6 +535,36 @@ class ArtifactStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def database_problem(path: Path) -> str | None:
+    """What is wrong with the SQLite database at `path` (None: it is usable). Fails fast:
+    `PRAGMA quick_check` plus one read of diskcache's table."""
+    try:
+        if path.stat().st_size == 0:
+            return "the file is empty (0 bytes)"
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    try:
+        con = sqlite3.connect(str(path), timeout=30)
+    except sqlite3.Error as e:
+        return str(e)
+    try:
+        rows = con.execute("PRAGMA quick_check").fetchall()
+        if rows != [("ok",)]:
+            return "; ".join(str(r[0]) for r in rows[:3])[:300] or "quick_check failed"
+        con.execute("SELECT count(*) FROM Cache").fetchone()
+    except sqlite3.Error as e:
+        return str(e)
+    finally:
+        con.close()
+    return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:

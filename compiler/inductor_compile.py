@@ -30,11 +30,17 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+# torch's own export/AOTInductor code still builds pytree `LeafSpec`s, which torch 2.10+
+# deprecates with a FutureWarning that nothing on Kiln's side can act on; printed from
+# inside the compile it lands on top of the progress bar.
+warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
 
 from kiln.compiler.buckets import Bucket
 from kiln.compiler.graph_inputs import BATCH_INPUTS, InputRole, RoleKind, bind, bucket_sizes, empty_step, param_role

@@ -292,7 +292,17 @@ def load_config(config_path: Path) -> Any:
             _check_remote_code(raw, config_path)
             return AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
-        raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} ({e})") from e
+        # transformers' message for an unknown model_type lists every type it knows (~12,000
+        # characters on one line); name the ones Kiln runs instead, and keep other errors short.
+        from kiln.compiler.capture import SUPPORTED_ARCHITECTURES
+
+        detail = str(e)
+        if "Unrecognized model" in detail:
+            detail = f"transformers does not know it; Kiln runs model_type {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        elif len(detail) > 300:
+            detail = detail[:300] + "..."
+        raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} "
+                               f"({detail})") from None
 
 
 def _hf_dir_source(path: Path, load_format: str) -> ModelSource:

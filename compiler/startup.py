@@ -246,8 +246,8 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")
     if mode == CompileMode.EAGER and require_cache:
-        raise ValueError("require_cache=True needs cached artifacts, but compile='eager' uses none; "
-                         "use compile='auto', 'graph' or 'inductor'")
+        raise ValueError("--require-cache (require_cache=True) needs cached artifacts, but --compile eager uses "
+                         "none; use --compile auto, graph or inductor")
     if mode != CompileMode.AUTO:
         return CompileMode(mode)
     if require_cache or cache_dir_given:
@@ -286,7 +286,7 @@ def _cache_miss_error(store: ArtifactStore, what: str, missing: list[tuple[str, 
 
     lines = [f"  {label} ({key}): {explain_miss(store, kind, factors)}" for label, key, kind, factors in missing]
     lines += [f"  (entry {key} was corrupt and has been dropped: {problem})" for key, problem in dropped]
-    return CacheMissError(f"require_cache (--require-cache) is set but the cache at {store.root} lacks {what}:\n"
+    return CacheMissError(f"--require-cache is set but the cache at {store.root} lacks {what}:\n"
                           + "\n".join(lines) + "\n" + hint)
 
 
@@ -456,6 +456,7 @@ def prepare_compiled(
         assert graph is not None  # captured just above
         with timed(report.timings, "compile"):
             found.update(_compile_missing(setup, store, graph, spec, missing, report, progress))
+        report.timings["compile"] -= report.timings.get("waited for another process", 0.0)
     report.dropped = store.dropped[dropped_before:]
     order = {b: i for i, b in enumerate(setup.plan.buckets())}
     report.buckets.sort(key=lambda r: order[r.bucket])  # plan order
@@ -492,10 +493,15 @@ def _compile_missing(
     for bucket in bar:
         bar.set_postfix_str(bucket.name)
         key = bucket_keys[bucket]
-        t0 = time.perf_counter()
+        t_wait = time.perf_counter()
         with store.lock(key):
+            t0 = time.perf_counter()
+            waited = t0 - t_wait
             entry = store.get(key)  # another process may have compiled it while we waited
             if entry is not None:
+                # Its compile seconds are the other process's: this one only waited (reported apart).
+                report.timings["waited for another process"] = (
+                    report.timings.get("waited for another process", 0.0) + waited)
                 result = BucketResult(bucket, key, "hit", time.perf_counter() - t0, len(entry.data))
                 out[bucket] = entry.data
             else:
@@ -535,6 +541,13 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
     """Engine start-up's graph phase: eager capture, or cache lookups + capture/compile + load."""
     setup = setup_for_engine(options, model_config, dtype, device)
     mode = resolve_compile_mode(options.mode, device, options.require_cache, options.cache_dir is not None)
+    if options.require_cache:  # a cache that is not there is missing every entry: do not make one
+        from kiln.cache.store import default_cache_dir
+
+        root = Path(options.cache_dir).expanduser() if options.cache_dir else default_cache_dir()
+        if not root.is_dir():
+            raise CacheMissError(f"--require-cache is set but the cache directory {root} does not exist (it is not "
+                                 "created); fill it with `kiln compile --cache-dir DIR` with the same settings first")
     if mode == CompileMode.WARM_OR_EAGER:
         prepared = _prepare_warm_or_eager(setup, options.cache_dir, options.progress)
     elif mode == CompileMode.EAGER:

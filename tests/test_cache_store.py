@@ -38,12 +38,14 @@ def test_put_get_roundtrip(tmp_path):
         assert store.entry_path(_key(1)).stat().st_size == 100_000
 
 
-def test_small_entries_stored_inline_roundtrip(tmp_path):
-    """diskcache keeps values under 32 KiB in its database rather than in files."""
+def test_small_entries_are_files_too(tmp_path):
+    """Every entry is a file with its manifest beside it (none inline in the database, as
+    diskcache would keep values under 32 KiB), so a lost database can be rebuilt from them."""
     with ArtifactStore(tmp_path) as store:
         store.put(_manifest(_key(3)), b"tiny")
         assert store.get(_key(3)).data == b"tiny"
-        assert store.entry_path(_key(3)) is None
+        assert store.entry_path(_key(3)).read_bytes() == b"tiny"
+        assert (tmp_path / "manifests" / f"{_key(3)}.json").is_file()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])

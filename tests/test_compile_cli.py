@@ -18,11 +18,17 @@ def _kiln(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 def _results(table: str) -> dict[str, str]:
     """bucket -> 'compiled' | 'cache hit' | 'failed', from kiln compile's table."""
+    return {bucket: result for bucket, (result, _) in _rows(table).items()}
+
+
+def _rows(table: str) -> dict[str, tuple[str, str]]:
+    """bucket -> (result, seconds column), from kiln compile's table."""
     out = {}
     for line in table.splitlines():
         parts = line.split()
         if parts and parts[0] in ("decode-1", "tokens-16"):
-            out[parts[0]] = "cache hit" if parts[1:3] == ["cache", "hit"] else parts[1]
+            hit = parts[1:3] == ["cache", "hit"]
+            out[parts[0]] = ("cache hit", parts[3]) if hit else (parts[1], parts[2])
     return out
 
 
@@ -40,6 +46,14 @@ def test_two_processes_compiling_the_same_keys_at_once_both_succeed(tiny_model_d
     results = [_results(out) for out, _ in outs]
     for bucket in ("decode-1", "tokens-16"):
         assert sorted(r[bucket] for r in results) == ["cache hit", "compiled"], results
+    # The process that waited for the other's compile reports the wait apart, not as seconds
+    # it spent compiling: its hit rows take a read, and its phases name the wait.
+    for out, _ in outs:
+        for bucket, (result, seconds) in _rows(out).items():
+            if result == "cache hit":
+                assert float(seconds) < 1.0, out
+                if "graph captured" in out:  # it missed at first, so it found the entry after the lock
+                    assert "waited for another process" in out, out
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
     with ArtifactStore(cache) as store:
         labels = sorted(m.label for m in store.manifests())

@@ -125,7 +125,7 @@ def test_fused_moe_rejects_bad_shapes() -> None:
 @pytest.mark.parametrize("arch,dtype", [(a, torch.float32) for a in MOE_ARCHS]
                          + [("mixtral", torch.bfloat16), ("qwen2_moe", torch.bfloat16)])
 def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dtype: torch.dtype) -> None:
-    from kiln.passes.testing import capture_through, run_graph
+    from kiln.compiler.pass_testing import capture_through, run_graph
 
     config = moe_config(arch)
     before = capture_through(config, "fusion", dtype=dtype)
@@ -156,7 +156,7 @@ def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dt
 def test_fuse_moe_matches_after_fuse_silu_mul() -> None:
     """Whichever runs first: after fuse_silu_mul the experts' activation is kiln::silu_and_mul."""
     from kiln.passes.fuse_silu_mul import FuseSiluMulPass
-    from kiln.passes.testing import capture_through, run_graph
+    from kiln.compiler.pass_testing import capture_through, run_graph
 
     config = moe_config("qwen3_moe")
     before = capture_through(config, "fusion")
@@ -171,7 +171,7 @@ def test_fuse_moe_matches_after_fuse_silu_mul() -> None:
 def test_fuse_moe_follows_the_device_policy_and_ignores_dense_models(monkeypatch) -> None:
     from tiny_models import tiny_config
 
-    from kiln.passes.testing import capture_through
+    from kiln.compiler.pass_testing import capture_through
 
     monkeypatch.delenv(CPU_FUSIONS_ENV, raising=False)
     moe = capture_through(moe_config("mixtral"), "fusion")
@@ -299,7 +299,8 @@ def test_moe_greedy_tokens_and_logits_match_hf(arch: str, fused: bool, moe_model
 def test_gpu_moe_float32_greedy_equals_hf_cpu(arch: str, moe_model_dir, tmp_path) -> None:
     """CUDA, default pipeline (fuse_moe on by default there; kiln::fused_moe runs the Triton
     grouped GEMM, including inside the decode CUDA graphs): greedy tokens equal HF's on CPU."""
-    from kiln.runtime.engine import EngineConfig, LLMEngine
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
     from kiln.runtime.sampling_params import SamplingParams
 
     path, hf = moe_model_dir(arch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kiln.passes import PassManager
 from kiln.runtime.cli import main
@@ -33,8 +34,12 @@ def test_list_shows_every_builtin_with_its_uuid(capsys) -> None:
     code, out, _ = run_kiln(capsys, "passes", "list")
     assert code == 0
     header, *lines = out.splitlines()
-    assert header.split() == ["phase", "name", "uuid", "enabled", "source"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert header.split() == ["phase", "name", "uuid", "enabled", "runs", "on", device, "source"]
     assert any(line.split()[:2] == ["attention", "paged_kv"] and "yes" in line.split() for line in lines)
+    # The CUDA-only fusions say so on a CPU machine (enabled, but skipped there).
+    rope = next(line for line in lines if line.split()[1:2] == ["fuse_rope"])
+    assert ("no: CUDA only" in rope) == (device == "cpu"), rope
 
 
 def test_list_follows_enable_and_disable(capsys) -> None:

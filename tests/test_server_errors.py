@@ -30,15 +30,15 @@ USER = [{"role": "user", "content": "hi"}]
 
 # (endpoint, body: dict or raw bytes, status, param, words the message must contain)
 BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
-    ("completions", {"prompt": LONG_PROMPT, "max_tokens": 100}, 400, "max_tokens", "max_model_len"),
+    ("completions", {"prompt": LONG_PROMPT, "max_tokens": 100}, 400, "prompt", "max_model_len"),
     ("chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 100}, 400,
-     "max_tokens", "max_model_len"),
+     "messages", "max_model_len"),
     ("completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature", "temperature"),
     ("completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
     ("chat/completions", {"messages": USER, "top_p": 0}, 400, "top_p", "top_p"),
-    ("completions", {"prompt": "x", "n": 0}, 400, "n", "n must be"),
-    ("chat/completions", {"messages": USER, "n": -3}, 400, "n", "n must be"),
+    ("completions", {"prompt": "x", "n": 0}, 400, "n", "n: must be between"),
+    ("chat/completions", {"messages": USER, "n": -3}, 400, "n", "n: must be between"),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
     ("completions", {"prompt": []}, 400, "prompt", "empty"),

@@ -12,10 +12,11 @@ package per bucket, on CUDA the post-pass FX graph as code (`--compile` override
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 
 def add_subcommands(sub: Any) -> None:
@@ -47,8 +48,11 @@ def add_subcommands(sub: Any) -> None:
     action("ls", "list the cache's entries", run_ls)
     info = action("info", "show one entry's manifest (key or unique key prefix)", run_info)
     info.add_argument("key", metavar="KEY")
-    action("verify", "check every entry's bytes against its checksum; drop corrupt ones", run_verify)
-    action("clear", "remove every entry", run_clear)
+    verify = action("verify", "check every entry's bytes against its checksum; drop corrupt ones; list data files "
+                              "no entry points to", run_verify)
+    verify.add_argument("--repair", action="store_true",
+                        help="also store again the orphan data files that match a manifest, and remove the rest")
+    action("clear", "remove every entry (and every orphan data file)", run_clear)
     exp = action("export", "write every entry to a tar file", run_export)
     exp.add_argument("file", metavar="FILE")
     imp = action("import", "add the entries of a file written by `kiln cache export`", run_import)
@@ -79,10 +83,23 @@ def _mode(args: argparse.Namespace, setup: Any) -> str:
     return artifact_mode(setup.device) if mode == "auto" else mode
 
 
-def _store(args: argparse.Namespace) -> Any:
-    from kiln.cache.store import ArtifactStore
+@contextlib.contextmanager
+def _store(args: argparse.Namespace) -> Iterator[Any]:
+    """The store at --cache-dir, opened (damaged databases are rebuilt on open, with a warning);
+    a database error while it is used becomes a one-line error naming the directory, not a traceback."""
+    import sqlite3
 
-    return ArtifactStore(args.cache_dir)
+    from kiln.cache.store import ArtifactStore, CacheStoreError
+
+    store = ArtifactStore(args.cache_dir)
+    try:
+        yield store  # a database rebuilt on open was reported by the store's warning (logger kiln.cache)
+    except sqlite3.Error as e:
+        raise CacheStoreError(f"the cache database in {store.root} failed while in use ({e}); run the command again "
+                              "(a damaged database is rebuilt when the cache is opened)") from None
+    finally:
+        with contextlib.suppress(Exception):
+            store.close()
 
 
 def _size(n: int) -> str:
@@ -224,13 +241,22 @@ def run_info(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     with _store(args) as store:
-        report = store.verify()
+        report = store.verify(repair=args.repair)
         print(f"{len(report.ok)} entries ok in {store.root}")
+        for key in report.adopted:
+            print(f"recovered entry {key} from an orphan data file")
         for key, problem in report.dropped:
             print(f"dropped corrupt entry {key}: {problem}")
         for w in report.warnings:
             print(f"warning: {w}")
-    return 0 if report.healthy else 1
+        if report.removed_orphans:
+            print(f"removed {len(report.removed_orphans)} orphan data files (no entry pointed to them)")
+        if report.orphans:
+            print(f"{len(report.orphans)} orphan data files (no entry points to them; "
+                  f"`kiln cache verify --repair` or `kiln cache clear` removes them), e.g. {report.orphans[0]}")
+    # Anything found wrong (even if fixed now) exits 1; the next verify of a healthy cache exits 0.
+    found = store.repairs or report.adopted or report.removed_orphans
+    return 0 if report.healthy and not found else 1
 
 
 def run_clear(args: argparse.Namespace) -> int:

@@ -34,14 +34,35 @@ class PassRow:
     enabled: bool
     source: str
     error: str | None = None
+    # Whether it rewrites the graph on `device` ("yes", or "no: why"): an enabled pass can
+    # still skip itself there (the fusions into Kiln's custom ops are CUDA-only by default).
+    on_device: str = "yes"
+    device: str = "cpu"
 
 
-def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None) -> list[PassRow]:
-    """One row per registered pass (built-in and plugin), in pipeline order."""
+def current_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(p: Any, device: str) -> str:
+    from kiln.passes.fuse_common import CPU_FUSIONS_ENV, CudaByDefault
+
+    if device == "cpu" and isinstance(p, CudaByDefault) and not p.on_cpu:
+        return f"no: CUDA only ({CPU_FUSIONS_ENV}=1 runs it on CPU)"
+    return "yes"
+
+
+def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None,
+              device: str | None = None) -> list[PassRow]:
+    """One row per registered pass (built-in and plugin), in pipeline order; `on_device` says
+    whether it applies on `device` (default: this machine's, CUDA when available)."""
     from kiln.passes.manager import enabled_pass_names
     from kiln.passes.registry import all_pass_factories, builtin_pass_factories, create_pass
 
     enabled = enabled_pass_names(enable, disable)
+    device = device or current_device()
     builtins = builtin_pass_factories()
     plugin_eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
     factories = all_pass_factories()
@@ -55,7 +76,8 @@ def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None)
             source = f"plugin {dist.name} {dist.version} ({ep.value})" if dist is not None and ep is not None else "plugin"
         try:
             p = create_pass(name)
-            rows.append(PassRow(phase=p.phase, name=name, uuid=p.uuid(), enabled=name in enabled, source=source))
+            rows.append(PassRow(phase=p.phase, name=name, uuid=p.uuid(), enabled=name in enabled, source=source,
+                                on_device=_on_device(p, device), device=device))
         except Exception as e:  # a broken pass is listed with its error, not hidden
             rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=source, error=f"{type(e).__name__}: {e}"))
     for name, ep in plugin_eps.items():
@@ -83,9 +105,10 @@ def run_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([r.__dict__ for r in rows], indent=2))
         return 0
-    body = [[r.phase, r.name, r.uuid, "yes" if r.enabled else "no", r.source + (f"  ERROR: {r.error}" if r.error else "")]
-            for r in rows]
-    print(_table(["phase", "name", "uuid", "enabled", "source"], body))
+    device = rows[0].device if rows else current_device()
+    body = [[r.phase, r.name, r.uuid, "yes" if r.enabled else "no", (r.on_device if r.enabled else "-"),
+             r.source + (f"  ERROR: {r.error}" if r.error else "")] for r in rows]
+    print(_table(["phase", "name", "uuid", "enabled", f"runs on {device}", "source"], body))
     if any(not r.enabled and r.source.startswith("plugin") and not r.error for r in rows):
         print("\nplugin passes are off until enabled: --enable-pass NAME, or $KILN_ENABLE_PASSES=NAME[,NAME]")
     return 0

@@ -9,7 +9,8 @@ import socket
 import sys
 from typing import Any
 
-from kiln.runtime.serving.app import DEFAULT_MAX_WAITING_REQUESTS, ServerConfig, build_app
+from kiln.runtime.serving.app import (DEFAULT_CHAT_TEMPLATE_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES,
+                                      DEFAULT_MAX_WAITING_REQUESTS, PROMPT_CHARS_PER_TOKEN, ServerConfig, build_app)
 
 
 def add_subcommands(sub: Any) -> None:
@@ -29,8 +30,20 @@ def add_subcommands(sub: Any) -> None:
     g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                    help="model name clients send (repeat for aliases; default: the model's path or name)")
     g.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                   help="requests allowed to wait for the engine before new ones get 503 "
-                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+                   help="requests allowed to wait for the engine before new ones get 503; a request with more "
+                        f"prompts than this gets 400 (default {DEFAULT_MAX_WAITING_REQUESTS})")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body; a larger one gets 413 unread (default {DEFAULT_MAX_REQUEST_BYTES}, "
+                        "4 MiB)")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt (or conversation text) in characters; a longer one gets 400 before it is "
+                        f"tokenized (default {PROMPT_CHARS_PER_TOKEN} x max_model_len)")
+    g.add_argument("--allow-client-chat-template", action="store_true",
+                   help="accept a chat template from clients (chat_template, or chat_template_kwargs.chat_template), "
+                        "rendered in a sandboxed child process with a time limit (default: refused with 400)")
+    g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
+                   help="seconds a client's chat template may take to render (default "
+                        f"{DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g})")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -74,8 +87,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from kiln.runtime.engine import LLMEngine
 
     setup_logging(args.verbose)
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    for flag, value in (("--max-waiting-requests", args.max_waiting_requests),
+                        ("--max-request-bytes", args.max_request_bytes),
+                        ("--max-prompt-chars", 1 if args.max_prompt_chars is None else args.max_prompt_chars)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not args.chat_template_timeout > 0:
+        raise ValueError(f"--chat-template-timeout must be > 0 seconds, got {args.chat_template_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key or leave the option out")
     check_port_free(args.host, args.port)
@@ -83,7 +101,11 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     app = build_app(engine, ServerConfig(served_model_names=names, api_key=args.api_key,
                                          max_waiting_requests=args.max_waiting_requests,
-                                         shutdown_timeout=args.shutdown_timeout))
+                                         shutdown_timeout=args.shutdown_timeout,
+                                         max_request_bytes=args.max_request_bytes,
+                                         max_prompt_chars=args.max_prompt_chars,
+                                         allow_client_chat_template=args.allow_client_chat_template,
+                                         chat_template_timeout=args.chat_template_timeout))
     where = f"http://{args.host}:{args.port}" if ":" not in args.host else f"http://[{args.host}]:{args.port}"
     print(f"kiln serve: {names[0]} on {where}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

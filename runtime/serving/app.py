@@ -8,8 +8,13 @@
 
 Errors use OpenAI's format, {"error": {"message", "type", "param", "code"}}, with the HTTP
 status saying whose fault it was: 400 bad input (the message names the field), 401 a
-missing or wrong API key (when the server has one), 404 an unknown model or path, 503 with
-Retry-After when the waiting queue is full, 500 when the engine failed on the request.
+missing or wrong API key (when the server has one), 404 an unknown model or path, 413 a
+body over `max_request_bytes`, 503 with Retry-After when the waiting queue is full, 500
+when the engine failed on the request.
+
+The event loop only moves bytes: parsing the body (after a check of its JSON nesting
+depth and its text), tokenizing and rendering templates run in a small thread pool, so
+`/health` and every other request are answered while a large request is prepared.
 
 The app is built by `build_app(engine, ServerConfig)`, so tests and embedders can serve an
 engine they built themselves; `kiln serve` builds the engine from the command line, binds
@@ -19,9 +24,11 @@ left is aborted and the engine thread stopped.
 """
 
 
+import asyncio
 import hmac
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -29,8 +36,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 logger = logging.getLogger("kiln.runtime.serving.app")
 
 DEFAULT_MAX_WAITING_REQUESTS = 512
-# A request body bigger than this is refused (413) before it is parsed.
-MAX_BODY_BYTES = 32 * 1024 * 1024
+# A request body bigger than this is refused (413) before it is parsed. Parsing JSON holds
+# the GIL throughout, in proportion to the body's size, which stalls the event loop too, so
+# this bound is what keeps /health prompt (README: request limits); 4 MiB still holds a
+# dozen prompts at the default character limit.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+# Threads that parse bodies, tokenize and render templates (two: enough to keep the loop
+# free, few enough that heavy requests queue rather than starve the engine thread).
+DEFAULT_PREPARE_THREADS = 2
+# Default prompt-size limit, in characters per token of max_model_len: a token is a few
+# characters long, so a prompt over this cannot fit the context anyway.
+PROMPT_CHARS_PER_TOKEN = 32
+DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -39,6 +56,11 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     shutdown_timeout: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
+    allow_client_chat_template: bool = False
+    chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+    prepare_threads: int = DEFAULT_PREPARE_THREADS
 
 
 def build_app(engine: Any, config: ServerConfig) -> Any:
@@ -49,19 +71,32 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from pydantic import BaseModel, ValidationError
+    from pydantic import BaseModel
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from kiln.runtime.serving.async_engine import AsyncLLMEngine
     from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
-                                              server_error, validation_error)
-    from kiln.runtime.serving.openai_serving import ClientDisconnected, OpenAIServing
+                                              server_error)
+    from kiln.runtime.serving.openai_serving import ClientDisconnected, OpenAIServing, RequestLimits
     from kiln.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
 
+    for name in ("max_request_bytes", "prepare_threads"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+    if config.max_prompt_chars is not None and config.max_prompt_chars < 1:
+        raise ValueError(f"max_prompt_chars must be >= 1, got {config.max_prompt_chars}")
+    if not config.chat_template_timeout > 0:
+        raise ValueError(f"chat_template_timeout must be > 0 seconds, got {config.chat_template_timeout}")
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
     metrics = ServerMetrics(async_engine, cache_info=lambda: _cache_info(engine))
-    serving = OpenAIServing(async_engine, config.served_model_names, metrics)
+    # Owned by this app (two apps in one process do not share it); shut down with it.
+    prepare_pool = ThreadPoolExecutor(max_workers=config.prepare_threads, thread_name_prefix="kiln-prepare")
+    limits = RequestLimits(max_prompt_chars=config.max_prompt_chars,
+                           allow_client_chat_template=config.allow_client_chat_template,
+                           chat_template_timeout=config.chat_template_timeout)
+    serving = OpenAIServing(async_engine, config.served_model_names, metrics, limits, prepare_pool)
     api_key = config.api_key.encode() if config.api_key else None
+    max_bytes = config.max_request_bytes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,6 +105,7 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
             yield
         finally:
             await async_engine.shutdown(timeout=config.shutdown_timeout)
+            prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Kiln", summary="OpenAI-compatible server for the Kiln engine", lifespan=lifespan,
                   docs_url=None, redoc_url=None)
@@ -93,28 +129,16 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
 
     async def parse_body(request: Request, model: type[BaseModel]) -> Any:
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise OpenAIError(f"the request body is {int(declared)} bytes; the limit is {MAX_BODY_BYTES}", 413,
-                              "invalid_request_error", None, "request_too_large")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise OpenAIError(f"the request body is {int(declared)} bytes; the limit is {max_bytes} "
+                              "(--max-request-bytes)", 413, "invalid_request_error", None, "request_too_large")
         raw = bytearray()
         async for piece in request.stream():
             raw += piece
-            if len(raw) > MAX_BODY_BYTES:
-                raise OpenAIError(f"the request body is over the limit of {MAX_BODY_BYTES} bytes", 413,
-                                  "invalid_request_error", None, "request_too_large")
-        raw = bytes(raw)
-        if not raw.strip():
-            raise bad_request("the request body is empty: send a JSON object")
-        try:
-            data = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the request body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise validation_error(e) from None
+            if len(raw) > max_bytes:
+                raise OpenAIError(f"the request body is over the limit of {max_bytes} bytes (--max-request-bytes)",
+                                  413, "invalid_request_error", None, "request_too_large")
+        return await asyncio.get_running_loop().run_in_executor(prepare_pool, parse_request_body, bytes(raw), model)
 
     def disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
         async def wait() -> None:
@@ -200,6 +224,36 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     return app
 
 
+def parse_request_body(raw: bytes, model: Any) -> Any:
+    """A request body -> `model` (a pydantic model), or OpenAIError 400 naming what is wrong.
+    Blocking (the server runs it in its worker threads). In order: the nesting depth (before
+    any parser recurses), JSON, the text of every field (lone surrogates, bytes that are
+    not UTF-8), then the model's fields."""
+    from pydantic import ValidationError
+
+    from kiln.runtime.serving.protocol import (bad_request, check_json_depth, decode_body, find_bad_text,
+                                              may_hold_bad_text, validation_error)
+
+    if not raw.strip():
+        raise bad_request("the request body is empty: send a JSON object")
+    check_json_depth(raw)
+    text = decode_body(raw)
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, not {type(data).__name__}")
+    if may_hold_bad_text(raw, text):
+        found = find_bad_text(data)
+        if found is not None:
+            raise bad_request(f"{found[0]}: {found[1]}", found[0] if found[0] != "(body)" else None, "invalid_text")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not a valid JSON number")
 
@@ -216,4 +270,5 @@ def _cache_info(engine: Any) -> dict[str, int]:
     return counts
 
 
-__all__ = ["ServerConfig", "build_app", "DEFAULT_MAX_WAITING_REQUESTS"]
+__all__ = ["ServerConfig", "build_app", "parse_request_body", "DEFAULT_MAX_WAITING_REQUESTS",
+           "DEFAULT_MAX_REQUEST_BYTES"]

@@ -15,6 +15,7 @@ are written into the assistant's text in that same format, and tool results are 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.serving.protocol import ChatCompletionRequest, bad_request
@@ -29,10 +30,8 @@ TOOLS_SYSTEM_PROMPT = (
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates; the default is the one used
-        template = template.get("default") or next(iter(template.values()), "")
-    return isinstance(template, str) and "tools" in template and "tool_calls" in template
+    template = model_template(tokenizer)
+    return template is not None and _supports_tools(template)
 
 
 def _text(content: Any, where: str) -> str:
@@ -99,19 +98,53 @@ def _with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[s
     return [{"role": "system", "content": note}] + messages
 
 
-def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> str:
-    """The prompt text for a chat request (special tokens included, as the template writes them).
+def conversation_chars(req: ChatCompletionRequest) -> int:
+    """Characters of text in the request's messages (what the prompt-size limit counts before
+    anything is rendered or tokenized)."""
+    total = 0
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, str):
+            total += len(content)
+        elif content:
+            total += sum(len(part.text) for part in content if getattr(part, "text", None))
+        for call in getattr(m, "tool_calls", None) or []:
+            total += len(call.function.arguments) + len(call.function.name)
+    return total
 
-    Raises OpenAIError (400) when the model has no template or the template rejects the
-    conversation (e.g. roles in an order it does not allow).
-    """
-    import jinja2
 
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-    native = template_supports_tools(tokenizer)
+def client_chat_template(req: ChatCompletionRequest) -> tuple[str, str] | None:
+    """(template, the field it came in) when the client sent its own chat template, else None."""
+    kwargs_template = (req.chat_template_kwargs or {}).get("chat_template")
+    if req.chat_template is not None and kwargs_template is not None:
+        raise bad_request("give chat_template or chat_template_kwargs.chat_template, not both", "chat_template")
+    if req.chat_template is not None:
+        return req.chat_template, "chat_template"
+    if kwargs_template is not None:
+        if not isinstance(kwargs_template, str):
+            raise bad_request("chat_template_kwargs.chat_template must be a string (a Jinja template)",
+                              "chat_template_kwargs.chat_template")
+        return kwargs_template, "chat_template_kwargs.chat_template"
+    return None
+
+
+@dataclass
+class TemplateInputs:
+    """What a chat template is rendered with."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    variables: dict[str, Any]  # chat_template_kwargs, less the template itself
+    add_generation_prompt: bool
+    continue_final_message: bool
+
+
+def template_inputs(template: str, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> TemplateInputs:
+    """The messages, tools and variables for rendering `template` (the model's or the client's)."""
+    native = _supports_tools(template)
     messages = to_template_messages(req, native)
     kwargs = dict(req.chat_template_kwargs or {})
+    kwargs.pop("chat_template", None)  # the client's template: see client_chat_template
     for reserved in ("conversation", "messages", "tools", "tokenize", "add_generation_prompt",
                      "continue_final_message", "return_dict"):
         if reserved in kwargs:
@@ -124,11 +157,52 @@ def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[d
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs the last message to be from the assistant",
                           "continue_final_message")
+    return TemplateInputs(messages, template_tools, kwargs,
+                          req.add_generation_prompt and not req.continue_final_message, req.continue_final_message)
+
+
+def continue_final(text: str, inputs: TemplateInputs, param: str) -> str:
+    """With continue_final_message, cut what the template wrote after the last message's text
+    (its end-of-turn tokens), as transformers does for the model's own template."""
+    if not inputs.continue_final_message:
+        return text
+    final = inputs.messages[-1]["content"].strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise bad_request("continue_final_message: the chat template does not write the final message's text "
+                          "as given, so it cannot be continued", param)
+    return text[:at + len(final)]
+
+
+def model_template(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(template, dict):  # named templates; the default is the one used
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def _supports_tools(template: str) -> bool:
+    return "tools" in template and "tool_calls" in template
+
+
+def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> str:
+    """The prompt text for a chat request through the model's own template (special tokens
+    included, as the template writes them). A client's template goes through
+    kiln.runtime.serving.template_sandbox instead.
+
+    Raises OpenAIError (400) when the model has no template or the template rejects the
+    conversation (e.g. roles in an order it does not allow).
+    """
+    import jinja2
+
+    template = model_template(tokenizer)
+    if template is None:
+        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+    inputs = template_inputs(template, req, tools)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=template_tools, tokenize=False,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message, **kwargs,
+            inputs.messages, tools=inputs.tools, tokenize=False, add_generation_prompt=inputs.add_generation_prompt,
+            continue_final_message=inputs.continue_final_message, **inputs.variables,
         )
     except jinja2.TemplateError as e:
         raise bad_request(f"messages: the model's chat template rejected the conversation: {e}", "messages") from None

@@ -6,6 +6,12 @@ Every check that can fail for a request runs before anything is queued: the body
 vocabulary (`LLMEngine.validate_request`), tool schemas (the grammar compiler) and the
 waiting-queue bound. So a bad request costs the engine nothing and never touches another.
 
+Per-request CPU work (tokenizing, rendering the chat template, scanning token ids) runs
+in the server's worker threads, never on the event loop, and is bounded before it starts:
+a prompt over `RequestLimits.max_prompt_chars` characters is refused unread, and a
+client's own chat template (only with `allow_client_chat_template`) renders in a
+sandboxed, time-limited child process (kiln.runtime.serving.template_sandbox).
+
 Streams are built from the outputs' cumulative state (text, token ids, logprobs): each
 chunk carries what is new since the last chunk of that choice, so the concatenated deltas
 are exactly the non-streamed text.
@@ -14,18 +20,23 @@ are exactly the non-streamed text.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
 import time
 import uuid
 import weakref
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
+from kiln.runtime.serving.app import DEFAULT_CHAT_TEMPLATE_TIMEOUT_S, PROMPT_CHARS_PER_TOKEN
 from kiln.runtime.serving.async_engine import (AsyncLLMEngine, EngineStepError, EngineStoppedError, QueueFullError,
                                        RequestStream)
-from kiln.runtime.serving.chat_prompt import render_chat_prompt
+from kiln.runtime.serving.chat_prompt import (client_chat_template, continue_final, conversation_chars,
+                                             render_chat_prompt, template_inputs)
+from kiln.runtime.serving.template_sandbox import render_in_sandbox
 from kiln.runtime.guided_decoding import GrammarError, ToolSchema
 from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
@@ -40,7 +51,18 @@ logger = logging.getLogger("kiln.runtime.serving.app")
 MIN_LOGPROB = -9999.0
 RETRY_AFTER_S = 1
 
+
 WaitDisconnect = Callable[[], Awaitable[None]]
+T = TypeVar("T")
+
+
+@dataclass
+class RequestLimits:
+    """Bounds on one request's preparation (see the module doc)."""
+
+    max_prompt_chars: int | None = None  # None: PROMPT_CHARS_PER_TOKEN x max_model_len
+    allow_client_chat_template: bool = False
+    chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
 
 
 class ClientDisconnected(Exception):
@@ -123,7 +145,9 @@ class _Submitted:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics):
+    def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics,
+                 limits: RequestLimits | None = None, executor: Executor | None = None):
+        """`executor` runs the per-request CPU work (None: asyncio's default thread pool)."""
         if not model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
@@ -136,6 +160,19 @@ class OpenAIServing:
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self._sampling_fields = set(SamplingParams.field_names()) | {"prompt"}
+        self.limits = limits or RequestLimits()
+        self.max_prompt_chars = int(self.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.max_model_len)
+        self._executor = executor
+        # The Rust tokenizer's batch encoder without offsets: it releases the GIL while it
+        # encodes and skips the offsets and BatchEncoding the transformers wrapper builds
+        # while holding it, time the event loop could not run (README: request limits).
+        # Same ids (tests/test_server_hardening.py); other tokenizers use the wrapper.
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        self._encode_fast = getattr(backend, "encode_batch_fast", None)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in a worker thread: the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     # ---- models --------------------------------------------------------------------------
     def model_cards(self) -> list[dict[str, Any]]:
@@ -172,23 +209,56 @@ class OpenAIServing:
             param = _param_from_message(str(e), self._sampling_fields, rename)
             raise bad_request(str(e), param) from None
 
-    def _validate(self, token_ids: list[int], params: SamplingParams, rename: dict[str, str]) -> None:
+    def _validate(self, token_ids: list[int], params: SamplingParams, rename: dict[str, str],
+                  prompt_param: str = "prompt") -> None:
+        """The engine's checks on a prompt (a scan of every token id: call it off the loop)."""
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:  # the prompt's fault as much as max_tokens': name the prompt
+            raise bad_request(f"{prompt_param}: the prompt is {len(token_ids)} tokens, and with max_tokens "
+                              f"{params.max_tokens} that is {total}, over max_model_len ({self.max_model_len}); "
+                              "shorten the prompt or lower max_tokens", rename.get("prompt", "prompt"))
         try:
             self.llm.validate_request(token_ids, params)
         except ValueError as e:
             raise bad_request(str(e), _param_from_message(str(e), self._sampling_fields, rename)) from None
 
-    def _tokenize(self, text: str, param: str) -> list[int]:
+    def _check_chars(self, n: int, param: str, what: str) -> None:
+        if n > self.max_prompt_chars:
+            raise OpenAIError(f"{param}: {what} is {n} characters; the limit is {self.max_prompt_chars} "
+                              "(--max-prompt-chars)", 400, "invalid_request_error", param.split("[")[0],
+                              "prompt_too_large")
+
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, after the size limit (blocking: call it off the loop)."""
         if self.tokenizer is None:
-            raise bad_request(f"{param}: this model has no tokenizer; send token ids", param)
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+            raise bad_request(f"{param}: this model has no tokenizer; send token ids", param.split("[")[0])
+        self._check_chars(len(text), param, "the prompt")
+        try:
+            if self._encode_fast is not None:
+                return list(self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids)
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take (the body checks should catch it)
+            raise bad_request(f"{param}: cannot be tokenized ({type(e).__name__}: {e})", param.split("[")[0]) from None
+
+    def _check_prompt_count(self, n: int, param: str) -> None:
+        """A request with more prompts than the waiting queue can ever hold is refused (400, not
+        a 503 that clients would retry forever)."""
+        limit = self.engine.max_waiting_requests
+        if n > limit:
+            raise bad_request(f"{param}: {n} prompts in one request can never be queued: the server holds at "
+                              f"most {limit} waiting requests (--max-waiting-requests); send at most {limit}",
+                              param, "too_many_prompts")
 
     async def _submit(self, base_id: str, prompts: list[list[int]], params: SamplingParams, grammar: Any,
                       arrival: float) -> _Submitted:
         try:
             self.engine.check_capacity(len(prompts))
-        except QueueFullError as e:
-            raise _engine_error(e) from None
+        except QueueFullError:
+            busy = OpenAIError(f"the server is busy: its queue of waiting requests is full (limit "
+                               f"{self.engine.max_waiting_requests}) and this request needs {len(prompts)} "
+                               "place(s); retry later", 503, "server_busy", None, "queue_full",
+                               {"Retry-After": str(RETRY_AFTER_S)})
+            raise busy from None
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         streams: list[RequestStream] = []
         try:
@@ -346,25 +416,20 @@ class OpenAIServing:
 
         raw = req.prompt
         texts: list[str | None]
-        prompts: list[list[int]]
-        if isinstance(raw, str):
-            texts, prompts = [raw], [self._tokenize(raw, "prompt")]
-        elif isinstance(raw[0], str):
-            texts = list(raw)  # type: ignore[arg-type]
-            prompts = [self._tokenize(t, f"prompt[{i}]") for i, t in enumerate(raw)]  # type: ignore[arg-type]
-        elif isinstance(raw[0], int):
-            texts, prompts = [None], [list(raw)]  # type: ignore[list-item]
-        else:
-            prompts = [list(p) for p in raw]  # type: ignore[union-attr]
-            texts = [None] * len(prompts)
-        for i, ids in enumerate(prompts):
-            if not ids:
-                raise bad_request(f"prompt{'' if len(prompts) == 1 else f'[{i}]'} is empty", "prompt")
-
+        if isinstance(raw, list) and not isinstance(raw[0], int):
+            self._check_prompt_count(len(raw), "prompt")
         rename: dict[str, str] = {}
         params = self._sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, rename)
-        for ids in prompts:
-            self._validate(ids, params, rename)
+        if isinstance(raw, str):
+            texts = [raw]
+            self._check_chars(len(raw), "prompt", "the prompt")
+        elif isinstance(raw[0], str):
+            texts = list(raw)  # type: ignore[arg-type]
+            for i, t in enumerate(texts):
+                self._check_chars(len(t), f"prompt[{i}]", "the prompt")  # type: ignore[arg-type]
+        else:
+            texts = [None] if isinstance(raw[0], int) else [None] * len(raw)
+        prompts = await self._off_loop(self._completion_prompts, raw, params, rename)
         sub = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, None, arrival)
         echo_texts = [self._echo_text(t, ids) if req.echo else "" for t, ids in zip(texts, prompts)]
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
@@ -385,6 +450,23 @@ class OpenAIServing:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+
+    def _completion_prompts(self, raw: Any, params: SamplingParams, rename: dict[str, str]) -> list[list[int]]:
+        """The prompt(s) of a completion request as checked token ids (blocking: runs off the loop)."""
+        if isinstance(raw, str):
+            prompts = [self._tokenize(raw, "prompt")]
+        elif isinstance(raw[0], str):
+            prompts = [self._tokenize(t, f"prompt[{i}]") for i, t in enumerate(raw)]
+        elif isinstance(raw[0], int):
+            prompts = [list(raw)]
+        else:
+            prompts = [list(p) for p in raw]
+        for i, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not ids:
+                raise bad_request(f"{where} is empty", "prompt")
+            self._validate(ids, params, rename, where)
+        return prompts
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
@@ -464,9 +546,13 @@ class OpenAIServing:
             raise bad_request("give max_completion_tokens or max_tokens, not both", "max_tokens")
 
         tools, mode, tool_names = self._tool_mode(req)
-        prompt_text = render_chat_prompt(self.tokenizer, req, [t.model_dump(exclude_none=True) for t in req.tools]
-                                         if tools else None)
-        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if tools else None
+        self._check_chars(conversation_chars(req), "messages", "the conversation's text")
+        client_template = client_chat_template(req)
+        if client_template is None:
+            prompt_ids = await self._off_loop(self._chat_prompt_ids, req, tool_dicts)
+        else:
+            prompt_ids = await self._client_template_prompt_ids(req, tool_dicts, *client_template)
         if not prompt_ids:
             raise bad_request("messages: the conversation renders to an empty prompt", "messages")
 
@@ -480,7 +566,7 @@ class OpenAIServing:
                                   f"generate within max_model_len ({self.max_model_len})", "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs, rename)
-        self._validate(prompt_ids, params, rename)
+        await self._off_loop(self._validate, prompt_ids, params, rename, "messages")
         grammar = await self._chat_grammar(req, tools, mode)
         sub = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, grammar, arrival)
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
@@ -508,6 +594,37 @@ class OpenAIServing:
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+
+    def _chat_prompt_ids(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
+        """The model's template rendered and tokenized (blocking: runs off the loop)."""
+        if self.tokenizer is None:
+            raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+        text = render_chat_prompt(self.tokenizer, req, tools)
+        # The template's own special tokens are in the text already.
+        return self._tokenize(text, "messages", add_special_tokens=False)
+
+    async def _client_template_prompt_ids(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                                          template: str, param: str) -> list[int]:
+        """A client's template, rendered in the sandbox (kiln.runtime.serving.template_sandbox)."""
+        if not self.limits.allow_client_chat_template:
+            raise bad_request(f"{param}: this server does not accept chat templates from clients (the model's own "
+                              "template is used; the server's operator can allow them with "
+                              "--allow-client-chat-template)", param, "chat_template_not_allowed")
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: this model has no tokenizer; use /v1/completions with token ids", param)
+        inputs = template_inputs(template, req, tools)
+        special = {k: v for k, v in (getattr(self.tokenizer, "special_tokens_map", None) or {}).items()
+                   if isinstance(v, str)}
+        timeout = self.limits.chat_template_timeout
+        result = await render_in_sandbox(template, inputs.messages, inputs.tools, inputs.add_generation_prompt,
+                                         {**special, **inputs.variables}, timeout, self.max_prompt_chars)
+        if result.timed_out:
+            raise bad_request(f"{param}: rendering the template took longer than {timeout:g} s, the limit "
+                              "(--chat-template-timeout); simplify it", param, "chat_template_timeout")
+        if result.error is not None or result.text is None:
+            raise bad_request(f"{param}: the template failed: {result.error}", param)
+        text = continue_final(result.text, inputs, "continue_final_message")
+        return await self._off_loop(self._tokenize, text, "messages", False)
 
     def _tool_mode(self, req: ChatCompletionRequest) -> tuple[list[ToolSchema], str, set[str]]:
         """(tools the model may call, 'none' | 'auto' | 'required' | 'named', their names)."""

@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_LOGPROBS = 20
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Deepest JSON nesting a request body may have. Real requests (a tool's JSON schema is the
+# deepest part) stay far below; parsing (json's C scanner, pydantic, the grammar compiler,
+# templates) recurses per level, and Python's recursion limit is ~1000.
+MAX_JSON_DEPTH = 64
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -75,6 +79,8 @@ def validation_error(e: ValidationError) -> OpenAIError:
     err = max(errors, key=lambda x: (len(x.get("loc", ())), sum(p for p in x.get("loc", ()) if isinstance(p, int))))
     param = format_loc(tuple(err.get("loc", ()))) or None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param:  # "n: n must be ..." -> "n: must be ..." (the validators name their field)
+        msg = msg.removeprefix(re.split(r"[.\[]", param)[-1] + " ")
     if err.get("type") == "extra_forbidden":
         msg = "unrecognized request argument (not supported by this server)"
     elif err.get("type") == "missing":
@@ -83,6 +89,83 @@ def validation_error(e: ValidationError) -> OpenAIError:
         shown = repr(err["input"])
         msg += f" (got {shown[:80] + '...' if len(shown) > 80 else shown})"
     return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+# ---- checks on the raw body -------------------------------------------------------------
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """400 if the JSON text `raw` nests arrays/objects deeper than `limit`; runs before the
+    body is parsed, so no parser recurses that deep. Brackets inside strings do not count."""
+    # Cheap first (a few ms for 4 MB, holding the GIL): fewer opening brackets anywhere, even
+    # counting those inside strings, than the limit cannot nest deeper.
+    everything = raw.translate(None, _NOT_BRACKETS)
+    if everything.count(b"[") + everything.count(b"{") <= limit:
+        return
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    if brackets.count(b"[") + brackets.count(b"{") <= limit:
+        return
+    depth = 0
+    for b in brackets:
+        if b in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                raise bad_request(f"the request body nests JSON arrays/objects more than {limit} levels deep; "
+                                  f"the limit is {limit}", None, "json_too_deep")
+        else:
+            depth -= 1
+
+
+def decode_body(raw: bytes) -> str:
+    """The body as text. Bytes that are not UTF-8 become lone surrogates (surrogateescape),
+    which `find_bad_text` then reports with the field that holds them. A UTF-8 byte-order
+    mark is dropped, as json.loads does for bytes."""
+    raw = raw.removeprefix(b"\xef\xbb\xbf")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", errors="surrogateescape")
+
+
+def may_hold_bad_text(raw: bytes, text: str) -> bool:
+    """Cheap pre-check for `find_bad_text`: a \\uD800-\\uDFFF escape or an undecodable byte."""
+    if _SURROGATE_ESCAPE.search(raw):
+        return True
+    return not text.isascii() and bool(_SURROGATE.search(text))  # isascii() is O(1) on str
+
+
+def find_bad_text(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(field path, problem) of the first string (or key) in parsed JSON that is not valid
+    Unicode: a lone UTF-16 surrogate (JSON allows the escape "\\ud800") or a byte that was
+    not UTF-8. Tokenizers and templates cannot take such text."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        if m is None:
+            return None
+        ch = m.group()
+        what = (f"a byte that is not UTF-8 (0x{ord(ch) - 0xDC00:02x})" if 0xDC80 <= ord(ch) <= 0xDCFF
+                else f"a lone UTF-16 surrogate ({ch.encode('unicode_escape').decode()})")
+        return path or "(body)", f"contains {what} at character {m.start()}, which is not valid text; send UTF-8"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if _SURROGATE.search(k):
+                return (path or "(body)"), "has a key that is not valid Unicode text (a lone UTF-16 surrogate)"
+            found = find_bad_text(v, sub)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, (str, list, dict)):
+                found = find_bad_text(v, f"{path}[{i}]")
+                if found:
+                    return found
+    return None
 
 
 class _Strict(BaseModel):
@@ -292,6 +375,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # A client's own chat template: refused unless the server allows it
+    # (--allow-client-chat-template), then rendered in a sandboxed child process.
+    chat_template: str | None = None
     logit_bias: dict[str, float] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
