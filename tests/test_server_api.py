@@ -36,7 +36,7 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Par
 
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
-    srv = start_server("--max-model-len", "1024", "--served-model-name", "smol")
+    srv = start_server("--max-model-len", "1024", "--served-model-name", "smol", "--enable-auto-tool-choice")
     yield srv
     srv.stop()
 

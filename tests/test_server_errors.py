@@ -43,7 +43,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
     ("completions", {"prompt": []}, 400, "prompt", "empty"),
     ("completions", {"prompt": [10**9]}, 400, "prompt", "vocabulary"),
-    ("completions", {"prompt": "x", "temprature": 0.5}, 400, "temprature", "unrecognized"),
+    # Unknown top-level fields are accepted and logged (as vLLM does); inside messages they are an error.
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "contnet": 1}]}, 400, "messages[0].contnet",
+     "unrecognized"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop"),
     ("completions", {"max_tokens": 3}, 400, "prompt", "required"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least one message"),
@@ -75,6 +77,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
     srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY, "--max-num-seqs", "2",
+                       "--enable-auto-tool-choice",
                        "--max-waiting-requests", "4", "--served-model-name", "smol")
     yield srv
     srv.stop()

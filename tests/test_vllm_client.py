@@ -32,14 +32,16 @@ from server_process import metric, start_server
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    # maxLength: the tiny random model would otherwise fill max_tokens inside the string.
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"]}}}
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant]{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(text_model_dir(tmp_path_factory)), max_model_len=256,
+    return LLMEngine(EngineConfig(model=str(text_model_dir(tmp_path_factory)), max_model_len=512,
                                   num_kv_blocks=64, progress=False, seed=0))
 
 
@@ -84,9 +86,9 @@ def test_vllm_sampling_fields_are_honoured(client) -> None:
     choice = client.completions.create(**base, extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
     assert choice in ("yes", "no")
     so = client.completions.create(**{**base, "max_tokens": 40}, extra_body={
-        "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
-                                        "required": ["a"]}}}).choices[0].text
-    assert isinstance(json.loads(so)["a"], int)
+        "structured_outputs": {"json": {"type": "object", "properties": {"a": {"enum": ["x", "y"]}},
+                                        "required": ["a"], "additionalProperties": False}}}).choices[0].text
+    assert json.loads(so)["a"] in ("x", "y")
     chat_json = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Give JSON"}], max_tokens=40, temperature=0,
         extra_body={"guided_json": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}})
@@ -134,7 +136,7 @@ def test_auto_tool_choice_needs_the_flag(engine) -> None:
         # A named tool choice works without it, as in vLLM.
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                      max_tokens=30, temperature=0)
+                                      max_tokens=80, temperature=0)
         assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
@@ -144,7 +146,7 @@ def test_tokenize_detokenize_version_fingerprint(client, http, engine) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["tokens"] == tok("Hello world")["input_ids"] and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == 256
+    assert body["max_model_len"] == 512
     chat = http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)
@@ -218,7 +220,7 @@ completion = client.chat.completions.create(
 print("GUIDED", completion.choices[0].message.content)
 
 tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather",
-          "parameters": {"type": "object", "properties": {"location": {"type": "string"}},
+          "parameters": {"type": "object", "properties": {"location": {"type": "string", "maxLength": 20}},
                          "required": ["location"]}}}]
 response = client.chat.completions.create(
     model=model, messages=[{"role": "user", "content": "What's the weather like in San Francisco?"}],

@@ -185,9 +185,11 @@ def _supports_tools(template: str) -> bool:
     return "tools" in template and "tool_calls" in template
 
 
-def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> str:
-    """The prompt text for a chat request through the model's own template (special tokens
-    included, as the template writes them). A client's template goes through
+def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                       server_template: str | None = None) -> str:
+    """The prompt text for a chat request through the model's own template, or the server's
+    (`kiln serve --chat-template`: the operator's, trusted like the model's), special tokens
+    included as the template writes them. A client's template goes through
     kiln.runtime.serving.template_sandbox instead.
 
     Raises OpenAIError (400) when the model has no template or the template rejects the
@@ -195,14 +197,15 @@ def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[d
     """
     import jinja2
 
-    template = model_template(tokenizer)
+    template = server_template or model_template(tokenizer)
     if template is None:
-        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
+        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt (or start "
+                          "the server with --chat-template)", "messages")
     inputs = template_inputs(template, req, tools)
     try:
         text = tokenizer.apply_chat_template(
             inputs.messages, tools=inputs.tools, tokenize=False, add_generation_prompt=inputs.add_generation_prompt,
-            continue_final_message=inputs.continue_final_message, **inputs.variables,
+            continue_final_message=inputs.continue_final_message, chat_template=server_template, **inputs.variables,
         )
     except jinja2.TemplateError as e:
         raise bad_request(f"messages: the model's chat template rejected the conversation: {e}", "messages") from None
