@@ -61,7 +61,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed `add_engine_args` flags."""
     from kiln.compiler.buckets import parse_bucket_spec
 
-    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    # Only the fields that have a flag here (and the model): a command's own option of the
+    # same name (`kiln generate --seed`, the request's seed) is not an engine option.
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+           if hasattr(args, f.name) and (f.metadata.get("flag") is not None or f.name == "model")}
     out["decode_buckets"], out["token_buckets"] = parse_bucket_spec(getattr(args, "buckets", []) or [])
     return out
 
