@@ -190,7 +190,9 @@ def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | 
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
     offline = hub_offline()
-    cache = Path(download_dir).expanduser() if download_dir is not None else Path(constants.HF_HUB_CACHE)
+    # $HF_HUB_CACHE read now, like HF_HUB_OFFLINE (huggingface_hub reads both once, at import).
+    default_cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    cache = Path(download_dir).expanduser() if download_dir is not None else Path(default_cache)
     at = f"{repo_id}@{revision}" if revision else repo_id
     patterns = files if files is not None else (_HUB_FILES if weights else _HUB_TOKENIZER_FILES)
     if not offline:
