@@ -277,3 +277,17 @@ def test_grammar_and_parser_agree_per_family(family: str, grammars) -> None:
             text.replace("get_weather", "get_wether")), (family, mode)
     (call,) = get_tool_parser(family)({"get_weather": schema}).parse(text).tool_calls
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("family,marker", [("hermes", "<tool_call>\n{"), ("llama3_json", '"parameters"'),
+                                           ("mistral", "[TOOL_CALLS]["), ("qwen3_coder", "<function=")])
+def test_templates_without_tools_ask_for_the_parsers_format(family: str, marker: str) -> None:
+    """A chat template that knows nothing of tools gets them in a system message, which asks
+    for the call format the server's parser reads back."""
+    from kiln.runtime.serving.chat_prompt import _with_tools_system_prompt
+
+    (system,) = _with_tools_system_prompt([], [WEATHER_TOOL_DEF], family)
+    assert system["role"] == "system" and marker in system["content"] and "get_weather" in system["content"]
+
+
+WEATHER_TOOL_DEF = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["get_weather"]}}

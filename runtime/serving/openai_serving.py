@@ -642,7 +642,8 @@ class OpenAIServing:
         """The model's template rendered and tokenized (blocking: runs off the loop)."""
         if self.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-        text = render_chat_prompt(self.tokenizer, req, tools, self.options.chat_template)
+        text = render_chat_prompt(self.tokenizer, req, tools, self.options.chat_template,
+                                  self.options.tool_call_parser)
         # The template's own special tokens are in the text already.
         return self._tokenize(text, "messages", add_special_tokens=False)
 
@@ -655,7 +656,7 @@ class OpenAIServing:
                               "--allow-client-chat-template)", param, "chat_template_not_allowed")
         if self.tokenizer is None:
             raise bad_request(f"{param}: this model has no tokenizer; use /v1/completions with token ids", param)
-        inputs = template_inputs(template, req, tools)
+        inputs = template_inputs(template, req, tools, self.options.tool_call_parser)
         special = {k: v for k, v in (getattr(self.tokenizer, "special_tokens_map", None) or {}).items()
                    if isinstance(v, str)}
         timeout = self.limits.chat_template_timeout
