@@ -41,7 +41,7 @@ logger = logging.getLogger("kiln.runtime.serving.app")
 DEFAULT_MAX_WAITING_REQUESTS = 512
 # A request body bigger than this is refused (413) before it is parsed. Parsing JSON holds
 # the GIL throughout, in proportion to the body's size, which stalls the event loop too, so
-# this bound is what keeps /health prompt (README: request limits); 4 MiB still holds a
+# this bound is what keeps /health prompt (runtime/README.md: request limits); 4 MiB still holds a
 # dozen prompts at the default character limit.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Threads that parse bodies, tokenize and render templates (two: enough to keep the loop

@@ -170,7 +170,7 @@ class OpenAIServing:
         self._executor = executor
         # The Rust tokenizer's batch encoder without offsets: it releases the GIL while it
         # encodes and skips the offsets and BatchEncoding the transformers wrapper builds
-        # while holding it, time the event loop could not run (README: request limits).
+        # while holding it, time the event loop could not run (runtime/README.md: request limits).
         # Same ids (tests/test_server_hardening.py); other tokenizers use the wrapper.
         backend = getattr(self.tokenizer, "_tokenizer", None)
         self._encode_fast = getattr(backend, "encode_batch_fast", None)
