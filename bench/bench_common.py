@@ -111,7 +111,8 @@ def hf_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.
 
     from transformers import AutoModelForCausalLM
 
-    # A copy: Kiln's capture sets the shared config's attention implementation to its own.
+    # A copy: transformers' from_config writes the dtype and the attention implementation
+    # onto the config it is given, and the caller may pass the same config to Kiln.
     config = copy.deepcopy(config)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")

@@ -93,20 +93,46 @@ def expert_bytes(config: Any, dtype: torch.dtype) -> tuple[int, int]:
 def hf_moe_model(config: Any, dtype: torch.dtype, device: torch.device, experts_implementation: str | None
                  ) -> torch.nn.Module:
     """bench_common.hf_model with transformers' own choice of experts implementation (or the
-    one asked for): Kiln's capture sets `batched_mm` on the config object it is given, and
-    at Mixtral-8x7B shapes batched_mm would gather ~350 MB of expert weights per token per
-    layer (the baseline must be transformers at its best, not that)."""
+    one asked for), kept for the whole of `generate`.
+
+    batched_mm gathers every (token, expert) pair's expert matrices: at Mixtral-8x7B shape
+    ~350 MB per pair per layer, tens of GB at a 128-token prefill or a batch of 64 (the
+    baseline must be transformers at its best, not that). So unless --hf-experts asks for
+    it: the model gets its own copy of the config with the implementation set explicitly
+    (None: transformers resolves it, grouped_mm where it can dispatch, else eager), and
+    `generate`'s switch from grouped_mm to batched_mm for its decode loop on GPUs
+    (`_optimize_model_for_decode`, transformers 5.17 and 5.24) is turned off on this model.
+    A pre-hook on each experts module makes any batched_mm call that still happens an
+    error rather than an out-of-memory or a quietly different baseline."""
+    import contextlib
     import copy
 
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
-    config._experts_implementation = experts_implementation
+    config.use_cache = True  # whatever the caller's object says: the baseline decodes with a KV cache
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                 experts_implementation=experts_implementation)
     model.eval()
     model.generation_config.pad_token_id = 0
+    model.generation_config.use_cache = True
+    chosen = getattr(model.config, "_experts_implementation", None)
+    if experts_implementation != "batched_mm":
+        if chosen == "batched_mm":
+            raise RuntimeError("transformers chose batched_mm experts for the baseline; pass --hf-experts")
+        if hasattr(model, "_optimize_model_for_decode"):
+            model._optimize_model_for_decode = contextlib.nullcontext
+        experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "config")]
+        for module in experts:
+            module.register_forward_pre_hook(_refuse_batched_mm)
     return model
+
+
+def _refuse_batched_mm(module: torch.nn.Module, args: Any) -> None:
+    if getattr(module.config, "_experts_implementation", None) == "batched_mm":
+        raise RuntimeError(f"{type(module).__name__} is about to run batched_mm experts in the baseline "
+                           "(transformers switched implementation inside generate)")
 
 
 def pass_stats(llm: Any, name: str) -> dict[str, int] | None:
@@ -150,6 +176,8 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
         model_hf = hf_moe_model(config, dtype, device, args.hf_experts)
         result["baseline"] = {"name": "transformers eager (sdpa)",
                               "experts_implementation": getattr(model_hf.config, "_experts_implementation", None),
+                              # generate's decode loop runs it too (its switch to batched_mm is off)
+                              "experts_implementation_pinned": True,
                               "decode": {}}
         for b in decode_batches:
             r = hf_decode(model_hf, b, args.prompt_len, args.hf_steps, config.vocab_size, seed=b)

@@ -85,11 +85,20 @@ def check_architecture(config: Any) -> str:
 
 
 def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
-    """The transformers model for `config`, with Kiln's attention, weights uninitialised."""
+    """The transformers model for `config`, with Kiln's attention, weights uninitialised.
+
+    The model gets its own copy of `config`: transformers' `_from_config` writes the dtype,
+    attention and experts implementations onto the config object it is given, and below
+    `use_cache` is turned off; on the caller's object those would leak into any other model
+    built from it (a Hugging Face baseline would then decode without a KV cache, with
+    batched_mm experts)."""
+    import copy
+
     import transformers
     from transformers import initialization as hf_init
 
     model_type = check_architecture(config)
+    config = copy.deepcopy(config)
     register_kiln_attention()
     cls = getattr(transformers, SUPPORTED_ARCHITECTURES[model_type])
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
@@ -97,10 +106,17 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
         # Any model with transformers' pluggable experts (Mixtral, Qwen2/3-MoE, OLMoE, ...):
         # the default ("eager") experts loop over `nonzero()` hits, which export cannot trace;
         # batched_mm gathers each token's expert weights and stays shape-static. It is also
-        # the form `fuse_moe` (kiln.passes.fuse_moe) recognises.
+        # the form `fuse_moe` (kiln.passes.fuse_moe) recognises. The kwarg works the same on
+        # every transformers 5.x checked (README, Mixture of experts); the check after the
+        # build catches a version where it would not.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
         model = cls._from_config(config, **kwargs)
+    if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":
+        raise RuntimeError(
+            f"transformers built {cls.__name__} with experts implementation "
+            f"{getattr(model.config, '_experts_implementation', None)!r}, not 'batched_mm': "
+            "export cannot trace the others and fuse_moe would not match them")
     model.eval()
     model.config.use_cache = False
     return model

@@ -561,6 +561,12 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
                                             progress=options.progress)
     logger.debug("%s (%s)", prepared.report.summary(),
                  ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
+    if not prepared.report.captured:
+        # No pass ran (the spec came from the cache): log what they did when it was built,
+        # as the pass manager logs a capture's passes (kiln.passes, INFO: `-v`).
+        for r in prepared.spec.pass_records:
+            stats = ", ".join(f"{k}={v}" for k, v in r["stats"].items()) or "-"
+            logging.getLogger("kiln.passes").info("pass %s (%s phase, from the cache): %s", r["name"], r["phase"], stats)
     return prepared
 
 

@@ -10,7 +10,7 @@ After `normalize` one block reads (float32 drops the two optional casts):
     vals, idx = topk(probs, k)
     vals   = div_(vals, sum(vals, [-1], True))           # renormalised top-k only
     vals   = to(vals, dtype)                             # Qwen2/3-MoE, OLMoE below float32
-    ids    = reshape(idx, [-1])
+    ids    = reshape(idx, [-1])                          # then clamp(ids, 0, E - 1) up to transformers 5.17
     h      = squeeze(bmm(index(w_gate_up, [ids]), unsqueeze(repeat_interleave(x, k, 0), -1)), -1)
     g, u   = chunk(h, 2, -1)
     y      = squeeze(bmm(index(w_down, [ids]), unsqueeze(silu(g) * u, -1)), -1)
@@ -125,6 +125,25 @@ def _squeezed_bmm(node: object) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.
     return weight, indices[0], col.args[0]
 
 
+def _unclamped_ids(ids: torch.fx.Node, w_down: torch.fx.Node) -> torch.fx.Node | None:
+    """The flat expert ids under an optional `clamp(ids, 0, E - 1)`, or None for any other clamp.
+
+    transformers up to 5.17 clamps the ids before the gathers (for expert-parallel sentinels,
+    ids >= E); later versions clamp only under expert parallelism, which capture does not use.
+    Top-k indices over E experts already lie in [0, E - 1], so exactly that clamp is a no-op
+    and the fused op may drop it; a clamp to any other range changes the routing and is not
+    this block."""
+    if not _is(ids, aten.clamp.default):
+        return ids
+    shape = _shape(w_down)
+    bounds = list(ids.args[1:3]) + [None] * (3 - len(ids.args))
+    low = ids.kwargs.get("min", bounds[0])
+    high = ids.kwargs.get("max", bounds[1])
+    if shape is None or low != 0 or high != shape[0] - 1 or not isinstance(ids.args[0], torch.fx.Node):
+        return None
+    return ids.args[0]
+
+
 def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     """The MoE block around this `topk` node, or None when it is not one (see the module doc)."""
     if len(topk.args) != 2 or topk.kwargs:  # only topk(x, k): last dim, largest, sorted
@@ -177,7 +196,11 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     if down is None:
         return None
     w_down, ids, act = down
-    if not (_is(ids, aten.reshape.default, aten.view.default) and ids.args[0] is idx and list(ids.args[1]) == [-1]):
+    flat_ids = _unclamped_ids(ids, w_down)
+    if flat_ids is None:
+        return None
+    if not (_is(flat_ids, aten.reshape.default, aten.view.default) and flat_ids.args[0] is idx
+            and list(flat_ids.args[1]) == [-1]):
         return None
     if _is(act, aten.mul.Tensor) and _is(act.args[0], aten.silu.default):
         act_nodes = [act.args[0], act]
@@ -207,7 +230,7 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     squeeze_gu = chunk.args[0]
     bmm_gu = squeeze_gu.args[0]
     index_gu, col_gu = bmm_gu.args
-    nodes += [ids, repeated, index_gu, col_gu, bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes,
+    nodes += [*dict.fromkeys([flat_ids, ids]), repeated, index_gu, col_gu, bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes,
               index_down, col_down, bmm_down, squeeze_down]
 
     # The weighted sum over each token's k slots: sum(view(y, [T, k, H]), [1]) [to(dtype)].

@@ -19,7 +19,7 @@ import torch
 from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm
 from kiln.passes.pattern import Pattern
 
-_X = torch.randn(4, 32)
+_X = torch.randn(1, 4, 32)  # [1, tokens, hidden], the rank of the graph's hidden states
 _W = torch.randn(32)
 
 

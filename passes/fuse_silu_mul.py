@@ -24,7 +24,7 @@ def silu_and_mul_replacement(gate, up):
 
 
 SILU_AND_MUL = Pattern("silu_and_mul", silu_and_mul_pattern, silu_and_mul_replacement,
-                       (torch.randn(4, 32), torch.randn(4, 32)))
+                       (torch.randn(1, 4, 32), torch.randn(1, 4, 32)))  # [1, tokens, features]
 
 
 class FuseSiluMulPass(CustomOpFusionPass):

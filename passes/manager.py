@@ -2,6 +2,11 @@
 
 Set `KILN_DUMP_GRAPHS=DIR` to get, after each phase, `DIR/NN-<phase>.py` (the graph as
 readable code) and `DIR/NN-<phase>.txt` (node counts by op, and each pass's stats).
+
+Each pass's stats are logged at INFO on `kiln.passes` (`-v` on the CLI shows them). A
+pattern pass that matches nothing because an earlier pass rewrote away the ops its pattern
+needs (a plugin's silu * mul after the built-in `fuse_silu_mul`) gets a WARNING naming
+that pass; the note is kept on its `PassRecord` too.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from kiln.compiler.graph_inputs import INPUT_META_KEY
 from kiln.passes.base import GraphPass, PassContext, PassStats
-from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass
+from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass, unknown_pass_error
 
 logger = logging.getLogger("kiln.passes")
 
@@ -33,6 +38,7 @@ class PassRecord:
     name: str
     uuid: str
     stats: PassStats
+    notes: list[str] = field(default_factory=list)  # e.g. why it matched nothing
 
 
 @dataclass
@@ -71,21 +77,55 @@ def enabled_pass_names(enable: list[str] | None = None, disable: list[str] | Non
     from_env = [n.strip() for n in os.environ.get(ENABLE_PASSES_ENV, "").split(",") if n.strip()]
     for name in from_env:
         if name not in factories:
-            raise ValueError(f"${ENABLE_PASSES_ENV} names {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+            raise unknown_pass_error(f"${ENABLE_PASSES_ENV} names", name, factories)
         if name not in names:
             names.append(name)
     for name in enable or []:
         if name not in factories:
-            raise ValueError(f"--enable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+            raise unknown_pass_error("--enable-pass", name, factories)
         if name not in names:
             names.append(name)
     for name in disable or []:
         if name not in factories:
-            raise ValueError(f"--disable-pass {name!r}: no such pass; known: {', '.join(sorted(factories))}")
+            raise unknown_pass_error("--disable-pass", name, factories)
         if name in ("paged_kv",):
             raise ValueError("the paged_kv pass cannot be disabled: the runtime needs the paged KV cache")
         names = [n for n in names if n != name]
     return names
+
+
+def consumed_pattern_notes(graph_pass: GraphPass, stats: PassStats, ctx: PassContext,
+                           history: list[tuple[str, Counter[str]]]) -> list[str]:
+    """For a pattern pass that matched nothing: each op of its patterns that the graph had
+    and an earlier pass rewrote away, naming that pass. `history` holds the op counts after
+    capture and after each earlier pass. Empty when the pass matched or nothing was consumed."""
+    from kiln.passes.pattern import PatternPass
+
+    if not isinstance(graph_pass, PatternPass) or not stats or any(stats.values()):
+        return []
+    patterns = list(graph_pass.patterns_for(ctx))
+    if set(stats) != {p.name for p in patterns}:
+        return []  # not pattern counts (e.g. skipped_on_cpu)
+    notes = []
+    now = history[-1][1]
+    for pattern in patterns:
+        traced = pattern.traced(ctx.dtype)
+        ops = dict.fromkeys(str(n.target) for n in traced.pattern.graph.nodes if n.op == "call_function")
+        for op in ops:
+            if now[op]:
+                continue
+            consumers = [(name, before[op], after[op]) for (_, before), (name, after) in zip(history, history[1:])
+                         if before[op] > after[op]]
+            if not consumers:
+                continue  # the model never had it: not this warning's business
+            by = ", ".join(f"{name!r} ({b} -> {a})" for name, b, a in consumers)
+            notes.append(
+                f"pass {graph_pass.name!r} matched nothing: its pattern {pattern.name!r} needs {op}, which the graph "
+                f"had until pass {by} rewrote it away. Disable that pass (--disable-pass {consumers[-1][0]}) for "
+                f"this one to see those ops, or write the pattern against what it produces "
+                f"(kiln passes show MODEL --explain {graph_pass.name})")
+            break
+    return notes
 
 
 class PassManager:
@@ -106,11 +146,27 @@ class PassManager:
     def uuids(self) -> dict[str, str]:
         return {p.name: p.uuid() for p in self.passes}
 
+    def split_at(self, name: str) -> tuple[list[GraphPass], GraphPass]:
+        """The passes that run before pass `name` in this pipeline, and that pass.
+
+        A pass that is not in the pipeline (a plugin not enabled) is placed where it would
+        run once enabled: last in its phase, after every pass of this pipeline there. This
+        is the graph `kiln passes show --explain NAME` and the pass-test helpers show.
+        """
+        target = next((p for p in self.passes if p.name == name), None)
+        passes = list(self.passes)
+        if target is None:
+            target = create_pass(name)
+            passes = PassManager(passes + [target]).passes  # stable sort: last within its phase
+        return passes[: passes.index(target)], target
+
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, dump_dir: str | os.PathLike | None = None) -> PassReport:
         dump = Path(dump_dir) if dump_dir else (Path(os.environ["KILN_DUMP_GRAPHS"]) if os.environ.get("KILN_DUMP_GRAPHS") else None)
         report = PassReport()
         if dump:
             self._dump(gm, dump, 0, "captured", [])
+        # Op counts after each pass, to say which pass consumed what a later pattern needed.
+        history: list[tuple[str, Counter[str]]] = [("capture", op_counts(gm))]
         for i, phase in enumerate(PHASES, start=1):
             phase_records = []
             for p in (p for p in self.passes if p.phase == phase):
@@ -118,9 +174,14 @@ class PassManager:
                 gm.graph.eliminate_dead_code()
                 verify_graph(gm, p.name)
                 rec = PassRecord(phase=phase, name=p.name, uuid=p.uuid(), stats=dict(stats or {}))
+                rec.notes = consumed_pattern_notes(p, rec.stats, ctx, history)
+                history.append((p.name, op_counts(gm)))
                 report.records.append(rec)
                 phase_records.append(rec)
-                logger.debug("pass %s: %s", p.name, rec.stats)
+                logger.info("pass %s (%s phase): %s", p.name, phase,
+                            ", ".join(f"{k}={v}" for k, v in rec.stats.items()) or "-")
+                for note in rec.notes:
+                    logger.warning("%s", note)
             if dump:
                 self._dump(gm, dump, i, phase, phase_records)
         return report

@@ -16,9 +16,15 @@ stopping point is the divergence: the pattern node, the graph node, and what dif
   nodes (a cast the pattern lacks, usually);
 - `user`: the graph has no consumer of a matched node that looks like the next pattern op
   (operand order, most often: `w * x` against `x * w`);
+- `order`: a commutative op (`mul`, `add`) whose operands line up only in the other order:
+  the matcher compares operands in order, so write the pattern as the model computes it;
 - `escapes`: the whole pattern matched, but an inner node is also used outside it, so it
   cannot be replaced (return that value from the pattern too);
 - `where`: the structure matched but the pattern's `where` filter refused it.
+
+Candidates are ranked by how many pattern ops line up, then by the rarest op they cover
+(an op the graph has 30 of, such as `silu`, says more about where the pattern belongs than
+one it has 300 of, such as `mul`); the report shows the closest and the next few.
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ class MatchReport:
     graph_excerpt: list[str]
     missing_ops: list[str] = field(default_factory=list)  # pattern ops absent from the graph
     matches: list[dict[str, str]] = field(default_factory=list)  # per match: pattern node -> graph node
+    others: list[Candidate] = field(default_factory=list)  # the next-closest candidates, best first
 
     @property
     def matched(self) -> bool:
@@ -96,11 +103,11 @@ class MatchReport:
         closest = None
         if self.closest is not None:
             d = self.closest.divergence
-            closest = {"pairs": [list(p) for p in self.closest.pairs], "bound_inputs": self.closest.bound_inputs,
-                       "divergence": dict(d.__dict__) if d is not None else None}
+            closest = _candidate_dict(self.closest)
         return {"pattern": self.pattern_name, "dtype": str(self.dtype).replace("torch.", "") if self.dtype else None,
                 "matched": self.matched, "num_matches": self.num_matches, "pattern_size": self.pattern_size,
                 "missing_ops": self.missing_ops, "closest": closest, "graph_excerpt": self.graph_excerpt,
+                "others": [_candidate_dict(c) for c in self.others],
                 "matches": self.matches, "pattern_code": self.pattern_code}
 
     def __str__(self) -> str:
@@ -129,9 +136,35 @@ class MatchReport:
             if self.graph_excerpt:
                 lines.append("  candidate in the graph (* = matched, > = where it diverged):")
                 lines += [f"    {line}" for line in self.graph_excerpt]
+        if self.others:
+            lines.append("  next candidates:")
+            for c in self.others:
+                d = c.divergence
+                at = f"diverged at graph node {d.graph_node!r} [{d.kind}]" if d is not None and d.graph_node else "diverged"
+                lines.append(f"    {c.size} of {self.pattern_size} ops from graph node {c.pairs[0][1]!r}, {at}")
         lines.append("  pattern:")
         lines += [f"    {line}" for line in self.pattern_code.strip().splitlines()]
         return "\n".join(lines)
+
+
+def _candidate_dict(c: Candidate) -> dict[str, Any]:
+    d = c.divergence
+    return {"pairs": [list(p) for p in c.pairs], "bound_inputs": c.bound_inputs,
+            "divergence": dict(d.__dict__) if d is not None else None}
+
+
+# Ops whose two tensor operands may be swapped without changing the value: a pattern written
+# with them in the other order than the model's does not match, and the report says so.
+COMMUTATIVE = {torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor}
+
+
+def _fits(p: Any, g: Any) -> bool:
+    """Whether graph argument `g` could stand where the pattern has `p` (one level deep)."""
+    if isinstance(p, Node):
+        if p.op == "placeholder":
+            return True
+        return isinstance(g, Node) and g.op == "call_function" and g.target == p.target
+    return not isinstance(g, Node) and type(p) is type(g) and p == g
 
 
 def op_name(target: Any) -> str:
@@ -193,6 +226,12 @@ def _all_args(node: Node, other: Node) -> tuple[list[Any], list[Any], list[str]]
     return full(node), full(other), names
 
 
+def _short(value: Any) -> str:
+    if isinstance(value, Node):
+        return f"{value.name!r}" + (f" ({op_name(value.target)})" if value.op == "call_function" else " (input)")
+    return repr(value)
+
+
 class _Walk:
     """One attempt to match the pattern from a (pattern node, graph node) pair."""
 
@@ -240,6 +279,13 @@ class _Walk:
         self.pmap[pn] = gn
         self.gmapped[gn] = pn
         self.order.append(pn)
+        if pn.target in COMMUTATIVE and len(pn.args) >= 2 and len(gn.args) >= 2:
+            (p0, p1), (g0, g1) = pn.args[:2], gn.args[:2]
+            if not (_fits(p0, g0) and _fits(p1, g1)) and _fits(p0, g1) and _fits(p1, g0):
+                self._fail("order", pn, gn, (
+                    f"operand order differs: the graph computes {format_node(gn)}, the pattern has "
+                    f"{_short(p0)} and {_short(p1)} the other way round. {op_name(pn.target)} is commutative, "
+                    f"but matching compares operands in order: swap them in the pattern, as the model writes it"))
         p_args, g_args, labels = _all_args(pn, gn)
         if len(p_args) != len(g_args):
             self._fail("arg", pn, gn, f"the pattern passes {len(p_args)} arguments, the graph {len(g_args)}: {format_node(gn)}")
@@ -345,27 +391,50 @@ def _excerpt(gm: torch.fx.GraphModule, candidate: Candidate, context: int = 1) -
     return lines
 
 
-def closest_candidate(traced: "TracedPattern", gm: torch.fx.GraphModule) -> Candidate | None:
-    """The partial match that covers the most pattern ops (ties: the pattern's outputs first)."""
+def ranked_candidates(traced: "TracedPattern", gm: torch.fx.GraphModule, limit: int = 4) -> list[Candidate]:
+    """The partial matches that cover the most pattern ops, best first, at most `limit`.
+
+    Walks start from every graph node that has one of the pattern's ops, the pattern's
+    rarest op (in this graph) first. Equal sizes rank by the rarest op a candidate covers,
+    then by the walk order (rarest anchor, the pattern's outputs first); candidates over
+    the same graph nodes count once.
+    """
     pattern_graph = traced.pattern.graph
     out = next(iter(pattern_graph.find_nodes(op="output")))
     returning = set(out.all_input_nodes)
     pattern_calls = [n for n in pattern_graph.nodes if n.op == "call_function"]
-    # Outputs first, then the rest from last to first: walks from the outputs read best.
-    anchors = [n for n in reversed(pattern_calls) if n in returning] + [n for n in reversed(pattern_calls) if n not in returning]
     by_target: dict[Any, list[Node]] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function":
             by_target.setdefault(n.target, []).append(n)
-    best: Candidate | None = None
+    count = {t: len(v) for t, v in by_target.items()}
+    # Rarest op first; outputs before inner nodes; then from last to first (walks read best so).
+    position = {n: i for i, n in enumerate(reversed(pattern_calls))}
+    anchors = sorted((n for n in pattern_calls if n.target in count),
+                     key=lambda n: (count[n.target], n not in returning, position[n]))
+    found: list[tuple[tuple[int, int, int], Candidate]] = []
+    seen: set[frozenset[Node]] = set()
+    walk = 0
     for pn in anchors:
-        for gn in by_target.get(pn.target, []):
+        for gn in by_target[pn.target]:
             cand = _Walk(pattern_graph, returning).run(pn, gn)
-            if best is None or cand.size > best.size:
-                best = cand
-                if best.size == len(pattern_calls):
-                    return best  # cannot get closer
-    return best
+            nodes = frozenset(cand.graph_nodes)
+            if nodes in seen:
+                continue
+            seen.add(nodes)
+            rarest = min((count[n.target] for n in cand.graph_nodes), default=len(gm.graph.nodes))
+            found.append(((-cand.size, rarest, walk), cand))
+            walk += 1
+            if cand.size == len(pattern_calls) and cand.divergence is None:
+                break  # whole and self-contained: nothing can be closer
+    found.sort(key=lambda item: item[0])
+    return [c for _, c in found[:limit]]
+
+
+def closest_candidate(traced: "TracedPattern", gm: torch.fx.GraphModule) -> Candidate | None:
+    """The best of `ranked_candidates`, or None when no op of the pattern occurs in the graph."""
+    ranked = ranked_candidates(traced, gm, limit=1)
+    return ranked[0] if ranked else None
 
 
 def explain_pattern(pattern: "Pattern", gm: torch.fx.GraphModule, dtype: torch.dtype | None = None) -> MatchReport:
@@ -379,9 +448,10 @@ def explain_pattern(pattern: "Pattern", gm: torch.fx.GraphModule, dtype: torch.d
     if matches:
         return MatchReport(num_matches=len(matches), closest=None, graph_excerpt=[],
                            matches=[{k: v.name for k, v in m.nodes.items()} for m in matches], **common)
-    cand = closest_candidate(traced, gm)
-    if cand is None:
+    ranked = ranked_candidates(traced, gm)
+    if not ranked:
         return MatchReport(num_matches=0, closest=None, graph_excerpt=[], **common)
+    cand, others = ranked[0], ranked[1:]
     if cand.divergence is None:
         # Structurally whole and self-contained, yet not found: the `where` filter refused it,
         # or it overlaps another match.
@@ -394,11 +464,11 @@ def explain_pattern(pattern: "Pattern", gm: torch.fx.GraphModule, dtype: torch.d
                                      pattern_node=out_pn.name, pattern_op=op_name(out_pn.target),
                                      graph_node=last.name if last is not None else None,
                                      graph_op=op_name(last.target) if last is not None else None, detail=detail)
-    return MatchReport(num_matches=0, closest=cand, graph_excerpt=_excerpt(gm, cand), **common)
+    return MatchReport(num_matches=0, closest=cand, graph_excerpt=_excerpt(gm, cand), others=others, **common)
 
 
 def explain_all(patterns: Iterable["Pattern"], gm: torch.fx.GraphModule, dtype: torch.dtype | None = None) -> list[MatchReport]:
     return [explain_pattern(p, gm, dtype=dtype) for p in patterns]
 
 
-__all__ = ["Candidate", "Divergence", "MatchReport", "closest_candidate", "explain_pattern", "explain_all", "format_node"]
+__all__ = ["Candidate", "Divergence", "MatchReport", "closest_candidate", "ranked_candidates", "explain_pattern", "explain_all", "format_node"]

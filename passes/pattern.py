@@ -65,6 +65,16 @@ replacement's outputs; the matched nodes are erased. Every new node gets `meta["
 (a fake tensor) propagated from its inputs, so later passes can read shapes and dtypes.
 An optional `where(match) -> bool` filter on the `Pattern` can refuse a structural match
 (e.g. only when the last dimension is a multiple of 16).
+
+Checks
+------
+A replacement must compute what it replaces: each replacement output's `meta["val"]` is
+compared with the matched output's (shape, symbolically, and dtype) and a mismatch raises a
+`PatternError` naming both, before the graph is changed at that match. The replacement is
+traced at the rank of the example inputs, so indexing written relative to that rank
+(`x[..., :n]` traced at 2-D is a slice of dimension 1) means something else on tensors of
+another rank: when the matched tensors have another rank than the example inputs, a
+warning says so (once per pattern, input and rank).
 """
 
 from __future__ import annotations
@@ -72,6 +82,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import inspect
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -85,6 +96,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from kiln.passes.base import KilnPass, PassContext, PassStats
 
 Scalar = int | float
+
+logger = logging.getLogger("kiln.passes.pattern")
 
 # Ops a dynamic-shape trace adds to state its assumptions; a replacement does not need them.
 _SHAPE_ASSERTIONS = {
@@ -192,6 +205,7 @@ class Pattern:
         # Traced graphs per dtype; tracing is deterministic, the lock only avoids doing it twice.
         self._traced: dict[torch.dtype | None, TracedPattern] = {}
         self._lock = threading.Lock()
+        self._rank_warned: set[tuple[str, int, int]] = set()
 
     def __repr__(self) -> str:
         return f"Pattern({self.name!r})"
@@ -291,12 +305,33 @@ class Pattern:
         # An input of a later match may be an output an earlier match replaced.
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         for m in matches:
-            _rewrite_one(graph, traced, m, order, replaced)
+            self._warn_on_rank(m)
+            _rewrite_one(graph, traced, m, order, replaced, self._example_ranks())
         if not _is_topological(graph):
             _stable_topological_sort(graph)
         graph.lint()
         gm.recompile()
         return len(matches)
+
+    def _example_ranks(self) -> dict[str, int]:
+        return {n: x.dim() for n, x in zip(self.input_names, self.example_inputs) if isinstance(x, torch.Tensor)}
+
+    def _warn_on_rank(self, m: InternalMatch) -> None:
+        """Warn (once per input and rank) when a matched tensor's rank differs from its example's."""
+        for name, value in zip(self.input_names, m.placeholder_nodes):
+            rank = self._example_ranks().get(name)
+            val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+            if rank is None or not isinstance(val, torch.Tensor) or val.dim() == rank:
+                continue
+            key = (name, rank, val.dim())
+            if key in self._rank_warned:
+                continue
+            self._rank_warned.add(key)
+            logger.warning(
+                "pattern %r: example input %r is %d-D but matched %s, which is %d-D (%s); the replacement was "
+                "traced at the example's rank, so indexing relative to the rank ([..., :n], dim=1) may land on "
+                "another dimension: give example inputs of the graph's rank",
+                self.name, name, rank, value.name, val.dim(), _format_shape(val.shape))
 
     def explain(self, gm: torch.fx.GraphModule, dtype: torch.dtype | None = None) -> "Any":
         """A `MatchReport`: the matches, or the closest candidate and where it diverged."""
@@ -435,8 +470,39 @@ def _resolve(value: Any, replaced: dict[torch.fx.Node, torch.fx.Node]) -> Any:
     return value
 
 
+def _format_shape(shape: Sequence[Any]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """Whether two (possibly symbolic) sizes are known equal, without adding shape guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    try:
+        return bool(statically_known_true(a == b))
+    except Exception:  # sizes from two unrelated shape environments: compare as written
+        return str(a) == str(b)
+
+
+def _output_mismatch(old: torch.fx.Node, new: Any) -> str | None:
+    """What differs between a matched output's value and its replacement's, or None."""
+    want = old.meta.get("val")
+    got = new.meta.get("val") if isinstance(new, torch.fx.Node) else None
+    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
+        return None  # nothing known to compare
+    if want.dtype != got.dtype or want.dim() != got.dim() or not all(
+            _same_size(a, b) for a, b in zip(want.shape, got.shape)):
+        return (f"has shape {_format_shape(got.shape)} and dtype {str(got.dtype).replace('torch.', '')} where the "
+                f"matched node {old.name!r} ({old.target}) has shape {_format_shape(want.shape)} and dtype "
+                f"{str(want.dtype).replace('torch.', '')}")
+    return None
+
+
 def _rewrite_one(graph: torch.fx.Graph, traced: TracedPattern, m: InternalMatch,
-                 order: dict[torch.fx.Node, int], replaced: dict[torch.fx.Node, torch.fx.Node]) -> None:
+                 order: dict[torch.fx.Node, int], replaced: dict[torch.fx.Node, torch.fx.Node],
+                 example_ranks: dict[str, int] | None = None) -> None:
     matched = [gn for pn, gn in m.nodes_map.items() if pn.op == "call_function"]
     last = max(matched, key=lambda n: order[n])
     env: dict[torch.fx.Node, Any] = {}
@@ -457,6 +523,22 @@ def _rewrite_one(graph: torch.fx.Graph, traced: TracedPattern, m: InternalMatch,
     for node in new_nodes:
         _propagate_val(node)
     new_outputs = [env[v] if isinstance(v, torch.fx.Node) else v for v in _output_values(rep_graph)]
+    for i, (old, new) in enumerate(zip(m.returning_nodes, new_outputs)):
+        problem = _output_mismatch(old, new)
+        if problem is None:
+            continue
+        for node in reversed(new_nodes):  # leave this match's place as it was
+            graph.erase_node(node)
+        ranks = {name: (example_ranks or {}).get(name) for name in traced.input_names}
+        matched = {name: v.meta["val"].dim() for name, v in zip(traced.input_names, m.placeholder_nodes)
+                   if isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), torch.Tensor)}
+        hint = ""
+        if any(ranks.get(n) is not None and ranks[n] != r for n, r in matched.items()):
+            hint = (f" The example inputs have ranks {ranks}, the matched tensors {matched}: the replacement was "
+                    "traced at the example ranks, so indexing relative to the rank lands elsewhere; give example "
+                    "inputs of the graph's rank.")
+        raise PatternError(f"Pattern {traced.name!r}: replacement output {i} {problem}; a replacement must compute "
+                           f"the same shape and dtype as the nodes it replaces.{hint}")
     for old, new in zip(m.returning_nodes, new_outputs):
         if isinstance(new, torch.fx.Node) and "val" in old.meta and "val" not in new.meta:
             new.meta["val"] = old.meta["val"]

@@ -8,8 +8,8 @@ and runs in its declared phase, with its uuid in the cache key.
 from __future__ import annotations
 
 import logging
-from importlib.metadata import entry_points
-from typing import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Callable, Iterable
 
 from kiln.passes.base import GraphPass
 
@@ -54,14 +54,50 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     return factories
 
 
+# What loading each entry point gave, by (name, value): the factory, or the error. Loading
+# once per process means a broken plugin is reported once (not once per listing, pipeline
+# and flag check), and every caller sees the same error.
+_LOADED: dict[tuple[str, str], Callable[[], GraphPass] | Exception] = {}
+
+
+def _load(ep: EntryPoint) -> Callable[[], GraphPass] | Exception:
+    key = (ep.name, ep.value)
+    if key not in _LOADED:
+        try:
+            _LOADED[key] = ep.load()
+        except Exception as e:  # a broken plugin must not take the engine down
+            _LOADED[key] = e
+            logger.warning("cannot load pass %r from entry point %s: %s: %s", ep.name, ep.value, type(e).__name__, e)
+    return _LOADED[key]
+
+
 def plugin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
+    """The installed plugins' pass factories by pass name (those that load)."""
     found: dict[str, Callable[[], GraphPass]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            found[ep.name] = ep.load()
-        except Exception as e:  # a broken plugin must not take the engine down
-            logger.warning("cannot load pass %r from entry point %s: %s", ep.name, ep.value, e)
+        loaded = _load(ep)
+        if not isinstance(loaded, Exception):
+            found[ep.name] = loaded
     return found
+
+
+def plugin_load_errors() -> dict[str, str]:
+    """Installed plugins that fail to load: pass name -> "ErrorType: message (entry point)"."""
+    errors: dict[str, str] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        loaded = _load(ep)
+        if isinstance(loaded, Exception):
+            errors[ep.name] = f"{type(loaded).__name__}: {loaded} (entry point {ep.value})"
+    return errors
+
+
+def unknown_pass_error(flag: str, name: str, known: Iterable[str]) -> ValueError:
+    """The error for a flag naming a pass that is not available: a plugin that failed to
+    load says so and why; otherwise the known names."""
+    failed = plugin_load_errors().get(name)
+    if failed is not None:
+        return ValueError(f"{flag} {name!r}: the plugin providing it failed to load: {failed}")
+    return ValueError(f"{flag} {name!r}: no such pass; known: {', '.join(sorted(known))}")
 
 
 def all_pass_factories() -> dict[str, Callable[[], GraphPass]]:
@@ -77,6 +113,8 @@ def all_pass_factories() -> dict[str, Callable[[], GraphPass]]:
 def create_pass(name: str) -> GraphPass:
     factories = all_pass_factories()
     if name not in factories:
+        if name in plugin_load_errors():
+            raise unknown_pass_error("pass", name, factories)
         raise ValueError(f"unknown pass {name!r}; known passes: {', '.join(sorted(factories))}")
     p = factories[name]()
     if p.phase not in PHASES:

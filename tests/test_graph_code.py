@@ -212,7 +212,7 @@ def test_resolve_compile_mode_refuses_bad_combinations():
 
     with pytest.raises(ValueError, match="compile must be one of auto, eager, inductor, graph"):
         resolve_compile_mode("aoti", CPU, False, False)
-    with pytest.raises(ValueError, match="compile='eager' uses none"):
+    with pytest.raises(ValueError, match="--compile eager uses none"):
         resolve_compile_mode("eager", CUDA, True, False)
 
 

@@ -107,3 +107,46 @@ def test_report_is_plain_data(graph) -> None:
     data = json.loads(json.dumps(report.to_dict()))
     assert data["matched"] is False and data["missing_ops"] == ["aten.relu.default"]
     assert "aten.relu.default" in str(report)
+
+
+def test_swapped_commutative_operands_rank_by_the_rarest_op() -> None:
+    """Issue 21: `up * silu(gate)` against the model's `silu(gate) * up`: the closest candidate
+    is at the MLP's silu (the pattern's rarest op), not at some other multiply (RoPE's, the
+    norms'), it says the operand order differs, and the next candidates are listed."""
+    from kiln.compiler.pass_testing import graph_for_pass
+
+    def up_times_silu(gate, up):
+        return up * torch.nn.functional.silu(gate)
+
+    graph = graph_for_pass(tiny_config("llama"), "fuse_silu_mul").graph_module
+    report = explain_pattern(Pattern("silu_mul", up_times_silu, up_times_silu,
+                                     (torch.randn(1, 4, 32), torch.randn(1, 4, 32))), graph, torch.float32)
+    assert not report.matched
+    silu = {n.name for n in graph.graph.find_nodes(op="call_function", target=torch.ops.aten.silu.default)}
+    assert report.closest.pairs[0][1] in silu
+    d = report.divergence
+    assert d.kind in ("user", "order") and "operand order differs" in d.detail
+    assert len(report.others) == 3 and all(c.size <= report.closest.size for c in report.others)
+    text = str(report)
+    assert "next candidates:" in text and text.count(" ops from graph node ") == 3
+    assert len(json.loads(json.dumps(report.to_dict()))["others"]) == 3
+
+
+def test_order_divergence_at_the_commutative_op() -> None:
+    """Anchored at the multiply itself, the walk says which operands are swapped."""
+    from kiln.passes.match_report import _Walk
+    from kiln.passes.pattern import trace_function
+
+    def model(gate, up):
+        return torch.nn.functional.silu(gate) * up
+
+    gm = trace_function(model, [torch.randn(1, 4, 8), torch.randn(1, 4, 8)])
+    p = Pattern("swapped", lambda gate, up: up * torch.nn.functional.silu(gate), model,
+                (torch.randn(1, 4, 8), torch.randn(1, 4, 8)))
+    traced = p.traced(torch.float32)
+    pmul = next(iter(traced.pattern.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)))
+    gmul = next(iter(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)))
+    returning = set(next(iter(traced.pattern.graph.find_nodes(op="output"))).all_input_nodes)
+    cand = _Walk(traced.pattern.graph, returning).run(pmul, gmul)
+    assert cand.divergence.kind == "order" and "the other way round" in cand.divergence.detail
+    assert "swap them in the pattern" in cand.divergence.detail

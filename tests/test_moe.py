@@ -318,3 +318,111 @@ def test_gpu_moe_float32_greedy_equals_hf_cpu(arch: str, moe_model_dir, tmp_path
         for out in engine.step():
             got[out.request_id] = list(out.outputs[0].token_ids)
     assert [got[str(i)] for i in range(len(PROMPTS))] == outs, f"{arch}: greedy tokens differ on the GPU"
+
+
+# ---- transformers versions: the experts implementation and the ids clamp ------------------------
+
+def _config_state(config: Any) -> dict[str, Any]:
+    return {"dict": config.to_dict(), "experts": getattr(config, "_experts_implementation", None),
+            "attn": getattr(config, "_attn_implementation", None), "use_cache": config.use_cache}
+
+
+def test_capture_builds_batched_mm_on_a_copy_of_the_callers_config() -> None:
+    """transformers' `_from_config` writes the experts/attention implementation and dtype onto
+    the config it is given, and capture turns `use_cache` off: on the caller's object those
+    made a later Hugging Face baseline decode without a KV cache and with batched_mm experts."""
+    from kiln.compiler.capture import build_hf_model, capture
+
+    config = moe_config("mixtral")
+    state = _config_state(config)
+    model = build_hf_model(config, torch.bfloat16, "meta")
+    assert model.config is not config
+    assert model.config._experts_implementation == "batched_mm" and model.config.use_cache is False
+    captured = capture(config)
+    assert op_counts(captured.graph_module)["aten.bmm.default"] == 2 * MOE_LAYERS["mixtral"]
+    assert _config_state(config) == state
+
+
+def _insert_ids_clamp(gm: torch.fx.GraphModule, high_minus_e: int) -> int:
+    """Put clamp(ids, 0, E - 1 + high_minus_e) between each block's flat ids and its two expert
+    gathers, as transformers up to 5.17 traces batched_mm. Returns how many were inserted."""
+    aten = torch.ops.aten
+    count = 0
+    for ids in list(gm.graph.nodes):
+        gathers = [u for u in ids.users if u.target == aten.index.Tensor]
+        if ids.target != aten.reshape.default or len(gathers) != 2:
+            continue
+        num_experts = gathers[0].args[0].meta["val"].shape[0]
+        with gm.graph.inserting_after(ids):
+            clamp = gm.graph.call_function(aten.clamp.default, (ids, 0, num_experts - 1 + high_minus_e))
+        clamp.meta["val"] = ids.meta["val"]
+        for g in gathers:
+            g.args = (g.args[0], [clamp])
+        count += 1
+    gm.recompile()
+    return count
+
+
+def test_fuse_moe_matches_the_ids_clamp_of_older_transformers() -> None:
+    """transformers 5.17's batched_mm clamps the expert ids to [0, E - 1] before gathering
+    (5.24 no longer does outside expert parallelism): that no-op clamp is part of the block;
+    any other clamp changes the routing and the block must stay unfused."""
+    from kiln.compiler.pass_testing import capture_through, run_graph
+
+    config = moe_config("qwen3_moe")
+    plain = capture_through(config, "fusion")
+    ctx = PassContext(config=config)
+    for high_minus_e, fused in ((0, MOE_LAYERS["qwen3_moe"]), (-1, 0)):
+        before = plain.copy()
+        n_clamps = sum(1 for nd in before.graph_module.graph.nodes if nd.target == torch.ops.aten.clamp.default)
+        if n_clamps == 0:  # traced by a transformers that does not clamp: add it as 5.17 does
+            assert _insert_ids_clamp(before.graph_module, high_minus_e) == MOE_LAYERS["qwen3_moe"]
+        elif high_minus_e != 0:
+            continue  # already the 5.17 form with the right bounds; the wrong-bounds case needs the insert
+        after = before.copy()
+        assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": fused}
+        if fused:
+            assert op_counts(after.graph_module)["aten.clamp.default"] == 0
+            torch.testing.assert_close(run_graph(after, num_tokens=7), run_graph(before, num_tokens=7),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _bench_moe(monkeypatch) -> Any:
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("kiln_bench_moe", bench / "moe.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_baseline_keeps_a_kv_cache_and_no_batched_mm_after_capture(monkeypatch) -> None:
+    """bench/moe.py builds the Hugging Face baseline from the config Kiln captured: it must
+    decode with a KV cache (one token a step) and never run batched_mm, not even through
+    generate's decode-time switch to it on GPUs."""
+    from kiln.compiler.capture import parameter_shapes
+
+    bench = _bench_moe(monkeypatch)
+    config = moe_config("mixtral")
+    parameter_shapes(config)  # what the bench does first (weight and expert byte counts)
+    model = bench.hf_moe_model(config, torch.float32, torch.device("cpu"), None)
+    assert model.config._experts_implementation in ("grouped_mm", "eager")
+    calls: list[tuple[int, str]] = []
+    for m in model.modules():
+        if hasattr(m, "gate_up_proj"):
+            m.register_forward_pre_hook(lambda mod, args: calls.append((args[0].shape[0], mod.config._experts_implementation)))
+    prompt_len = 6
+    model.generate(torch.ones(1, prompt_len, dtype=torch.long), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    impl = model.config._experts_implementation
+    assert calls == [(prompt_len, impl)] * MOE_LAYERS["mixtral"] + [(1, impl)] * (2 * MOE_LAYERS["mixtral"])
+    # On a GPU generate would switch grouped_mm to batched_mm for its decode loop; that switch is off.
+    with model._optimize_model_for_decode():
+        assert model.config._experts_implementation == impl
+    # And should transformers switch anyway, the baseline stops instead of running it.
+    model.set_experts_implementation("batched_mm")
+    with pytest.raises(RuntimeError, match="batched_mm"):
+        model(torch.ones(1, 2, dtype=torch.long))

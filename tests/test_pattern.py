@@ -156,3 +156,44 @@ def test_bad_patterns_fail_with_a_clear_error() -> None:
 def test_trace_function_matches_a_hand_traced_graph() -> None:
     gm = trace_function(lambda gate, up: torch.nn.functional.silu(gate) * up, [torch.randn(4, 8), torch.randn(4, 8)])
     assert call_ops(gm) == ["aten.silu.default", "aten.mul.Tensor"]
+
+
+def silu_mul(gate, up):
+    return torch.nn.functional.silu(gate) * up
+
+
+def test_replacement_of_another_shape_is_refused(llama_fusion_input, caplog) -> None:
+    """Issue 21: a replacement traced at 2-D that slices the last dimension slices the token
+    dimension of the 3-D graph; the shape check refuses it and the rank warning says why."""
+    def sliced(gate, up):
+        return (torch.nn.functional.silu(gate) * up)[..., :1]
+
+    gm = llama_fusion_input.copy().graph_module
+    graph_before = str(gm.graph)
+    p = Pattern("silu_mul_sliced", silu_mul, sliced, (torch.randn(4, 32), torch.randn(4, 32)))
+    with caplog.at_level("WARNING", logger="kiln.passes.pattern"), pytest.raises(PatternError) as e:
+        p.apply(gm)
+    msg = str(e.value)
+    assert "replacement output 0 has shape (1, 1, 128)" in msg and "(1, s" in msg and "mul" in msg
+    assert "ranks {'gate': 2, 'up': 2}" in msg and "{'gate': 3, 'up': 3}" in msg
+    assert any("example input 'gate' is 2-D" in r.getMessage() and "3-D" in r.getMessage() for r in caplog.records)
+    assert str(gm.graph) == graph_before  # the first match is where it stopped: nothing was rewritten
+
+
+def test_replacement_of_another_dtype_is_refused(llama_fusion_input) -> None:
+    def to_half(gate, up):
+        return (torch.nn.functional.silu(gate) * up).to(torch.float16)
+
+    gm = llama_fusion_input.copy().graph_module
+    p = Pattern("silu_mul_half", silu_mul, to_half, (torch.randn(1, 4, 32), torch.randn(1, 4, 32)))
+    with pytest.raises(PatternError, match=r"dtype float16 where the matched node .* dtype float32"):
+        p.apply(gm)
+
+
+def test_same_rank_examples_do_not_warn(llama_fusion_input, caplog) -> None:
+    gm = llama_fusion_input.copy().graph_module
+    p = Pattern("silu_mul_3d", silu_mul, lambda gate, up: torch.nn.functional.silu(gate) * up,
+                (torch.randn(1, 4, 32), torch.randn(1, 4, 32)))
+    with caplog.at_level("WARNING", logger="kiln.passes.pattern"):
+        assert p.apply(gm) == COMMON["num_hidden_layers"]
+    assert not [r for r in caplog.records if r.name == "kiln.passes.pattern"]

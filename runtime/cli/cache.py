@@ -236,8 +236,25 @@ def run_info(args: argparse.Namespace) -> int:
         info = json.loads(m.to_json())
         path = store.entry_path(m.key)
         info["path"] = str(path) if path else None
+        info["passes"] = _entry_passes(store, m)
         print(json.dumps(info, indent=2, sort_keys=True))
     return 0
+
+
+def _entry_passes(store: Any, manifest: Any) -> list[dict[str, Any]]:
+    """The pass pipeline an entry was built with, in run order: from the graph spec of a
+    graph entry (with each pass's stats), else name and uuid from the key factors."""
+    from kiln.cache.keys import MODEL_KIND
+    from kiln.compiler.pipeline import GraphSpec, GraphSpecError
+
+    if manifest.kind == MODEL_KIND:
+        entry = store.get(manifest.key)
+        try:
+            if entry is not None:
+                return [dict(r) for r in GraphSpec.from_bytes(entry.data).pass_records]
+        except GraphSpecError:
+            pass  # a damaged spec: fall back to the key factors below
+    return [{"name": n, "uuid": u} for n, u in (manifest.factors.get("passes") or {}).items()]
 
 
 def run_verify(args: argparse.Namespace) -> int:

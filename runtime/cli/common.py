@@ -72,5 +72,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Start-up phase timings are always worth showing on stderr.
+    # Start-up phase timings are always worth showing on stderr; each pass's stats only with
+    # --verbose (warnings, e.g. a pass that matched nothing because another consumed its
+    # pattern, always).
     logging.getLogger("kiln").setLevel(logging.INFO)
+    logging.getLogger("kiln.passes").setLevel(logging.INFO if verbose else logging.WARNING)

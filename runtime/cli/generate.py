@@ -3,6 +3,10 @@
   kiln generate "Once upon a time" --max-tokens 50
   kiln generate "What is 2+2?" "Name a color." --chat     # several prompts run as one batch
   kiln chat --system "You are terse."                      # interactive; also reads a pipe
+  kiln generate --model DIR --prompt-token-ids 1,5,9        # a prompt as token ids (any model)
+
+A model without a tokenizer (a `save_pretrained` directory of a config and weights) takes
+token-id prompts only, and its output is printed as token ids: `[1, 5, 9] -> 17 3 3 ...`.
 
 Generated text goes to stdout as it is produced; loading progress, errors and the optional
 `--stats` line go to stderr, so stdout can be piped.
@@ -55,6 +59,17 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def parse_token_ids(text: str) -> list[int]:
+    """`"1,5,9"` -> [1, 5, 9]; argparse reports the ValueError as a usage error."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids (e.g. 1,5,9)") from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more non-negative token ids, e.g. 1,5,9")
+    return ids
+
+
 def add_subcommands(sub: Any) -> None:
     gen = sub.add_parser(
         "generate", help="generate text for each PROMPT, streamed to the terminal",
@@ -63,7 +78,12 @@ def add_subcommands(sub: Any) -> None:
                     "Without --chat the prompt is echoed and continued; with --chat each prompt is "
                     "a user message and only the reply is printed.",
     )
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text (quote it); give several for a batch")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (quote it); give several for a batch")
+    gen.add_argument("--prompt-token-ids", dest="prompt_token_ids", action="append", default=[], metavar="IDS",
+                     type=parse_token_ids,
+                     help="a prompt as comma-separated token ids, e.g. 1,5,9 (repeatable; run after the text "
+                          "prompts in the same batch). A model without a tokenizer takes only these, and its "
+                          "output is printed as token ids")
     gen.add_argument("--chat", action="store_true",
                      help="wrap each PROMPT as a user message in the model's chat template")
     gen.add_argument("--system", default=None, metavar="TEXT", help="system message for --chat")
@@ -106,8 +126,13 @@ def _print_stats(out: RequestOutput, err: TextIO) -> None:
     print(f"[{', '.join(parts)}]", file=err, flush=True)
 
 
+def _text(out: RequestOutput) -> str:
+    return out.outputs[0].text_delta
+
+
 def stream_in_order(engine: Any, prompts: list[Any], params: SamplingParams, write: Callable[[str], None],
-                    before: Callable[[int], None], after: Callable[[int, RequestOutput], None]) -> list[RequestOutput]:
+                    before: Callable[[int], None], after: Callable[[int, RequestOutput], None],
+                    render: Callable[[RequestOutput], str] = _text) -> list[RequestOutput]:
     """Run all prompts as one batch; write each one's text in prompt order as it streams.
 
     The prompt being shown streams live; later ones keep generating in the same batch and
@@ -129,7 +154,7 @@ def stream_in_order(engine: Any, prompts: list[Any], params: SamplingParams, wri
         before(0)
         while shown < len(ids):
             for out in engine.step():
-                pending[out.request_id].append(out.outputs[0].text_delta)
+                pending[out.request_id].append(render(out))
                 if out.finished:
                     final[out.request_id] = out
             while shown < len(ids):
@@ -151,13 +176,24 @@ def stream_in_order(engine: Any, prompts: list[Any], params: SamplingParams, wri
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    token_prompts: list[list[int]] = list(args.prompt_token_ids)
+    if not args.prompts and not token_prompts:
+        raise ValueError("give a PROMPT or --prompt-token-ids IDS")
+    if args.chat and token_prompts:
+        raise ValueError("--chat renders text messages; --prompt-token-ids prompts are token ids already")
     llm = _build_llm(args)
     out, err = sys.stdout, sys.stderr
+    if args.prompts and llm.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it cannot read text prompts; pass token ids: "
+                         "--prompt-token-ids 1,5,9")
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system else []
         prompts: list[Any] = [llm.apply_chat_template(system + [{"role": "user", "content": p}]) for p in args.prompts]
     else:
         prompts = list(args.prompts)
+    prompts += token_prompts
+    shown = [str(p) for p in args.prompts] + [str(ids) for ids in token_prompts]
+    as_ids = llm.tokenizer is None  # then the output is token ids too
 
     def write(text: str) -> None:
         out.write(text)
@@ -165,16 +201,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
     def before(i: int) -> None:
         if len(prompts) > 1:
-            write(f"--- [{i + 1}/{len(prompts)}] {args.prompts[i]}\n")
-        if not args.chat:
-            write(args.prompts[i])
+            write(f"--- [{i + 1}/{len(prompts)}] {shown[i]}\n")
+        if as_ids:
+            write(f"{shown[i]} ->")
+        elif not args.chat:
+            write(args.prompts[i] if i < len(args.prompts) else llm.tokenizer.decode(prompts[i]))
 
     def after(i: int, result: RequestOutput) -> None:
         write("\n")
         if args.stats:
             _print_stats(result, err)
 
-    stream_in_order(llm.engine, prompts, params, write, before, after)
+    render = (lambda o: "".join(f" {t}" for t in o.outputs[0].token_ids_delta)) if as_ids else _text
+    stream_in_order(llm.engine, prompts, params, write, before, after, render=render)
     return 0
 
 

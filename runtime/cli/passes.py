@@ -59,7 +59,7 @@ def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None,
     """One row per registered pass (built-in and plugin), in pipeline order; `on_device` says
     whether it applies on `device` (default: this machine's, CUDA when available)."""
     from kiln.passes.manager import enabled_pass_names
-    from kiln.passes.registry import all_pass_factories, builtin_pass_factories, create_pass
+    from kiln.passes.registry import all_pass_factories, builtin_pass_factories, create_pass, plugin_load_errors
 
     enabled = enabled_pass_names(enable, disable)
     device = device or current_device()
@@ -80,10 +80,13 @@ def pass_rows(enable: list[str] | None = None, disable: list[str] | None = None,
                                 on_device=_on_device(p, device), device=device))
         except Exception as e:  # a broken pass is listed with its error, not hidden
             rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=source, error=f"{type(e).__name__}: {e}"))
+    load_errors = plugin_load_errors()
     for name, ep in plugin_eps.items():
-        if name not in factories:  # the entry point failed to load (the registry logged why)
-            rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=f"plugin ({ep.value})",
-                                error="cannot load the entry point"))
+        if name not in factories:  # the entry point failed to load: say why, here
+            dist = getattr(ep, "dist", None)
+            source = f"plugin {dist.name} {dist.version} ({ep.value})" if dist is not None else f"plugin ({ep.value})"
+            error = load_errors.get(name, "cannot load the entry point").removesuffix(f" (entry point {ep.value})")
+            rows.append(PassRow(phase="?", name=name, uuid="-", enabled=False, source=source, error=error))
     order = {n: i for i, n in enumerate(enabled)}
 
     def key(r: PassRow) -> tuple[int, int, str]:
@@ -148,18 +151,13 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
     from kiln.compiler.capture import capture
     from kiln.passes.base import PassContext
     from kiln.passes.manager import PassManager
-    from kiln.passes.registry import create_pass
 
     config, model_name, dtype, device = _resolve(args)
     pm = PassManager.default(enable=args.enable_passes, disable=args.disable_passes)
     passes = list(pm.passes)
     target = None
     if stop_before is not None:
-        target = next((p for p in passes if p.name == stop_before), None)
-        if target is None:
-            target = create_pass(stop_before)
-            passes = PassManager(passes + [target]).passes  # placed last within its phase
-        passes = passes[: passes.index(target)]
+        passes, target = pm.split_at(stop_before)  # the same split as kiln.compiler.pass_testing
     elif until_phase != CAPTURED:
         limit = PHASES.index(until_phase)
         passes = [p for p in passes if PHASES.index(p.phase) <= limit]
@@ -200,7 +198,8 @@ def run_show(args: argparse.Namespace) -> int:
             "model": graph.model_name, "architecture": arch, "num_layers": layers, "dtype": dtype,
             "device": str(graph.device), "graph": shown_phase, "phase": args.phase, "pipeline": graph.pipeline,
             "num_nodes": len(gm.graph.nodes), "op_counts": dict(counts.most_common()),
-            "passes": [{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": r.stats} for r in graph.records],
+            "passes": [{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": r.stats, "notes": r.notes}
+                       for r in graph.records],
         }
         if args.explain:
             out["explain"] = [r.to_dict() for r in explain_reports]
@@ -219,6 +218,9 @@ def run_show(args: argparse.Namespace) -> int:
     write("passes run (stats: what each pass did; a pattern pass counts matches per pattern):\n")
     rows = [[r.phase, r.name, r.uuid, ", ".join(f"{k}={v}" for k, v in r.stats.items()) or "-"] for r in graph.records]
     write(_table(["phase", "pass", "uuid", "stats"], rows) + "\n")
+    for r in graph.records:  # e.g. an enabled pass that matched nothing because another consumed its ops
+        for note in r.notes:
+            write(f"note: {note}\n")
     for report in explain_reports:
         write("\n" + str(report) + "\n")
     if args.explain and not explain_reports:

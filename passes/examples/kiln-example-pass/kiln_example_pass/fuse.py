@@ -37,7 +37,7 @@ GELU_TANH_AND_MUL = Pattern(
     "gelu_tanh_and_mul",
     pattern=gelu_tanh_and_mul_unfused,
     replacement=gelu_tanh_and_mul_fused,
-    example_inputs=(torch.randn(4, 32), torch.randn(4, 32)),
+    example_inputs=(torch.randn(1, 4, 32), torch.randn(1, 4, 32)),  # [1, tokens, features], the graph's rank
     where=same_shape_and_dtype,
 )
 

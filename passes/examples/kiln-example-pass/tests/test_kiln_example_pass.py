@@ -15,8 +15,9 @@ import pytest
 import torch
 import transformers
 
-from kiln.passes import PassContext, op_counts
-from kiln.compiler.pass_testing import capture_through, run_graph
+from kiln.passes import op_counts
+from kiln.compiler.graph_inputs import graph_input_roles
+from kiln.compiler.pass_testing import graph_for_pass, run_graph
 
 from kiln_example_pass import GELU_TANH_AND_MUL, FuseGeluTanhAndMul, gelu_tanh_and_mul_reference
 
@@ -29,18 +30,24 @@ def gelu_llama() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**TINY, hidden_act="gelu_pytorch_tanh")
 
 
+PASS = "fuse_gelu_tanh_and_mul"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fuses_every_mlp_and_keeps_the_logits(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("cpu_fusions", [False, True], ids=["cpu-policy", "cuda-policy"])
+def test_fuses_every_mlp_and_keeps_the_logits(dtype: torch.dtype, cpu_fusions: bool) -> None:
+    """On the graph the pass receives in the engine's pipeline: after merge_gate_up, and (with
+    the built-in fusions on, as on CUDA) after fuse_silu_mul and fuse_rmsnorm too."""
     config = gelu_llama()
-    before = capture_through(config, "fusion", dtype=dtype)  # the graph the pass sees in the pipeline
+    before = graph_for_pass(config, PASS, dtype=dtype, cpu_fusions=cpu_fusions)
+    assert {"merge_gate_up", "fuse_rmsnorm", "fuse_silu_mul"} <= set(before.pipeline)  # its phase's built-ins ran first
     after = before.copy()
     counts_before = op_counts(before.graph_module)
     assert counts_before["aten.gelu.default"] == config.num_hidden_layers
     assert counts_before[FUSED_OP] == 0
+    assert (counts_before["kiln.rms_norm.default"] > 0) is cpu_fusions
 
-    stats = FuseGeluTanhAndMul()(after.graph_module, PassContext(config=config, dtype=dtype))
-    after.graph_module.graph.eliminate_dead_code()
-    after.graph_module.recompile()
+    stats = after.run_pass(FuseGeluTanhAndMul())
 
     counts_after = op_counts(after.graph_module)
     assert stats == {"gelu_tanh_and_mul": config.num_hidden_layers}
@@ -49,15 +56,18 @@ def test_fuses_every_mlp_and_keeps_the_logits(dtype: torch.dtype) -> None:
     assert counts_after["aten.mul.Tensor"] == counts_before["aten.mul.Tensor"] - config.num_hidden_layers
     fused = next(iter(after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln_example.gelu_tanh_and_mul.default)))
     assert fused.meta["val"].dtype == dtype  # later passes can read the new node's shape and dtype
-    # On CPU the fused op runs its reference, which rounds exactly like the unfused ops.
+    # gate and up are slices of the merged gate/up projection: run_graph merges the weights
+    # as the loader does. On CPU the fused op runs its reference, which rounds exactly like
+    # the unfused ops.
+    assert "param:model.layers.0.mlp.gate_up_proj.weight" in graph_input_roles(after.graph_module)
     assert torch.equal(run_graph(after), run_graph(before))
 
 
 def test_leaves_a_silu_model_alone() -> None:
     config = transformers.LlamaConfig(**TINY)  # hidden_act="silu"
-    graph = capture_through(config, "fusion")
+    graph = graph_for_pass(config, PASS)
     code_before = graph.graph_module.code
-    stats = FuseGeluTanhAndMul()(graph.graph_module, PassContext(config=config))
+    stats = graph.run_pass(FuseGeluTanhAndMul())
     assert stats == {"gelu_tanh_and_mul": 0}
     assert graph.graph_module.code == code_before
     report = GELU_TANH_AND_MUL.explain(graph.graph_module, dtype=torch.float32)
