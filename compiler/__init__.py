@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "SUPPORTED_ARCHITECTURES": "kiln.compiler.capture", "CapturedModel": "kiln.compiler.capture",
+    "CapturedModel": "kiln.compiler.capture",
     "UnsupportedArchitectureError": "kiln.compiler.capture", "capture": "kiln.compiler.capture",
     "ModelSource": "kiln.compiler.model_source", "ModelSourceError": "kiln.compiler.model_source",
     "default_model_path": "kiln.compiler.model_source", "resolve_model": "kiln.compiler.model_source",

@@ -29,23 +29,35 @@ from kiln.compiler.graph_inputs import (
 
 logger = logging.getLogger("kiln.compiler")
 
-# model_type -> the transformers class capture builds.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-
 ATTN_IMPLEMENTATION = "kiln"
 
 
 class UnsupportedArchitectureError(ValueError):
-    pass
+    """The model holds a construct Kiln cannot run; the message names it and where it is."""
+
+
+# Arguments transformers' attention modules hand the attention function that change what
+# it computes, and which Kiln's marker does not carry: the construct each one stands for.
+_REFUSED_ATTENTION_KWARGS: dict[str, str] = {
+    "s_aux": "attention sinks (learned per-head softmax offset)",
+    "sinks": "attention sinks (learned per-head softmax offset)",
+    "position_bias": "relative position bias added to attention logits",
+    "alibi": "ALiBi attention bias",
+    "head_mask": "attention head mask",
+}
+# Tensor arguments that carry nothing the marker needs (flash attention's packing metadata,
+# positions). Any other tensor handed to the attention function is something it would
+# compute with, which the marker would silently drop: refused by name. (Flags such as
+# output_router_logits also travel in the kwargs and are not tensors.)
+_IGNORED_ATTENTION_KWARGS = frozenset({
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_past", "return_dict",
+    "output_hidden_states",
+})
+
+
+def _module_path(module: torch.nn.Module) -> str:
+    return getattr(module, "_kiln_path", type(module).__name__)
 
 
 def _kiln_attention_forward(
@@ -57,14 +69,35 @@ def _kiln_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    # Refuse, by construct, what the marker cannot express rather than computing it wrongly.
+    where = _module_path(module)
+    for name, construct in _REFUSED_ATTENTION_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedArchitectureError(f"{construct} is not supported (argument {name!r} of {where})")
+    unknown = sorted(k for k, v in kwargs.items()
+                     if isinstance(v, torch.Tensor) and k not in _IGNORED_ATTENTION_KWARGS)
+    if unknown:
+        raise UnsupportedArchitectureError(
+            f"attention argument(s) {', '.join(map(repr, unknown))} that Kiln's attention marker does not carry "
+            f"are not supported ({where})")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        raise UnsupportedArchitectureError(f"bidirectional (non-causal) attention is not supported ({where})")
+    if attention_mask is not None:
+        # "kiln" registers no mask function, so a mask here was built by the model itself.
+        raise UnsupportedArchitectureError(f"a model-built attention mask is not supported ({where})")
+    if key.shape[2] != query.shape[2]:
+        raise UnsupportedArchitectureError(f"cross-attention (keys from another sequence) is not supported ({where})")
     # HF hands [1, H, T, D]; the marker op is token-major [T, H, D] like the paged cache.
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    scale = float(scaling if scaling is not None else module.head_dim**-0.5)
-    out = torch.ops.kiln.attention(q, k, v, int(module.layer_idx), scale, int(sliding_window or 0))
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    out = torch.ops.kiln.attention(q, k, v, int(module.layer_idx), scale, int(sliding_window or 0),
+                                   float(softcap or 0.0))
     return out.unsqueeze(0), None
 
 
@@ -74,18 +107,81 @@ def register_kiln_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, _kiln_attention_forward)
 
 
-def check_architecture(config: Any) -> str:
+def causal_lm_class(config: Any) -> type:
+    """The transformers causal-LM class for `config`, or UnsupportedArchitectureError naming
+    the construct that keeps Kiln from running it (not the architecture's name)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if getattr(config, "auto_map", None) or model_type not in CONFIG_MAPPING_NAMES:
         raise UnsupportedArchitectureError(
-            f"architecture {model_type!r} is not supported by Kiln capture; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return model_type
+            f"trust_remote_code model (model_type {model_type!r} has no implementation in transformers "
+            f"{transformers.__version__}; Kiln traces transformers' own code only)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedArchitectureError(
+            f"cross-attention (an encoder-decoder model: config.is_encoder_decoder of {type(config).__name__})")
+    class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if class_name is None or not hasattr(transformers, class_name):
+        raise UnsupportedArchitectureError(
+            f"no causal-LM head (transformers maps no *ForCausalLM class to model_type {model_type!r})")
+    return getattr(transformers, class_name)
+
+
+# Parameter names that only state-space / recurrent layers have (Mamba's A_log and dt_bias, RWKV's
+# time-mixing decay): their state is not a KV cache, so the paged cache cannot hold it.
+_RECURRENT_PARAMETER_SUFFIXES = (".A_log", ".dt_bias", ".time_decay", ".time_first")
+
+
+def find_unsupported_construct(model: torch.nn.Module) -> str | None:
+    """The first construct in `model` Kiln cannot run, with where it is; None if none."""
+    for name, _ in model.named_parameters():
+        if name.endswith(_RECURRENT_PARAMETER_SUFFIXES):
+            return f"state-space / recurrent layer (parameter {name})"
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            # A causal convolution over the sequence (LFM2's short conv, Mamba's conv): a decode
+            # step would need the previous tokens' inputs, a per-sequence state Kiln lacks.
+            return f"convolution over the sequence ({name}: {type(module).__name__})"
+        if type(module).__name__.endswith(("Mixer", "Mamba", "MambaBlock")) and any(
+                n.endswith("conv1d") for n, _ in module.named_modules()):
+            return f"state-space layer ({name}: {type(module).__name__})"
+    return None
+
+
+def attention_outside_interface(model: torch.nn.Module) -> str:
+    """What a model whose attention never reached the "kiln" function computes instead,
+    named by construct and module (ALiBi bias, or attention written inline)."""
+    attention_modules = [(n, m) for n, m in model.named_modules() if "attention" in type(m).__name__.lower()]
+    where = (f"{attention_modules[0][0]}: {type(attention_modules[0][1]).__name__}" if attention_modules
+             else type(model).__name__)
+    # ALiBi: the model's code builds an ALiBi bias, and the config does not switch it off
+    # (Falcon's code has an ALiBi path that `alibi=False` configs never take).
+    config = getattr(model, "config", None)
+    flag = getattr(config, "alibi", None)
+    if flag is None:
+        flag = getattr(getattr(config, "attn_config", None), "alibi", None)
+    classes = {type(m) for m in model.modules()}
+    if flag is not False and any("alibi" in _class_source(cls).lower() for cls in classes):
+        return f"ALiBi attention bias ({where})"
+    return f"attention computed outside transformers' attention interface ({where})"
+
+
+def _class_source(cls: type) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
 
 
 def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
     """The transformers model for `config`, with Kiln's attention, weights uninitialised.
+
+    Raises UnsupportedArchitectureError naming the construct (state-space layer, ALiBi,
+    cross-attention, ...) and where it is when Kiln cannot run the model.
 
     The model gets its own copy of `config`: transformers' `_from_config` writes the dtype,
     attention and experts implementations onto the config object it is given, and below
@@ -94,13 +190,11 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     batched_mm experts)."""
     import copy
 
-    import transformers
     from transformers import initialization as hf_init
 
-    model_type = check_architecture(config)
+    cls = causal_lm_class(config)
     config = copy.deepcopy(config)
     register_kiln_attention()
-    cls = getattr(transformers, SUPPORTED_ARCHITECTURES[model_type])
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "dtype": dtype}
     if getattr(cls, "_can_set_experts_implementation", lambda: False)():
         # Any model with transformers' pluggable experts (Mixtral, Qwen2/3-MoE, OLMoE, ...):
@@ -111,12 +205,25 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
         # build catches a version where it would not.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
+        if not cls._can_set_attn_implementation():
+            # transformers' own test: the model's attention classes never call
+            # ALL_ATTENTION_FUNCTIONS. Build it plainly to name what they compute instead.
+            del kwargs["attn_implementation"]
+            model = cls._from_config(config, **kwargs)
+            construct = find_unsupported_construct(model) or attention_outside_interface(model)
+            raise UnsupportedArchitectureError(f"{construct} is not supported by Kiln")
         model = cls._from_config(config, **kwargs)
     if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":
         raise RuntimeError(
             f"transformers built {cls.__name__} with experts implementation "
             f"{getattr(model.config, '_experts_implementation', None)!r}, not 'batched_mm': "
             "export cannot trace the others and fuse_moe would not match them")
+    construct = find_unsupported_construct(model)
+    if construct is not None:
+        raise UnsupportedArchitectureError(f"{construct} is not supported by Kiln")
+    for name, module in model.named_modules():
+        # Where each module sits, for refusals raised while tracing (attention arguments).
+        module._kiln_path = f"{name} ({type(module).__name__})"
     model.eval()
     model.config.use_cache = False
     return model
@@ -160,12 +267,12 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     """Trace the HF model for `config` into a flat graph with parameters as inputs."""
     from torch.export import Dim
 
-    check_architecture(config)
     hf = build_hf_model(config, dtype, device)
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     tied = _tied_weights(hf, config)
+    saved = _checkpoint_names(hf)
     wrapper = _LogitsOnly(hf)
 
     example_tokens = 8
@@ -175,6 +282,8 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     dynamic_shapes = {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}}
     with torch.no_grad():
         program = torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes, strict=False)
+    if not program.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+        raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
 
     gm = program.graph_module
     sig = program.graph_signature
@@ -189,6 +298,7 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
             hf_name = _strip_wrapper(spec.target)
             names = [_strip_wrapper(n) for n in aliases[id(named_params[spec.target])]]
             names += [tied[n] for n in names if n in tied]
+            names += [saved[n] for n in names if n in saved]
             param_aliases[hf_name] = list(dict.fromkeys([hf_name] + names))
             node.meta[INPUT_META_KEY] = param_role(hf_name)
         elif kind == "BUFFER":
@@ -221,6 +331,20 @@ def _tied_weights(hf: torch.nn.Module, config: Any) -> dict[str, str]:
     if isinstance(keys, dict):
         return dict(keys)
     return {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> the name transformers' own `save_pretrained` writes it under, where
+    transformers renames it (GPT-NeoX's lm_head is saved as `embed_out`). Only one-to-one
+    renames: tensors split on save (MoE experts) are the loader's `checkpoint_sources`."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names: dict[str, str] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        saved = list(revert_weight_conversion(hf, {name: p}))
+        if len(saved) == 1 and saved[0] != name:
+            names[name] = saved[0]
+    return names
 
 
 def _strip_wrapper(name: str) -> str:

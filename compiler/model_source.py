@@ -284,7 +284,7 @@ def load_config(config_path: Path) -> Any:
         raise ModelSourceError(f"{config_path} is not valid JSON: {e}") from e
     if "model_type" not in raw:
         raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
-    missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw]
+    missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw]
     if missing:
         raise ModelSourceError(f"{config_path} lacks required field(s): {', '.join(missing)}")
     try:
@@ -295,16 +295,29 @@ def load_config(config_path: Path) -> Any:
             return AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
         # transformers' message for an unknown model_type lists every type it knows (~12,000
-        # characters on one line); name the ones Kiln runs instead, and keep other errors short.
-        from kiln.compiler.capture import SUPPORTED_ARCHITECTURES
-
+        # characters on one line); say what Kiln runs instead, and keep other errors short.
         detail = str(e)
         if "Unrecognized model" in detail:
-            detail = f"transformers does not know it; Kiln runs model_type {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            detail = ("transformers does not know it; Kiln runs the causal LMs transformers implements (README, "
+                      "Supported architectures); a model whose code lives in its Hub repo needs trust_remote_code, "
+                      "which Kiln does not run")
         elif len(detail) > 300:
             detail = detail[:300] + "..."
         raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} "
                                f"({detail})") from None
+
+
+def _config_field_alias(model_type: str, field: str) -> str | None:
+    """The name `model_type`'s config.json uses for `field`, where its config class renames
+    it (GPT-2 and GPT-BigCode write `n_embd`, `n_layer`, `n_head`)."""
+    with text_only_transformers():
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except KeyError:
+            return None
+    return getattr(cls, "attribute_map", {}).get(field)
 
 
 def _hf_dir_source(path: Path, load_format: str) -> ModelSource:

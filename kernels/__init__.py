@@ -15,8 +15,9 @@ import logging
 
 import torch
 
-from kiln.kernels import activation as activation  # noqa: F401  (registers kiln::silu_and_mul)
+from kiln.kernels import activation as activation  # noqa: F401  (kiln::silu_and_mul, kiln::gelu_tanh_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
+from kiln.kernels import layer_norm as layer_norm  # noqa: F401  (registers kiln::add_layer_norm)
 from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)
 from kiln.kernels import moe as moe  # noqa: F401  (registers kiln::fused_moe)
 from kiln.kernels import paged_attention as paged_attention  # noqa: F401
@@ -53,5 +54,6 @@ def _register_triton_kernels() -> bool:
 
 _TRITON_REGISTERED = _register_triton_kernels()
 
-__all__ = ["activation", "attention", "linear", "moe", "paged_attention", "rms_norm", "rope", "rope_paged_attention",
+__all__ = ["activation", "attention", "layer_norm", "linear", "moe", "paged_attention", "rms_norm", "rope",
+           "rope_paged_attention",
            "triton_kernels_available"]

@@ -1,4 +1,5 @@
-"""`kiln::silu_and_mul`: the gated MLP's activation, `silu(gate) * up`, in one pass.
+"""`kiln::silu_and_mul` and `kiln::gelu_tanh_and_mul`: the gated MLP's activation,
+`act(gate) * up`, in one pass (SiLU: Llama and most; GELU with the tanh approximation: Gemma).
 
     gate, up  [..., I]  same shape; may be strided views (the two halves of a merged
                         gate/up projection), the last dimension contiguous or not
@@ -30,4 +31,20 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @silu_and_mul.register_fake
 def _silu_and_mul_fake(gate, up):
+    return torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
+
+
+def gelu_tanh_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return (F.gelu(gate, approximate="tanh") * up).contiguous()
+
+
+@kiln_op("kiln::gelu_tanh_and_mul", mutates_args=())
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape:
+        raise ValueError(f"gelu_tanh_and_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    return gelu_tanh_and_mul_reference(gate, up)
+
+
+@gelu_tanh_and_mul.register_fake
+def _gelu_tanh_and_mul_fake(gate, up):
     return torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)

@@ -7,6 +7,15 @@ is plain causal attention over the T tokens of one sequence, so an unrewritten g
 runs and can be checked against Hugging Face.
 
 Layout is token-major: q [T, Hq, D], k and v [T, Hkv, D], output [T, Hq, D].
+
+Per-layer attention semantics travel as the op's scalar arguments, so the paged-KV pass
+and the kernels need no knowledge of the architecture:
+  scale           multiplies q.k (transformers' `scaling`: head_dim ** -0.5, Gemma's
+                  query_pre_attn_scalar ** -0.5, Granite's attention_multiplier, ...)
+  sliding_window  > 0: each query sees its last `sliding_window` keys (itself included);
+                  0 on global layers, so windowed and global layers mix freely (Gemma 2/3)
+  softcap         > 0: logits become softcap * tanh(logits / softcap) before the mask and
+                  softmax (Gemma 2's attn_logit_softcapping); 0 = off
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ def causal_attention(
     sliding_window: int,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of q over k/v, causal by position, GQA by head grouping; float32 softmax.
 
     q [Tq, Hq, D], k/v [Tk, Hkv, D]. Positions default to 0..T-1 for both (a whole prefill).
     sliding_window > 0 limits each query to the last `sliding_window` keys (itself included),
-    as Hugging Face's sliding-window mask does.
+    as Hugging Face's sliding-window mask does. softcap > 0 caps the scaled logits with
+    softcap * tanh(logits / softcap), as Hugging Face's eager Gemma 2 attention does.
     """
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
@@ -41,6 +52,8 @@ def causal_attention(
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = k_positions[None, :] <= q_positions[:, None]
     if sliding_window > 0:
         allowed = allowed & (k_positions[None, :] > q_positions[:, None] - sliding_window)
@@ -58,10 +71,11 @@ def attention(
     layer_idx: int,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    return causal_attention(q, k, v, scale, sliding_window)
+    return causal_attention(q, k, v, scale, sliding_window, softcap=softcap)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, layer_idx, scale, sliding_window):
+def _attention_fake(q, k, v, layer_idx, scale, sliding_window, softcap=0.0):
     return torch.empty_like(q)

@@ -13,7 +13,8 @@ Shapes and meaning (B sequences, T tokens in the step):
   block_tables [B, max_blocks] int32  the blocks of each sequence, in order
   seq_lens     [B] int32     tokens in each sequence's context after this step (cached + new)
   query_start_loc [B+1] int32 offsets of each sequence's tokens in q (cumulative)
-  scale        softmax scale; sliding_window > 0 limits attention to the last N positions.
+  scale        softmax scale; sliding_window > 0 limits attention to the last N positions;
+  softcap      > 0: logits capped as softcap * tanh(logits / softcap) (Gemma 2); 0 = off.
 Returns [T, Hq, D]; rows of padded tokens (past query_start_loc[-1]) are zero.
 
 The CPU reference below is plain torch with a Python loop over sequences; the CUDA
@@ -32,9 +33,16 @@ from kiln.kernels.library import kiln_op
 
 
 def kv_heads_and_head_dim(config: Any) -> tuple[int, int]:
-    """A Hugging Face config's KV heads and head size (GQA configs name the former;
-    configs without `head_dim` split hidden_size evenly across the attention heads)."""
-    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    """A Hugging Face config's KV heads and head size.
+
+    GQA configs name the KV heads (`num_key_value_heads`); multi-query configs that predate
+    that name set a flag instead (GPT-BigCode's `multi_query`: one KV head); otherwise every
+    query head has its own. Configs without `head_dim` split hidden_size evenly across the
+    attention heads. The paged-KV pass checks the result against each layer's traced k."""
+    heads = getattr(config, "num_key_value_heads", None)
+    if heads is None and getattr(config, "multi_query", False):
+        heads = 1
+    heads = int(heads or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     return heads, head_dim
 
@@ -63,6 +71,7 @@ def paged_attention_reference(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     write_kv_cache(k, v, kv_cache, slot_mapping)
     block_size = kv_cache.shape[2]
@@ -81,7 +90,7 @@ def paged_attention_reference(
         positions = torch.arange(seq_len, device=q.device)
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,
-            q_positions=positions[seq_len - n_new:], k_positions=positions,
+            q_positions=positions[seq_len - n_new:], k_positions=positions, softcap=softcap,
         )
     return out
 
@@ -98,12 +107,14 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return paged_attention_reference(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
     )
 
 
 @paged_attention.register_fake
-def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window):
+def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                          softcap=0.0):
     return torch.empty_like(q)

@@ -41,15 +41,16 @@ def rope_paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     check_rope_args(q, k, cos, sin)
     q_rot, k_rot = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
     return paged_attention_reference(q_rot, k_rot, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                     query_start_loc, scale, sliding_window)
+                                     query_start_loc, scale, sliding_window, softcap)
 
 
 @rope_paged_attention.register_fake
 def _rope_paged_attention_fake(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
-                               block_tables, seq_lens, query_start_loc, scale, sliding_window):
+                               block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0):
     dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
     return torch.empty(q.shape, dtype=torch.promote_types(dtype, cos.dtype), device=q.device)

@@ -1,4 +1,4 @@
-"""Triton kernel for `kiln::silu_and_mul` (registered for CUDA).
+"""Triton kernels for `kiln::silu_and_mul` and `kiln::gelu_tanh_and_mul` (registered for CUDA).
 
 Grid: (rows, column blocks). gate and up are read with their own row strides, so the two
 halves of a merged gate/up projection are consumed in place, without a split copy.
@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.activation import gelu_tanh_and_mul as gelu_tanh_and_mul_op
+from kiln.kernels.activation import gelu_tanh_and_mul_reference
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
 from kiln.kernels.activation import silu_and_mul_reference
 
@@ -17,14 +19,20 @@ BLOCK_COLS = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
+                         GELU_TANH: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    activated = (g * tl.sigmoid(g)).to(dt)  # rounded like the eager silu's output
+    if GELU_TANH:
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with 1 + tanh(y) = 2 sigmoid(2y).
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        activated = (g * tl.sigmoid(2.0 * inner)).to(dt)
+    else:
+        activated = (g * tl.sigmoid(g)).to(dt)  # rounded like the eager activation's output
     tl.store(out_ptr + row * n_cols + cols, (activated.to(tl.float32) * u).to(dt), mask=mask)
 
 
@@ -38,11 +46,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, n)
 
 
-def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """act(gate) * up with act = SiLU, or GELU (tanh approximation) with `gelu_tanh`."""
+    name = "gelu_tanh_and_mul" if gelu_tanh else "silu_and_mul"
     if gate.shape != up.shape:
-        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        raise ValueError(f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype:
-        return silu_and_mul_reference(gate, up)
+        return (gelu_tanh_and_mul_reference if gelu_tanh else silu_and_mul_reference)(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = gate.shape[-1] if gate.dim() else 1
     if out.numel() == 0:
@@ -50,11 +60,20 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = _rows(gate), _rows(up)
     block = min(BLOCK_COLS, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-        g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block, num_warps=4,
+        g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block, GELU_TANH=gelu_tanh, num_warps=4,
     )
     return out
+
+
+def gelu_tanh_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_triton(gate, up, gelu_tanh=True)
 
 
 @silu_and_mul_op.register_kernel("cuda")
 def _silu_and_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(gate, up)
+
+
+@gelu_tanh_and_mul_op.register_kernel("cuda")
+def _gelu_tanh_and_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return gelu_tanh_and_mul_triton(gate, up)

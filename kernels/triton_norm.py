@@ -1,4 +1,5 @@
-"""Triton kernels for `kiln::rms_norm` and `kiln::add_rms_norm` (registered for CUDA).
+"""Triton kernels for `kiln::rms_norm`, `kiln::add_rms_norm` and `kiln::add_layer_norm`
+(registered for CUDA).
 
 One program normalises one row (the last dimension fits one block: hidden sizes up to
 16k). Inputs may be strided views with up to two leading levels of strides, e.g. the q
@@ -12,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.layer_norm import add_layer_norm as add_layer_norm_op
+from kiln.kernels.layer_norm import check_layer_norm_args
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
@@ -102,3 +105,64 @@ def _add_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     check_rms_norm_args(x, weight, residual)
     return add_rms_norm_triton(x, residual, weight, eps)
+
+
+@triton.jit
+def _add_layer_norm_kernel(
+    x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
+    rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
+    # Rounded to the residual stream's dtype before normalising, as the eager add is.
+    s = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * n_cols + cols, s, mask=mask)
+    sf = s.to(tl.float32)
+    mean = tl.sum(sf, axis=0) / n_cols
+    centered = tl.where(mask, sf - mean, 0.0)
+    variance = tl.sum(centered * centered, axis=0) / n_cols
+    out = centered * tl.math.rsqrt(variance + eps)
+    if HAS_WEIGHT:
+        out = out * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        out = out + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    summed_dtype = torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+    summed = torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out, summed
+    x3 = _rows_view(x)
+    r3 = _rows_view(residual)
+    if r3.shape != x3.shape:  # views differ in how the leading dims fold: align the residual
+        r3 = residual.reshape(x3.shape)
+    block = pow2_at_least(n)
+    w = weight.contiguous() if weight is not None else out
+    b = bias.contiguous() if bias is not None else out
+    _add_layer_norm_kernel[(rows,)](
+        x3, r3, w, b, out, summed,
+        x3.shape[1], n, float(eps),
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=num_warps_for(block),
+    )
+    return out, summed
+
+
+@add_layer_norm_op.register_kernel("cuda")
+def _add_layer_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                         bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_layer_norm_args(x, residual, weight, bias)
+    return add_layer_norm_triton(x, residual, weight, bias, eps)

@@ -13,7 +13,9 @@ kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the valu
    `query_start_loc[b] // BLOCK_T + b`, which is increasing in b and leaves each sequence at
    least the tiles it needs, so a program finds its sequence by counting starts <= its id.
    The kernel walks the sequence's blocks through the block table with an online softmax
-   (float32), masking causally by position (and by the sliding window).
+   (float32), masking causally by position (and by the sliding window). With a soft-cap
+   (Gemma 2) the scaled logits pass through softcap * tanh(x / softcap) first; SOFTCAP is a
+   compile-time flag, so models without it run the kernel they ran before.
 3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
    length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
    and log-sum-exp, and `_combine_splits_kernel` merges them.
@@ -72,11 +74,11 @@ def _write_kv_kernel(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_seqs, sliding_window,
+    scale, num_seqs, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -132,6 +134,10 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision="ieee") * scale
+        if SOFTCAP:
+            # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
+            # overflowing to inf gives 1 and underflowing to 0 gives -1, so no NaN.
+            qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
         allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
         qk = tl.where(allowed, qk, float("-inf"))
@@ -260,16 +266,17 @@ def paged_attention_triton(
     sliding_window: int,
     num_splits: int | None = None,
     tiling: AttentionTiling | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Write K/V into the cache and attend; `num_splits` and `tiling` override the heuristics (tests)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                         query_start_loc, scale, sliding_window)
+                                         query_start_loc, scale, sliding_window, softcap)
     write_kv_cache_triton(k, v, kv_cache, slot_mapping)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling)
+                               num_splits, tiling, softcap)
 
 
 def attend_paged_triton(
@@ -282,6 +289,7 @@ def attend_paged_triton(
     sliding_window: int,
     num_splits: int | None = None,
     tiling: AttentionTiling | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of q over the cache, whose slots for this step's tokens are already written.
 
@@ -321,11 +329,11 @@ def attend_paged_triton(
     _paged_attention_kernel[(num_tiles, hkv, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc,
-        float(scale), num_seqs, int(sliding_window),
+        float(scale), num_seqs, int(sliding_window), float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
+        SOFTCAP=softcap > 0, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
         NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tiling.num_stages,
     )
@@ -357,24 +365,26 @@ def rope_paged_attention_triton(
     scale: float,
     sliding_window: int,
     num_splits: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """RoPE whose kernel writes the rotated k and v into the cache, then attention."""
     q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, write_kv=(v, kv_cache, slot_mapping))
     if kv_cache.stride(-1) != 1:
         raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
     return attend_paged_triton(q_rot, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits)
+                               num_splits, softcap=softcap)
 
 
 @paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window):
+                          sliding_window, softcap=0.0):
     return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                  scale, sliding_window)
+                                  scale, sliding_window, softcap=softcap)
 
 
 @rope_paged_attention_op.register_kernel("cuda")
 def _rope_paged_attention_cuda(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
-                               block_tables, seq_lens, query_start_loc, scale, sliding_window):
+                               block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0):
     return rope_paged_attention_triton(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
-                                       block_tables, seq_lens, query_start_loc, scale, sliding_window)
+                                       block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                       softcap=softcap)

@@ -134,11 +134,12 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         if not (_same_layout(q_end[1], outs[0]) and _same_layout(k_end[1], outs[1])):
             continue
         q, k, cos, sin, q_weight, k_weight, eps = rope.args
-        _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window = attn.args
+        _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window, *rest = attn.args
+        softcap = rest[0] if rest else 0.0
         with graph.inserting_before(attn):
             fused = graph.call_function(torch.ops.kiln.rope_paged_attention.default, (
                 q, k, v, cos, sin, q_weight, k_weight, eps, kv_cache, slot_mapping, block_tables, seq_lens,
-                query_start_loc, scale, window))
+                query_start_loc, scale, window, softcap))
         fused.meta.update({key: val for key, val in attn.meta.items() if key in ("val", "stack_trace", "nn_module_stack")})
         attn.replace_all_uses_with(fused)
         graph.erase_node(attn)  # the rope node and the views die with it (dead-code elimination)

@@ -1,14 +1,20 @@
 """`paged_kv`: replace each `kiln::attention` marker with `kiln::paged_attention`.
 
-Before: attention(q, k, v, layer_idx, scale, window) over the T tokens of one sequence.
+Before: attention(q, k, v, layer_idx, scale, window, softcap) over the T tokens of one sequence.
 After:  paged_attention(q, k, v, kv_cache_<layer>, slot_mapping, block_tables, seq_lens,
-        query_start_loc, scale, window), which writes K/V into the layer's paged cache and
+        query_start_loc, scale, window, softcap), which writes K/V into the layer's paged cache and
         attends over each sequence's cached blocks, for any mix of prefills and decodes.
 
 Graph inputs added (roles in brackets): one KV cache per layer [kv_cache:<layer>], and the
 batch metadata shared by all layers [batch:slot_mapping], [batch:block_tables],
 [batch:seq_lens], [batch:query_start_loc]. Layout is documented in
-`kiln.kernels.paged_attention`.
+`kiln.kernels.paged_attention`. The per-layer semantics (scale, window, soft-cap) are
+copied from the marker as they are, so layers of one model may differ (Gemma 2's
+alternating windowed and global layers).
+
+The cache's shape comes from the config (`kv_heads_and_head_dim`); each marker's k is
+checked against it here, so a config whose KV heads are named unusually (multi-query
+flags) fails at compile time with the layer named, not with a wrong cache at run time.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kiln.compiler.graph_inputs import add_graph_input, batch_role, kv_cache_role
+from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.base import KilnPass, PassContext, PassStats
 
 METADATA_INPUTS = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
@@ -31,13 +38,19 @@ class PagedKVPass(KilnPass):
         if not markers:
             return {"attention_replaced": 0}
         metadata = {name: add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS}
+        expected = kv_heads_and_head_dim(ctx.config) if ctx.config is not None else None
         for node in markers:
-            q, k, v, layer_idx, scale, window = node.args
+            q, k, v, layer_idx, scale, window, *rest = node.args
+            softcap = rest[0] if rest else 0.0
+            k_val = k.meta.get("val") if isinstance(k, torch.fx.Node) else None
+            if expected is not None and isinstance(k_val, torch.Tensor) and tuple(k_val.shape[1:]) != expected:
+                raise ValueError(f"paged_kv: layer {layer_idx} has {tuple(k_val.shape[1:])} KV heads x head_dim, "
+                                 f"but the KV cache is sized from the config as {expected}")
             kv_cache = add_graph_input(gm, f"kv_cache_{layer_idx}", kv_cache_role(layer_idx))
             with graph.inserting_before(node):
                 paged = graph.call_function(
                     torch.ops.kiln.paged_attention.default,
-                    (q, k, v, kv_cache, *metadata.values(), scale, window),
+                    (q, k, v, kv_cache, *metadata.values(), scale, window, softcap),
                 )
             paged.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)

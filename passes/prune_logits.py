@@ -17,13 +17,26 @@ aten = torch.ops.aten
 # Ops between the LM head and the output that keep rows aligned (HF's logits_to_keep slice).
 _ROW_PRESERVING = {aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.alias.default,
                    aten.to.dtype, aten._to_copy.default, aten.clone.default}
+# Elementwise ops on the logits with scalar operands (Gemma 2's final soft-cap, Cohere's
+# logit_scale, Granite's logits_scaling): they act on each row alone, so rows can be selected
+# before them as well.
+_ELEMENTWISE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.tanh.default,
+                aten.add.Tensor, aten.sub.Tensor}
 _PROJECTIONS = {aten.linear.default, aten.mm.default, aten.matmul.default}
+
+
+def _row_wise(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in _ROW_PRESERVING:
+        return True
+    return node.target in _ELEMENTWISE and not any(isinstance(a, torch.fx.Node) for a in node.args[1:])
 
 
 def find_lm_head(gm: torch.fx.GraphModule) -> torch.fx.Node:
     out = next(iter(gm.graph.find_nodes(op="output")))
     node = out.args[0]
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _ROW_PRESERVING:
+    while isinstance(node, torch.fx.Node) and _row_wise(node):
         node = node.args[0]
     if not (isinstance(node, torch.fx.Node) and node.target in _PROJECTIONS):
         raise ValueError(f"prune_logits: the graph output is not produced by a projection (found {node})")

@@ -32,6 +32,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     # Fusion phase (issue 5), in run order: merges first; fuse_rope before fuse_rmsnorm so
     # that it takes Qwen3's q/k norms into kiln::rope. See kiln.passes.fuse_common for which
     # devices each runs on.
+    from kiln.passes.fuse_layernorm import FuseLayerNormPass
     from kiln.passes.fuse_moe import FuseMoEPass
     from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
     from kiln.passes.fuse_rope import FuseRoPEPass
@@ -41,7 +42,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
 
     factories.update({
         "merge_qkv": MergeQKVPass, "merge_gate_up": MergeGateUpPass, "fuse_rope": FuseRoPEPass,
-        "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass,
+        "fuse_rmsnorm": FuseRMSNormPass, "fuse_silu_mul": FuseSiluMulPass, "fuse_layernorm": FuseLayerNormPass,
         # Mixture-of-experts blocks (issue 17). fuse_silu_mul has by then turned the experts'
         # silu * up into kiln::silu_and_mul; fuse_moe matches either form.
         "fuse_moe": FuseMoEPass,

@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
     # Stays set for the session: the interpreter reads it again at every launch.
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
+from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference  # noqa: E402
 from kiln.kernels.paged_attention import paged_attention_reference  # noqa: E402
 from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from kiln.kernels.rope import rope_reference  # noqa: E402
-from kiln.kernels.triton_activation import silu_and_mul_triton  # noqa: E402
+from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from kiln.kernels.triton_paged_attention import (AttentionTiling, choose_num_splits, choose_tiling,  # noqa: E402
                                                  paged_attention_triton, rope_paged_attention_triton)
@@ -190,6 +190,30 @@ def test_rope_rejects_bad_shapes():
 
 # ---- SiLU-and-mul ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("affine,dtype", [(True, torch.float32), (False, torch.float32), (True, HALF)])
+def test_add_layer_norm(affine, dtype):
+    from kiln.kernels.layer_norm import add_layer_norm_reference
+    from kiln.kernels.triton_norm import add_layer_norm_triton
+
+    # 40 columns (not a power of two: masked lanes must not enter the mean or variance).
+    x, residual = randn(3, 5, 40, seed=51, dtype=dtype) * 2 + 1, randn(3, 5, 40, seed=52, dtype=dtype)
+    weight, bias = (randn(40, seed=53, dtype=dtype), randn(40, seed=54, dtype=dtype)) if affine else (None, None)
+    out, summed = add_layer_norm_triton(x, residual, weight, bias, 1e-5)
+    ref_out, ref_summed = add_layer_norm_reference(x, residual, weight, bias, 1e-5)
+    torch.testing.assert_close(summed, ref_summed, atol=0, rtol=0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+
+
+def test_gelu_tanh_and_mul_on_merged_halves():
+    # Gemma's gated MLP: the two halves of a merged gate/up projection, read in place.
+    merged = randn(6, 2 * 40, seed=41) * 3
+    gate, up = merged[:, :40], merged[:, 40:]
+    out = gelu_tanh_and_mul_triton(gate, up)
+    torch.testing.assert_close(out, gelu_tanh_and_mul_reference(gate, up), atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(out, silu_and_mul_reference(gate, up), atol=1e-2)  # really GELU, not SiLU
+
+
 def test_silu_and_mul_on_merged_halves():
     t, inter = 7, 40
     merged = randn(1, t, 2 * inter, seed=12)
@@ -341,10 +365,12 @@ def assert_cache_matches(cache: torch.Tensor, ref_cache: torch.Tensor, batch: di
 
 
 def check_paged_attention(batch: dict, scale: float, window: int, num_splits: int | None,
-                          atol: float = 2e-5, rtol: float = 2e-5, tiling: AttentionTiling | None = None) -> None:
+                          atol: float = 2e-5, rtol: float = 2e-5, tiling: AttentionTiling | None = None,
+                          softcap: float = 0.0) -> None:
     ref_batch = {k: v.clone() for k, v in batch.items()}
-    out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits, tiling=tiling)
-    ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window)
+    out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits, tiling=tiling,
+                                 softcap=softcap)
+    ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window, softcap=softcap)
     assert_attention_close(out, ref, batch, atol, rtol)
     # The cache after the write must match too (the write is a copy: exactly).
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch)
@@ -385,6 +411,22 @@ def test_paged_attention_sliding_window():
     batch = make_paged_batch(new_tokens=[6, 1], cached=[10, 17], hq=4, hkv=2, d=16, block_size=4, num_blocks=16,
                              seed=3)
     check_paged_attention(batch, scale=0.25, window=5, num_splits=2)
+
+
+@pytest.mark.parametrize("hkv,window,splits", [
+    (2, 0, 1),   # GQA, global layer
+    (1, 5, 2),   # multi-query, windowed layer, split-K
+])
+def test_paged_attention_softcap(hkv, window, splits):
+    # Gemma 2's logit soft-capping; scale 2 pushes logits well into tanh's saturated range,
+    # so a kernel that skipped or misplaced the cap (after the mask, before the scale) fails.
+    batch = make_paged_batch(**MIXED, hq=4, hkv=hkv, d=16, block_size=4, num_blocks=24, seed=31 + hkv)
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    uncapped = paged_attention_reference(**ref_batch, scale=2.0, sliding_window=window)
+    capped = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=2.0, sliding_window=window,
+                                       softcap=1.5)
+    assert (capped - uncapped).abs().max() > 1e-2  # the cap changes the result at this scale
+    check_paged_attention(batch, scale=2.0, window=window, num_splits=splits, softcap=1.5)
 
 
 def test_paged_attention_half_precision():
@@ -436,13 +478,16 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
     cos, sin = _cos_sin(t, 16, seed=22)
     norms = (randn(16, seed=23), randn(16, seed=24)) if with_norm else (None, None)
     ref_batch = {k: v.clone() for k, v in batch.items()}
+    # With the norm, also a soft-cap and a window (Gemma 2's windowed layers): the fused op
+    # hands both through to the attention.
+    softcap, window = (1.5, 5) if with_norm else (0.0, 0)
     out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, *norms, 1e-6, batch["kv_cache"],
                                       batch["slot_mapping"], batch["block_tables"], batch["seq_lens"],
-                                      batch["query_start_loc"], 0.25, 0, num_splits=splits)
+                                      batch["query_start_loc"], 0.25, window, num_splits=splits, softcap=softcap)
     # The reference is what the op's CPU implementation composes: rope, then paged attention.
     q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, *norms, 1e-6)
     ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"], ref_batch["slot_mapping"],
                                     ref_batch["block_tables"], ref_batch["seq_lens"], ref_batch["query_start_loc"],
-                                    0.25, 0)
+                                    0.25, window, softcap)
     assert_attention_close(out, ref, batch, atol=2e-5, rtol=2e-5)
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)

@@ -1,8 +1,15 @@
-"""Tiny random models of every supported architecture, built from config objects.
+"""Tiny random models of every architecture Kiln is tested on, built from config objects.
 
-Nothing is downloaded: each config is small enough to build and run in well under a
-second on CPU, yet keeps the features that matter (GQA, tied embeddings, q/k norm, MoE,
-sliding window, Llama 3.1 rope scaling).
+Nothing is downloaded: each config is small enough (2 layers, hidden 64) to build and run in
+well under a second on CPU, yet keeps the constructs that matter for its family: GQA and
+multi-query attention, tied embeddings, q/k norm, MoE, sliding windows mixed with global
+layers, Llama 3.1 rope scaling, partial rotary, parallel attention/MLP blocks, learned
+absolute positions, attention and final-logit soft-capping, embedding/residual/logit
+multipliers, layers without RoPE, fused qkv and gate/up checkpoint tensors, biases.
+
+`SUPPORTED` lists the architectures Kiln runs (each has a parity test); `REFUSED` lists
+architectures Kiln refuses, each with the construct its message must name. The README's
+support table is generated from both (`tests/support_table.py`).
 """
 
 from __future__ import annotations
@@ -13,31 +20,132 @@ from typing import Any
 import torch
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Architectures whose configs have no KV-head count (every head has its own K/V).
+MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+# Most prompts in the parity tests are longer than this: windowed layers really cut.
+WINDOW = 6
+ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+def _partial_rope(factor: float, theta: float = 10000.0) -> dict[str, Any]:
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+
+
+# model_type -> (config overrides, what the tiny config exercises). Keys that are not a
+# model_type name a variant ("llama2", "llama3.1"), built from the model_type in "model_type".
+_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "llama": (dict(tie_word_embeddings=False), "GQA, RoPE, RMSNorm, SiLU-gated MLP"),
+    "llama2": (dict(model_type="llama", num_key_value_heads=4, tie_word_embeddings=True), "MHA, tied embeddings"),
+    "llama3.1": (dict(model_type="llama", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), "llama3 rope scaling"),
+    "mistral": (dict(sliding_window=24), "sliding window on every layer"),
+    "qwen2": (dict(tie_word_embeddings=True), "qkv bias, tied embeddings"),
+    "qwen3": (dict(head_dim=32), "q/k RMSNorm, head_dim != hidden/heads"),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), "MoE (batched_mm experts)"),
+    "gemma": (dict(head_dim=16), "(1+w) RMSNorm, GELU-tanh gated MLP, embedding scaled by sqrt(hidden)"),
+    "gemma2": (dict(head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING, attn_logit_softcapping=1.0,
+                    final_logit_softcapping=3.0, query_pre_attn_scalar=32),
+               "attention and final-logit soft-capping, windowed + global layers, query_pre_attn_scalar, sandwich norms"),
+    "gemma3_text": (dict(head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=24),
+                    "windowed + global layers with their own RoPE bases, q/k norm, query_pre_attn_scalar"),
+    "phi": (dict(MHA, rope_parameters=_partial_rope(0.5), qk_layernorm=False),
+            "partial rotary (1/2), parallel attention/MLP block, LayerNorm with bias, GELU MLP, biases"),
+    "phi3": (dict(), "fused qkv and gate_up checkpoint tensors"),
+    "olmo": (dict(), "LayerNorm without weights"),
+    "olmo2": (dict(), "q/k RMSNorm over all heads, post-norms"),
+    "olmo3": (dict(sliding_window=WINDOW, layer_types=ALTERNATING), "windowed + global layers, post-norms"),
+    "cohere": (dict(logit_scale=0.5, use_qk_norm=False), "parallel block, LayerNorm without bias, logit scale"),
+    "cohere2": (dict(sliding_window=WINDOW, layer_types=ALTERNATING, logit_scale=0.5),
+                "windowed layers with RoPE, global layers without RoPE, parallel block"),
+    "gpt_neox": (dict(MHA, rope_parameters=_partial_rope(0.25), use_parallel_residual=True),
+                 "partial rotary (1/4), parallel residual, fused qkv, LayerNorm with bias, GELU"),
+    "gpt2": (dict(MHA), "learned absolute positions, Conv1D fused qkv, GELU-tanh, LayerNorm with bias"),
+    "gpt_bigcode": (dict(MHA, multi_query=True), "multi-query attention, learned absolute positions"),
+    "starcoder2": (dict(sliding_window=WINDOW), "sliding window, biases, LayerNorm, GELU-tanh MLP"),
+    "stablelm": (dict(rope_parameters=_partial_rope(0.25), use_qkv_bias=True),
+                 "partial rotary (1/4), qkv bias, LayerNorm"),
+    "granite": (dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+                "embedding, residual, attention and logit multipliers"),
+    "smollm3": (dict(no_rope_layers=[1, 0]), "layers without RoPE"),
+    "helium": (dict(head_dim=16), "Llama-like with head_dim != hidden/heads"),
+    "glm": (dict(head_dim=16), "partial rotary with interleaved (GPT-J style) halves, fused gate_up"),
+    "glm4": (dict(head_dim=16), "partial interleaved rotary, sandwich norms, fused gate_up"),
+    "exaone4": (dict(sliding_window=WINDOW, layer_types=ALTERNATING),
+                "windowed layers with RoPE, global layers without, q/k norm, post-norms"),
+    "gptj": (dict(MHA, rotary_dim=8, tie_word_embeddings=False),
+             "interleaved partial rotary (rotary_dim 8), parallel block, GELU MLP"),
+    "codegen": (dict(MHA, rotary_dim=8, tie_word_embeddings=False), "fused qkv (mp-sharded layout), parallel block"),
+    "persimmon": (dict(MHA, rope_parameters=_partial_rope(0.5), qk_layernorm=True),
+                  "partial rotary, q/k LayerNorm, squared-ReLU MLP"),
+    "nemotron": (dict(head_dim=16, rope_parameters=_partial_rope(0.5)),
+                 "partial rotary, LayerNorm1P (1+w), squared-ReLU MLP"),
+    "opt": (dict(MHA, ffn_dim=128, enable_bias=True), "learned absolute positions with offset, ReLU MLP"),
+    "biogpt": (dict(MHA, scale_embedding=True), "learned absolute positions, scaled embeddings"),
+    "arcee": (dict(head_dim=16), "squared-ReLU MLP without gate"),
+    "seed_oss": (dict(head_dim=16, attention_bias=True), "qkv bias without output bias"),
+    "apertus": (dict(), "xIELU activation, q/k norm"),
+    "hunyuan_v1_dense": (dict(head_dim=16), "q/k norm after RoPE"),
+    "ernie4_5": (dict(head_dim=16), "interleaved RoPE"),
+    "ministral": (dict(head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING), "windowed + global layers"),
+    "ministral3": (dict(head_dim=16), "YaRN rope scaling with Llama 4 attention-temperature scaling of q"),
+    "internlm3": (dict(head_dim=16), "Llama-like (InternLM 3)"),
+    "exaone": (dict(head_dim=16), "Llama-like (EXAONE 3.5)"),
+    "bitnet": (dict(head_dim=16), "sub-norms inside attention and MLP, squared-ReLU gated MLP"),
+    "jais2": (dict(head_dim=16), "LayerNorm, biases everywhere, squared-ReLU MLP without gate"),
+    "vaultgemma": (dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0),
+                   "soft-capping, windowed + global layers, Gemma norms without post-norms"),
+}
+
+# Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
+_REFUSED: dict[str, tuple[dict[str, Any], str]] = {
+    "bloom": (dict(n_layer=2, hidden_size=64, n_head=4, vocab_size=128), "ALiBi attention bias"),
+    "mpt": (dict(d_model=64, n_heads=4, n_layers=2, vocab_size=128), "ALiBi attention bias"),
+    "falcon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+               "attention computed outside transformers' attention interface"),
+    "mamba": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
+    "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
+    "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
+    "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
+}
 
 
 def tiny_config(arch: str) -> Any:
-    import transformers as tf
+    from transformers import AutoConfig
 
-    if arch == "llama":
-        return tf.LlamaConfig(**COMMON, tie_word_embeddings=False)
-    if arch == "llama2":  # MHA, tied embeddings
-        return tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, tie_word_embeddings=True)
-    if arch == "llama3.1":
-        return tf.LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
-    if arch == "mistral":
-        return tf.MistralConfig(**COMMON, sliding_window=24)
-    if arch == "qwen2":
-        return tf.Qwen2Config(**COMMON, tie_word_embeddings=True)
-    if arch == "qwen3":
-        return tf.Qwen3Config(**COMMON, head_dim=32)
-    if arch == "mixtral":
-        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
-    raise ValueError(arch)
+    if arch in _REFUSED:
+        overrides = _REFUSED[arch][0]
+        return AutoConfig.for_model(arch, **overrides)
+    if arch not in _CONFIGS:
+        raise ValueError(f"no tiny config for {arch!r}")
+    overrides = dict(_CONFIGS[arch][0])
+    model_type = overrides.pop("model_type", arch)
+    # Overrides built on MHA carry every size themselves (and must not get COMMON's KV heads).
+    base = {} if "hidden_size" in overrides else COMMON
+    kwargs = {**base, **overrides}
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
+def exercises(arch: str) -> str:
+    """What the tiny config of `arch` exercises (a line of the support table)."""
+    return _CONFIGS[arch][1]
+
+
+def refusal_construct(arch: str) -> str:
+    return _REFUSED[arch][1]
+
+
+def _installed(model_type: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
+SUPPORTED = tuple(a for a, (o, _) in _CONFIGS.items() if _installed(o.get("model_type", a)))
+REFUSED = tuple(a for a in _REFUSED if _installed(a))
+# The original parity set (kept name: other tests parametrize over it).
 ARCHS = ("llama", "llama2", "llama3.1", "mistral", "qwen2", "qwen3", "mixtral")
 
 

@@ -1,0 +1,81 @@
+"""The README's support table is what `tests/support_table.py` generates, and Kiln refuses
+each unsupported architecture naming the construct (not the architecture)."""
+
+from __future__ import annotations
+
+import pytest
+from support_table import README, Row, parse_rows, readme_table, refusal, render
+from tiny_models import REFUSED, SUPPORTED, exercises, refusal_construct, tiny_config
+
+from kiln.compiler.capture import UnsupportedArchitectureError, capture
+
+
+def test_readme_table_is_generated() -> None:
+    table = readme_table(README.read_text())
+    rows = parse_rows(table)
+    assert [r.arch for r in rows] == list(SUPPORTED) + list(REFUSED)
+    # The fusion column is checked per architecture against the real graph by
+    # test_fusions_per_arch.py; everything else is regenerated here.
+    fusions = {r.arch: r.fusions for r in rows}
+    expected = [Row(a, "passes", exercises(a), fusions[a]) for a in SUPPORTED]
+    expected += [Row(a, "refused", refusal(a), "-") for a in REFUSED]
+    assert table == render(expected), "README's support table is stale: run tests/support_table.py --write"
+    assert len({tiny_config(a).model_type for a in SUPPORTED}) >= 30
+
+
+@pytest.mark.parametrize("arch", REFUSED)
+def test_refusal_names_the_construct(arch: str) -> None:
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        capture(tiny_config(arch))
+    message = str(info.value)
+    assert refusal_construct(arch) in message
+    # Named by construct and place, not by architecture name.
+    assert arch not in message.split("(")[0].lower()
+
+
+def test_remote_code_model_is_refused() -> None:
+    config = tiny_config("llama")
+    config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    with pytest.raises(UnsupportedArchitectureError, match="trust_remote_code model"):
+        capture(config)
+
+
+def test_attention_argument_kiln_cannot_honour_is_refused() -> None:
+    # An attention module handing the attention function learned sinks (GPT-OSS's s_aux):
+    # the marker has no such argument, so capture refuses instead of dropping it.
+    import torch
+
+    from kiln.compiler.capture import _kiln_attention_forward
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(UnsupportedArchitectureError, match="attention sinks"):
+        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, s_aux=torch.zeros(2))
+
+
+def test_unknown_tensor_argument_to_attention_is_refused() -> None:
+    # A tensor the attention function would compute with, which the marker has no slot for.
+    import torch
+
+    from kiln.compiler.capture import _kiln_attention_forward
+
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(UnsupportedArchitectureError, match="attention argument.*'token_type_bias'"):
+        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, token_type_bias=torch.zeros(3))
+
+
+def test_kv_cache_shape_mismatch_is_caught_at_compile_time() -> None:
+    # A multi-query config that also claims two KV heads: the cache would be sized for two
+    # while each layer's k has one. The paged-KV pass names the layer instead of letting the
+    # runtime write a wrongly shaped cache.
+    import torch
+
+    from kiln.compiler.pipeline import build_model_graph
+
+    config = tiny_config("gpt_bigcode")
+    config.num_key_value_heads = 2
+    with pytest.raises(ValueError, match=r"paged_kv: layer 0 has \(1, 16\) KV heads x head_dim.*\(2, 16\)"):
+        build_model_graph(config, torch.float32, "cpu")
