@@ -40,7 +40,7 @@ def gelu_tanh_and_mul_replacement(gate, up):
 
 
 GELU_TANH_AND_MUL = Pattern("gelu_tanh_and_mul", gelu_tanh_and_mul_pattern, gelu_tanh_and_mul_replacement,
-                            (torch.randn(4, 32), torch.randn(4, 32)))
+                            (torch.randn(1, 4, 32), torch.randn(1, 4, 32)))  # [1, tokens, features]
 
 
 class FuseSiluMulPass(CustomOpFusionPass):

@@ -111,6 +111,8 @@ def consumed_pattern_notes(graph_pass: GraphPass, stats: PassStats, ctx: PassCon
     for pattern in patterns:
         traced = pattern.traced(ctx.dtype)
         ops = dict.fromkeys(str(n.target) for n in traced.pattern.graph.nodes if n.op == "call_function")
+        if any(not any(counts[op] for _, counts in history) for op in ops):
+            continue  # the model never had every op of this pattern (a LayerNorm pattern on an RMSNorm model)
         for op in ops:
             if now[op]:
                 continue

@@ -37,10 +37,14 @@ PASS = "fuse_gelu_tanh_and_mul"
 @pytest.mark.parametrize("cpu_fusions", [False, True], ids=["cpu-policy", "cuda-policy"])
 def test_fuses_every_mlp_and_keeps_the_logits(dtype: torch.dtype, cpu_fusions: bool) -> None:
     """On the graph the pass receives in the engine's pipeline: after merge_gate_up, and (with
-    the built-in fusions on, as on CUDA) after fuse_silu_mul and fuse_rmsnorm too."""
+    the built-in fusions on, as on CUDA) after fuse_rmsnorm too. Kiln's built-in fuse_silu_mul
+    now fuses GELU-tanh-and-mul as well, so on the CUDA pipeline it is disabled here to give
+    this example pass something to do (test_the_builtin_takes_the_pattern_first checks the
+    overlap is reported)."""
     config = gelu_llama()
-    before = graph_for_pass(config, PASS, dtype=dtype, cpu_fusions=cpu_fusions)
-    assert {"merge_gate_up", "fuse_rmsnorm", "fuse_silu_mul"} <= set(before.pipeline)  # its phase's built-ins ran first
+    before = graph_for_pass(config, PASS, dtype=dtype, cpu_fusions=cpu_fusions,
+                            disable=["fuse_silu_mul"] if cpu_fusions else [])
+    assert {"merge_gate_up", "fuse_rmsnorm"} <= set(before.pipeline)  # its phase's built-ins ran first
     after = before.copy()
     counts_before = op_counts(before.graph_module)
     assert counts_before["aten.gelu.default"] == config.num_hidden_layers
@@ -123,3 +127,13 @@ def test_cuda_kernel_matches_reference() -> None:
         up = torch.randn(shape, generator=g, device="cuda").to(dtype)
         out = torch.ops.kiln_example.gelu_tanh_and_mul(gate, up)
         torch.testing.assert_close(out.float(), gelu_tanh_and_mul_reference(gate, up).float(), atol=tol, rtol=tol)
+
+
+def test_the_builtin_takes_the_pattern_first() -> None:
+    """With the built-in fusions on (CUDA), fuse_silu_mul fuses GELU-tanh-and-mul before this
+    plugin runs: the plugin matches nothing, and the manager says which pass consumed it."""
+    config = gelu_llama()
+    before = graph_for_pass(config, PASS, cpu_fusions=True)
+    stats = before.copy().run_pass(FuseGeluTanhAndMul())
+    assert stats == {"gelu_tanh_and_mul": 0}
+    assert op_counts(before.graph_module)["kiln.gelu_tanh_and_mul.default"] == config.num_hidden_layers
