@@ -3,7 +3,7 @@
 This is the compile cache's artifact for compile mode "graph" (kiln.compiler.startup), the
 CUDA default: there the measured fast path is the post-pass graph run directly (its fused
 ops are Kiln's Triton kernels) with decode steps replayed from CUDA graphs, and some torch
-builds cannot load AOTInductor CUDA packages (README design notes). What a warm start
+builds cannot load AOTInductor CUDA packages (compiler/README.md). What a warm start
 then saves is the capture itself (`torch.export` + passes, ~8.5 s for Llama-3-8B).
 
 Why source and not a pickle: `pickle.dumps(gm)` works, but `pickle.loads` re-traces the

@@ -1,7 +1,7 @@
 """Per-bucket compile: the post-pass graph -> one AOTInductor package per bucket, and back.
 
 Form: an AOTInductor package (`torch._inductor.aoti_compile_and_package`), chosen by
-measurement (README, "Design notes: compile and cache"). A package holds the generated
+measurement (compiler/README.md, "Compile and cache"). A package holds the generated
 C++/Triton code already built into a shared library, so loading one is a `dlopen`: no
 Dynamo, no AOTAutograd, no Inductor code generation, and on CPU no C++ compiler run.
 `standalone_compile` artifacts, by contrast, hold Inductor's Python wrapper and kernel
@@ -69,7 +69,7 @@ def inductor_options(device: torch.device) -> dict[str, Any]:
     The AOTInductor wrapper (the function that calls every kernel of the graph in order) is
     built at -O0: for a 30-layer model it is one large C++ function, and optimizing it
     costs about half of the CPU compile time while the step time does not change
-    measurably (README design notes). The kernels themselves keep Inductor's -O3.
+    measurably (compiler/README.md). The kernels themselves keep Inductor's -O3.
     """
     return {"aot_inductor.compile_wrapper_opt_level": "O0"}
 

@@ -125,13 +125,22 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto") -> ModelSource:
-    """Resolve `model` (None for the default, a HF directory, a GGUF file, or a config.json)."""
+def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto", *,
+                  revision: str | None = None, download_dir: str | os.PathLike | None = None) -> ModelSource:
+    """Resolve `model`: None for the default, a HF directory, a GGUF file, a config.json, or a
+    Hugging Face hub id (`org/name`, see `hub_snapshot`; `revision` and `download_dir` apply
+    to hub ids only)."""
     if load_format not in ("auto", "dummy", "safetensors", "gguf"):
         raise ModelSourceError(f"load_format must be 'auto', 'dummy', 'safetensors' or 'gguf', not {load_format!r}")
     path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists() and model is not None and is_hub_id(str(model)):
+        snapshot = hub_snapshot(str(model), revision, download_dir, weights=load_format != "dummy")
+        source = _hf_dir_source(snapshot, load_format)
+        source.name = str(model)
+        return source
     if not path.exists():
-        raise ModelSourceError(f"model path does not exist: {path}")
+        hint = ", written org/name" if model is not None and "/" not in str(model) else ""
+        raise ModelSourceError(f"model path does not exist: {path} (nor is it a Hugging Face hub id{hint})")
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path, load_format)
     if path.is_file() and path.name.endswith(".json"):
@@ -142,6 +151,129 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
     if path.is_dir():
         return _hf_dir_source(path, load_format)
     raise ModelSourceError(f"{path} is neither a Hugging Face model directory, a .gguf file nor a config .json")
+
+
+# A hub id: `org/name` (letters, digits, '-', '_', '.'), as huggingface_hub validates it.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+# What Kiln reads from a hub snapshot: config, tokenizer files, chat template, safetensors.
+# PyTorch .bin / .pt / .h5 / .msgpack weights and other files are never downloaded.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
+_HUB_TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*"]
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name`, not a path that merely does not exist (./x, /x, ~/x, x.gguf, x.json)."""
+    return bool(_HUB_ID.match(name)) and not name.endswith((".gguf", ".json")) and ".." not in name
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE")
+    if env is not None:
+        return env.strip().lower() in ("1", "true", "yes", "on")
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                 weights: bool = True, files: list[str] | None = None) -> Path:
+    """The local snapshot directory of a hub repo: from the Hugging Face cache, downloaded
+    into it first when online (huggingface_hub's progress bars show the download).
+
+    With HF_HUB_OFFLINE=1 only the cache is read. `download_dir` is the cache directory
+    (huggingface_hub's `cache_dir`). A repo with only PyTorch `.bin` weights is refused with
+    a message, since Kiln reads safetensors only.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    offline = hub_offline()
+    # $HF_HUB_CACHE read now, like HF_HUB_OFFLINE (huggingface_hub reads both once, at import).
+    default_cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    cache = Path(download_dir).expanduser() if download_dir is not None else Path(default_cache)
+    at = f"{repo_id}@{revision}" if revision else repo_id
+    patterns = files if files is not None else (_HUB_FILES if weights else _HUB_TOKENIZER_FILES)
+    if not offline:
+        logger.info("fetching %s from the Hugging Face hub into %s (files already cached are not fetched again)",
+                    at, cache)
+    try:
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline,
+                                          allow_patterns=patterns))
+    except GatedRepoError as e:
+        raise ModelSourceError(f"{at} is gated: accept its licence on huggingface.co and log in "
+                               f"(`hf auth login` or HF_TOKEN) ({e.__class__.__name__})") from None
+    except RepositoryNotFoundError:
+        raise ModelSourceError(f"{at}: no such model on the Hugging Face hub (or it is private: log in with "
+                               "`hf auth login` or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelSourceError(f"{repo_id} has no revision {revision!r} on the Hugging Face hub") from None
+    except LocalEntryNotFoundError:
+        if offline:
+            raise ModelSourceError(
+                f"{at} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set, so it cannot be "
+                f"downloaded: unset HF_HUB_OFFLINE, or fetch it on a machine with network "
+                f"(`hf download {repo_id}`) and copy the cache, or pass a local directory") from None
+        raise ModelSourceError(f"{at} could not be downloaded (no network?) and is not in the Hugging Face cache "
+                               f"({cache}); set HF_HUB_OFFLINE=1 to use only the cache, or pass a local directory"
+                               ) from None
+    except HfHubHTTPError as e:
+        raise ModelSourceError(f"{at}: the Hugging Face hub answered {e}") from None
+    if not (snapshot / "config.json").is_file():
+        raise ModelSourceError(f"{at} has no config.json at {snapshot}: it is not a transformers model repo "
+                               "(for a GGUF file, download it and pass its path)")
+    if weights and not list(snapshot.glob("*.safetensors")):
+        bins = [p.name for p in snapshot.glob("*.bin")] or _remote_bin_files(repo_id, revision, offline)
+        if bins:
+            raise ModelSourceError(
+                f"{at} has only PyTorch .bin weights ({', '.join(sorted(bins)[:3])}); Kiln loads safetensors "
+                "only (it never unpickles weights): use a revision with safetensors (many repos have a "
+                "'refs/pr/N' one from the safetensors conversion bot), or convert them once with "
+                "transformers (`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out)`) and pass out")
+        raise ModelSourceError(f"{at} has no *.safetensors weights at {snapshot}"
+                               + (" (HF_HUB_OFFLINE is set: only part of the repo may be cached)" if offline else ""))
+    return snapshot
+
+
+def _remote_bin_files(repo_id: str, revision: str | None, offline: bool) -> list[str]:
+    """The repo's .bin weight files on the hub (which Kiln did not download); [] offline."""
+    if offline:
+        return []
+    try:
+        from huggingface_hub import list_repo_files
+
+        return [f for f in list_repo_files(repo_id, revision=revision) if f.endswith(".bin")]
+    except Exception:  # only used to word an error better
+        return []
+
+
+def resolve_tokenizer(name: str, revision: str | None = None, download_dir: str | os.PathLike | None = None) -> Any:
+    """A tokenizer given apart from the model (`tokenizer=`): a directory or a hub id."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        if not is_hub_id(name):
+            raise ModelSourceError(f"tokenizer: {name} is neither a directory nor a Hugging Face hub id")
+        path = hub_snapshot(name, revision, download_dir, weights=False)
+    with text_only_transformers():
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as e:
+            raise ModelSourceError(f"tokenizer: cannot load a tokenizer from {path}: {e}") from None
+
+
+def _check_remote_code(raw: dict[str, Any], config_path: Path) -> None:
+    """A config whose architecture only exists as code inside the repo (auto_map, a model_type
+    transformers does not ship) gets a message saying so, not a KeyError."""
+    from transformers import CONFIG_MAPPING
+
+    if "auto_map" in raw and raw.get("model_type") not in CONFIG_MAPPING:
+        raise ModelSourceError(
+            f"{config_path}: model_type {raw.get('model_type')!r} is defined by code shipped in the model repo "
+            "(config 'auto_map', what trust_remote_code would run). Kiln never runs a repo's own modelling code: "
+            "it captures the architectures built into transformers (README: Supported architectures)")
 
 
 def load_config(config_path: Path) -> Any:
@@ -159,6 +291,7 @@ def load_config(config_path: Path) -> Any:
         with text_only_transformers():
             from transformers import AutoConfig
 
+            _check_remote_code(raw, config_path)
             return AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as e:
         # transformers' message for an unknown model_type lists every type it knows (~12,000

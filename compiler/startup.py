@@ -224,7 +224,7 @@ def artifact_mode(device: torch.device) -> str:
 
     On CUDA the fast path is the post-pass graph run directly (its fused ops are Kiln's
     Triton kernels) with decode steps replayed from CUDA graphs, so the cache keeps that
-    graph and a warm start skips only the capture (README design notes say why CUDA does not
+    graph and a warm start skips only the capture (compiler/README.md says why CUDA does not
     use AOTInductor packages). On CPU, AOTI packages load in milliseconds and run 0-20%
     faster than the eager graph.
     """
@@ -239,9 +239,9 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
     Otherwise it uses the cache if it already holds every entry of that device's artifact
     for these settings (`kiln compile` fills it), and else runs the graph eagerly, writing
     nothing. Compiling at start-up is never implicit: on CPU a bucket costs ~20-25 s of
-    CPU time for a step at most ~20% faster, and the default plan has 16 buckets (README
-    design notes). Explicit "inductor" and "graph" work on both devices ("inductor" on CUDA
-    builds packages; see the README for which torch builds load them).
+    CPU time for a step at most ~20% faster, and the default plan has 16 buckets
+    (compiler/README.md). Explicit "inductor" and "graph" work on both devices ("inductor" on CUDA
+    builds packages; see compiler/README.md for which torch builds load them).
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {mode!r}")

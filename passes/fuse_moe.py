@@ -29,7 +29,7 @@ which a pattern traced at fixed example shapes cannot match.
 
 The `batched_mm` graph gathers every pair's expert matrices (tokens x top-k x 3 matrices);
 the fused op reads each expert's weights once per step. So unlike the elementwise fusions it
-pays on CPU too (README, Mixture of experts: 13-50x at 1-64 tokens); still it follows the
+pays on CPU too (compiler/README.md, Mixture of experts: 13-50x at 1-64 tokens); still it follows the
 custom-op policy (`kiln.passes.fuse_common`) for now: CUDA by default, CPU with
 `KILN_CPU_FUSIONS=1` or `FuseMoEPass(on_cpu=True)`.
 """

@@ -117,7 +117,9 @@ class BlockManager:
         At most (num_tokens - 1) tokens are matched: the last token must be computed so that
         there are logits to sample from, even when the whole prompt is cached.
         """
-        if not self.enable_prefix_caching:
+        # A request that wants prompt logprobs needs the logits of every prompt position:
+        # its prompt is computed, never taken from the cache.
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         matched = []

@@ -19,14 +19,15 @@ from kiln.compiler.startup import COMPILE_MODES, CompileOptions
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-MODEL_HELP = "Hugging Face directory, .gguf file or config.json (default: SmolLM2-135M-Instruct GGUF)"
+MODEL_HELP = ("Hugging Face hub id (org/name, from the local HF cache or downloaded), directory, .gguf file or "
+              "config.json (default: SmolLM2-135M-Instruct GGUF)")
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = "", group: str = "engine",
            choices: tuple[str, ...] | None = None, serving_only: bool = False, default_factory: Any = None,
            ) -> Any:
     """A dataclass field with what the CLI needs: its help, its flag ("" for --field-name,
-    None for no flag; a flag starting "--no-"/"--enforce-" stores False), its argument group,
+    None for no flag; a bool field whose default is True gets a flag storing False), its argument group,
     its choices, and whether only commands that run an engine have it (not `kiln compile`)."""
     meta = {"help": help, "flag": flag, "group": group, "choices": choices, "serving_only": serving_only}
     if default_factory is not None:
@@ -37,6 +38,20 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
 @dataclass
 class EngineConfig:
     model: str | None = option(None, help=MODEL_HELP, flag=None)
+    # Hub ids (kiln.compiler.model_source.resolve_model): which commit, where the HF cache is.
+    revision: str | None = option(None, help="hub ids: branch, tag or commit of the model (default: main)")
+    download_dir: str | None = option(None, help="hub ids: Hugging Face cache directory to read and download into "
+                                                 "(default: $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
+    tokenizer: str | None = option(None, help="tokenizer to use instead of the model's (a hub id or a directory)")
+    tokenizer_revision: str | None = option(None, help="hub ids: revision of --tokenizer")
+    # Accepted for vLLM's scripts. Kiln captures the architectures transformers ships and
+    # never runs a repo's own modelling code; a repo that needs it is refused with a message
+    # (kiln.compiler.model_source), with or without this option.
+    trust_remote_code: bool = option(False, help="accepted for vLLM compatibility; Kiln never runs a model repo's own "
+                                                 "code (such models are refused with a message)")
+    # No automatic flag: `kiln generate --seed` is the request seed; `kiln serve --seed` sets this one.
+    seed: int | None = option(None, flag=None, help="seed of the sampler for requests that set none (the same requests "
+                                                     "in the same order give the same text)")
     dtype: str = option("auto", help="float32 | bfloat16 | float16 | auto (float32 on CPU, bfloat16 on CUDA)")
     device: str = option("auto", help="cpu | cuda | auto (CUDA when available)")
     load_format: str = option("auto", choices=("auto", "dummy"),
@@ -54,7 +69,7 @@ class EngineConfig:
     disable_passes: list[str] = option(default_factory=list, flag="--disable-pass", help="turn off a pass (repeatable)")
     gpu_memory_utilization: float = option(0.9, help="CUDA: fraction of GPU memory for weights, activations and "
                                                      "the KV cache")
-    cuda_graphs: bool = option(True, flag="--enforce-eager", help="CUDA: run decode steps without capturing CUDA graphs")
+    enforce_eager: bool = option(False, help="CUDA: run decode steps without capturing CUDA graphs")
     # Launch the next decode step before reading this one's tokens, so the host's per-step
     # work overlaps the device's (LLMEngine.step).
     async_scheduling: bool = option(True, flag="--no-async-scheduling",
@@ -79,8 +94,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None:
             self.model = str(self.model)
-        if self.cache_dir is not None:
-            self.cache_dir = str(self.cache_dir)
+        for name in ("cache_dir", "download_dir", "tokenizer"):
+            if getattr(self, name) is not None:
+                setattr(self, name, str(getattr(self, name)))
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         self.enable_passes, self.disable_passes = list(self.enable_passes), list(self.disable_passes)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if int(getattr(self, name)) < 1:

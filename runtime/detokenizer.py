@@ -65,9 +65,10 @@ class IncrementalDetokenizer:
 class OutputText:
     """One completion's text: detokenized deltas in, stop strings cut, stream-safe deltas out."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str]):
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: list[str], include_stop: bool = False):
         self.detokenizer = detokenizer
         self.stop = list(stop)
+        self.include_stop = include_stop  # keep the stop string at the end of the text (vLLM's option)
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.num_emitted_chars = 0
@@ -98,7 +99,7 @@ class OutputText:
                 best = (at, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self.text = self.text[:best[0] + (len(best[1]) if self.include_stop else 0)]
         self.stopped_by = best[1]
         return best[1]
 

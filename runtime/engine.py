@@ -19,17 +19,17 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.model_source import ModelSource, resolve_model
+from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token
-from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs
+from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
-from kiln.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from kiln.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs, TopLogprob
 from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
@@ -92,10 +92,14 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
 
         with timed(self.timings, "resolve model"):
-            self.source: ModelSource = resolve_model(config.model, config.load_format)
+            self.source: ModelSource = resolve_model(config.model, config.load_format, revision=config.revision,
+                                                     download_dir=config.download_dir)
             self.model_config = self.source.config
         with timed(self.timings, "load tokenizer"):
-            self.tokenizer = self.source.tokenizer()
+            if config.tokenizer is not None:
+                self.tokenizer = resolve_tokenizer(config.tokenizer, config.tokenizer_revision, config.download_dir)
+            else:
+                self.tokenizer = self.source.tokenizer()
         self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
 
         # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
@@ -123,7 +127,7 @@ class LLMEngine:
             kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len, make_runner)
         self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
         self.runner = make_runner(kv.layers)
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and not config.enforce_eager:
             with timed(self.timings, "capture CUDA graphs"):
                 self.runner.capture_decode_graphs(cuda_graph_sizes(self.prepared.plan),
                                                   -(-self.max_model_len // config.block_size))
@@ -131,7 +135,7 @@ class LLMEngine:
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         # Guided decoding: grammars compiled against the tokenizer (lazily), and the logits
         # processor that masks guided rows before every draw.
         vocab, stops = int(self.model_config.vocab_size), sorted(self.eos_token_ids)
@@ -218,6 +222,16 @@ class LLMEngine:
             raise ValueError(f"logprobs: {params.logprobs} exceeds the vocabulary size {vocab}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this model has none; use stop_token_ids")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids",
+                                                                         params.allowed_token_ids or [])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and self.runner.bucket_fns is not None:
+            raise ValueError("prompt_logprobs: not available while the engine runs compiled buckets (each has a "
+                             "fixed number of logits rows); start it with compile='eager' (--compile eager)")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words: words need a tokenizer, and this model has none")
         return token_ids
 
     def add_request(
@@ -259,7 +273,11 @@ class LLMEngine:
         if self.tokenizer is not None:
             for seq in seqs:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-                seq.text = OutputText(detok, params.stop)
+                seq.text = OutputText(detok, params.stop, include_stop=params.include_stop_str_in_output)
+        if params.bad_words:
+            banned = self._bad_words_token_ids(params.bad_words)
+            for seq in seqs:
+                seq.bad_words_token_ids = banned
         self.requests[request_id] = _Request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, seqs, every_step,
         )
@@ -267,6 +285,17 @@ class LLMEngine:
             self.scheduler.add(seq)
         if grammar is not None:
             self.grammar_masker.register(request_id, grammar)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (how it appears mid-text), as vLLM does."""
+        out: list[list[int]] = []
+        vocab = self.model_config.vocab_size
+        for word in words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer(variant, add_special_tokens=False)["input_ids"])
+                if ids and all(t < vocab for t in ids) and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (finish reason
@@ -338,7 +367,15 @@ class LLMEngine:
                 item.seq.first_scheduled_time = now
         # Built on the host; the runner uploads them (pinned, two copies for a decode graph).
         inputs = prepare_step_inputs(SchedulerOutput(scheduled=scheduled), self.block_manager, "cpu")
+        # Requests asking for prompt logprobs had rows of their prompt chunk added after the
+        # sampled rows (prepare_step_inputs): which, in the same order.
+        prompt_rows = [(item.seq, p) for item in scheduled
+                       for p in prompt_logprob_positions(item.seq, item.seq.num_computed_tokens, item.num_new_tokens)]
         logits = self.runner.execute(inputs, input_ids)
+        if prompt_rows:
+            num_sampled = logits.shape[0] - len(prompt_rows)
+            self._record_prompt_logprobs(logits[num_sampled:], prompt_rows)
+            logits = logits[:num_sampled]
         sampling: list[Sequence] = []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -400,7 +437,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
         seq.append_token(token)
         if logprobs is not None:
-            seq.logprobs.append(logprobs)
+            seq.logprobs.append(self._logprob_entry(logprobs))
+            seq.cumulative_logprob += logprobs.logprob
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -411,6 +449,34 @@ class LLMEngine:
         if reason is not None:
             seq.finish_time = now
             self.scheduler.finish(seq, reason)
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, rows: list[tuple[Sequence, int]]) -> None:
+        """Row i of `logits` is position p of its sequence: the distribution of prompt token p + 1."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor([seq.prompt_token_ids[p + 1] for seq, p in rows], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        top_n = max(seq.params.prompt_logprobs or 0 for seq, _ in rows)
+        top_values, top_ids = (logprobs.topk(top_n, dim=-1) if top_n else (None, None))
+        top_values = top_values.tolist() if top_values is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        chosen_list, target_list = chosen[:, 0].tolist(), targets.tolist()
+        for i, (seq, p) in enumerate(rows):
+            n = seq.params.prompt_logprobs or 0
+            top = [TopLogprob(top_ids[i][j], top_values[i][j]) for j in range(n)] if n else []
+            seq.prompt_logprobs[p + 1] = self._logprob_entry(
+                TokenLogprobs(token_id=target_list[i], logprob=chosen_list[i], rank=ranks[i], top=top))
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's per-position shape: token id -> Logprob(logprob, rank, decoded_token), the
+        sampled token and the top N (inserted most likely first)."""
+        def text(token_id: int) -> str | None:
+            return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+        entry = {t.token_id: Logprob(t.logprob, rank, text(t.token_id)) for rank, t in enumerate(lp.top, start=1)}
+        if lp.token_id not in entry:
+            entry[lp.token_id] = Logprob(lp.logprob, lp.rank, text(lp.token_id))
+        return entry
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         """Update `seq`'s text with `token`; say why it ends here, if it does."""
@@ -452,6 +518,7 @@ class LLMEngine:
             index=seq.index, text=text, token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if wants_logprobs else None,
+            cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
             text_delta=delta, token_ids_delta=seq.output_token_ids[start:],
             logprobs_delta=seq.logprobs[start:] if wants_logprobs else None,
         )
@@ -482,4 +549,6 @@ class LLMEngine:
             outputs=[self._completion_output(s) for s in seqs],
             finished=all(s.is_finished for s in seqs), metrics=metrics,
             num_cached_tokens=seqs[0].num_cached_tokens,
+            prompt_logprobs=([None] + [seqs[0].prompt_logprobs.get(p) for p in range(1, len(req.prompt_token_ids))]
+                             if req.params.prompt_logprobs is not None else None),
         )

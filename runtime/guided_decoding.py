@@ -35,6 +35,8 @@ logger = logging.getLogger("kiln.runtime.guided")
 
 TOOL_CALL_PREFIX = '<tool_call>\n{{"name": {name}, "arguments": '
 TOOL_CALL_SUFFIX = "}\n</tool_call>"
+MISTRAL_CALL_PREFIX = '[TOOL_CALLS][{{"name": {name}, "arguments": '
+MISTRAL_CALL_SUFFIX = "}]"
 # Whitespace between JSON tokens is capped: a small model left free to emit whitespace can
 # spend its whole token budget on newlines inside an unfinished object.
 MAX_JSON_WHITESPACE = 2
@@ -78,28 +80,52 @@ class GrammarCompiler:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def tool_calls(self, tools: list[ToolSchema], mode: str, parallel: bool = True) -> Any:
+    def tool_calls(self, tools: list[ToolSchema], mode: str, parallel: bool = True, parser: str = "hermes") -> Any:
         """mode: 'named' (exactly one call of tools[0]), 'required' (one call of any tool)
-        or 'auto' (free text; any `<tool_call>` the model starts must be a valid call; with
-        `parallel` False, generation stops after the first call)."""
+        or 'auto' (free text; any call the model starts must be a valid one; with `parallel`
+        False, generation stops after the first call). `parser` is the model family's call
+        format (kiln.runtime.serving.tool_parser): hermes and mistral are built here,
+        llama3_json and qwen3_coder come from xgrammar's built-in structural tags."""
         from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, StructuralTag, TagFormat,
                                              TriggeredTagsFormat)
 
         for tool in tools:
             self._check_schema(tool.parameters, tool.param)
+        builtin = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}.get(parser)
+        if builtin is not None:
+            return self._compile(lambda c: c.compile_structural_tag(self._builtin_tag(builtin, tools, mode, parallel)),
+                                 "tools")
+        begin, end, trigger = TOOL_CALL_PREFIX, TOOL_CALL_SUFFIX, "<tool_call>"
+        if parser == "mistral":
+            begin, end, trigger = MISTRAL_CALL_PREFIX, MISTRAL_CALL_SUFFIX, "[TOOL_CALLS]"
+        elif parser != "hermes":
+            raise GrammarError(f"no tool-call grammar for parser {parser!r}", "tools")
         tags = [
-            TagFormat(begin=TOOL_CALL_PREFIX.format(name=json.dumps(t.name)),
+            TagFormat(begin=begin.format(name=json.dumps(t.name)),
                       content=JSONSchemaFormat(json_schema=t.parameters, max_whitespace_cnt=MAX_JSON_WHITESPACE),
-                      end=TOOL_CALL_SUFFIX)
+                      end=end)
             for t in tools
         ]
         if mode == "auto":
-            fmt: Any = TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags, stop_after_first=not parallel)
+            fmt: Any = TriggeredTagsFormat(triggers=[trigger], tags=tags, stop_after_first=not parallel)
         elif len(tags) == 1:
             fmt = tags[0]
         else:
             fmt = OrFormat(elements=tags)
         return self._compile(lambda c: c.compile_structural_tag(StructuralTag(format=fmt)), "tools")
+
+    @staticmethod
+    def _builtin_tag(model: str, tools: list[ToolSchema], mode: str, parallel: bool) -> Any:
+        from xgrammar import get_builtin_structural_tag
+
+        choice: Any = {"auto": "auto", "required": "required"}.get(mode)
+        if mode == "named":
+            choice = {"type": "function", "function": {"name": tools[0].name}}
+        return get_builtin_structural_tag(
+            model, tools=[{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
+                          for t in tools],
+            tool_choice=choice, reasoning="disabled", parallel_tool_calls=parallel,
+            max_whitespace_cnt=MAX_JSON_WHITESPACE)
 
     def structured(self, spec: Any, param: str = "structured_outputs") -> Any:
         """The compiled grammar of a `StructuredOutputs` (kiln.runtime.sampling_params)."""

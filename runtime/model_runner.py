@@ -24,6 +24,14 @@ from kiln.runtime.scheduler import SchedulerOutput
 logger = logging.getLogger("kiln.runtime")
 
 
+def prompt_logprob_positions(seq: Any, begin: int, num_new_tokens: int) -> range:
+    """Positions p of this chunk whose logits give the logprob of prompt token p + 1
+    (requests with `prompt_logprobs` only; the last prompt position is the sampled row)."""
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    return range(begin, min(begin + num_new_tokens, seq.num_prompt_tokens - 1))
+
+
 def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, device: torch.device | str) -> StepInputs:
     tokens: list[int] = []
     positions: list[int] = []
@@ -31,6 +39,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     seq_lens: list[int] = []
     starts = [0]
     sample_rows: list[int] = []
+    prompt_rows: list[int] = []  # SamplingParams.prompt_logprobs: see `prompt_logprob_rows`
     tables = []
     for item in step.scheduled:
         seq, n = item.seq, item.num_new_tokens
@@ -45,6 +54,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         starts.append(starts[-1] + n)
         if item.samples:
             sample_rows.append(starts[-1] - 1)
+        prompt_rows.extend(starts[-2] + (p - begin) for p in prompt_logprob_positions(seq, begin, n))
         tables.append(seq.block_table)
     width = max(1, max(len(t) for t in tables))
     # One tensor from padded rows (0 is the null block): one call instead of one per row.
@@ -60,10 +70,11 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         block_tables=block_tables,
         seq_lens=t(seq_lens, torch.int32),
         query_start_loc=t(starts, torch.int32),
-        logits_indices=t(sample_rows, torch.long),
+        # Sampled rows first (the sampler takes the first len(sample_rows)), then prompt rows.
+        logits_indices=t(sample_rows + prompt_rows, torch.long),
     )
     # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
-    sizes = bucket_sizes(len(tokens), len(seq_lens), len(sample_rows), width)
+    sizes = bucket_sizes(len(tokens), len(seq_lens), len(sample_rows) + len(prompt_rows), width)
     for name, spec in BATCH_INPUTS.items():
         if name not in inputs:
             inputs[name] = spec.empty_step_value(sizes)

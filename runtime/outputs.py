@@ -13,23 +13,48 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
+    """One token's log-probability as vLLM returns it: `CompletionOutput.logprobs[i]` maps
+    token id -> Logprob for the sampled token and the N most likely ones."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# vLLM's names: per position, token id -> Logprob.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class TopLogprob:
     token_id: int
     logprob: float
 
 
 @dataclass
 class TokenLogprobs:
-    """Logprobs of one generated token.
+    """Logprobs of one generated token, as the sampler computes them (the engine turns them
+    into `dict[int, Logprob]` for the outputs).
 
-    Computed by the sampler from the log-softmax of the logits it sampled from, after
-    repetition/presence/frequency penalties and the min_tokens mask, before temperature and
-    top-k/top-p/min-p (see `kiln.runtime.sampler`).
+    Computed from the log-softmax of the logits the sampler sampled from, after
+    repetition/presence/frequency penalties, logit_bias, allowed_token_ids, bad_words and the
+    min_tokens mask, before temperature and top-k/top-p/min-p (see `kiln.runtime.sampler`).
     """
 
     token_id: int
     logprob: float
     rank: int  # 1 = the most likely token
-    top: list[Logprob] = field(default_factory=list)  # the N most likely, most likely first
+    top: list[TopLogprob] = field(default_factory=list)  # the N most likely, most likely first
+
+
+def top_entries(token_id: int, entry: dict[int, Logprob], n: int) -> tuple[Logprob, list[tuple[int, Logprob]]]:
+    """(the sampled token's Logprob, the `n` most likely entries, most likely first) of one
+    position: what OpenAI's `logprobs` / `top_logprobs` are built from. (`n` is needed: the
+    dict alone cannot tell a sampled token of rank n+1 from a top-n one.)"""
+    top = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= n),
+                 key=lambda x: x[1].rank or 0)
+    return entry[token_id], top[:n]
 
 
 @dataclass
@@ -39,15 +64,18 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS
-    logprobs: list[TokenLogprobs] | None = None  # when the request asked for them
+    # When the request asked for logprobs (vLLM's shape): per generated token, token id ->
+    # Logprob for the sampled token and the `logprobs` most likely ones.
+    logprobs: SampleLogprobs | None = None
+    # Sum of the sampled tokens' logprobs (None unless logprobs were asked for, as in vLLM).
+    cumulative_logprob: float | None = None
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
-    logprobs_delta: list[TokenLogprobs] | None = None
+    logprobs_delta: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
 
 @dataclass
 class RequestMetrics:
@@ -74,3 +102,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Prompt tokens whose K/V came from the prefix cache (first completion, last admission).
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs, as vLLM returns them: None for the first prompt token,
+    # then token id -> Logprob for each prompt token and the N most likely there.
+    prompt_logprobs: PromptLogprobs | None = None

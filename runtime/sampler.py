@@ -6,6 +6,8 @@ vocabulary. The single device-to-host copy is the final `.tolist()`.
 
 Per row, in this order:
   1. penalties: repetition (prompt + output tokens), presence and frequency (output tokens);
+     then logit_bias, allowed_token_ids (every other token -inf) and bad_words (the last
+     token of a bad word -inf when the output ends with the word's other tokens);
   2. the min_tokens mask: EOS (unless ignore_eos) and stop_token_ids get -inf while the
      output is shorter than min_tokens;
   -> these are "the logits the sampler saw": logprobs are their log-softmax, and greedy
@@ -26,7 +28,7 @@ from typing import Any, Iterable
 
 import torch
 
-from kiln.runtime.outputs import Logprob, TokenLogprobs
+from kiln.runtime.outputs import TokenLogprobs, TopLogprob
 from kiln.runtime.sequence import Sequence
 
 
@@ -59,10 +61,13 @@ def row_seed(seed: int, index: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, eos_token_ids: Iterable[int] = (), seed: int | None = None):
         self.eos_token_ids = sorted(set(int(t) for t in eos_token_ids))
         # One generator per device for seeded rows (re-seeded before each row's draw) and one
-        # for unseeded rows, seeded from the OS: no state shared with anything else.
+        # for unseeded rows, seeded from the OS, or from `seed` (the engine's seed option:
+        # the same requests in the same order draw the same tokens): no state shared with
+        # anything else.
+        self.seed = seed
         self._seeded: dict[torch.device, torch.Generator] = {}
         self._unseeded: dict[torch.device, torch.Generator] = {}
 
@@ -70,7 +75,10 @@ class Sampler:
         gen = pool.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
+            if self.seed is not None and pool is self._unseeded:
+                gen.manual_seed(row_seed(self.seed, 0, 0))
+            else:
+                gen.manual_seed(int.from_bytes(os.urandom(8), "little") & (2**63 - 1))
             pool[device] = gen
         return gen
 
@@ -123,7 +131,7 @@ class Sampler:
         launch); the min_tokens mask is exact with in-flight tokens counted, but only worth
         deferring once it no longer applies. Seeded draws count in-flight tokens (`_draw`).
         """
-        return not any(s.params.has_penalties or s.params.logprobs is not None
+        return not any(s.params.has_penalties or s.params.logprobs is not None or s.bad_words_token_ids
                        or s.num_sampled_tokens < s.params.min_tokens for s in seqs)
 
     # ---- step 1-2: what the sampler sees ------------------------------------------------
@@ -131,12 +139,37 @@ class Sampler:
         """Penalties and the min_tokens mask applied to a copy of `logits` (`logits` itself,
         unchanged, when no row has either: the copy of a 128K-vocabulary batch per step is
         host time and a kernel for nothing)."""
-        if not any(s.params.has_penalties or s.num_sampled_tokens < s.params.min_tokens for s in seqs):
+        if not any(s.params.has_penalties or s.params.has_token_masks or s.num_sampled_tokens < s.params.min_tokens
+                   for s in seqs):
             return logits.float()
         out = logits.float().clone()
         self._apply_penalties(out, seqs)
+        self._apply_token_masks(out, seqs)
         self._apply_min_tokens(out, seqs)
         return out
+
+    @staticmethod
+    def _apply_token_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """logit_bias, allowed_token_ids, bad_words (ids beyond the vocabulary were refused at
+        admission; the graph's vocabulary may be padded wider than the tokenizer's)."""
+        device = logits.device
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=device)
+                logits[i].index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                          device=device))
+            if p.allowed_token_ids is not None:
+                keep = torch.full_like(logits[i], float("-inf"))
+                ids = torch.tensor(p.allowed_token_ids, device=device)
+                keep[ids] = 0.0
+                logits[i] += keep
+            if seq.bad_words_token_ids:
+                out = seq.output_token_ids
+                banned = [w[-1] for w in seq.bad_words_token_ids
+                          if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])]
+                if banned:
+                    logits[i, torch.tensor(banned, device=device)] = float("-inf")
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -227,13 +260,13 @@ class Sampler:
         params = [s.params for s in seqs]
         device = scaled.device
         vocab = scaled.shape[1]
-        use_top_k = any(p.top_k != -1 and p.top_k < vocab for p in params)
+        use_top_k = any(0 < p.top_k < vocab for p in params)
         use_top_p = any(p.top_p < 1.0 for p in params)
         if use_top_k or use_top_p:
             ordered, order = scaled.sort(dim=-1, descending=True)
             drop = torch.zeros_like(ordered, dtype=torch.bool)
             if use_top_k:
-                k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=device)
+                k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
                 drop |= torch.arange(vocab, device=device)[None, :] >= k[:, None]
                 ordered = ordered.masked_fill(drop, float("-inf"))
             if use_top_p:
@@ -269,6 +302,6 @@ class Sampler:
             if n is None:
                 result.append(None)
                 continue
-            top = [Logprob(top_ids[i][j], top_values[i][j]) for j in range(n)] if n else []
+            top = [TopLogprob(top_ids[i][j], top_values[i][j]) for j in range(n)] if n else []
             result.append(TokenLogprobs(token_id=token_list[i], logprob=chosen_list[i], rank=rank_list[i], top=top))
         return result

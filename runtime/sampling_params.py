@@ -62,8 +62,14 @@ class SamplingParams:
     `presence_penalty` is subtracted once from tokens already in the output and
     `frequency_penalty` once per occurrence there (OpenAI semantics).
     `logprobs=N` returns, per generated token, its own logprob plus the N most likely.
-    `stop` strings end generation and are not part of the returned text; `stop_token_ids`
-    end it like EOS does. `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
+    `stop` strings end generation and are not part of the returned text (unless
+    `include_stop_str_in_output`); `stop_token_ids` end it like EOS does.
+    `logit_bias` adds a value in [-100, 100] to a token's logit; `allowed_token_ids` keeps only
+    those tokens; `bad_words` are never generated (a word's last token is masked whenever the
+    output ends with its other tokens, written with and without a leading space, as vLLM does).
+    `top_k` 0 or -1 means off (vLLM's convention). `prompt_logprobs=N` returns, per prompt
+    token after the first, its logprob plus the N most likely (the engine refuses it when it
+    runs compiled buckets, whose number of logits rows is fixed; see LLMEngine.validate_request). `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
     until that many tokens exist; `ignore_eos` keeps going past EOS. `structured_outputs`
     constrains the output to a JSON schema, regex, choice or grammar (a `StructuredOutputs`
     or a dict of its fields).
@@ -86,6 +92,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -107,6 +118,16 @@ class SamplingParams:
             self.stop = list(self.stop)
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            # JSON object keys are strings: "50256": -100 means token 50256.
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)[:5]!r}") from None
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.validate()
 
     @classmethod
@@ -139,8 +160,8 @@ class SamplingParams:
             raise bad("temperature", f"must be a number >= 0 (0 = greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise bad("top_k", f"must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", f"must be 0 or -1 (disabled) or an integer >= 1, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -165,6 +186,26 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise bad("skip_special_tokens", f"must be true or false, got {self.skip_special_tokens!r}")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(not _is_int(t) or t < 0 or not _is_number(v) or not -100 <= v <= 100
+                       for t, v in self.logit_bias.items())):
+            raise bad("logit_bias", f"must map token ids (integers >= 0) to numbers in [-100, 100], "
+                                    f"got {self.logit_bias!r}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", f"must be a non-empty list of token ids (integers >= 0), "
+                                           f"got {self.allowed_token_ids!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", f"must be a list of non-empty strings, got {self.bad_words!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", f"must be true or false, got {self.include_stop_str_in_output!r}")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                         f"got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -173,3 +214,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_token_masks(self) -> bool:
+        """logit_bias / allowed_token_ids / bad_words: applied with the penalties (step 1)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
+
+
+# vLLM's name (vllm.sampling_params.StructuredOutputsParams).
+StructuredOutputsParams = StructuredOutputs

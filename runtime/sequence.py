@@ -15,7 +15,7 @@ from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.runtime.detokenizer import OutputText
-    from kiln.runtime.outputs import TokenLogprobs
+    from kiln.runtime.outputs import Logprob
 
 
 class SequenceStatus(enum.Enum):
@@ -52,8 +52,13 @@ class Sequence:
     fork_parent: "Sequence | None" = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS
-    # Per generated token when the request asked for logprobs.
-    logprobs: list["TokenLogprobs"] = field(default_factory=list)
+    # Per generated token when the request asked for logprobs (vLLM's shape), and their sum.
+    logprobs: list[dict[int, "Logprob"]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # SamplingParams.prompt_logprobs: prompt position -> token id -> Logprob (positions >= 1).
+    prompt_logprobs: dict[int, dict[int, "Logprob"]] = field(default_factory=dict)
+    # SamplingParams.bad_words as token sequences (the engine tokenizes them at admission).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # Output text state (None when the model has no tokenizer).
     text: "OutputText | None" = None
     # What the last RequestOutput already carried (its deltas start here).

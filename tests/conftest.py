@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 # Compile and load a one-matmul AOTInductor package for CUDA in a fresh process: on some
-# torch builds (README, "Design notes: compile and cache") loading *any* CUDA package
+# torch builds (compiler/README.md, "Compile and cache") loading *any* CUDA package
 # segfaults, Kiln or not; tests that load CUDA packages are then skipped with that reason.
 _AOTI_CUDA_SMOKE = """
 import torch, tempfile, os

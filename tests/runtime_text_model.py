@@ -36,8 +36,10 @@ def build_text_model(path: Path, seed: int = 0) -> Path:
         return path
     tokenizer = load_default_tokenizer()
     tokenizer.save_pretrained(path)
-    config = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer)}, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    # The tokenizer's special ids replace COMMON's (which also sets them, for models without one).
+    config = LlamaConfig(**{**COMMON, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+                            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+                         tie_word_embeddings=True)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

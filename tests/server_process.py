@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import os
 import shlex
 import signal
@@ -57,15 +59,16 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(*args: str) -> ServerProcess:
-    """Start `kiln serve` with the default model and `args`; returns once /health is OK."""
+def start_server(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """Start `kiln serve` with the default model and `args` (and `env` added to the
+    environment); returns once /health is OK."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="kiln-serve-", suffix=".log", delete=False)
     # KILN_TEST_SERVE_ARGS: extra options for local debugging (e.g. --verbose).
     extra = shlex.split(os.environ.get("KILN_TEST_SERVE_ARGS", ""))
     cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *args, *extra]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     server = ServerProcess(proc, port, Path(log.name))
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -89,6 +92,8 @@ def metric(text: str, name: str, labels: str = "") -> float:
         if line.startswith("#"):
             continue
         parts = line.rsplit(" ", 1)
-        if len(parts) == 2 and parts[0] == key:
+        # Every kiln: metric carries model_name (as vLLM's do); match the other labels.
+        sample = re.sub(r'model_name="[^"]*",?', "", parts[0]).replace(",}", "}").replace("{}", "")
+        if len(parts) == 2 and sample == key:
             return float(parts[1])
     raise KeyError(f"{key} not in metrics")

@@ -16,7 +16,7 @@ PROMPTS = [[1, 5, 7, 9, 11, 13, 2], [3, 4], list(range(10, 47))]
 def test_cuda_graph_decode_matches_eager_and_hf(tiny_model_dir) -> None:
     path, hf = tiny_model_dir("llama")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    eager = LLM(str(path), device="cuda", dtype="float32", cuda_graphs=False, progress=False)
+    eager = LLM(str(path), device="cuda", dtype="float32", enforce_eager=True, progress=False)
     graphed = LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, progress=False)
     eager_out = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     graph_out = [o.outputs[0].token_ids for o in graphed.generate(PROMPTS, params)]

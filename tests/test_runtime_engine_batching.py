@@ -253,19 +253,25 @@ def test_logprobs_equal_log_softmax_of_what_the_sampler_saw(batched):
     finally:
         engine.sampler.launch = original
     rows = {key: logits[j] for logits, keys in seen for j, key in enumerate(keys)}
-    for out in outs:
+    for out, n in zip(outs, (4, 0)):
         comp = out.outputs[0]
         assert len(comp.logprobs) == len(comp.token_ids) == 5
-        for k, (token, lp) in enumerate(zip(comp.token_ids, comp.logprobs)):
+        for k, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs)):
+            # vLLM's shape: token id -> Logprob(logprob, rank, decoded_token), the sampled
+            # token and the n most likely.
             ref = torch.log_softmax(rows[(out.request_id, 0, k)], dim=-1)
-            assert lp.token_id == token
+            lp = entry[token]
             assert lp.logprob == pytest.approx(ref[token].item(), abs=1e-5)
             assert lp.rank == int((ref > ref[token]).sum()) + 1
-            n = len(lp.top)
-            assert [t.token_id for t in lp.top] == ref.topk(n).indices.tolist() if n else True
-            assert [t.logprob for t in lp.top] == pytest.approx(ref.topk(n).values.tolist(), abs=1e-5)
-    assert len(outs[0].outputs[0].logprobs[0].top) == 4 and outs[1].outputs[0].logprobs[0].top == []
-    assert outs[1].outputs[0].logprobs[0].rank == 1  # greedy picks the most likely token
+            top = sorted((t for t in entry if entry[t].rank <= n), key=lambda t: entry[t].rank)
+            assert top == ref.topk(n).indices.tolist() if n else top == []
+            assert [entry[t].logprob for t in top] == pytest.approx(ref.topk(n).values.tolist(), abs=1e-5)
+            assert set(entry) == set(top) | {token}
+        assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids,
+                                                                                          comp.logprobs)))
+    greedy = outs[1].outputs[0]
+    assert list(greedy.logprobs[0]) == greedy.token_ids[:1]  # logprobs=0: the sampled token alone
+    assert greedy.logprobs[0][greedy.token_ids[0]].rank == 1  # greedy: the most likely
 
 
 def test_stop_token_ids_min_tokens_eos_and_ignore_eos(batched):
@@ -338,7 +344,7 @@ def test_stream_deltas_and_timings(batched):
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"),
+    (dict(top_k=-3), "top_k"),  # 0 and -1 both mean off (vLLM)
     (dict(top_k=-2), "top_k"),
     (dict(n=0), "n"),
     (dict(min_p=2.0), "min_p"),
@@ -384,7 +390,7 @@ def test_invalid_requests_name_the_field_and_fail_alone(batched, reference):
     assert e.outputs[2].outputs[0].token_ids == alone(reference, good2, params)[0]
     # Per-prompt dict params: a bad one fails alone too.
     with pytest.raises(GenerateError) as err:
-        batched.generate([good1, good2], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 2, "top_k": 0}])
+        batched.generate([good1, good2], [{"max_tokens": 2, "temperature": 0}, {"max_tokens": 2, "top_k": -5}])
     assert set(err.value.errors) == {1} and "top_k" in err.value.errors[1]
     assert len(err.value.outputs[0].outputs[0].token_ids) == 2
     assert not engine.has_unfinished()

@@ -36,7 +36,7 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Par
 
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
-    srv = start_server("--max-model-len", "1024", "--served-model-name", "smol")
+    srv = start_server("--max-model-len", "1024", "--served-model-name", "smol", "--enable-auto-tool-choice")
     yield srv
     srv.stop()
 
@@ -65,11 +65,11 @@ def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI)
     assert client.models.retrieve("smol").id == "smol"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     text = metrics_text(server)
-    for name in ("kiln_num_requests_waiting", "kiln_num_sequences_running", "kiln_kv_blocks_in_use",
-                 "kiln_kv_blocks_total", "kiln_prefix_cache_hit_rate"):
+    for name in ("kiln:num_requests_waiting", "kiln:num_requests_running", "kiln:kv_blocks_in_use",
+                 "kiln:kv_blocks_total", "kiln:prefix_cache_hit_rate"):
         metric(text, name)
-    assert metric(text, "kiln_kv_blocks_total") > 0
-    assert "kiln_time_to_first_token_seconds" in text and "kiln_time_per_output_token_seconds" in text
+    assert metric(text, "kiln:kv_blocks_total") > 0
+    assert "kiln:time_to_first_token_seconds" in text and "kiln:time_per_output_token_seconds" in text
 
 
 def test_completion_usage_and_logprobs_match_tokenizer(client: openai.OpenAI, tokenizer) -> None:
@@ -290,7 +290,7 @@ def test_json_response_format(client: openai.OpenAI) -> None:
 
 
 def test_concurrent_requests_share_engine_steps(server: ServerProcess) -> None:
-    before = metric(metrics_text(server), "kiln_engine_steps_total")
+    before = metric(metrics_text(server), "kiln:engine_steps_total")
 
     async def run() -> list:
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=180) as c:
@@ -300,7 +300,7 @@ def test_concurrent_requests_share_engine_steps(server: ServerProcess) -> None:
 
     results = asyncio.run(run())
     assert all(r.usage.completion_tokens == 12 for r in results)
-    steps = metric(metrics_text(server), "kiln_engine_steps_total") - before
+    steps = metric(metrics_text(server), "kiln:engine_steps_total") - before
     # Run one after another they would need >= 4 x 12 steps; batched, about 12.
     assert steps <= 2 * 12, steps
 
@@ -315,8 +315,8 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
 
 
 def test_disconnect_mid_stream_frees_kv_blocks(server: ServerProcess) -> None:
-    assert _wait_for(lambda: metric(metrics_text(server), "kiln_kv_blocks_in_use") == 0)
-    aborted_before = metric(metrics_text(server), "kiln_requests_aborted_total")
+    assert _wait_for(lambda: metric(metrics_text(server), "kiln:kv_blocks_in_use") == 0)
+    aborted_before = metric(metrics_text(server), "kiln:requests_aborted_total")
     body = {"model": "smol", "prompt": "Count slowly: one, two,", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http:
@@ -330,23 +330,23 @@ def test_disconnect_mid_stream_frees_kv_blocks(server: ServerProcess) -> None:
                     if got == 3:
                         break
             text = metrics_text(server)
-            assert metric(text, "kiln_kv_blocks_in_use") > 0
-            assert metric(text, "kiln_num_sequences_running") == 1
+            assert metric(text, "kiln:kv_blocks_in_use") > 0
+            assert metric(text, "kiln:num_requests_running") == 1
         # Leaving the `with` closes the connection mid-stream.
-    assert _wait_for(lambda: metric(metrics_text(server), "kiln_kv_blocks_in_use") == 0, 60), metrics_text(server)
+    assert _wait_for(lambda: metric(metrics_text(server), "kiln:kv_blocks_in_use") == 0, 60), metrics_text(server)
     text = metrics_text(server)
-    assert metric(text, "kiln_num_sequences_running") == 0
-    assert metric(text, "kiln_requests_aborted_total") == aborted_before + 1
+    assert metric(text, "kiln:num_requests_running") == 0
+    assert metric(text, "kiln:requests_aborted_total") == aborted_before + 1
 
 
 def test_disconnect_while_waiting_for_non_streamed_reply(server: ServerProcess) -> None:
-    aborted_before = metric(metrics_text(server), "kiln_requests_aborted_total")
+    aborted_before = metric(metrics_text(server), "kiln:requests_aborted_total")
     body = {"model": "smol", "prompt": "Count slowly: one, two,", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", json=body, timeout=httpx.Timeout(60, read=3))
-    assert _wait_for(lambda: metric(metrics_text(server), "kiln_requests_aborted_total") == aborted_before + 1, 60)
-    assert _wait_for(lambda: metric(metrics_text(server), "kiln_kv_blocks_in_use") == 0, 60)
+    assert _wait_for(lambda: metric(metrics_text(server), "kiln:requests_aborted_total") == aborted_before + 1, 60)
+    assert _wait_for(lambda: metric(metrics_text(server), "kiln:kv_blocks_in_use") == 0, 60)
 
 
 def test_zz_sigterm_finishes_in_flight_request_then_exits(server: ServerProcess) -> None:

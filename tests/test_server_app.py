@@ -36,11 +36,11 @@ def test_two_apps_in_one_process_keep_separate_metrics(engine: LLMEngine) -> Non
     with TestClient(b) as cb:
         text_b = cb.get("/metrics").text
         assert cb.get("/health").json() == {"status": "ok"}
-    assert metric(text_a, "kiln_requests_total", 'endpoint="/v1/completions",status="200"') == 1
-    assert metric(text_a, "kiln_requests_total", 'endpoint="/v1/completions",status="404"') == 1
-    assert metric(text_a, "kiln_generation_tokens_total") == 5
-    assert "kiln_requests_total{" not in text_b  # b served nothing
-    assert metric(text_b, "kiln_generation_tokens_total") == 0
+    assert metric(text_a, "kiln:http_requests_total", 'endpoint="/v1/completions",status="200"') == 1
+    assert metric(text_a, "kiln:http_requests_total", 'endpoint="/v1/completions",status="404"') == 1
+    assert metric(text_a, "kiln:generation_tokens_total") == 5
+    assert "kiln:http_requests_total{" not in text_b  # b served nothing
+    assert metric(text_b, "kiln:generation_tokens_total") == 0
 
 
 def test_without_tokenizer_text_prompts_and_chat_are_clear_400s(engine: LLMEngine) -> None:

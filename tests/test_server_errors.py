@@ -43,7 +43,9 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
     ("completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
     ("completions", {"prompt": []}, 400, "prompt", "empty"),
     ("completions", {"prompt": [10**9]}, 400, "prompt", "vocabulary"),
-    ("completions", {"prompt": "x", "temprature": 0.5}, 400, "temprature", "unrecognized"),
+    # Unknown top-level fields are accepted and logged (as vLLM does); inside messages they are an error.
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "contnet": 1}]}, 400, "messages[0].contnet",
+     "unrecognized"),
     ("completions", {"prompt": "x", "stop": [""]}, 400, "stop", "stop"),
     ("completions", {"max_tokens": 3}, 400, "prompt", "required"),
     ("chat/completions", {"messages": []}, 400, "messages", "at least one message"),
@@ -75,6 +77,7 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None, str]] = [
 @pytest.fixture(scope="module")
 def server() -> ServerProcess:
     srv = start_server("--max-model-len", str(MAX_MODEL_LEN), "--api-key", API_KEY, "--max-num-seqs", "2",
+                       "--enable-auto-tool-choice",
                        "--max-waiting-requests", "4", "--served-model-name", "smol")
     yield srv
     srv.stop()
@@ -141,8 +144,8 @@ def wait_idle(server: ServerProcess, timeout: float = 90) -> str:
     text = ""
     while time.monotonic() < deadline:
         text = httpx.get(server.url + "/metrics").text
-        if (metric(text, "kiln_num_requests_waiting") == 0 and metric(text, "kiln_num_sequences_running") == 0
-                and metric(text, "kiln_kv_blocks_in_use") == 0):
+        if (metric(text, "kiln:num_requests_waiting") == 0 and metric(text, "kiln:num_requests_running") == 0
+                and metric(text, "kiln:kv_blocks_in_use") == 0):
             return text
         time.sleep(0.2)
     raise AssertionError(f"server not idle after {timeout}s:\n{text}")
@@ -227,8 +230,8 @@ def test_200_bad_requests_interleaved_with_good_ones(server: ServerProcess) -> N
         assert choice.finish_reason == "length"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     after = wait_idle(server)
-    assert metric(after, "kiln_engine_step_failures_total") == metric(before, "kiln_engine_step_failures_total")
-    served = sum(metric(after, "kiln_requests_total", f'endpoint="{e}",status="200"')
+    assert metric(after, "kiln:engine_step_failures_total") == metric(before, "kiln:engine_step_failures_total")
+    served = sum(metric(after, "kiln:http_requests_total", f'endpoint="{e}",status="200"')
                  for e in ("/v1/completions", "/v1/chat/completions"))
     assert served >= good_n
     assert elapsed < 120, elapsed

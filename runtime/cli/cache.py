@@ -130,7 +130,8 @@ def _setup(args: argparse.Namespace) -> Any:
     config = EngineConfig(**engine_kwargs(args))
     device = config.resolved_device()
     dtype = config.resolved_dtype(device)
-    source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto")
+    source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto",
+                           revision=config.revision, download_dir=config.download_dir)
     return setup_for_engine(config.compile_options(), source.config, dtype, device)
 
 

@@ -28,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     groups = {"engine": parser.add_argument_group("model and engine")}
     if model_positional:
         groups["engine"].add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+        # vLLM's scripts also write --model; kiln.runtime.cli.main merges the two.
+        groups["engine"].add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                                      help="the model, as a flag (same as the positional MODEL)")
     else:
         groups["engine"].add_argument("--model", "-m", default=None, help=MODEL_HELP)
     for f in dataclasses.fields(EngineConfig):
@@ -40,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if _FIELD_TYPES[f.name] is bool:
-            # "--no-x" / "--enforce-eager" switch a default-on option off; others switch one on.
+            # "--no-x" switches a default-on option off; others ("--enforce-eager") switch one on.
             g.add_argument(flag, dest=f.name, action="store_false" if default else "store_true", help=meta["help"])
         elif isinstance(default, list):
             g.add_argument(flag, dest=f.name, action="append", default=[], metavar="NAME", help=meta["help"])
@@ -58,7 +61,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig keyword arguments from parsed `add_engine_args` flags."""
     from kiln.compiler.buckets import parse_bucket_spec
 
-    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    # Only the fields that have a flag here (and the model): a command's own option of the
+    # same name (`kiln generate --seed`, the request's seed) is not an engine option.
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+           if hasattr(args, f.name) and (f.metadata.get("flag") is not None or f.name == "model")}
     out["decode_buckets"], out["token_buckets"] = parse_bucket_spec(getattr(args, "buckets", []) or [])
     return out
 

@@ -99,7 +99,7 @@ def add_subcommands(sub: Any) -> None:
     )
     chat.add_argument("--system", default=None, metavar="TEXT", help="system message that starts the conversation")
     add_sampling_args(chat)
-    add_engine_args(chat)
+    add_engine_args(chat, model_positional=True)
     chat.set_defaults(func=run_chat)
 
 

@@ -10,7 +10,9 @@ import sys
 from typing import Any
 
 from kiln.runtime.serving.app import (DEFAULT_CHAT_TEMPLATE_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES,
-                                      DEFAULT_MAX_WAITING_REQUESTS, PROMPT_CHARS_PER_TOKEN, ServerConfig, build_app)
+                                      DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_STATS_INTERVAL_S, PROMPT_CHARS_PER_TOKEN,
+                                      ServerConfig, build_app)
+from kiln.runtime.serving.tool_parser import TOOL_PARSERS
 
 
 def add_subcommands(sub: Any) -> None:
@@ -18,8 +20,10 @@ def add_subcommands(sub: Any) -> None:
 
     p = sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics). Binds to 127.0.0.1 unless --host says otherwise.",
+        description="Serve MODEL (a Hugging Face hub id, directory or .gguf file; positional or --model) over an "
+                    "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                    "/detokenize, /version, /health, /metrics), with vLLM's options. Binds to 127.0.0.1 unless "
+                    "--host says otherwise.",
     )
     add_engine_args(p, model_positional=True)
     g = p.add_argument_group("server")
@@ -46,8 +50,25 @@ def add_subcommands(sub: Any) -> None:
                         f"{DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g})")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")
-    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+    g.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default warning)")
+    v = p.add_argument_group("vLLM options")
+    v.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler for requests that give none (the same requests in the same order give "
+                        "the same text)")
+    v.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template (a file, or the template itself) used instead of the model's")
+    v.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are written by this model family, for parsing them and constraining "
+                        "tool_choice (default hermes: <tool_call> JSON, Hermes / Qwen)")
+    v.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when tools are given): the model may answer or call '
+                        "tools, and calls are parsed with --tool-call-parser")
+    v.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log one line per request (logged by default)")
+    v.add_argument("--disable-log-stats", action="store_true",
+                   help="do not log the throughput / KV-cache line every 10 s while serving")
     p.set_defaults(func=run_serve)
 
 
@@ -60,6 +81,26 @@ def default_served_name(model: str | None) -> str:
         except Exception:
             return "default"
     return model
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a file's contents, or the value itself when it is a template (as vLLM
+    takes it); checked to compile, so a broken template fails at start-up, not per request."""
+    from pathlib import Path
+
+    import jinja2
+
+    path = Path(value).expanduser()
+    looks_like_template = any(marker in value for marker in ("{{", "{%"))
+    if not looks_like_template:
+        if not path.is_file():
+            raise ValueError(f"--chat-template: {value} is neither a file nor a Jinja template")
+        value = path.read_text()
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {e}") from None
+    return value
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -96,16 +137,22 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--chat-template-timeout must be > 0 seconds, got {args.chat_template_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty; give a key or leave the option out")
+    chat_template = read_chat_template(args.chat_template) if args.chat_template is not None else None
     check_port_free(args.host, args.port)
     names = args.served_model_name or [default_served_name(args.model)]
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args), seed=args.seed))
     app = build_app(engine, ServerConfig(served_model_names=names, api_key=args.api_key,
                                          max_waiting_requests=args.max_waiting_requests,
                                          shutdown_timeout=args.shutdown_timeout,
                                          max_request_bytes=args.max_request_bytes,
                                          max_prompt_chars=args.max_prompt_chars,
                                          allow_client_chat_template=args.allow_client_chat_template,
-                                         chat_template_timeout=args.chat_template_timeout))
+                                         chat_template_timeout=args.chat_template_timeout,
+                                         tool_call_parser=args.tool_call_parser,
+                                         enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                         chat_template=chat_template,
+                                         disable_log_requests=args.disable_log_requests,
+                                         stats_interval=0.0 if args.disable_log_stats else DEFAULT_STATS_INTERVAL_S))
     where = f"http://{args.host}:{args.port}" if ":" not in args.host else f"http://[{args.host}]:{args.port}"
     print(f"kiln serve: {names[0]} on {where}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

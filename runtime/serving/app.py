@@ -3,8 +3,11 @@
     GET  /v1/models              the served model
     POST /v1/completions         prompt(s) -> text (stream with SSE)
     POST /v1/chat/completions    messages (+ tools) -> reply or tool calls (stream with SSE)
+    POST /tokenize               prompt or messages -> token ids (vLLM's)
+    POST /detokenize             token ids -> text (vLLM's)
+    GET  /version                {"version": Kiln's version}
     GET  /health                 200 while the engine runs, 503 otherwise
-    GET  /metrics                Prometheus text format
+    GET  /metrics                Prometheus text format (vLLM's metric names, `kiln:` prefix)
 
 Errors use OpenAI's format, {"error": {"message", "type", "param", "code"}}, with the HTTP
 status saying whose fault it was: 400 bad input (the message names the field), 401 a
@@ -38,7 +41,7 @@ logger = logging.getLogger("kiln.runtime.serving.app")
 DEFAULT_MAX_WAITING_REQUESTS = 512
 # A request body bigger than this is refused (413) before it is parsed. Parsing JSON holds
 # the GIL throughout, in proportion to the body's size, which stalls the event loop too, so
-# this bound is what keeps /health prompt (README: request limits); 4 MiB still holds a
+# this bound is what keeps /health prompt (runtime/README.md: request limits); 4 MiB still holds a
 # dozen prompts at the default character limit.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 # Threads that parse bodies, tokenize and render templates (two: enough to keep the loop
@@ -48,6 +51,8 @@ DEFAULT_PREPARE_THREADS = 2
 # characters long, so a prompt over this cannot fit the context anyway.
 PROMPT_CHARS_PER_TOKEN = 32
 DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 2.0
+# vLLM's period for its throughput / KV-usage log line while serving.
+DEFAULT_STATS_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -61,6 +66,12 @@ class ServerConfig:
     allow_client_chat_template: bool = False
     chat_template_timeout: float = DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
     prepare_threads: int = DEFAULT_PREPARE_THREADS
+    # vLLM's options (kiln.runtime.serving.vllm_compat.ServingOptions).
+    tool_call_parser: str = "hermes"
+    enable_auto_tool_choice: bool = False
+    chat_template: str | None = None  # the server's template, used instead of the tokenizer's
+    disable_log_requests: bool = False
+    stats_interval: float = DEFAULT_STATS_INTERVAL_S  # the throughput / KV line; 0: off
 
 
 def build_app(engine: Any, config: ServerConfig) -> Any:
@@ -78,7 +89,11 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, OpenAIError, bad_request,
                                               server_error)
     from kiln.runtime.serving.openai_serving import ClientDisconnected, OpenAIServing, RequestLimits
-    from kiln.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics
+    from kiln.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics, StatsLogger
+    from kiln.runtime.serving.tool_parser import get_tool_parser
+    from kiln.runtime.serving.vllm_compat import (DetokenizeRequest, ServingOptions, TokenizeRequest, detokenize,
+                                                  tokenize)
+    from kiln.runtime.version import __version__
 
     for name in ("max_request_bytes", "prepare_threads"):
         if getattr(config, name) < 1:
@@ -87,23 +102,34 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
         raise ValueError(f"max_prompt_chars must be >= 1, got {config.max_prompt_chars}")
     if not config.chat_template_timeout > 0:
         raise ValueError(f"chat_template_timeout must be > 0 seconds, got {config.chat_template_timeout}")
+    get_tool_parser(config.tool_call_parser)  # an unknown name fails here, naming the choices
+    if config.stats_interval < 0:
+        raise ValueError(f"stats_interval must be >= 0 seconds (0: off), got {config.stats_interval}")
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
-    metrics = ServerMetrics(async_engine, cache_info=lambda: _cache_info(engine))
+    metrics = ServerMetrics(async_engine, cache_info=lambda: _cache_info(engine),
+                            model_name=config.served_model_names[0] if config.served_model_names else "kiln")
     # Owned by this app (two apps in one process do not share it); shut down with it.
     prepare_pool = ThreadPoolExecutor(max_workers=config.prepare_threads, thread_name_prefix="kiln-prepare")
     limits = RequestLimits(max_prompt_chars=config.max_prompt_chars,
                            allow_client_chat_template=config.allow_client_chat_template,
                            chat_template_timeout=config.chat_template_timeout)
-    serving = OpenAIServing(async_engine, config.served_model_names, metrics, limits, prepare_pool)
+    options = ServingOptions(tool_call_parser=config.tool_call_parser,
+                             enable_auto_tool_choice=config.enable_auto_tool_choice,
+                             chat_template=config.chat_template, log_requests=not config.disable_log_requests)
+    serving = OpenAIServing(async_engine, config.served_model_names, metrics, limits, prepare_pool, options)
     api_key = config.api_key.encode() if config.api_key else None
     max_bytes = config.max_request_bytes
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await async_engine.start()
+        stats = (asyncio.get_running_loop().create_task(StatsLogger(metrics, async_engine, config.stats_interval).run())
+                 if config.stats_interval > 0 else None)
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             await async_engine.shutdown(timeout=config.shutdown_timeout)
             prepare_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -195,6 +221,36 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
             return error_response(e, "/v1/models/{model}")
         metrics.record_request("/v1/models/{model}", 200)
         return next(card for card in serving.model_cards() if card["id"] == model_id)
+
+    async def simple(request: Request, endpoint: str, model: type[BaseModel], fn: Callable[[Any], Any]) -> Any:
+        """A small endpoint: key check, body parsing, `fn(body)` in a worker thread; a
+        ValueError from it is a 400 naming the field its message starts with."""
+        try:
+            check_api_key(request)
+            body = await parse_body(request, model)
+            serving.check_model(getattr(body, "model", None))
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(prepare_pool, fn, body)
+            except ValueError as e:
+                raise bad_request(str(e), str(e).split(":", 1)[0]) from None
+        except OpenAIError as e:
+            return error_response(e, endpoint)
+        metrics.record_request(endpoint, 200)
+        return result
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint(request: Request) -> Any:
+        return await simple(request, "/tokenize", TokenizeRequest, lambda body: tokenize(
+            engine.tokenizer, body, config.chat_template, int(engine.max_model_len)))
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint(request: Request) -> Any:
+        return await simple(request, "/detokenize", DetokenizeRequest, lambda body: detokenize(
+            engine.tokenizer, body, int(engine.model_config.vocab_size)))
+
+    @app.get("/version")
+    async def version() -> Any:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Any:

@@ -27,6 +27,16 @@ TOOLS_SYSTEM_PROMPT = (
     "arguments, inside <tool_call></tool_call> tags:\n"
     '<tool_call>\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n</tool_call>'
 )
+# The last sentence of TOOLS_SYSTEM_PROMPT in the call format of each other tool-call parser
+# (`kiln serve --tool-call-parser`), so the parser can read back what the prompt asks for.
+TOOL_FORMAT_INSTRUCTIONS = {
+    "llama3_json": ('To call a function, reply with only a JSON object naming the function and giving its '
+                    'arguments:\n{{"name": <function name>, "parameters": <arguments as a JSON object>}}'),
+    "mistral": ('To call a function, reply with [TOOL_CALLS] and a JSON list of calls:\n'
+                '[TOOL_CALLS][{{"name": <function name>, "arguments": <arguments as a JSON object>}}]'),
+    "qwen3_coder": ("To call a function, reply with:\n<tool_call>\n<function=FUNCTION NAME>\n"
+                    "<parameter=PARAMETER NAME>\nVALUE\n</parameter>\n</function>\n</tool_call>"),
+}
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -88,9 +98,13 @@ def to_template_messages(req: ChatCompletionRequest, native_tools: bool) -> list
     return out
 
 
-def _with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _with_tools_system_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+                              tool_format: str = "hermes") -> list[dict[str, Any]]:
     described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     note = TOOLS_SYSTEM_PROMPT.format(tools=described)
+    if tool_format in TOOL_FORMAT_INSTRUCTIONS:
+        head = note[:note.index("To call a function")]
+        note = head + TOOL_FORMAT_INSTRUCTIONS[tool_format].format()
     if messages and messages[0]["role"] == "system":
         first = dict(messages[0])
         first["content"] = (first["content"] + "\n\n" + note) if first["content"] else note
@@ -139,8 +153,10 @@ class TemplateInputs:
     continue_final_message: bool
 
 
-def template_inputs(template: str, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> TemplateInputs:
-    """The messages, tools and variables for rendering `template` (the model's or the client's)."""
+def template_inputs(template: str, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                    tool_format: str = "hermes") -> TemplateInputs:
+    """The messages, tools and variables for rendering `template` (the model's or the client's);
+    a template without tools gets them described in a system message asking for `tool_format`."""
     native = _supports_tools(template)
     messages = to_template_messages(req, native)
     kwargs = dict(req.chat_template_kwargs or {})
@@ -152,7 +168,7 @@ def template_inputs(template: str, req: ChatCompletionRequest, tools: list[dict[
                               "request field instead", f"chat_template_kwargs.{reserved}")
     template_tools = tools
     if tools and not native:
-        messages = _with_tools_system_prompt(messages, tools)
+        messages = _with_tools_system_prompt(messages, tools, tool_format)
         template_tools = None
     if req.continue_final_message and messages[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs the last message to be from the assistant",
@@ -185,9 +201,11 @@ def _supports_tools(template: str) -> bool:
     return "tools" in template and "tool_calls" in template
 
 
-def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> str:
-    """The prompt text for a chat request through the model's own template (special tokens
-    included, as the template writes them). A client's template goes through
+def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                       server_template: str | None = None, tool_format: str = "hermes") -> str:
+    """The prompt text for a chat request through the model's own template, or the server's
+    (`kiln serve --chat-template`: the operator's, trusted like the model's), special tokens
+    included as the template writes them. A client's template goes through
     kiln.runtime.serving.template_sandbox instead.
 
     Raises OpenAIError (400) when the model has no template or the template rejects the
@@ -195,14 +213,15 @@ def render_chat_prompt(tokenizer: Any, req: ChatCompletionRequest, tools: list[d
     """
     import jinja2
 
-    template = model_template(tokenizer)
+    template = server_template or model_template(tokenizer)
     if template is None:
-        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-    inputs = template_inputs(template, req, tools)
+        raise bad_request("this model has no chat template; use /v1/completions with a plain prompt (or start "
+                          "the server with --chat-template)", "messages")
+    inputs = template_inputs(template, req, tools, tool_format)
     try:
         text = tokenizer.apply_chat_template(
             inputs.messages, tools=inputs.tools, tokenize=False, add_generation_prompt=inputs.add_generation_prompt,
-            continue_final_message=inputs.continue_final_message, **inputs.variables,
+            continue_final_message=inputs.continue_final_message, chat_template=server_template, **inputs.variables,
         )
     except jinja2.TemplateError as e:
         raise bad_request(f"messages: the model's chat template rejected the conversation: {e}", "messages") from None

@@ -40,12 +40,16 @@ from kiln.runtime.serving.template_sandbox import render_in_sandbox
 from kiln.runtime.guided_decoding import GrammarError, ToolSchema
 from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
-from kiln.runtime.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, top_entries
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.serving.metrics import ServerMetrics
-from kiln.runtime.serving.tool_parser import StreamingToolParser, ToolCall, parse_tool_calls
+from kiln.runtime.serving.tool_parser import ToolParser, get_tool_parser
+from kiln.runtime.serving.vllm_compat import (ServingOptions, UnknownFieldLog, prompt_logprobs_json,
+                                              request_log_line, system_fingerprint)
 
 logger = logging.getLogger("kiln.runtime.serving.app")
+# Request lines (one per request unless --disable-log-requests), as vLLM logs them.
+request_logger = logging.getLogger("kiln.serving")
 
 # What JSON cannot hold (-inf logprobs of masked tokens) is sent as this, like OpenAI does.
 MIN_LOGPROB = -9999.0
@@ -106,10 +110,9 @@ class _ChoiceProgress:
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
-    tool_parser: StreamingToolParser | None = None
-    num_tool_calls: int = 0
+    tool_parser: ToolParser | None = None
 
-    def advance(self, c: CompletionOutput) -> tuple[str, list[int], list[TokenLogprobs]]:
+    def advance(self, c: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]]:
         """(new text, new token ids, new logprobs) of `c` since the last call."""
         text = c.text[self.num_chars:]
         self.num_chars = max(self.num_chars, len(c.text))
@@ -146,8 +149,10 @@ class _Submitted:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_names: list[str], metrics: ServerMetrics,
-                 limits: RequestLimits | None = None, executor: Executor | None = None):
-        """`executor` runs the per-request CPU work (None: asyncio's default thread pool)."""
+                 limits: RequestLimits | None = None, executor: Executor | None = None,
+                 options: ServingOptions | None = None):
+        """`executor` runs the per-request CPU work (None: asyncio's default thread pool);
+        `options` are the vLLM-named server options (tool-call parser, chat template, ...)."""
         if not model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
@@ -165,10 +170,14 @@ class OpenAIServing:
         self._executor = executor
         # The Rust tokenizer's batch encoder without offsets: it releases the GIL while it
         # encodes and skips the offsets and BatchEncoding the transformers wrapper builds
-        # while holding it, time the event loop could not run (README: request limits).
+        # while holding it, time the event loop could not run (runtime/README.md: request limits).
         # Same ids (tests/test_server_hardening.py); other tokenizers use the wrapper.
         backend = getattr(self.tokenizer, "_tokenizer", None)
         self._encode_fast = getattr(backend, "encode_batch_fast", None)
+        self.options = options or ServingOptions()
+        self.tool_parser_cls = get_tool_parser(self.options.tool_call_parser)
+        self.unknown_fields = UnknownFieldLog()
+        self.fingerprint = system_fingerprint(self.llm)
 
     async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in a worker thread: the event loop keeps serving meanwhile."""
@@ -203,6 +212,9 @@ class OpenAIServing:
                 values[name] = value
         if values.get("top_k", -1) > self.vocab_size:
             values["top_k"] = -1  # larger than the vocabulary is the same as no top-k
+        values.update(req.sampling_values())  # vLLM's extra fields (vllm_compat.VLLMSamplingFields)
+        if req.logit_bias:
+            values["logit_bias"] = dict(req.logit_bias)
         try:
             return SamplingParams(**values)
         except ValueError as e:
@@ -352,7 +364,27 @@ class OpenAIServing:
         e2e = (time.monotonic() - m.arrival_time) if m is not None else None
         self.metrics.record_finished(
             m.time_to_first_token if m else None, m.time_per_output_token if m else None, e2e,
-            len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+            len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+            queue_time=m.time_in_queue if m else None, finish_reasons=[c.finish_reason for c in out.outputs])
+
+    async def _structured_grammar(self, req: CompletionRequest | ChatCompletionRequest) -> Any:
+        """The grammar of `structured_outputs` / `guided_*`, compiled off the loop (None without one)."""
+        try:
+            spec = req.structured()
+        except ValueError as e:
+            raise bad_request(str(e), str(e).split(":", 1)[0].split(" ", 1)[0]) from None
+        if spec is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.engine.grammars.structured, spec, "structured_outputs")
+        except GrammarError as e:
+            raise bad_request(str(e), e.param) from None
+
+    def _log_request(self, response_id: str, endpoint: str, prompts: list[list[int]], params: SamplingParams,
+                     guided: bool) -> None:
+        if self.options.log_requests:
+            request_logger.info("%s", request_log_line(response_id, endpoint, [len(p) for p in prompts], params,
+                                                       guided))
 
     def _token_str(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -406,8 +438,7 @@ class OpenAIServing:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.suffix:
             raise bad_request("suffix (insertion) is not supported by this server", "suffix")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        self.unknown_fields.note(req, "/v1/completions")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (prompt logprobs are not "
                               "computed)", "echo")
@@ -430,13 +461,15 @@ class OpenAIServing:
         else:
             texts = [None] if isinstance(raw[0], int) else [None] * len(raw)
         prompts = await self._off_loop(self._completion_prompts, raw, params, rename)
-        sub = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, None, arrival)
+        grammar = await self._structured_grammar(req)
+        sub = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, grammar, arrival)
         echo_texts = [self._echo_text(t, ids) if req.echo else "" for t, ids in zip(texts, prompts)]
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
+        self._log_request(response_id, "/v1/completions", prompts, params, grammar is not None)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_completion(
-                sub, response_id, model, req.n, echo_texts, req.logprobs is not None, include_usage)), sub)
+                sub, response_id, model, req.n, echo_texts, req.logprobs, include_usage)), sub)
         outputs = await self._collect(sub, wait_disconnect)
         choices = []
         usage = _Usage()
@@ -444,12 +477,15 @@ class OpenAIServing:
             usage.add_prompt(out)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
-                logprobs = (self._completion_logprobs(c.token_ids, c.logprobs or [], len(echo_texts[i]))
-                            if req.logprobs is not None else None)
-                choices.append({"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                logprobs = (self._completion_logprobs(c.token_ids, c.logprobs or [], len(echo_texts[i]),
+                                                      req.logprobs) if req.logprobs is not None else None)
+                choice = {"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
         return {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+                "choices": choices, "usage": usage.body(), "system_fingerprint": self.fingerprint}
 
     def _completion_prompts(self, raw: Any, params: SamplingParams, rename: dict[str, str]) -> list[list[int]]:
         """The prompt(s) of a completion request as checked token ids (blocking: runs off the loop)."""
@@ -473,20 +509,22 @@ class OpenAIServing:
             return text
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], offset: int, n: int
+                             ) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         pos = offset
-        for lp in lps:
-            s = self._token_str(lp.token_id)
+        for token_id, entry in zip(token_ids, lps):
+            chosen, best = top_entries(token_id, entry, n)
+            s = self._token_str(token_id)
             tokens.append(s)
-            token_logprobs.append(_finite(lp.logprob))
-            top.append({self._token_str(t.token_id): _finite(t.logprob) for t in lp.top} or None)
+            token_logprobs.append(_finite(chosen.logprob))
+            top.append({self._token_str(t): _finite(lp.logprob) for t, lp in best} or None)
             offsets.append(pos)
             pos += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     async def _stream_completion(self, sub: _Submitted, response_id: str, model: str, n: int,
-                                 echo_texts: list[str], want_logprobs: bool, include_usage: bool
+                                 echo_texts: list[str], num_logprobs: int | None, include_usage: bool
                                  ) -> AsyncIterator[str]:
         created = int(time.time())
         progress: dict[int, _ChoiceProgress] = {}
@@ -508,14 +546,14 @@ class OpenAIServing:
                 p = progress.setdefault(index, _ChoiceProgress())
                 if p.finished:
                     continue
-                text, _, lps = p.advance(c)
+                text, new_tokens, lps = p.advance(c)
                 if not p.started:
                     p.started = True
                     text = echo_texts[i] + text
                     offsets[index] = len(echo_texts[i])
                 logprobs = None
-                if want_logprobs and lps:
-                    logprobs = self._completion_logprobs([lp.token_id for lp in lps], lps, offsets[index])
+                if num_logprobs is not None and lps:
+                    logprobs = self._completion_logprobs(new_tokens, lps, offsets[index], num_logprobs)
                     offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 if c.finish_reason is not None:
                     p.finished = True
@@ -536,8 +574,7 @@ class OpenAIServing:
                                      ) -> dict[str, Any] | AsyncIterator[str]:
         arrival = time.monotonic()
         model = self.check_model(req.model)
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+        self.unknown_fields.note(req, "/v1/chat/completions")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if req.stream_options is not None and not req.stream:
@@ -570,11 +607,13 @@ class OpenAIServing:
         grammar = await self._chat_grammar(req, tools, mode)
         sub = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, grammar, arrival)
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
-        parse_tools = bool(tools)
+        self._log_request(response_id, "/v1/chat/completions", [prompt_ids], params, grammar is not None)
+        # The family's parser (--tool-call-parser) reads calls back, with each tool's schema.
+        tool_specs = {t.name: t.parameters for t in tools} if tools else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_chat(
-                sub, response_id, model, req.logprobs, include_usage, tool_names if parse_tools else None)), sub)
+                sub, response_id, model, logprobs, include_usage, tool_specs)), sub)
         (out,) = await self._collect(sub, wait_disconnect)
         usage = _Usage()
         usage.add_prompt(out)
@@ -583,23 +622,28 @@ class OpenAIServing:
             usage.completion_tokens += len(c.token_ids)
             message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
             finish = c.finish_reason
-            if parse_tools:
-                parsed = parse_tool_calls(c.text, tool_names)
+            if tool_specs is not None:
+                parsed = self.tool_parser_cls(tool_specs).parse(c.text)
                 if parsed.tool_calls:
                     message["content"] = parsed.content
                     message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
                     finish = "tool_calls"
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(c.logprobs or []) if req.logprobs else None,
+                            "logprobs": (self._chat_logprobs(c.token_ids, c.logprobs or [], logprobs)
+                                         if logprobs is not None else None),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": usage.body(), "system_fingerprint": None}
+        body = {"id": response_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": usage.body(), "system_fingerprint": self.fingerprint}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        return body
 
     def _chat_prompt_ids(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
         """The model's template rendered and tokenized (blocking: runs off the loop)."""
         if self.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
-        text = render_chat_prompt(self.tokenizer, req, tools)
+        text = render_chat_prompt(self.tokenizer, req, tools, self.options.chat_template,
+                                  self.options.tool_call_parser)
         # The template's own special tokens are in the text already.
         return self._tokenize(text, "messages", add_special_tokens=False)
 
@@ -612,7 +656,7 @@ class OpenAIServing:
                               "--allow-client-chat-template)", param, "chat_template_not_allowed")
         if self.tokenizer is None:
             raise bad_request(f"{param}: this model has no tokenizer; use /v1/completions with token ids", param)
-        inputs = template_inputs(template, req, tools)
+        inputs = template_inputs(template, req, tools, self.options.tool_call_parser)
         special = {k: v for k, v in (getattr(self.tokenizer, "special_tokens_map", None) or {}).items()
                    if isinstance(v, str)}
         timeout = self.limits.chat_template_timeout
@@ -639,6 +683,11 @@ class OpenAIServing:
             return [], "none", set()
         schemas = [ToolSchema(t.function.name, t.function.parameters or {"type": "object", "properties": {}},
                               f"tools[{i}].function.parameters") for i, t in enumerate(req.tools)]
+        if choice == "auto" and not self.options.enable_auto_tool_choice:
+            # vLLM's rule (and message): free-form tool calls are parsed only when asked for.
+            raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                              'set (tool_choice defaults to "auto" when tools are given; name a function or '
+                              'use "required" or "none")', "tool_choice")
         if isinstance(choice, NamedToolChoice):
             chosen = [s for s in schemas if s.name == choice.function.name]
             if not chosen:
@@ -653,10 +702,16 @@ class OpenAIServing:
         if wants_json and tools:
             raise bad_request("response_format json_object/json_schema cannot be combined with tools "
                               "(unless tool_choice is 'none')", "response_format")
+        structured = await self._structured_grammar(req)
+        if structured is not None:
+            if tools or wants_json:
+                raise bad_request("structured_outputs / guided_* cannot be combined with tools or response_format",
+                                  "structured_outputs")
+            return structured
         try:
             if tools:
                 return await asyncio.to_thread(self.engine.grammars.tool_calls, tools, mode,
-                                               req.parallel_tool_calls is not False)
+                                               req.parallel_tool_calls is not False, self.options.tool_call_parser)
             if wants_json:
                 if fmt.type == "json_object":
                     return await asyncio.to_thread(self.engine.grammars.json, None, "response_format")
@@ -669,17 +724,20 @@ class OpenAIServing:
             raise bad_request(str(e), e.param) from None
         return None
 
-    def _chat_logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any]:
+    def _chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], n: int) -> dict[str, Any]:
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             s = self._token_str(token_id)
             return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode("utf-8"))}
 
-        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t.token_id, t.logprob)
-                                                                                  for t in lp.top]}
-                            for lp in lps]}
+        content = []
+        for token_id, position in zip(token_ids, lps):
+            chosen, best = top_entries(token_id, position, n)
+            content.append({**entry(token_id, chosen.logprob),
+                            "top_logprobs": [entry(t, lp.logprob) for t, lp in best]})
+        return {"content": content}
 
-    async def _stream_chat(self, sub: _Submitted, response_id: str, model: str, want_logprobs: bool,
-                           include_usage: bool, tool_names: set[str] | None) -> AsyncIterator[str]:
+    async def _stream_chat(self, sub: _Submitted, response_id: str, model: str, num_logprobs: int | None,
+                           include_usage: bool, tool_specs: dict[str, Any] | None) -> AsyncIterator[str]:
         created = int(time.time())
         progress: dict[int, _ChoiceProgress] = {}
         usage = _Usage()
@@ -695,13 +753,6 @@ class OpenAIServing:
                 body["usage"] = None
             return self._sse(body)
 
-        def tool_deltas(p: _ChoiceProgress, calls: list[ToolCall]) -> list[dict[str, Any]]:
-            out = []
-            for call in calls:
-                out.append(call.to_openai(index=p.num_tool_calls))
-                p.num_tool_calls += 1
-            return out
-
         async for _, out in self._merge(sub):
             for c in out.outputs:
                 p = progress.setdefault(c.index, _ChoiceProgress())
@@ -709,11 +760,12 @@ class OpenAIServing:
                     continue
                 if not p.started:
                     p.started = True
-                    if tool_names is not None:
-                        p.tool_parser = StreamingToolParser(tool_names)
+                    if tool_specs is not None:
+                        p.tool_parser = self.tool_parser_cls(tool_specs)
                     yield chunk(c.index, {"role": "assistant", "content": ""})
-                text, _, lps = p.advance(c)
-                logprobs = self._chat_logprobs(lps) if want_logprobs and lps else None
+                text, new_tokens, lps = p.advance(c)
+                logprobs = (self._chat_logprobs(new_tokens, lps, num_logprobs)
+                            if num_logprobs is not None and lps else None)
                 delta: dict[str, Any] = {}
                 if p.tool_parser is not None:
                     parsed = p.tool_parser.feed(text)
@@ -723,14 +775,14 @@ class OpenAIServing:
                         parsed.tool_calls += rest.tool_calls
                     if parsed.content:
                         delta["content"] = parsed.content
-                    if parsed.tool_calls:
-                        delta["tool_calls"] = tool_deltas(p, parsed.tool_calls)
+                    if parsed.tool_calls:  # per call: id and name first, then argument fragments
+                        delta["tool_calls"] = [d.to_openai() for d in parsed.tool_calls]
                 elif text:
                     delta["content"] = text
                 if c.finish_reason is not None:
                     p.finished = True
                     usage.completion_tokens += len(c.token_ids)
-                    finish = "tool_calls" if p.num_tool_calls else c.finish_reason
+                    finish = "tool_calls" if p.tool_parser is not None and p.tool_parser.num_calls else c.finish_reason
                     if delta or logprobs:
                         yield chunk(c.index, delta, logprobs)
                     yield chunk(c.index, {}, None, finish, c.stop_reason)

@@ -1,7 +1,9 @@
 """The OpenAI API's request bodies (validated with pydantic) and its error format.
 
-Request models forbid unknown fields and check types strictly (no "0.5" for a float), so
-a typo in a parameter name is a 400 naming it instead of a silently ignored option. Range
+Request models check types strictly (no "0.5" for a float). A request's top-level fields
+that the server does not know are accepted and logged once, as vLLM does (clients add
+provider-specific fields freely); inside nested objects (messages, tools, response_format)
+unknown fields are a 400 naming them. Range
 checks on sampling values live in `SamplingParams`, which the server calls; the few checks
 here are those OpenAI states for its own API (n >= 1, logprobs 0..20, non-empty messages).
 """
@@ -12,6 +14,8 @@ import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kiln.runtime.serving.vllm_compat import VLLMSamplingFields
 
 MAX_LOGPROBS = 20
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -178,8 +182,16 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
-    """Sampling fields shared by /v1/completions and /v1/chat/completions."""
+class _SamplingFields(VLLMSamplingFields, _Strict):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (with vLLM's extra
+    ones, kiln.runtime.serving.vllm_compat).
+
+    A request's own fields that the server does not know are accepted, as vLLM accepts them,
+    and logged once (`UnknownFieldLog`); the nested objects (messages, tools, ...) stay strict,
+    so a typo inside them is still a 400 naming it.
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     temperature: float | None = None
