@@ -298,9 +298,8 @@ def load_config(config_path: Path) -> Any:
         # characters on one line); say what Kiln runs instead, and keep other errors short.
         detail = str(e)
         if "Unrecognized model" in detail:
-            detail = ("transformers does not know it; Kiln runs the causal LMs transformers implements (README, "
-                      "Supported architectures); a model whose code lives in its Hub repo needs trust_remote_code, "
-                      "which Kiln does not run")
+            detail = ("transformers does not know it; Kiln runs the causal LMs transformers implements, e.g. "
+                      "llama, mistral, qwen3, gemma2, phi3, gpt_neox (README, Supported architectures)")
         elif len(detail) > 300:
             detail = detail[:300] + "..."
         raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} "
