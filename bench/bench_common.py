@@ -146,3 +146,35 @@ def emit(result: dict[str, Any], out: str | None) -> None:
 def kiln_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
             "float32": torch.float32}[name]
+
+
+def start_kiln_serve(serve_args: list[str], log_prefix: str, timeout: float = 600.0
+                     ) -> tuple[subprocess.Popen, str, Path]:
+    """`kiln serve SERVE_ARGS` on a free loopback port, its output in a temporary log file;
+    returns once /health answers 200: (process, base URL, log path)."""
+    import os
+    import socket
+    import tempfile
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"kiln serve exited with {proc.returncode}; log: {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, Path(log.name)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"kiln serve did not start in {timeout:.0f}s; log: {log.name}")

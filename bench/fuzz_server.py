@@ -26,16 +26,16 @@ import multiprocessing
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+import bench_common as bc  # bench/ is on sys.path when run as `python bench/fuzz_server.py`
 
 GOOD = (200,)
 BAD = (400, 404, 413, 422)  # 422 never happens with Kiln, but is a fine answer to bad input
@@ -96,7 +96,11 @@ def make_cases(rng: random.Random, n: int, model: str) -> list[Case]:
         lambda: Case("empty_body", "completions", b"", BAD),
         lambda: Case("not_object", "chat/completions", b"[1, 2, 3]", BAD),
         lambda: Case("nan", "completions", b'{"prompt": "x", "temperature": NaN}', BAD),
-        lambda: Case("unknown_field", "completions", _j({"prompt": "x", "temprature": 0.5}), BAD),
+        # An unknown top-level field is accepted and logged once, as vLLM does (clients add
+        # fields of their own); one inside a nested object is refused.
+        lambda: Case("unknown_field", "completions", _j({"prompt": "x", "max_tokens": 4, "temprature": 0.5}), GOOD),
+        lambda: Case("unknown_nested_field", "chat/completions", _j({"messages": [{"role": "user", "content": "x", "nmae": "y"}]}),
+                     BAD),
         lambda: Case("wrong_type", "completions", _j({"prompt": "x", "max_tokens": "ten"}), BAD),
         lambda: Case("out_of_range", "completions", _j({"prompt": "x", "top_p": 7}), BAD),
         lambda: Case("n_zero", "chat/completions", _j({"messages": user, "n": 0}), BAD),
@@ -220,33 +224,6 @@ async def run(base_url: str, api_key: str, cases: list[Case], concurrency: int) 
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(api_key: str, extra: list[str]) -> tuple[subprocess.Popen, str, Any]:
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="kiln-fuzz-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--api-key", api_key, *extra]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"kiln serve exited with {proc.returncode}; log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"kiln serve did not start; log: {log.name}")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base-url", default=None, help="a running server (default: start `kiln serve --api-key`)")
@@ -260,7 +237,7 @@ def main() -> int:
 
     proc = log = None
     if args.base_url is None:
-        proc, base_url, log = start_server(args.api_key, args.serve_args.split())
+        proc, base_url, log = bc.start_kiln_serve(["--api-key", args.api_key, *args.serve_args.split()], "kiln-fuzz-")
     else:
         base_url = args.base_url.rstrip("/")
     try:
@@ -278,7 +255,7 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
             if log is not None:
-                os.unlink(log.name)
+                os.unlink(log)
     print(json.dumps(report, indent=1))
     worst = report["health"]["worst_ms"]
     ok = report["server_errors_5xx"] == 0 and report["unexpected"] == 0 and worst is not None and worst < 100

@@ -26,10 +26,8 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,29 +149,8 @@ async def run_rate(base_url: str, model: str | None, rate: float, num_requests: 
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.NamedTemporaryFile(prefix="kiln-bench-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "kiln.runtime.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", str(args.max_model_len)]
-    if args.model:
-        cmd.insert(4, args.model)
-    cmd += args.serve_arg
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"kiln serve exited ({proc.returncode}); log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, Path(log.name)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"kiln serve did not start in 600s; log: {log.name}")
+    serve_args = ([args.model] if args.model else []) + ["--max-model-len", str(args.max_model_len), *args.serve_arg]
+    return bc.start_kiln_serve(serve_args, "kiln-bench-serve-")
 
 
 def offline_baseline(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:

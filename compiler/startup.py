@@ -260,6 +260,19 @@ def _capture(setup: ModelSetup) -> ModelGraph:
                              pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
 
 
+def _capture_against(setup: ModelSetup, spec: GraphSpec | None, report: StartupReport) -> tuple[ModelGraph, bool]:
+    """Capture the graph; also whether `spec`, cached under the same key, disagrees with it."""
+    with timed(report.timings, "graph capture"):
+        graph = _capture(setup)
+    report.captured = True
+    stale = spec is not None and spec.input_roles != graph.input_roles()
+    if stale:
+        # Same key, different graph: only possible if something outside the key changed the
+        # capture. Trust the graph just built; the caller replaces the stale spec.
+        logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", setup.model_key())
+    return graph, stale
+
+
 def prepare_eager(setup: ModelSetup) -> PreparedModel:
     report = StartupReport(mode="eager", captured=True)
     with timed(report.timings, "graph capture"):
@@ -355,14 +368,7 @@ def prepare_graph(setup: ModelSetup, store: ArtifactStore, require_cache: bool =
             f"run `kiln compile --device {setup.device.type} --compile graph` with the same model and settings "
             "(or drop --require-cache to capture and cache the graph now)")
 
-    with timed(report.timings, "graph capture"):
-        graph = _capture(setup)
-    report.captured = True
-    stale_spec = spec is not None and spec.input_roles != graph.input_roles()
-    if stale_spec:
-        # Same key, different graph: only possible if something outside the key changed the
-        # capture. Trust the graph just built.
-        logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", model_key)
+    graph, stale_spec = _capture_against(setup, spec, report)
     spec = graph.spec()
     try:
         data = serialize_graph_code(graph.graph_module, spec.input_roles, setup.device)
@@ -406,18 +412,10 @@ def _look_up_buckets(setup: ModelSetup, store: ArtifactStore, report: StartupRep
 def _capture_for_compile(setup: ModelSetup, store: ArtifactStore, spec: GraphSpec | None,
                          report: StartupReport) -> tuple[ModelGraph, GraphSpec]:
     """Capture the graph to compile missing buckets; store its spec if the cache lacks it."""
-    model_key = setup.model_key()
-    with timed(report.timings, "graph capture"):
-        graph = _capture(setup)
-    report.captured = True
-    stale = spec is not None and spec.input_roles != graph.input_roles()
-    if stale:
-        # Same key, different graph: only possible if something outside the key changed the
-        # capture. Trust the graph just built and replace the stale spec.
-        logger.warning("kiln cache: graph spec %s does not match the captured graph; replacing it", model_key)
+    graph, stale = _capture_against(setup, spec, report)
     if spec is None or stale:
         spec = graph.spec()
-        _store_once(store, _spec_manifest(setup, model_key), spec.to_bytes(), replace=stale)
+        _store_once(store, _spec_manifest(setup, setup.model_key()), spec.to_bytes(), replace=stale)
     return graph, spec
 
 

@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -123,13 +123,31 @@ def json_value_end(text: str, start: int) -> int:
         i += 1
     if i >= len(text):
         return -1
-    depth, in_string, escaped = 0, False, False
-    first = text[i]
-    if first not in "{[\"":  # a scalar: ends at a delimiter
+    if text[i] not in "{[\"":  # a scalar: ends at a delimiter
         m = re.compile(r"[^,\]\}\s]*").match(text, i)
         end = m.end() if m else i
         return end if end < len(text) else -1
-    while i < len(text):
+    if text[i] == '"':  # a string: ends at its closing quote
+        closing = next((j for j, ch, in_string in _scan_json(text, i) if j > i and ch == '"' and not in_string), -1)
+        return closing + 1 if closing >= 0 else -1
+    depth = 0
+    for j, ch, in_string in _scan_json(text, i):
+        if in_string:
+            continue
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return -1
+
+
+def _scan_json(text: str, start: int) -> Iterator[tuple[int, str, bool]]:
+    """(index, character, inside a JSON string) for each character from `start`: the quote
+    that opens or closes a string counts as outside it; escapes are followed."""
+    in_string = escaped = False
+    for i in range(start, len(text)):
         ch = text[i]
         if in_string:
             if escaped:
@@ -138,18 +156,13 @@ def json_value_end(text: str, start: int) -> int:
                 escaped = True
             elif ch == '"':
                 in_string = False
-                if depth == 0:
-                    return i + 1
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
+                yield i, ch, False
+                continue
+            yield i, ch, True
+        else:
+            if ch == '"':
+                in_string = True
+            yield i, ch, False
 
 
 # The start of a JSON call object, up to its arguments' value, as a sequence of pieces, so
@@ -401,23 +414,8 @@ def _json_calls_partial(text: str, start: int, allowed: set[str] | None, separat
 def find_block_end(text: str, start: int = 0, end_tag: str = TOOL_CALL_END) -> int:
     """Index of the first `end_tag` at or after `start` that is not inside a JSON string
     (arguments may well contain the tag as text), or -1."""
-    in_string = escaped = False
-    i = start
-    while i < len(text):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch == end_tag[0] and text.startswith(end_tag, i):
-            return i
-        i += 1
-    return -1
+    return next((i for i, ch, in_string in _scan_json(text, start)
+                 if not in_string and ch == end_tag[0] and text.startswith(end_tag, i)), -1)
 
 
 class HermesToolParser(ToolParser):
