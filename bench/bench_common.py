@@ -178,3 +178,14 @@ def start_kiln_serve(serve_args: list[str], log_prefix: str, timeout: float = 60
         time.sleep(0.5)
     proc.kill()
     raise SystemExit(f"kiln serve did not start in {timeout:.0f}s; log: {log.name}")
+
+
+def stop_kiln_serve(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains in-flight requests), then kill after a minute."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()

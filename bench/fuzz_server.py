@@ -25,8 +25,6 @@ import json
 import multiprocessing
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -249,11 +247,7 @@ def main() -> int:
         report["seed"] = args.seed
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            bc.stop_kiln_serve(proc)
             if log is not None:
                 os.unlink(log)
     print(json.dumps(report, indent=1))

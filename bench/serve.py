@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -214,11 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                    for i, rate in enumerate(rates)]
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            bc.stop_kiln_serve(proc)
             if log_path is not None and proc.returncode == 0:
                 log_path.unlink(missing_ok=True)
     baseline = None

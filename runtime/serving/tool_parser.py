@@ -574,24 +574,28 @@ class Qwen3CoderToolParser(ToolParser):
         text = "{" + ", ".join(parts)
         return text + "}" if complete else text
 
-    def parse_region(self, region: str) -> list[ToolCall] | None:
+    def _function(self, region: str) -> tuple[str, str] | None:
+        """The called function's name and the text after its opening tag, if it is allowed."""
         m = _QWEN_FUNCTION.search(region)
         if m is None:
             return None
         name = m.group(1).strip()
         if self.allowed is not None and name not in self.allowed:
             return None
-        body = region[m.end():]
+        return name, region[m.end():]
+
+    def parse_region(self, region: str) -> list[ToolCall] | None:
+        found = self._function(region)
+        if found is None:
+            return None
+        name, body = found
         return [ToolCall(name=name, arguments=self._arguments(name, body, complete=True))]
 
     def partial_calls(self, region: str) -> list[tuple[str, str]] | None:
-        m = _QWEN_FUNCTION.search(region)
-        if m is None:
+        found = self._function(region)
+        if found is None:
             return None
-        name = m.group(1).strip()
-        if self.allowed is not None and name not in self.allowed:
-            return None
-        body = region[m.end():]
+        name, body = found
         return [(name, self._arguments(name, body, complete="</function>" in body))]
 
 
