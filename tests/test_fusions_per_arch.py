@@ -10,9 +10,8 @@ must compute the same thing: both show up as a logits mismatch here.
 from __future__ import annotations
 
 import pytest
-import torch
 from support_table import README, fusions_fired, parse_rows, readme_table
-from test_parity import PROMPTS, kiln_first_step_logits
+from test_parity import PROMPTS, assert_first_step_logits_match
 from tiny_models import SUPPORTED
 
 from kiln.passes.fuse_common import CPU_FUSIONS_ENV
@@ -29,11 +28,7 @@ def test_fused_graph_matches_hf(arch: str, tiny_model_dir, monkeypatch, readme_f
     monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
     path, hf = tiny_model_dir(arch)
     llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
-    logits = kiln_first_step_logits(llm, PROMPTS)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    rel = (logits - ref).norm() / ref.norm()
-    assert rel < 1e-4, f"{arch} with fusions: first-step logits differ by {rel:.2e} (relative)"
+    assert_first_step_logits_match(llm, hf, PROMPTS, f"{arch} with fusions")
     fired = ", ".join(fusions_fired(llm.engine.graph_spec.pass_records)) or "-"
     assert fired == readme_fusions.get(arch), (
         f"{arch}: fusions fired ({fired}) differ from README's support table ({readme_fusions.get(arch)}); "

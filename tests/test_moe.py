@@ -265,7 +265,7 @@ def hf_greedy(arch: str, hf: torch.nn.Module) -> list[list[int]]:
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_moe_greedy_tokens_and_logits_match_hf(arch: str, fused: bool, moe_model_dir, monkeypatch) -> None:
-    from test_parity import kiln_first_step_logits
+    from test_parity import assert_first_step_logits_match
 
     from kiln.runtime import LLM, SamplingParams
 
@@ -282,11 +282,7 @@ def test_moe_greedy_tokens_and_logits_match_hf(arch: str, fused: bool, moe_model
     if not fused:
         assert op_counts(graph.graph_module)["aten.bmm.default"] == 2 * MOE_LAYERS[arch]
 
-    logits = kiln_first_step_logits(llm, PROMPTS)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    rel = (logits - ref).norm() / ref.norm()
-    assert rel < 1e-4, f"{arch}: first-step logits differ by {rel:.2e} (relative)"
+    assert_first_step_logits_match(llm, hf, PROMPTS, f"{arch}")
 
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(arch, hf), f"{arch}: greedy tokens differ"

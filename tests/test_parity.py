@@ -46,16 +46,21 @@ def kiln_first_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     return logits
 
 
+def assert_first_step_logits_match(llm: LLM, hf: torch.nn.Module, prompts: list[list[int]], label: str) -> None:
+    """Kiln's first-step logits of `prompts` (packed in one step) within 1e-4 relative of HF's."""
+    logits = kiln_first_step_logits(llm, prompts)
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    rel = (logits - ref).norm() / ref.norm()
+    assert rel < 1e-4, f"{label}: first-step logits differ by {rel:.2e} (relative)"
+
+
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_greedy_tokens_and_logits_match_hf(arch: str, tiny_model_dir) -> None:
     path, hf = tiny_model_dir(arch)
     llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
 
-    logits = kiln_first_step_logits(llm, PROMPTS)
-    with torch.no_grad():
-        ref = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
-    rel = (logits - ref).norm() / ref.norm()
-    assert rel < 1e-4, f"{arch}: first-step logits differ by {rel:.2e} (relative)"
+    assert_first_step_logits_match(llm, hf, PROMPTS, f"{arch}")
 
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
