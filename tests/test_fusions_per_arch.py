@@ -10,6 +10,7 @@ must compute the same thing: both show up as a logits mismatch here.
 from __future__ import annotations
 
 import pytest
+
 from support_table import README, fusions_fired, parse_rows, readme_table
 from test_parity import PROMPTS, assert_first_step_logits_match
 from tiny_models import SUPPORTED
