@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.cache.keys import BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, bucket_factors, factor_differences
+from kiln.cache.keys import (
+    BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, TRITON_KERNELS_KIND, bucket_factors, factor_differences,
+)
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
 
@@ -49,7 +51,8 @@ def explain_miss(store: ArtifactStore, kind: str, want: dict[str, Any], manifest
     manifests = store.manifests() if manifests is None else manifests
     candidates = [m for m in manifests if m.kind == kind]
     if not candidates:
-        what = {MODEL_KIND: "graph spec", GRAPH_CODE_KIND: "graph code"}.get(kind, "bucket")
+        what = {MODEL_KIND: "graph spec", GRAPH_CODE_KIND: "graph code",
+                TRITON_KERNELS_KIND: "Triton kernels"}.get(kind, "bucket")
         return f"miss: the cache holds no {what} entry at all" if manifests else "miss: the cache is empty"
     found = nearest_entry(candidates, want)
     assert found is not None  # candidates is not empty
@@ -61,7 +64,8 @@ def explain_miss(store: ArtifactStore, kind: str, want: dict[str, Any], manifest
 
 def explain_setup(store: ArtifactStore, setup: Any, mode: str = "inductor") -> list[Explanation]:
     """Hit or miss, and why, for the graph spec and every bucket of a `ModelSetup` (mode
-    "inductor"), or the graph spec and the graph code (mode "graph")."""
+    "inductor"), or the graph spec and the graph code (mode "graph"); on CUDA also the
+    setup's Triton kernels (kiln.compiler.triton_kernels)."""
     manifests = store.manifests()
     base = setup.model_factors()
     rows = []
@@ -73,9 +77,14 @@ def explain_setup(store: ArtifactStore, setup: Any, mode: str = "inductor") -> l
         hit = key in store
         reason = "hit" if hit else explain_miss(store, GRAPH_CODE_KIND, setup.graph_code_factors(), manifests)
         rows.append(Explanation("graph-code", key, hit, reason))
-        return rows
-    for bucket, key in setup.bucket_keys().items():
+    else:
+        for bucket, key in setup.bucket_keys().items():
+            hit = key in store
+            reason = "hit" if hit else explain_miss(store, BUCKET_KIND, bucket_factors(base, bucket), manifests)
+            rows.append(Explanation(bucket.name, key, hit, reason))
+    if setup.device.type == "cuda":
+        key = setup.triton_kernels_key()
         hit = key in store
-        reason = "hit" if hit else explain_miss(store, BUCKET_KIND, bucket_factors(base, bucket), manifests)
-        rows.append(Explanation(bucket.name, key, hit, reason))
+        reason = "hit" if hit else explain_miss(store, TRITON_KERNELS_KIND, setup.triton_kernels_factors(), manifests)
+        rows.append(Explanation("triton-kernels", key, hit, reason))
     return rows

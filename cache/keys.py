@@ -43,6 +43,8 @@ MODEL_KIND = "graph"
 BUCKET_KIND = "bucket"
 # No hyphen: the store's keys are `<lowercase kind>-<32 hex>` (kiln.cache.store._KEY_RE).
 GRAPH_CODE_KIND = "graphcode"
+# CUDA: the binaries of every Triton kernel a model setup's buckets run (kiln.compiler.triton_kernels).
+TRITON_KERNELS_KIND = "tritonkernels"
 
 # Config fields that never change the computation: where the model came from, tokenizer
 # ids, defaults for generation, transformers' own bookkeeping. Fields starting with "_"

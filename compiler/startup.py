@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kiln.cache.keys import (
-    BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, bucket_factors, graph_code_factors, key_for, model_factors,
+    BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, TRITON_KERNELS_KIND, bucket_factors, graph_code_factors, key_for, model_factors,
 )
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
@@ -50,6 +50,10 @@ from kiln.compiler.inductor_compile import (
     ARTIFACT_FORMAT, BucketCompileError, LoadedBucket, compile_bucket, load_bucket,
 )
 from kiln.compiler.pipeline import GraphSpec, GraphSpecError, ModelGraph, build_model_graph
+from kiln.compiler.triton_kernels import (
+    TRITON_KERNELS_FORMAT, TritonKernelsError, capture_triton_kernels, count_triton_compiles,
+    restore_triton_kernels,
+)
 from kiln.passes.manager import PassManager
 
 logger = logging.getLogger("kiln.compiler")
@@ -131,6 +135,7 @@ class StartupReport:
     dropped: list[tuple[str, str]] = field(default_factory=list)  # corrupt entries found and dropped
     note: str = ""  # why this mode, when it is not what was asked for literally
     stored: list[str] = field(default_factory=list)  # mode "graph": keys this start-up wrote
+    triton: str = ""  # CUDA with a cache: where the Triton kernels came from (triton_kernels_at_startup)
 
     @property
     def num_from_cache(self) -> int:
@@ -141,6 +146,10 @@ class StartupReport:
         return sum(r.status == "compiled" for r in self.buckets)
 
     def summary(self) -> str:
+        text = self._graph_summary()
+        return f"{text}; {self.triton}" if self.triton else text
+
+    def _graph_summary(self) -> str:
         if self.mode == "eager":
             return "graph: eager (post-pass FX graph run directly, nothing compiled" + (
                 f"; {self.note})" if self.note else ")")
@@ -174,6 +183,7 @@ class PreparedModel:
     graph: ModelGraph | None = None  # None on a warm start: nothing was captured
     bucket_fns: dict[Bucket, LoadedBucket] | None = None
     graph_code: GraphCode | None = None  # mode "graph", warm: the graph loaded from the cache
+    triton_kernels: "TritonKernelsEntry | None" = None  # CUDA with a cache in use
 
     @property
     def graph_fn(self) -> Callable[..., Any] | None:
@@ -213,6 +223,15 @@ class ModelSetup:
 
     def graph_code_key(self) -> str:
         return key_for(GRAPH_CODE_KIND, self.graph_code_factors())
+
+    def triton_kernels_factors(self) -> dict[str, Any]:
+        """The Triton-kernel entry's factors: the model's (Kiln, torch and Triton versions, device
+        capability, ...) with the bucket plan, whose shapes pick the kernels' variants."""
+        return {**self.model_factors(), "format": TRITON_KERNELS_FORMAT,
+                "plan": [b.name for b in self.plan.buckets()]}
+
+    def triton_kernels_key(self) -> str:
+        return key_for(TRITON_KERNELS_KIND, self.triton_kernels_factors())
 
     @property
     def model_type(self) -> str:
@@ -559,6 +578,10 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
                                             progress=options.progress)
     logger.debug("%s (%s)", prepared.report.summary(),
                  ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
+    if device.type == "cuda" and prepared.report.mode != CompileMode.EAGER.value:
+        # A cache is in use: the Triton kernels are part of it (kiln.compiler.triton_kernels).
+        prepared.triton_kernels = _look_up_triton_kernels(setup, options.cache_dir, options.require_cache,
+                                                          write=mode != WARM_OR_EAGER)
     if not prepared.report.captured:
         # No pass ran (the spec came from the cache): log what they did when it was built,
         # as the pass manager logs a capture's passes (kiln.passes, INFO: `-v`).
@@ -601,3 +624,86 @@ def _prepare_warm_or_eager(setup: ModelSetup, cache_dir: str | None, progress: b
         how = "`kiln compile` with these settings, or compile='inductor', uses Inductor artifacts"
     prepared.report.note = f"compile=auto: {present} of {len(keys)} cache entries present, none compiled; {how}"
     return prepared
+
+
+@dataclass
+class TritonKernelsEntry:
+    """A CUDA setup's Triton-kernel entry: its key, and its bytes when the cache holds it."""
+
+    key: str
+    factors: dict[str, Any]
+    cache_dir: str | None
+    model: str
+    write: bool  # take and store the kernels when the entry is missing
+    data: bytes | None = None
+
+
+def _look_up_triton_kernels(setup: ModelSetup, cache_dir: str | None, require_cache: bool,
+                            write: bool) -> TritonKernelsEntry:
+    key, factors = setup.triton_kernels_key(), setup.triton_kernels_factors()
+    with ArtifactStore(cache_dir) as store:
+        entry = store.get(key)
+        if entry is None and require_cache:
+            raise _cache_miss_error(
+                store, "the Triton kernels of this setup (CUDA)", [("triton kernels", key, TRITON_KERNELS_KIND, factors)],
+                [], "run `kiln compile --device cuda` with the same model and settings: it runs every bucket once "
+                    "and stores the kernels (or drop --require-cache to compile them now)")
+    return TritonKernelsEntry(key=key, factors=factors, cache_dir=cache_dir, model=setup.model_type, write=write,
+                              data=entry.data if entry is not None else None)
+
+
+@contextlib.contextmanager
+def triton_kernels_at_startup(entry: TritonKernelsEntry | None, report: StartupReport) -> Iterator[bool]:
+    """Around an engine's first kernel runs on CUDA (KV-cache sizing, warm-up, CUDA-graph capture).
+
+    With the entry cached: its files go into Triton's cache folder first, so no kernel is
+    compiled (counted; a compile is logged as a warning). With it missing and writable:
+    Triton compiles into a fresh private folder, which is stored as the entry afterwards; the
+    block is told (True) to run every bucket once, so that every kernel is in it. Without an
+    entry (no cache in use, or CPU): nothing. `report.triton` says which happened.
+    """
+    if entry is None:
+        yield False
+        return
+    if entry.data is not None:
+        t0 = time.perf_counter()
+        try:
+            restored = restore_triton_kernels(entry.data)
+        except TritonKernelsError as e:
+            with ArtifactStore(entry.cache_dir) as store:
+                store.drop(entry.key, str(e))
+            entry.data = None
+        else:
+            report.timings["restore Triton kernels"] = time.perf_counter() - t0
+            with count_triton_compiles() as count:
+                yield False
+            report.triton = (f"Triton kernels from the cache ({restored} files restored), "
+                             f"{count.total_compiles} compiled")
+            if count.total_compiles:
+                logger.warning("kiln cache: %d Triton kernel(s) and %d launcher module(s) were compiled although the "
+                               "cache holds this setup's kernels (%s): Triton's own hash differs (another ptxas or "
+                               "Triton build?)", count.compiled, count.modules_built, ", ".join(count.names[:5]))
+            return
+    if not entry.write:
+        with count_triton_compiles() as count:
+            yield False
+        report.triton = (f"Triton kernels not in the cache: {count.compiled} compiled, {count.from_disk} from "
+                         "Triton's own cache (cache not written)")
+        return
+    with ArtifactStore(entry.cache_dir) as store:
+        scratch = store.root / "tmp"
+    with capture_triton_kernels(scratch) as capture:
+        yield True
+    if capture.data is None:
+        report.triton = f"Triton kernels not cached: {capture.reason}"
+        logger.info("kiln cache: %s", report.triton)
+        return
+    with ArtifactStore(entry.cache_dir) as store:
+        manifest = Manifest(key=entry.key, kind=TRITON_KERNELS_KIND, label="triton-kernels", model=entry.model,
+                            factors=entry.factors, checksum="", size=0, created=time.time(),
+                            extra={"kernels": capture.num_kernels, "compiled": capture.count.compiled,
+                                   "modules_built": capture.count.modules_built})
+        if _store_once(store, manifest, capture.data):
+            report.stored.append(entry.key)
+    report.triton = (f"Triton kernels compiled ({capture.count.compiled}) and cached "
+                     f"({capture.num_kernels} kernels, {len(capture.data) / 2**20:.1f} MiB)")

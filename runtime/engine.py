@@ -21,11 +21,11 @@ import torch
 
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
-from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
+from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed, triton_kernels_at_startup
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token
+from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
@@ -123,14 +123,22 @@ class LLMEngine:
                 kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
             )
 
-        with timed(self.timings, "allocate KV cache"):
-            kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len, make_runner)
-        self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
-        self.runner = make_runner(kv.layers)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            with timed(self.timings, "capture CUDA graphs"):
-                self.runner.capture_decode_graphs(cuda_graph_sizes(self.prepared.plan),
-                                                  -(-self.max_model_len // config.block_size))
+        # The first kernel runs: on CUDA with a cache, Triton's kernels come from it (or are
+        # taken into it, every bucket run once) - kiln.compiler.triton_kernels.
+        with triton_kernels_at_startup(self.prepared.triton_kernels, self.startup_report) as run_every_bucket:
+            with timed(self.timings, "allocate KV cache"):
+                kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len,
+                                    make_runner)
+            self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
+            self.runner = make_runner(kv.layers)
+            if run_every_bucket:
+                with timed(self.timings, "run every token bucket"):
+                    run_token_buckets(self.runner, self.prepared.plan, config.block_size, self.max_model_len)
+            if self.device.type == "cuda" and not config.enforce_eager:
+                with timed(self.timings, "capture CUDA graphs"):
+                    self.runner.capture_decode_graphs(cuda_graph_sizes(self.prepared.plan),
+                                                      -(-self.max_model_len // config.block_size))
+        self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -85,6 +85,19 @@ def profile_step_memory(runner: Any, num_tokens: int, block_size: int, max_model
     return torch.cuda.max_memory_allocated(dev) - before
 
 
+@torch.inference_mode()
+def run_token_buckets(runner: Any, plan: BucketPlan, block_size: int, max_model_len: int) -> None:
+    """Run every token bucket of `plan` once (a `profile_step` of its size: K/V to the null
+    block), so that every kernel variant those steps use has run: what taking a setup's Triton
+    kernels into the cache needs (kiln.compiler.triton_kernels). Decode buckets run when their
+    CUDA graphs are captured."""
+    for bucket in plan.buckets():
+        if bucket.kind != "decode":
+            runner.execute(profile_step(bucket.num_tokens, block_size, max_model_len, runner.device))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
 def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
                   max_model_len: int, activation_peak_bytes: int) -> int:
     """Blocks for max_num_seqs sequences of max_model_len, capped by what memory holds."""

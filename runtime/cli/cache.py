@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import json
 import sys
+import time
 from typing import Any, Iterator, TextIO
 
 
@@ -27,7 +28,9 @@ def add_subcommands(sub: Any) -> None:
         description="Fill the compile cache for MODEL, so that engines started later with the same options "
                     "start warm. On CPU: compile the post-pass graph with Inductor for every bucket of the "
                     "plan. On CUDA: store the post-pass FX graph itself as code (AOTInductor CUDA packages "
-                    "do not load on torch 2.11+cu130). Exits non-zero if any bucket fails.",
+                    "do not load on torch 2.11+cu130), then run every bucket once on the GPU (dummy weights) "
+                    "and store the binaries of every Triton kernel they ran. Exits non-zero if any bucket "
+                    "fails.",
     )
     add_engine_args(comp, model_positional=True, serving=False)
     _add_mode_arg(comp)
@@ -201,7 +204,38 @@ def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
     if report.mode != "graph":
         print(f"kiln compile: {report.note}", file=sys.stderr)
         return 1
+    if setup.device.type == "cuda":
+        return _take_triton_kernels(args, setup)
     return 0
+
+
+def _take_triton_kernels(args: argparse.Namespace, setup: Any) -> int:
+    """CUDA: start an engine on the device (dummy weights) from the entries just stored; it runs
+    every bucket once and stores the Triton kernels (kiln.compiler.triton_kernels), so that a
+    server starting from this cache on another machine compiles nothing."""
+    from kiln.runtime.cli.common import engine_kwargs
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.engine import LLMEngine
+
+    key = setup.triton_kernels_key()
+    with _store(args) as store:
+        if key in store:
+            print_table([["triton-kernels", "cache hit", "-", key]], ["entry", "result", "size", "key"])
+            return 0
+    config = EngineConfig(**{**engine_kwargs(args), "load_format": "dummy", "compile": "graph", "progress": False})
+    print(f"kiln compile: running every bucket once on {setup.device} to take its Triton kernels",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    seconds = time.perf_counter() - t0
+    report = engine.startup_report
+    with _store(args) as store:
+        manifest = store.manifest(key)
+    del engine
+    print_table([["triton-kernels", "stored" if manifest is not None else "not stored",
+                  _size(manifest.size) if manifest is not None else "-", key]], ["entry", "result", "size", "key"])
+    print(f"{report.triton} ({seconds:.1f}s)")
+    return 0 if manifest is not None else 1
 
 
 # ---- kiln cache ... --------------------------------------------------------------------------
