@@ -25,9 +25,12 @@ def main() -> None:
     t_start = time.perf_counter()
     from torch._dynamo.utils import compilation_time_metrics, counters
 
+    from kiln.compiler.triton_kernels import count_triton_compiles
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
 
+    triton_count = count_triton_compiles()
+    triton = triton_count.__enter__()  # over the engine's start-up and both generate calls
     t_engine = time.perf_counter()
     llm = LLM(
         opts.get("model"), dtype=opts.get("dtype", "auto"), device=opts.get("device", "auto"),
@@ -44,6 +47,7 @@ def main() -> None:
     first_token_seconds = now - t_start  # from process start, imports included
     engine_first_token_seconds = now - t_engine  # from LLM(...) to the first token
     outs = llm.generate(prompts, params)
+    triton_count.__exit__(None, None, None)
     engine = llm.engine
     report = engine.startup_report
     result = {
@@ -63,6 +67,9 @@ def main() -> None:
         # Read before anything below (the eager check captures) can add to them.
         "counters": {k: {kk: vv for kk, vv in v.items()} for k, v in counters.items() if v},
         "compile_events": sorted(compilation_time_metrics),
+        "triton": report.triton,
+        "triton_compiled": triton.compiled,
+        "triton_modules_built": triton.modules_built,
     }
     if opts.get("check_eager"):
         from kiln.compiler.pipeline import build_model_graph
