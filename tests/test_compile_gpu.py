@@ -3,6 +3,7 @@ post-pass graph as code (the CUDA default), each with a warm start in a new proc
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,7 @@ def test_cuda_cache_from_kiln_compile_serves_a_fresh_machine(tiny_model_dir, tmp
          "float32", "--cache-dir", str(built), "--max-num-seqs", "1", "--max-num-batched-tokens", "16",
          "--buckets", "decode:1", "tokens:16"],
         capture_output=True, text=True, timeout=900,
-        env={**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "ci-triton"),
+        env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "ci-triton"),
              "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ci-inductor")})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "triton-kernels  stored" in proc.stdout, proc.stdout
