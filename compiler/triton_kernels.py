@@ -39,6 +39,7 @@ import logging
 import os
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -130,8 +131,12 @@ def listener_available() -> bool:
         return False
 
 
-def _module_files(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.glob("*/*.so")} if folder.is_dir() else set()
+def _module_files(folder: Path, since: float = 0.0) -> set[str]:
+    """Shared objects in the folder modified at or after `since`. Files restored from a Kiln
+    entry carry the stored (old) modification time, so they do not count as built."""
+    if not folder.is_dir():
+        return set()
+    return {str(p.relative_to(folder)) for p in folder.glob("*/*.so") if p.stat().st_mtime >= since}
 
 
 @contextlib.contextmanager
@@ -139,11 +144,12 @@ def count_triton_compiles() -> Iterator[TritonCompileCount]:
     """Count Triton's compiles (and disk-cache hits) inside the block."""
     count = TritonCompileCount()
     folder = triton_cache_dir()
+    started = time.time() - 1.0  # file systems with coarse timestamps
     modules_before = _module_files(folder)
     if not listener_available():
         logger.debug("this Triton has no compilation listener; only built modules are counted")
         yield count
-        count.modules_built = len(_module_files(folder) - modules_before)
+        count.modules_built = len(_module_files(folder, started) - modules_before)
         return
     from triton import knobs
 
@@ -163,7 +169,7 @@ def count_triton_compiles() -> Iterator[TritonCompileCount]:
         yield count
     finally:
         knobs.compilation.listener = previous
-        count.modules_built = len(_module_files(folder) - modules_before)
+        count.modules_built = len(_module_files(folder, started) - modules_before)
 
 
 def pack_triton_folder(folder: Path) -> tuple[bytes, int]:
@@ -182,6 +188,7 @@ def pack_triton_folder(folder: Path) -> tuple[bytes, int]:
                 data = _relative_group(data, folder)
             info = tarfile.TarInfo(name)
             info.size = len(data)
+            info.mtime = int(path.stat().st_mtime)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue(), kernels
 
@@ -225,6 +232,7 @@ def restore_triton_kernels(data: bytes, folder: Path | None = None) -> int:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(content)
                 os.replace(tmp, target)
+                os.utime(target, (member.mtime, member.mtime))  # as stored: not "built" now
                 written += 1
     except (tarfile.TarError, OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TritonKernelsError(f"Triton kernel entry cannot be unpacked ({type(e).__name__}: {e})") from e

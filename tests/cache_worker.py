@@ -70,6 +70,7 @@ def main() -> None:
         "triton": report.triton,
         "triton_compiled": triton.compiled,
         "triton_modules_built": triton.modules_built,
+        "triton_compiled_names": triton.names,
     }
     if opts.get("check_eager"):
         from kiln.compiler.pipeline import build_model_graph

@@ -110,6 +110,9 @@ def test_startup_takes_the_kernels_then_a_fresh_folder_gets_them_back(tmp_path: 
         assert private != user_triton and private.is_dir()
         compile_in_triton("e" * 64, "_silu_and_mul_kernel")
         compile_in_triton("f" * 64, "_write_kv_kernel")
+        (private / ("0" * 64)).mkdir()
+        (private / ("0" * 64) / "__triton_launcher.so").write_bytes(b"so")  # a launcher built with gcc
+    assert cold.stored and private not in triton_cache_dir().parents
     assert triton_cache_dir() == user_triton and not private.exists()  # put back, scratch removed
     assert not user_triton.exists()  # the user's folder was not written
     assert entry.key in cold.stored and "compiled (2) and cached (2 kernels" in cold.triton
@@ -131,7 +134,13 @@ def test_startup_takes_the_kernels_then_a_fresh_folder_gets_them_back(tmp_path: 
         assert not run_every_bucket
         assert (fresh / ("e" * 64) / "_silu_and_mul_kernel.cubin").is_file()
         compile_in_triton("e" * 64, "_silu_and_mul_kernel", cache_hit=True)
-    assert warm.triton == "Triton kernels from the cache (6 files restored), 0 compiled"
+        (fresh / ("e" * 64) / "__triton_launcher.so").write_bytes(b"so")  # built now: counted
+    # The restored launcher is not counted as built; the one written during the block is.
+    assert warm.triton == "Triton kernels from the cache (7 files restored), 1 compiled"
+    warm = StartupReport(mode="graph")
+    with triton_kernels_at_startup(warm_entry, warm):
+        pass  # restored files (kept from before) are not counted as built
+    assert warm.triton == "Triton kernels from the cache (0 files restored), 0 compiled"
     grp = json.loads((fresh / ("f" * 64) / "__grp___write_kv_kernel.json").read_text())
     assert all(Path(p).is_file() and fresh in Path(p).parents for p in grp["child_paths"].values())
 
