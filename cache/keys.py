@@ -45,6 +45,8 @@ BUCKET_KIND = "bucket"
 GRAPH_CODE_KIND = "graphcode"
 # CUDA: the binaries of every Triton kernel a model setup's buckets run (kiln.compiler.triton_kernels).
 TRITON_KERNELS_KIND = "tritonkernels"
+# A config.json's transformers-free snapshot (kiln.compiler.model_source.ConfigSnapshot).
+CONFIG_KIND = "config"
 
 # Config fields that never change the computation: where the model came from, tokenizer
 # ids, defaults for generation, transformers' own bookkeeping. Fields starting with "_"
@@ -153,6 +155,12 @@ def bucket_factors(model: dict[str, Any], bucket: BucketShape) -> dict[str, Any]
 def graph_code_factors(model: dict[str, Any], code_format: str) -> dict[str, Any]:
     """A graph-code entry's factors: the model's, with the code's own artifact format."""
     return {**model, "format": code_format}
+
+
+def config_snapshot_factors(raw_config: dict[str, Any], transformers_version: str) -> dict[str, Any]:
+    """A config snapshot's factors: the config.json as read, the transformers version that
+    built the config from it (its defaults fill the snapshot) and Kiln's version."""
+    return {"raw_config": _jsonable(raw_config), "transformers": transformers_version, "kiln": kiln_source_version()}
 
 
 def key_for(kind: str, factors: dict[str, Any]) -> str:

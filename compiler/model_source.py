@@ -66,6 +66,92 @@ class ModelSourceError(ValueError):
     """A model path, config or weight file that Kiln cannot use; the message says what to fix."""
 
 
+# What a warm start reads of a config beyond its to_dict() (names that transformers maps or
+# computes: GPT-2's n_layer is num_hidden_layers, ...). Anything else raises AttributeError.
+SNAPSHOT_ATTRIBUTES = (
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "multi_query", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
+    "tie_word_embeddings", "sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "intermediate_size", "torch_dtype", "architectures",
+)
+CONFIG_SNAPSHOT_FORMAT = "kiln-config-snapshot/1"
+
+
+class ConfigSnapshot:
+    """A transformers config as a warm start needs it, without importing transformers.
+
+    transformers' config classes cost seconds to import on some builds (transformers 5.17
+    imports torch._dynamo with them: 4-5 s on the H200 image), while a warm start needs only
+    a few fields and the config's `to_dict()` (for cache keys). The compile cache keeps one
+    snapshot per raw config.json (kiln.compiler.startup, kind `config`), written whenever
+    transformers built the config with a cache in use; `resolve_model(config_from_cache=...)`
+    uses it instead of transformers. Dummy weights need the parameters' shapes, which come
+    from a meta-device model otherwise, so the snapshot carries them too.
+    """
+
+    def __init__(self, values: dict[str, Any], attributes: dict[str, Any],
+                 parameter_shapes: dict[str, list[int]]):
+        self.__dict__.update(_values=values, _attributes=attributes, _parameter_shapes=parameter_shapes)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in self._attributes:
+            return self._attributes[name]
+        if name in self._values:
+            return self._values[name]
+        raise AttributeError(f"config snapshot of {self._attributes.get('model_type')!r} has no field {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._values))
+
+    def to_transformers(self) -> Any:
+        """The transformers config again (what capture needs), from the stored to_dict()."""
+        with text_only_transformers():
+            from transformers import AutoConfig
+
+            return AutoConfig.for_model(**self.to_dict())
+
+    def parameter_shapes(self) -> dict[str, torch.Size]:
+        return {name: torch.Size(shape) for name, shape in self._parameter_shapes.items()}
+
+    @classmethod
+    def of(cls, config: Any) -> "ConfigSnapshot":
+        """The snapshot of a transformers config (builds a meta-device model for the shapes)."""
+        from kiln.compiler.capture import parameter_shapes
+
+        values = json.loads(json.dumps(config.to_dict(), default=str))
+        attributes = {name: getattr(config, name) for name in SNAPSHOT_ATTRIBUTES if hasattr(config, name)}
+        attributes = json.loads(json.dumps(attributes, default=str))
+        shapes = {name: list(shape) for name, shape in parameter_shapes(config).items()}
+        return cls(values, attributes, shapes)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": CONFIG_SNAPSHOT_FORMAT, "values": self._values, "attributes": self._attributes,
+                           "parameter_shapes": self._parameter_shapes}, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ConfigSnapshot":
+        try:
+            raw = json.loads(data)
+            if raw.get("format") != CONFIG_SNAPSHOT_FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}")
+            return cls(dict(raw["values"]), dict(raw["attributes"]), dict(raw["parameter_shapes"]))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+            raise ModelSourceError(f"config snapshot cannot be read ({e})") from e
+
+
+def read_raw_config(config_path: Path) -> dict[str, Any]:
+    """config.json as JSON (what a config snapshot is keyed by)."""
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelSourceError(f"{config_path} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelSourceError(f"{config_path} holds {type(raw).__name__}, not a JSON object")
+    return raw
+
+
 @dataclass
 class ModelSource:
     """A resolved model: its config, how to get its tokenizer, and how to get its weights."""
@@ -78,6 +164,8 @@ class ModelSource:
     # The directory of *.safetensors weights (for GGUF: the converted copy in the cache).
     weights_dir: Path | None = None
     _tokenizer_factory: Callable[[], Any] | None = field(default=None, repr=False)
+    # config.json as read (hf_dir and bare-config sources): the key of its config snapshot.
+    raw_config: dict[str, Any] | None = field(default=None, repr=False)
 
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer, or None when the source ships none."""
@@ -105,6 +193,8 @@ class ModelSource:
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
+        if isinstance(self.config, ConfigSnapshot):
+            return self.config.parameter_shapes()
         from kiln.compiler.capture import parameter_shapes
 
         return parameter_shapes(self.config)
@@ -125,17 +215,22 @@ def default_model_path() -> Path:
     return path
 
 
+ConfigLookup = Callable[[dict[str, Any]], "ConfigSnapshot | None"]
+
+
 def resolve_model(model: str | os.PathLike | None = None, load_format: str = "auto", *,
-                  revision: str | None = None, download_dir: str | os.PathLike | None = None) -> ModelSource:
+                  revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                  config_from_cache: ConfigLookup | None = None) -> ModelSource:
     """Resolve `model`: None for the default, a HF directory, a GGUF file, a config.json, or a
     Hugging Face hub id (`org/name`, see `hub_snapshot`; `revision` and `download_dir` apply
-    to hub ids only)."""
+    to hub ids only). `config_from_cache` maps a raw config.json to its cached snapshot
+    (None: not cached), used instead of building the config with transformers."""
     if load_format not in ("auto", "dummy", "safetensors", "gguf"):
         raise ModelSourceError(f"load_format must be 'auto', 'dummy', 'safetensors' or 'gguf', not {load_format!r}")
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists() and model is not None and is_hub_id(str(model)):
         snapshot = hub_snapshot(str(model), revision, download_dir, weights=load_format != "dummy")
-        source = _hf_dir_source(snapshot, load_format)
+        source = _hf_dir_source(snapshot, load_format, config_from_cache)
         source.name = str(model)
         return source
     if not path.exists():
@@ -144,12 +239,12 @@ def resolve_model(model: str | os.PathLike | None = None, load_format: str = "au
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_source(path, load_format)
     if path.is_file() and path.name.endswith(".json"):
-        config = load_config(path)
         if load_format != "dummy":
             raise ModelSourceError(f"{path} is a bare config: weights can only be dummy (load_format='dummy')")
-        return ModelSource(name=path.stem, kind="dummy", config=config, path=path, load_format="dummy")
+        raw, config = _config_of(path, config_from_cache)
+        return ModelSource(name=path.stem, kind="dummy", config=config, path=path, load_format="dummy", raw_config=raw)
     if path.is_dir():
-        return _hf_dir_source(path, load_format)
+        return _hf_dir_source(path, load_format, config_from_cache)
     raise ModelSourceError(f"{path} is neither a Hugging Face model directory, a .gguf file nor a config .json")
 
 
@@ -276,12 +371,17 @@ def _check_remote_code(raw: dict[str, Any], config_path: Path) -> None:
             "it captures the architectures built into transformers (README: Supported architectures)")
 
 
-def load_config(config_path: Path) -> Any:
+def _config_of(config_path: Path, config_from_cache: ConfigLookup | None) -> tuple[dict[str, Any], Any]:
+    """config.json as JSON, and its config: the cached snapshot when there is one, else
+    transformers' (checked as `load_config` checks it)."""
+    raw = read_raw_config(config_path)
+    cached = config_from_cache(raw) if config_from_cache is not None else None
+    return raw, (cached if cached is not None else load_config(config_path, raw))
+
+
+def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
     """Read a config.json into a transformers config, checking the fields Kiln needs."""
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelSourceError(f"{config_path} is not valid JSON: {e}") from e
+    raw = read_raw_config(config_path) if raw is None else raw
     if "model_type" not in raw:
         raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
     missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw]
@@ -319,11 +419,33 @@ def _config_field_alias(model_type: str, field: str) -> str | None:
     return getattr(cls, "attribute_map", {}).get(field)
 
 
-def _hf_dir_source(path: Path, load_format: str) -> ModelSource:
+# Tokenizer classes that are tokenizer.json and nothing more (Llama 3, Qwen, SmolLM, ...).
+_PLAIN_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _plain_fast_tokenizer(path: Path) -> Any:
+    """The tokenizer of a directory whose tokenizer_config.json names a plain fast tokenizer,
+    built without `AutoTokenizer` (which reads the model config through transformers' config
+    classes: seconds on some transformers builds, see ConfigSnapshot); None otherwise."""
+    tok_config = path / "tokenizer_config.json"
+    if not (path / "tokenizer.json").is_file() or not tok_config.is_file():
+        return None
+    try:
+        cls = json.loads(tok_config.read_text()).get("tokenizer_class")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if cls not in _PLAIN_FAST_TOKENIZERS:
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def _hf_dir_source(path: Path, load_format: str, config_from_cache: ConfigLookup | None = None) -> ModelSource:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelSourceError(f"{path} has no config.json (expected a Hugging Face model directory)")
-    config = load_config(config_path)
+    raw, config = _config_of(config_path, config_from_cache)
     if load_format != "dummy" and not list(path.glob("*.safetensors")):
         raise ModelSourceError(f"{path} has no *.safetensors weights (use load_format='dummy' for random weights)")
 
@@ -332,13 +454,16 @@ def _hf_dir_source(path: Path, load_format: str) -> ModelSource:
         if not has_tokenizer:
             return None
         with text_only_transformers():
+            plain = _plain_fast_tokenizer(path)
+            if plain is not None:
+                return plain
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(str(path))
 
     return ModelSource(
         name=path.name, kind="hf_dir", config=config, path=path, load_format=load_format,
-        weights_dir=path, _tokenizer_factory=tokenizer,
+        weights_dir=path, _tokenizer_factory=tokenizer, raw_config=raw,
     )
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from kiln.cache.keys import (
-    BUCKET_KIND, GRAPH_CODE_KIND, MODEL_KIND, TRITON_KERNELS_KIND, bucket_factors, graph_code_factors, key_for, model_factors,
+    BUCKET_KIND, CONFIG_KIND, GRAPH_CODE_KIND, MODEL_KIND, TRITON_KERNELS_KIND, bucket_factors, config_snapshot_factors, graph_code_factors, key_for, model_factors,
 )
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
@@ -49,6 +49,7 @@ from kiln.compiler.graph_code import (
 from kiln.compiler.inductor_compile import (
     ARTIFACT_FORMAT, BucketCompileError, LoadedBucket, compile_bucket, load_bucket,
 )
+from kiln.compiler.model_source import ConfigSnapshot, ModelSourceError
 from kiln.compiler.pipeline import GraphSpec, GraphSpecError, ModelGraph, build_model_graph
 from kiln.compiler.triton_kernels import (
     TRITON_KERNELS_FORMAT, TritonKernelsError, capture_triton_kernels, count_triton_compiles,
@@ -275,6 +276,8 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
 
 
 def _capture(setup: ModelSetup) -> ModelGraph:
+    if isinstance(setup.config, ConfigSnapshot):  # a warm start's config, and yet a capture is needed
+        setup.config = setup.config.to_transformers()
     return build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
                              pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
 
@@ -554,8 +557,10 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
 
 
 def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,
-                       device: torch.device) -> PreparedModel:
-    """Engine start-up's graph phase: eager capture, or cache lookups + capture/compile + load."""
+                       device: torch.device, raw_config: dict[str, Any] | None = None) -> PreparedModel:
+    """Engine start-up's graph phase: eager capture, or cache lookups + capture/compile + load.
+    With a cache being written and `raw_config` (the config.json `model_config` was built
+    from), the config's snapshot is stored too (`config_lookup` reads it next time)."""
     setup = setup_for_engine(options, model_config, dtype, device)
     mode = resolve_compile_mode(options.mode, device, options.require_cache, options.cache_dir is not None)
     if options.require_cache:  # a cache that is not there is missing every entry: do not make one
@@ -576,6 +581,7 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
             else:
                 prepared = prepare_compiled(setup, store, require_cache=options.require_cache,
                                             progress=options.progress)
+            store_config_snapshot(store, raw_config, model_config)
     logger.debug("%s (%s)", prepared.report.summary(),
                  ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
     if device.type == "cuda" and prepared.report.mode != CompileMode.EAGER.value:
@@ -707,3 +713,68 @@ def triton_kernels_at_startup(entry: TritonKernelsEntry | None, report: StartupR
             report.stored.append(entry.key)
     report.triton = (f"Triton kernels compiled ({capture.count.compiled}) and cached "
                      f"({capture.num_kernels} kernels, {len(capture.data) / 2**20:.1f} MiB)")
+
+
+# ---- config snapshots: a warm start without transformers' config classes ----------------------
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "?"
+
+
+def config_snapshot_key(raw_config: dict[str, Any]) -> str:
+    return key_for(CONFIG_KIND, config_snapshot_factors(raw_config, _transformers_version()))
+
+
+def config_lookup(options: CompileOptions) -> Callable[[dict[str, Any]], ConfigSnapshot | None] | None:
+    """For `resolve_model(config_from_cache=...)`: the cached snapshot of a config.json, where
+    start-up reads the cache at all (not compile='eager'; without a cache directory given,
+    only a default cache that already exists). None: build the config with transformers."""
+    if options.mode == CompileMode.EAGER:
+        return None
+    from kiln.cache.store import CacheStoreError, default_cache_dir
+
+    root = Path(options.cache_dir).expanduser() if options.cache_dir else default_cache_dir()
+
+    def lookup(raw: dict[str, Any]) -> ConfigSnapshot | None:
+        if not root.is_dir():
+            return None
+        key = config_snapshot_key(raw)
+        try:
+            with ArtifactStore(str(root)) as store:
+                entry = store.get(key)
+                if entry is None:
+                    return None
+                try:
+                    return ConfigSnapshot.from_bytes(entry.data)
+                except ModelSourceError as e:
+                    store.drop(key, str(e))
+                    return None
+        except CacheStoreError as e:
+            logger.debug("config snapshot not read (%s)", e)
+            return None
+
+    return lookup
+
+
+def store_config_snapshot(store: ArtifactStore, raw_config: dict[str, Any] | None, config: Any) -> None:
+    """Keep `config` (built by transformers from `raw_config`) as a snapshot, so that the next
+    start-up with this config.json and cache skips transformers' config classes."""
+    if raw_config is None or isinstance(config, ConfigSnapshot):
+        return
+    key = config_snapshot_key(raw_config)
+    if key in store:
+        return
+    try:
+        data = ConfigSnapshot.of(config).to_bytes()
+    except Exception as e:  # a config that cannot be snapshotted only loses the fast start
+        logger.debug("config snapshot not stored (%s: %s)", type(e).__name__, e)
+        return
+    manifest = Manifest(key=key, kind=CONFIG_KIND, label="config", model=str(getattr(config, "model_type", "?")),
+                        factors=config_snapshot_factors(raw_config, _transformers_version()), checksum="", size=0,
+                        created=time.time())
+    _store_once(store, manifest, data)

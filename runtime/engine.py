@@ -21,7 +21,9 @@ import torch
 
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
-from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed, triton_kernels_at_startup
+from kiln.compiler.startup import (
+    PreparedModel, config_lookup, prepare_for_engine, timed, triton_kernels_at_startup,
+)
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
@@ -92,8 +94,10 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
 
         with timed(self.timings, "resolve model"):
+            # A config.json the cache has seen comes back as its snapshot: no transformers import.
             self.source: ModelSource = resolve_model(config.model, config.load_format, revision=config.revision,
-                                                     download_dir=config.download_dir)
+                                                     download_dir=config.download_dir,
+                                                     config_from_cache=config_lookup(config.compile_options()))
             self.model_config = self.source.config
         with timed(self.timings, "load tokenizer"):
             if config.tokenizer is not None:
@@ -106,7 +110,7 @@ class LLMEngine:
         # compile only what is missing -> load artifacts. Warm starts capture nothing: the
         # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
         self.prepared: PreparedModel = prepare_for_engine(config.compile_options(), self.model_config, self.dtype,
-                                                          self.device)
+                                                          self.device, raw_config=self.source.raw_config)
         self.timings.update(self.prepared.report.timings)
         self.startup_report = self.prepared.report
         self.graph_spec = self.prepared.spec

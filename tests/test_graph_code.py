@@ -93,7 +93,7 @@ def test_cold_engine_captures_and_stores_and_a_fresh_process_captures_nothing(co
     assert report.mode == "graph" and report.captured and not report.graph_from_cache
     assert "graph captured and cached" in report.summary() and "graph capture" in report.timings
     with ArtifactStore(cache) as store:
-        assert sorted(m.label for m in store.manifests()) == ["graph", "graph-code"]
+        assert sorted(m.label for m in store.manifests()) == ["config", "graph", "graph-code"]
 
     fresh = tmp_path / "fresh-inductor-cache"
     warm = run_worker({"model": model, "cache_dir": str(cache), "compile": "graph", "require_cache": True,
@@ -103,6 +103,9 @@ def test_cold_engine_captures_and_stores_and_a_fresh_process_captures_nothing(co
     assert "graph capture" not in warm["timings"] and "load graph code" in warm["timings"]
     assert warm["counters"] == {} and warm["compile_events"] == []  # no Dynamo, no Inductor
     assert warm["tokens"] == tokens
+    # The config came from its snapshot: transformers' config classes were never imported.
+    assert warm["model_config_type"] == "ConfigSnapshot"
+    assert warm["transformers_config_modules"] == []
 
 
 @pytest.mark.parametrize("damage", ["unknown global", "broken source", "other input roles"])

@@ -135,13 +135,15 @@ def _setup(args: argparse.Namespace) -> Any:
     dtype = config.resolved_dtype(device)
     source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto",
                            revision=config.revision, download_dir=config.download_dir)
-    return setup_for_engine(config.compile_options(), source.config, dtype, device)
+    setup = setup_for_engine(config.compile_options(), source.config, dtype, device)
+    args.raw_config = source.raw_config  # for store_config_snapshot after a compile
+    return setup
 
 
 # ---- kiln compile ----------------------------------------------------------------------------
 
 def run_compile(args: argparse.Namespace) -> int:
-    from kiln.compiler.startup import prepare_compiled
+    from kiln.compiler.startup import prepare_compiled, store_config_snapshot
     from kiln.runtime.cli.common import setup_logging
 
     setup_logging(args.verbose)
@@ -161,6 +163,7 @@ def run_compile(args: argparse.Namespace) -> int:
         print(f"kiln compile: {len(keys)} buckets of {setup.model_type} "
               f"({str(setup.dtype).removeprefix('torch.')}, {setup.device.type}) into {store.root}", file=sys.stderr)
         prepared = prepare_compiled(setup, store, progress=True, load=False)
+        store_config_snapshot(store, args.raw_config, setup.config)
     report = prepared.report
     rows = [[r.bucket.name, "cache hit" if r.status == "hit" else r.status, f"{r.seconds:.1f}",
              _size(r.size) if r.size else "-", r.key] for r in report.buckets]
@@ -175,7 +178,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
     """`kiln compile` in mode "graph": the graph spec and the post-pass graph's code, no buckets."""
-    from kiln.compiler.startup import prepare_graph
+    from kiln.compiler.startup import prepare_graph, store_config_snapshot
 
     model_key, code_key = setup.model_key(), setup.graph_code_key()
     where = f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type})"
@@ -191,6 +194,7 @@ def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
               "(compile mode graph: no per-bucket packages)", file=sys.stderr)
         had = {key: key in store for key in (model_key, code_key)}
         prepared = prepare_graph(setup, store)
+        store_config_snapshot(store, args.raw_config, setup.config)
         sizes = {key: (m.size if (m := store.manifest(key)) is not None else 0) for key in (model_key, code_key)}
     report = prepared.report
     dropped = {key for key, _ in report.dropped}
