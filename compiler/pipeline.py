@@ -109,6 +109,8 @@ def build_model_graph(
     max_num_tokens: int = 8192,
 ) -> ModelGraph:
     pm = pass_manager or PassManager.default()
+    if hasattr(config, "to_transformers"):  # a warm start's ConfigSnapshot (kiln.compiler.model_source)
+        config = config.to_transformers()
     captured = capture(config, dtype=dtype, device=device, max_num_tokens=max_num_tokens)
     ctx = PassContext(config=config, dtype=dtype)
     report = pm.run(captured.graph_module, ctx)

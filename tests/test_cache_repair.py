@@ -156,7 +156,7 @@ def warm_cache(tmp_path_factory) -> tuple[str, Path]:
     cold = kiln("generate", "--model", model, "--cache-dir", str(root), "--compile", "graph", "--max-tokens", "3",
                 "--max-model-len", "128", "Hello")
     assert cold.returncode == 0, cold.stderr[-3000:]
-    assert len(data_files(root)) == 2  # the graph spec and the graph code
+    assert len(data_files(root)) == 3  # the graph spec, the graph code and the config's snapshot
     return model, root
 
 

@@ -57,7 +57,7 @@ def test_two_processes_compiling_the_same_keys_at_once_both_succeed(tiny_model_d
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
     with ArtifactStore(cache) as store:
         labels = sorted(m.label for m in store.manifests())
-    assert labels == ["decode-1", "graph", "tokens-16"]
+    assert labels == ["config", "decode-1", "graph", "tokens-16"]  # config: the config.json's snapshot
 
 
 def test_compile_exits_nonzero_when_a_bucket_fails(tiny_model_dir, tmp_path):
@@ -72,7 +72,7 @@ def test_compile_exits_nonzero_when_a_bucket_fails(tiny_model_dir, tmp_path):
     assert _results(out) == {"decode-1": "failed", "tokens-16": "failed"}
     assert "bucket decode-1 failed" in err and "bucket tokens-16 failed" in err
     with ArtifactStore(cache) as store:
-        assert [m.label for m in store.manifests()] == ["graph"]
+        assert sorted(m.label for m in store.manifests()) == ["config", "graph"]  # no bucket
 
 
 def test_compile_dry_run_prints_the_plan_and_compiles_nothing(tiny_model_dir, tmp_path, capsys):

@@ -252,7 +252,7 @@ def test_kiln_compile_graph_mode_and_cache_commands(cold, tmp_path, capsys):
     assert main(["cache", "info", key[:16], "--cache-dir", cache]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "graphcode"
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
-    assert "2 entries ok" in capsys.readouterr().out
+    assert "3 entries ok" in capsys.readouterr().out  # graph spec, graph code, the config's snapshot
     assert main(["cache", "explain", model, "--cache-dir", cache, "--compile", "graph", *CLI_FLAGS]) == 0
     assert "2 of 2 entries would hit" in capsys.readouterr().out
     assert main(["cache", "explain", model, "--cache-dir", cache, *CLI_FLAGS]) == 0  # CPU: inductor buckets
