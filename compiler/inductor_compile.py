@@ -1,17 +1,26 @@
-"""Per-bucket compile: the post-pass graph -> one AOTInductor package per bucket, and back.
+"""Per-bucket compile: the post-pass graph -> one Inductor artifact per bucket, and back.
 
-Form: an AOTInductor package (`torch._inductor.aoti_compile_and_package`), chosen by
-measurement (compiler/README.md, "Compile and cache"). A package holds the generated
-C++/Triton code already built into a shared library, so loading one is a `dlopen`: no
-Dynamo, no AOTAutograd, no Inductor code generation, and on CPU no C++ compiler run.
-`standalone_compile` artifacts, by contrast, hold Inductor's Python wrapper and kernel
-sources, and on CPU rebuild every C++ kernel when the Inductor cache directory is fresh.
+Two forms, one per device, each chosen by measurement (compiler/README.md, "Compile and cache"):
 
-How a bucket is compiled: the post-pass FX graph is exported again with the bucket's
-static shapes (`torch.export`), then handed to AOTInductor. Every graph input stays an
-input, parameters included, so a package holds no weights: it serves any checkpoint of
-the architecture. Two dimensions stay dynamic so that an artifact does not depend on the
-machine it runs on or on the engine's length limits:
+- **CPU: an AOTInductor package** (`torch._inductor.aoti_compile_and_package`). A package
+  holds the generated C++ already built into a shared library, so loading one is a `dlopen`:
+  no Dynamo, no AOTAutograd, no Inductor code generation, no C++ compiler run.
+  `standalone_compile` artifacts hold C++ kernel *sources* and rebuild every kernel when the
+  Inductor cache directory is fresh (15 kernels, 21.6 s for the tiny model).
+- **CUDA: a `standalone_compile` artifact** (`torch._inductor.standalone_compile`, saved in
+  its `binary` form). On the lent H200 image (torch 2.11+cu130) loading *any* AOTInductor
+  CUDA package segfaults inside torch; a standalone artifact loads there, and carries the
+  compiled Triton kernels (cubins) of the graph, so loading it runs no Dynamo, no
+  AOTAutograd and no Inductor code generation (its FX-graph-cache entry is read back) and
+  compiles no Triton kernel. What it costs is importing `torch._inductor` (seconds).
+
+How a bucket is compiled: for a package, the post-pass FX graph is exported again with the
+bucket's static shapes (`torch.export`), then handed to AOTInductor; for a standalone
+artifact, the graph and example inputs of the bucket's shapes go to `standalone_compile`
+with the dynamic dimensions marked. Every graph input stays an input, parameters included,
+so an artifact holds no weights: it serves any checkpoint of the architecture. Two
+dimensions stay dynamic so that an artifact does not depend on the machine it runs on or on
+the engine's length limits:
 
 - the KV cache's `num_blocks` (dim 1 of every `kv_cache:<layer>` input), sized at start-up
   from free memory;
@@ -19,7 +28,7 @@ machine it runs on or on the engine's length limits:
   the step holds; the runner may pass any width >= 1 (it passes the step's maximum).
 
 Kiln's custom ops (`kiln::paged_attention`, which writes the KV cache in place) stay
-opaque calls inside the package, dispatched at run time to whatever implementation is
+opaque calls inside the artifact, dispatched at run time to whatever implementation is
 registered (Triton on CUDA, the torch reference on CPU).
 """
 
@@ -33,7 +42,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,7 +57,10 @@ from kiln.kernels.paged_attention import kv_cache_shape
 
 logger = logging.getLogger("kiln.compiler")
 
-ARTIFACT_FORMAT = "aoti-pt2/1"
+ARTIFACT_FORMAT = "aoti-pt2/1"  # the CPU form
+STANDALONE_FORMAT = "inductor-standalone/1"  # the CUDA form
+# Forces the standalone form on CPU too: for tests of that path on machines without a GPU.
+STANDALONE_ENV = "KILN_INDUCTOR_STANDALONE"
 MAX_KV_BLOCKS = 2**24
 MAX_BLOCK_TABLE_WIDTH = 2**20
 
@@ -57,6 +69,14 @@ EXAMPLE_BLOCK_TABLE_WIDTH = 8
 # Whether the user chose Inductor's cache directory, read before torch's first use of it
 # (torch writes its default into the environment then, and it would look chosen).
 _USER_INDUCTOR_CACHE_DIR = bool(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+
+def artifact_format(device: torch.device) -> str:
+    """The artifact form (and key factor) for `device`: AOTInductor packages on CPU, standalone
+    Inductor artifacts on CUDA (see the module doc for why)."""
+    if device.type == "cuda" or os.environ.get(STANDALONE_ENV) == "1":
+        return STANDALONE_FORMAT
+    return ARTIFACT_FORMAT
 
 
 class BucketCompileError(RuntimeError):
@@ -152,6 +172,8 @@ def compile_bucket(
     scratch_root.mkdir(parents=True, exist_ok=True)
     try:
         args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size)
+        if artifact_format(device) == STANDALONE_FORMAT:
+            return _compile_standalone(gm, args, dynamic, bucket, scratch_root)
         with torch.no_grad():
             program = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
         del args
@@ -167,16 +189,44 @@ def compile_bucket(
         raise BucketCompileError(f"compiling bucket {bucket.name} failed: {type(e).__name__}: {e}") from e
 
 
+def _compile_standalone(gm: torch.fx.GraphModule, args: list[torch.Tensor], dynamic: list[dict[int, Any] | None],
+                        bucket: Bucket, scratch_root: Path) -> bytes:
+    """`standalone_compile` of `gm` at the example inputs' shapes, the dynamic dims marked."""
+    from torch._inductor import standalone_compile
+
+    # The dynamic dimensions come from an export with them declared: its placeholders hold
+    # fake tensors with the symbols (num_kv_blocks, block_table_width), which are the example
+    # inputs, and `dynamic_shapes="from_graph"` takes their fake mode (and shape env) from the
+    # output's `example_value`, where Dynamo graphs keep it (export's graphs say `val`).
+    # Marking real inputs dynamic instead does not hold: the artifact came out with the
+    # example's width fixed and other sizes duck-shaped into one symbol.
+    with torch.no_grad():
+        program = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
+    graph = program.graph_module
+    fake_inputs = [node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")]
+    output = next(iter(reversed(graph.graph.nodes)))
+    for node in output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]:
+        if isinstance(node, torch.fx.Node) and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    del args
+    with inductor_scratch_dir(scratch_root), tempfile.TemporaryDirectory(prefix="art-", dir=scratch_root) as out:
+        with torch.no_grad():
+            artifact = standalone_compile(graph, fake_inputs, dynamic_shapes="from_graph")
+        path = Path(out) / f"{bucket.name}.bin"
+        artifact.save(path=str(path), format="binary")
+        return path.read_bytes()
+
+
 @dataclass
 class LoadedBucket:
     """A loaded bucket artifact: call it with the flat list of graph inputs, get the logits."""
 
     bucket: Bucket
-    loader: Any  # torch._C._aoti.AOTIModelPackageLoader: run(list of inputs) -> list of outputs
+    run: Callable[[list[torch.Tensor]], Any]  # flat inputs -> the graph's outputs (a list)
     load_seconds: float
 
     def __call__(self, args: list[torch.Tensor]) -> torch.Tensor:
-        return self.loader.run(args)[0]
+        return self.run(args)[0]
 
 
 def open_package(path: str, device_index: int) -> Any:
@@ -194,17 +244,24 @@ def open_package(path: str, device_index: int) -> Any:
 
 
 def load_bucket(bucket: Bucket, data: bytes, device: torch.device, scratch_root: Path) -> LoadedBucket:
-    """Load a package from its bytes (checked by the store beforehand). No compiler runs."""
+    """Load an artifact from its bytes (checked by the store beforehand). No compiler runs."""
     t0 = time.perf_counter()
     scratch_root.mkdir(parents=True, exist_ok=True)
-    fd, path = tempfile.mkstemp(prefix=f"{bucket.name}-", suffix=".pt2", dir=scratch_root)
+    standalone = artifact_format(device) == STANDALONE_FORMAT
+    fd, path = tempfile.mkstemp(prefix=f"{bucket.name}-", suffix=".bin" if standalone else ".pt2", dir=scratch_root)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        device_index = device.index if device.index is not None else (
-            torch.cuda.current_device() if device.type == "cuda" else -1)
-        loader = open_package(path, device_index)
+        if standalone:
+            from torch._inductor import CompiledArtifact
+
+            artifact = CompiledArtifact.load(path=path, format="binary")
+            run: Callable[[list[torch.Tensor]], Any] = lambda args: artifact(*args)  # noqa: E731
+        else:
+            device_index = device.index if device.index is not None else (
+                torch.cuda.current_device() if device.type == "cuda" else -1)
+            run = open_package(path, device_index).run
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
-    return LoadedBucket(bucket=bucket, loader=loader, load_seconds=time.perf_counter() - t0)
+    return LoadedBucket(bucket=bucket, run=run, load_seconds=time.perf_counter() - t0)

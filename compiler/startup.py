@@ -47,7 +47,7 @@ from kiln.compiler.graph_code import (
     GRAPH_CODE_FORMAT, GraphCode, GraphCodeError, load_graph_code, serialize_graph_code,
 )
 from kiln.compiler.inductor_compile import (
-    ARTIFACT_FORMAT, BucketCompileError, LoadedBucket, compile_bucket, load_bucket,
+    BucketCompileError, LoadedBucket, artifact_format, compile_bucket, load_bucket,
 )
 from kiln.compiler.model_source import ConfigSnapshot, ModelSourceError
 from kiln.compiler.pipeline import GraphSpec, GraphSpecError, ModelGraph, build_model_graph
@@ -210,7 +210,7 @@ class ModelSetup:
 
     def model_factors(self) -> dict[str, Any]:
         return model_factors(self.config, self.dtype, self.pass_manager.uuids(), self.device, self.block_size,
-                             ARTIFACT_FORMAT)
+                             artifact_format(self.device))
 
     def model_key(self) -> str:
         return key_for(MODEL_KIND, self.model_factors())
