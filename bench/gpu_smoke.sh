@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
-#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency throughput startup profile
+#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
+#                                         throughput startup profile
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         (default: tests latency throughput startup)
@@ -50,6 +51,13 @@ for stage in $STAGES; do
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
         --prompt-len 128 --out "$OUT/latency.json" ;;
+    latency_inductor)  # the same decode figures with Inductor artifacts (a 4-bucket plan: compiling the default one takes many minutes)
+      run_stage latency_inductor 560 $PY bench/latency.py --batch-sizes 1,8,64 --steps 128 --no-baseline \
+        --prompt-len 128 --compile inductor --decode-buckets 1,8,64 --token-buckets 2048 \
+        --cache-dir "$OUT/inductor-cache" --out "$OUT/latency_inductor.json" ;;
+    latency_graph)  # the comparison run for latency_inductor: same plan, the default CUDA artifact
+      run_stage latency_graph 300 $PY bench/latency.py --batch-sizes 1,8,64 --steps 128 --no-baseline \
+        --prompt-len 128 --decode-buckets 1,8,64 --token-buckets 2048 --out "$OUT/latency_graph.json" ;;
     throughput)
       run_stage throughput 300 $PY bench/throughput.py --hf-requests 64 --out "$OUT/throughput.json" ;;
     startup)

@@ -78,6 +78,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
     parser.add_argument("--batch-sizes", default="1,8,32,128")
+    parser.add_argument("--compile", default="auto", choices=["auto", "eager", "graph", "inductor"],
+                        help="the engine's compile mode (inductor: Inductor artifacts per bucket, compiled into "
+                             "--cache-dir first when missing; use --decode-buckets/--token-buckets to bound it)")
+    parser.add_argument("--cache-dir", default=None, help="Kiln cache directory for --compile graph/inductor")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per batch size (Kiln)")
     parser.add_argument("--hf-steps", type=int, default=32, help="decode steps timed per batch size (baseline)")
@@ -114,7 +118,9 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
               max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 16, progress=False,
-              **bc.bucket_options(args))
+              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args))
+    result["kiln_compile"] = args.compile
+    result["kiln_startup_report"] = llm.engine.startup_report.summary()
     result["kiln_startup_s"] = time.perf_counter() - t0
     result["kiln_startup_phases"] = dict(llm.engine.timings)
     engine = llm.engine

@@ -173,7 +173,9 @@ def run_compile(args: argparse.Namespace) -> int:
     failed = [r for r in report.buckets if r.status == "failed"]
     for r in failed:
         print(f"kiln compile: bucket {r.bucket.name} failed: {r.error}", file=sys.stderr)
-    return 1 if failed else 0
+    if failed:
+        return 1
+    return _take_triton_kernels(args, setup, "inductor") if setup.device.type == "cuda" else 0
 
 
 def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
@@ -209,11 +211,11 @@ def _run_compile_graph(args: argparse.Namespace, setup: Any) -> int:
         print(f"kiln compile: {report.note}", file=sys.stderr)
         return 1
     if setup.device.type == "cuda":
-        return _take_triton_kernels(args, setup)
+        return _take_triton_kernels(args, setup, "graph")
     return 0
 
 
-def _take_triton_kernels(args: argparse.Namespace, setup: Any) -> int:
+def _take_triton_kernels(args: argparse.Namespace, setup: Any, mode: str) -> int:
     """CUDA: start an engine on the device (dummy weights) from the entries just stored; it runs
     every bucket once and stores the Triton kernels (kiln.compiler.triton_kernels), so that a
     server starting from this cache on another machine compiles nothing."""
@@ -226,7 +228,7 @@ def _take_triton_kernels(args: argparse.Namespace, setup: Any) -> int:
         if key in store:
             print_table([["triton-kernels", "cache hit", "-", key]], ["entry", "result", "size", "key"])
             return 0
-    config = EngineConfig(**{**engine_kwargs(args), "load_format": "dummy", "compile": "graph", "progress": False})
+    config = EngineConfig(**{**engine_kwargs(args), "load_format": "dummy", "compile": mode, "progress": False})
     print(f"kiln compile: running every bucket once on {setup.device} to take its Triton kernels",
           file=sys.stderr)
     t0 = time.perf_counter()
