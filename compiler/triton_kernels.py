@@ -115,7 +115,8 @@ class TritonCompileCount:
     compiled: int = 0
     from_disk: int = 0
     modules_built: int = 0
-    names: list[str] = field(default_factory=list)  # the compiled kernels' names
+    names: list[str] = field(default_factory=list)  # the compiled kernels' names (and specialisation)
+    modules: list[str] = field(default_factory=list)  # the modules built: `<hash>/<file>.so`
 
     @property
     def total_compiles(self) -> int:
@@ -149,7 +150,8 @@ def count_triton_compiles() -> Iterator[TritonCompileCount]:
     if not listener_available():
         logger.debug("this Triton has no compilation listener; only built modules are counted")
         yield count
-        count.modules_built = len(_module_files(folder, started) - modules_before)
+        count.modules = sorted(_module_files(folder, started) - modules_before)
+        count.modules_built = len(count.modules)
         return
     from triton import knobs
 
@@ -160,7 +162,10 @@ def count_triton_compiles() -> Iterator[TritonCompileCount]:
             count.from_disk += 1
         else:
             count.compiled += 1
-            count.names.append(str(getattr(src, "name", "?")))
+            # The name and what Triton specialised it on (ints == 1 / divisible by 16, aligned
+            # pointers): a variant the warm-up did not meet shows up here.
+            attrs = getattr(src, "attrs", None)
+            count.names.append(f"{getattr(src, 'name', '?')}{'' if attrs is None else ' ' + str(attrs)}")
         if previous is not None:
             previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
 
@@ -169,7 +174,8 @@ def count_triton_compiles() -> Iterator[TritonCompileCount]:
         yield count
     finally:
         knobs.compilation.listener = previous
-        count.modules_built = len(_module_files(folder, started) - modules_before)
+        count.modules = sorted(_module_files(folder, started) - modules_before)
+        count.modules_built = len(count.modules)
 
 
 def pack_triton_folder(folder: Path) -> tuple[bytes, int]:

@@ -71,6 +71,7 @@ def main() -> None:
         "triton_compiled": triton.compiled,
         "triton_modules_built": triton.modules_built,
         "triton_compiled_names": triton.names,
+        "triton_modules": triton.modules,
         "model_config_type": type(engine.model_config).__name__,
         # transformers' per-model config modules (which can pull in torch._dynamo) and Dynamo itself
         "transformers_config_modules": sorted(m for m in sys.modules if m.startswith("transformers.models.")

@@ -35,7 +35,7 @@ def test_cuda_cold_compile_then_warm_start(tiny_model_dir, tmp_path, dtype):
     assert warm["counters"].get("frames", {}).get("ok", 0) == 0, warm["counters"]  # no Dynamo
     assert warm["counters"].get("inductor", {}).get("fxgraph_cache_miss", 0) == 0, warm["counters"]  # no codegen
     assert (warm["triton_compiled"], warm["triton_modules_built"]) == (0, 0), (
-        f"{warm['triton']}; compiled: {warm['triton_compiled_names']}")
+        f"{warm['triton']}; compiled: {warm['triton_compiled_names']}, modules {warm['triton_modules']}")
     print(f"cuda {dtype}: compile {cold['buckets']}, warm first token {warm['engine_first_token_seconds']:.2f}s")
 
 
@@ -84,7 +84,7 @@ def test_cuda_cache_from_kiln_compile_serves_a_fresh_machine(tiny_model_dir, tmp
     assert_compiled_nothing(warm, fresh_inductor)
     assert warm["triton"].startswith("Triton kernels from the cache"), warm["triton"]
     assert (warm["triton_compiled"], warm["triton_modules_built"]) == (0, 0), (
-        f"{warm['triton']}; compiled after start-up: {warm['triton_compiled_names']}")
+        f"{warm['triton']}; compiled after start-up: {warm['triton_compiled_names']}, modules {warm['triton_modules']}")
     eager = run_worker({**common, "compile": "eager"}, env={"TRITON_CACHE_DIR": str(tmp_path / "eager-triton")})
     assert eager["triton_compiled"] > 0  # the detector does fire where kernels are compiled
     assert warm["tokens"] == eager["tokens"]
