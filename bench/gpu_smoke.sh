@@ -2,7 +2,7 @@
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
-#                                         throughput startup profile
+#                                         load_weights throughput startup profile
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         (default: tests latency throughput startup)
@@ -58,6 +58,8 @@ for stage in $STAGES; do
     latency_graph)  # the comparison run for latency_inductor: same plan, the default CUDA artifact
       run_stage latency_graph 300 $PY bench/latency.py --batch-sizes 1,8,64 --steps 128 --no-baseline \
         --prompt-len 128 --decode-buckets 1,8,64 --token-buckets 2048 --out "$OUT/latency_graph.json" ;;
+    load_weights)  # a real safetensors checkpoint of the 8B shape: Kiln's load rate next to the disk's
+      run_stage load_weights 400 $PY bench/load_weights.py --out "$OUT/load_weights.json" ;;
     throughput)
       run_stage throughput 300 $PY bench/throughput.py --hf-requests 64 --out "$OUT/throughput.json" ;;
     startup)
