@@ -169,6 +169,10 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--compile", default="auto", choices=["auto", "eager", "graph", "inductor"],
+                        help="the engine's compile mode; with inductor the kernels listed are the artifacts' "
+                             "(bound the plan with --decode-buckets/--token-buckets)")
+    parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("profile_decode.py profiles GPU decode; no CUDA device is available")
@@ -185,7 +189,8 @@ def main() -> None:
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
               max_num_seqs=max(batches), max_model_len=args.prompt_len + 4 * args.steps + 128, progress=False,
-              **bc.bucket_options(args))
+              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args))
+    result["compile"] = llm.engine.startup_report.summary()
     result["startup_phases"] = dict(llm.engine.timings)
     result["batches"] = {}
     for b in batches:
