@@ -214,7 +214,10 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
             # transformers' own test: the model's attention classes never call
             # ALL_ATTENTION_FUNCTIONS. Build it as transformers would run it; capture then
             # replaces its inline attention with the marker (kiln.passes.inline_attention).
-            del kwargs["attn_implementation"]
+            # Named, not left to the config (whose object a caller may have built another model
+            # from): transformers' own default, SDPA where the model has it. Falcon's eager ALiBi
+            # path adds the bias twice (inline and folded into its mask); its SDPA path once.
+            kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
         model = cls._from_config(config, **kwargs)
     model._kiln_inline_attention = inline
     if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":

@@ -119,6 +119,13 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
+# The Hugging Face attention a parity reference runs where eager is not transformers' own
+# default: Falcon's eager ALiBi path adds the bias twice (inline, and folded into the mask it
+# builds), 11% off its SDPA path in transformers 5.17 and 5.24; Kiln follows SDPA (the
+# default, and ALiBi as Falcon-RW was trained).
+_HF_ATTENTION = {"falcon_rw": "sdpa"}
+
+
 def tiny_config(arch: str) -> Any:
     from transformers import AutoConfig
 
@@ -162,7 +169,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = tiny_config(arch)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=_HF_ATTENTION.get(arch, "eager")).eval()
     # Larger-than-default init spreads the logits so greedy choices are not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
