@@ -5,7 +5,8 @@ well under a second on CPU, yet keeps the constructs that matter for its family:
 multi-query attention, tied embeddings, q/k norm, MoE, sliding windows mixed with global
 layers, Llama 3.1 rope scaling, partial rotary, parallel attention/MLP blocks, learned
 absolute positions, attention and final-logit soft-capping, embedding/residual/logit
-multipliers, layers without RoPE, fused qkv and gate/up checkpoint tensors, biases.
+multipliers, layers without RoPE, ALiBi and attention written inline (Bloom, MPT, Falcon),
+fused qkv and gate/up checkpoint tensors, biases.
 
 `SUPPORTED` lists the architectures Kiln runs (each has a parity test); `REFUSED` lists
 architectures Kiln refuses, each with the construct its message must name. The README's
