@@ -76,7 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "h200-llama3-8b": {
         "model": str(Path(__file__).resolve().parent / "llama3_8b_serve"), "load_format": "dummy",
         "prompt_tokens": "128,1024", "output_tokens": "128,512", "rates": "2,4,8,16,24,32,48,inf",
-        "num_requests": 200, "max_concurrency": 1024, "max_model_len": 2048,
+        "num_requests": 150, "max_concurrency": 1024, "max_model_len": 2048,
     },
 }
 
