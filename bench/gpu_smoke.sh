@@ -5,6 +5,7 @@
 #                                         load_weights throughput startup profile
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
+#                                         arch_tests serve serve_fp8 serve_plot
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -81,9 +82,21 @@ for stage in $STAGES; do
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode --out "$OUT/moe_mixtral_offline.json" ;;
     moe_qwen3)
       run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
+    arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
+      run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
+        tests/test_kernels_triton.py ;;
+    serve)  # issue 16: the QPS / P99 table (Llama-3-8B shape, dummy weights, SmolLM2 tokenizer); the
+            # JSON is rewritten after every rate, so a stage cut at its limit keeps the rates it finished
+      run_stage serve 580 $PY bench/serve.py --preset h200-llama3-8b --out "$OUT/serve.json" ;;
+    serve_fp8)  # the same with FP8 weights and KV cache (needs the FP8 path: --quantization, --kv-cache-dtype)
+      run_stage serve_fp8 580 $PY bench/serve.py --preset h200-llama3-8b --quantization fp8 --kv-cache-dtype fp8 \
+        --out "$OUT/serve_fp8.json" ;;
+    serve_plot)
+      run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
+        --out "$OUT/serve.png" ;;
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
-           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3)"; status=2 ;;
+           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot)"; status=2 ;;
   esac
 done
 exit $status

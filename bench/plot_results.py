@@ -1,7 +1,8 @@
 """Draw the README's benchmark chart from the JSON that bench/latency.py and
-bench/throughput.py wrote into bench/results/.
+bench/throughput.py wrote into bench/results/, or a serving run's rate-vs-latency curves.
 
     python3 bench/plot_results.py [--out bench/results/summary.png] [FILES...]
+    python3 bench/plot_results.py --serve SERVE.json [SERVE-FP8.json ...] --out serve.png
 
 Without FILES it takes, of each kind, the newest run (by the date inside the file) that
 measured the most batch sizes. Needs matplotlib (`pip install matplotlib`, or the `bench`
@@ -99,11 +100,79 @@ def draw(figs: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
+def serve_curves(paths: list[Path]) -> dict[str, Any]:
+    """Per bench/serve.py run (one curve each: e.g. bf16 and FP8): the QPS / P99 table rows,
+    finite offered rates only on the x axis of the first panel ('inf' is marked apart)."""
+    curves: dict[str, Any] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("benchmark") != "serve":
+            raise SystemExit(f"plot_results: {path} is not a bench/serve.py result")
+        options = data.get("config", {}).get("engine_options", {})
+        label = ", ".join(f"{k}={v}" for k, v in options.items() if k in ("quantization", "kv_cache_dtype")) \
+            or path.stem
+        curves[label] = {"file": path.name, "date": data.get("environment", {}).get("date"),
+                         "rows": data.get("table") or [], "complete": data.get("complete", True)}
+    return curves
+
+
+def draw_serve(curves: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for label, curve in curves.items():
+        rows = [r for r in curve["rows"] if r["requests_per_s"] > 0]
+        achieved = [r["requests_per_s"] for r in rows]
+        offered = [r["rate"] if r["rate"] != "inf" else None for r in rows]
+        line = axes[0].plot([o for o in offered if o is not None],
+                            [a for o, a in zip(offered, achieved) if o is not None], marker="o", label=label)[0]
+        saturated = [a for o, a in zip(offered, achieved) if o is None]
+        if saturated:
+            axes[0].axhline(saturated[0], color=line.get_color(), linestyle=":", linewidth=1,
+                            label=f"{label}: all at once")
+        for ax, key in ((axes[1], "ttft"), (axes[2], "tpot")):
+            for q, style in (("p50", "-"), ("p99", "--")):
+                ax.plot(achieved, [r[f"{key}_{q}_ms"] for r in rows], style, marker="o", color=line.get_color(),
+                        label=f"{label} {q.upper()}")
+    axes[0].set_xlabel("offered rate (requests/s)")
+    axes[0].set_ylabel("achieved requests/s")
+    axes[0].set_title("Throughput")
+    axes[1].set_title("Time to first token")
+    axes[2].set_title("Time per output token")
+    for ax in axes[1:]:
+        ax.set_xlabel("achieved requests/s")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle("kiln serve: Poisson arrivals, rate vs latency (bench/serve.py)", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="*", type=Path, help="result JSON files (default: bench/results/*.json)")
     p.add_argument("--out", type=Path, default=RESULTS / "summary.png", help="PNG to write")
+    p.add_argument("--serve", action="store_true", help="FILES are bench/serve.py results: draw rate vs latency")
     args = p.parse_args(argv)
+    if args.serve:
+        if not args.files:
+            p.error("--serve needs the bench/serve.py result files")
+        curves = serve_curves(args.files)
+        try:
+            draw_serve(curves, args.out)
+        except ImportError:
+            print("plot_results: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+            return 1
+        print(json.dumps(curves, indent=1))
+        return 0
     runs = load(args.files or sorted(RESULTS.glob("*.json")))
     if not runs:
         print("plot_results: no latency or throughput results found", file=sys.stderr)

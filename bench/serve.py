@@ -2,6 +2,15 @@
 
     python bench/serve.py --rates 0.5,2 --num-requests 40              # starts `kiln serve` itself
     python bench/serve.py --base-url http://127.0.0.1:8000 --rates 4   # an already running server
+    python bench/serve.py --preset h200-llama3-8b --out serve.json     # the QPS / P99 table on the H200
+    python bench/plot_results.py --serve serve.json --out serve.png    # its rate-vs-latency curves
+
+`--preset h200-llama3-8b` is the serving table's setting: the Llama-3-8B shape with dummy
+weights and a real tokenizer (`bench/llama3_8b_serve`, see bench/make_serve_model.py),
+prompts of 128-1,024 tokens and outputs of 128-512 tokens (uniform, token-id prompts, so
+lengths are exact), rates from light to saturated (`inf`: every request at once), up to
+1,024 requests in flight. Any option given explicitly overrides the preset's.
+`--quantization fp8 --kv-cache-dtype fp8` are passed to `kiln serve` (and to the baseline).
 
 For each request rate it sends `--num-requests` streaming completions whose arrival times
 form a Poisson process at that rate (exponential gaps), never more than `--max-concurrency`
@@ -9,7 +18,9 @@ in flight, each with a random prompt of random length and a fixed number of outp
 (`ignore_eos`, so every request decodes the same amount). It prints one JSON document:
 per rate, achieved requests/s and output tokens/s, time to first token (TTFT, from sending
 the request to its first streamed token) and time per output token (TPOT, the rest of the
-decode divided by the tokens after the first) at P50 and P99, and the errors.
+decode divided by the tokens after the first) at P50 and P99, and the errors; `table` is
+the same as one row per rate in milliseconds (the QPS / P99 table). With `--out` the file
+is rewritten after every rate, so a run cut short keeps the rates it finished.
 
 Baseline (when it starts the server itself, unless --no-baseline): after the server has
 stopped, the same prompts through the offline `LLM.generate` in this process, all at once:
@@ -22,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -56,6 +68,19 @@ class RequestResult:
     error: str | None = None
 
 
+# Token ids random prompts are drawn from: clear of the special tokens at the start of every
+# vocabulary this benchmark is run with (SmolLM2's 49,152, Llama 3's 128,256).
+TOKEN_ID_RANGE = (1000, 30000)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "h200-llama3-8b": {
+        "model": str(Path(__file__).resolve().parent / "llama3_8b_serve"), "load_format": "dummy",
+        "prompt_tokens": "128,1024", "output_tokens": "128,512", "rates": "2,4,8,16,24,32,48,inf",
+        "num_requests": 150, "max_concurrency": 1024, "max_model_len": 2048,
+    },
+}
+
+
 def random_prompt(rng: random.Random, min_words: int, max_words: int) -> str:
     n = rng.randint(min_words, max_words)
     return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
@@ -76,7 +101,11 @@ def summary(values: list[float]) -> dict[str, float | None]:
             "mean": sum(values) / len(values) if values else None}
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str | None, prompt: str, max_tokens: int,
+def random_token_prompt(rng: random.Random, min_tokens: int, max_tokens: int) -> list[int]:
+    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(rng.randint(min_tokens, max_tokens))]
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str | None, prompt: str | list[int], max_tokens: int,
                       headers: dict[str, str]) -> RequestResult:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}
@@ -109,21 +138,22 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str | None, prom
 
 
 async def run_rate(base_url: str, model: str | None, rate: float, num_requests: int, max_concurrency: int,
-                   prompts: list[str], max_tokens: int, api_key: str | None, seed: int) -> dict[str, Any]:
+                   prompts: list[str | list[int]], max_tokens: list[int], api_key: str | None,
+                   seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(max_concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30), limits=limits) as http:
-        async def bounded(prompt: str) -> RequestResult:
+        async def bounded(prompt: str | list[int], n: int) -> RequestResult:
             async with sem:
-                return await one_request(http, base_url + "/v1/completions", model, prompt, max_tokens, headers)
+                return await one_request(http, base_url + "/v1/completions", model, prompt, n, headers)
 
         tasks = []
         t0 = time.perf_counter()
         for i in range(num_requests):
-            tasks.append(asyncio.create_task(bounded(prompts[i % len(prompts)])))
-            if i + 1 < num_requests:
+            tasks.append(asyncio.create_task(bounded(prompts[i % len(prompts)], max_tokens[i % len(max_tokens)])))
+            if i + 1 < num_requests and math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
@@ -133,7 +163,7 @@ async def run_rate(base_url: str, model: str | None, rate: float, num_requests: 
         if not r.ok:
             errors[r.error or "?"] = errors.get(r.error or "?", 0) + 1
     return {
-        "request_rate": rate,
+        "request_rate": rate if math.isfinite(rate) else "inf",
         "num_requests": num_requests,
         "completed": len(ok),
         "errors": len(results) - len(ok),
@@ -147,17 +177,29 @@ async def run_rate(base_url: str, model: str | None, rate: float, num_requests: 
     }
 
 
+# Engine options this script takes itself and hands to both `kiln serve` and the baseline.
+ENGINE_OPTIONS = ("max_model_len", "load_format", "dtype", "quantization", "kv_cache_dtype", "max_num_seqs",
+                  "max_num_batched_tokens")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, Path]:
-    serve_args = ([args.model] if args.model else []) + ["--max-model-len", str(args.max_model_len), *args.serve_arg]
+    flags = [x for k, v in engine_options(args).items() for x in ("--" + k.replace("_", "-"), str(v))]
+    serve_args = ([args.model] if args.model else []) + flags + list(args.serve_arg)
     return bc.start_kiln_serve(serve_args, "kiln-bench-serve-")
 
 
-def offline_baseline(args: argparse.Namespace, prompts: list[str]) -> dict[str, Any]:
+def offline_baseline(args: argparse.Namespace, prompts: list[str | list[int]], max_tokens: list[int]
+                     ) -> dict[str, Any]:
     """The same prompts through `LLM.generate` at once (no server): the engine's own ceiling."""
     from kiln.runtime import LLM, SamplingParams
 
-    llm = LLM(args.model, max_model_len=args.max_model_len, progress=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    llm = LLM(args.model, progress=False, **engine_options(args))
+    params = [SamplingParams(max_tokens=max_tokens[i % len(max_tokens)], temperature=0.0, ignore_eos=True)
+              for i in range(len(prompts))]
     llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up, as for the server
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -173,29 +215,65 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model for the started server (default: the default model); "
                                                  "with --base-url, the model name to send")
     p.add_argument("--serve-arg", action="append", default=[], help="extra option for the started `kiln serve`")
-    p.add_argument("--max-model-len", type=int, default=1024, help="for the started server (default 1024)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named setting (model, lengths, rates); options given explicitly override it")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="for the started server (default: 1024, or the longest prompt + output if longer)")
+    p.add_argument("--load-format", default=None, help="for the started server and the baseline (e.g. dummy)")
+    p.add_argument("--dtype", default=None, help="for the started server and the baseline")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="for the started server and the baseline")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="for the started server and the baseline")
+    p.add_argument("--quantization", default=None, help="for the started server and the baseline (e.g. fp8)")
+    p.add_argument("--kv-cache-dtype", default=None, help="for the started server and the baseline (e.g. fp8)")
     p.add_argument("--api-key", default=os.environ.get("KILN_API_KEY"))
-    p.add_argument("--rates", default="0.5,2", help="request rates in requests/s, comma-separated (default 0.5,2)")
+    p.add_argument("--rates", default="0.5,2", help="request rates in requests/s, comma-separated; 'inf' sends "
+                                                    "every request at once (default 0.5,2)")
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate (default 40)")
     p.add_argument("--max-concurrency", type=int, default=16, help="most requests in flight (default 16)")
     p.add_argument("--prompt-words", default="8,48", help="min,max words per random prompt (default 8,48)")
+    p.add_argument("--prompt-tokens", default=None, help="MIN,MAX: random token-id prompts of uniform length "
+                                                         "instead of --prompt-words")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--output-tokens", default=None, help="MIN,MAX: each request's output length, uniform "
+                                                         "(instead of --max-tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON result here (also printed)")
     p.add_argument("--no-baseline", action="store_true", help="skip the offline LLM.generate baseline")
     args = p.parse_args(argv)
+    if args.preset:
+        # The preset fills what the command line left at its default.
+        for key, value in PRESETS[args.preset].items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+
+    def span(text: str, flag: str) -> tuple[int, int]:
+        try:
+            lo, hi = (int(x) for x in text.split(","))
+        except ValueError:
+            p.error(f"{flag} must be MIN,MAX")
+        if not 1 <= lo <= hi:
+            p.error(f"{flag} must be MIN,MAX with 1 <= MIN <= MAX")
+        return lo, hi
 
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    if not rates or any(r <= 0 for r in rates):
-        p.error("--rates must be positive numbers")
-    lo, hi = (int(x) for x in args.prompt_words.split(","))
-    if not 1 <= lo <= hi:
-        p.error("--prompt-words must be MIN,MAX with 1 <= MIN <= MAX")
+    if not rates or any(not r > 0 for r in rates):
+        p.error("--rates must be positive numbers (or inf)")
     if args.num_requests < 1 or args.max_concurrency < 1 or args.max_tokens < 1:
         p.error("--num-requests, --max-concurrency and --max-tokens must be >= 1")
 
     rng = random.Random(args.seed)
-    prompts = [random_prompt(rng, lo, hi) for _ in range(args.num_requests)]
+    if args.prompt_tokens:
+        lo, hi = span(args.prompt_tokens, "--prompt-tokens")
+        prompts: list[str | list[int]] = [random_token_prompt(rng, lo, hi) for _ in range(args.num_requests)]
+    else:
+        lo, hi = span(args.prompt_words, "--prompt-words")
+        prompts = [random_prompt(rng, lo, hi) for _ in range(args.num_requests)]
+    out_lo, out_hi = span(args.output_tokens, "--output-tokens") if args.output_tokens else (args.max_tokens,) * 2
+    max_tokens = [rng.randint(out_lo, out_hi) for _ in range(args.num_requests)]
+    if args.max_model_len is None:
+        longest = max(len(x) for x in prompts) + out_hi if args.prompt_tokens else 0
+        args.max_model_len = max(1024, -(-longest // 16) * 16)
     proc = None
     log_path = None
     started = time.perf_counter()
@@ -205,12 +283,40 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base_url, model = args.base_url.rstrip("/"), args.model
     startup_s = time.perf_counter() - started
+    config = {"num_requests": args.num_requests, "max_concurrency": args.max_concurrency,
+              "prompt_tokens" if args.prompt_tokens else "prompt_words": [lo, hi],
+              "output_tokens": [out_lo, out_hi], "seed": args.seed, "preset": args.preset,
+              "engine_options": engine_options(args), "serve_args": list(args.serve_arg),
+              "model_config": _model_config(args.model)}
+    results: list[dict[str, Any]] = []
+
+    def report(baseline: dict[str, Any] | None, final: bool) -> None:
+        load = os.getloadavg() if hasattr(os, "getloadavg") else None
+        document = {
+            "benchmark": "serve",
+            "server": base_url if args.base_url else f"kiln serve {args.model or '(default model)'} (started here, "
+                                                     f"{startup_s:.1f}s to healthy)",
+            "environment": {**bc.environment(), "platform": platform.platform(), "cpus": os.cpu_count(),
+                            "load_average_1_5_15": load},
+            "config": config,
+            "results": results,
+            "table": [table_row(r) for r in results],
+            "baseline_offline_generate": baseline,
+            "complete": final,
+        }
+        if final:
+            bc.emit(document, args.out)
+        elif args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+
     try:
         # One short request first so that lazy start-up work does not land in the first rate.
-        asyncio.run(run_rate(base_url, model, 100.0, 1, 1, prompts[:1], 2, args.api_key, args.seed))
-        results = [asyncio.run(run_rate(base_url, model, rate, args.num_requests, args.max_concurrency, prompts,
-                                        args.max_tokens, args.api_key, args.seed + i))
-                   for i, rate in enumerate(rates)]
+        asyncio.run(run_rate(base_url, model, 100.0, 1, 1, prompts[:1], [2], args.api_key, args.seed))
+        for i, rate in enumerate(rates):
+            results.append(asyncio.run(run_rate(base_url, model, rate, args.num_requests, args.max_concurrency,
+                                                prompts, max_tokens, args.api_key, args.seed + i)))
+            report(None, final=False)
     finally:
         if proc is not None:
             bc.stop_kiln_serve(proc)
@@ -218,20 +324,28 @@ def main(argv: list[str] | None = None) -> int:
                 log_path.unlink(missing_ok=True)
     baseline = None
     if proc is not None and not args.no_baseline:
-        baseline = offline_baseline(args, prompts)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    bc.emit({
-        "benchmark": "serve",
-        "server": base_url if args.base_url else f"kiln serve {args.model or '(default model)'} (started here, "
-                                                 f"{startup_s:.1f}s to healthy)",
-        "environment": {**bc.environment(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "load_average_1_5_15": load},
-        "config": {"num_requests": args.num_requests, "max_concurrency": args.max_concurrency,
-                   "prompt_words": [lo, hi], "max_tokens": args.max_tokens, "seed": args.seed},
-        "results": results,
-        "baseline_offline_generate": baseline,
-    }, args.out)
+        baseline = offline_baseline(args, prompts, max_tokens)
+    report(baseline, final=True)
     return 0 if all(r["errors"] == 0 for r in results) else 1
+
+
+def table_row(result: dict[str, Any]) -> dict[str, Any]:
+    """One row of the QPS / P99 table: offered rate, achieved rates, latencies in ms."""
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000, 1)
+
+    return {"rate": result["request_rate"], "requests_per_s": round(result["requests_per_s"], 2),
+            "output_tokens_per_s": round(result["output_tokens_per_s"], 1),
+            "ttft_p50_ms": ms(result["ttft_s"]["p50"]), "ttft_p99_ms": ms(result["ttft_s"]["p99"]),
+            "tpot_p50_ms": ms(result["tpot_s"]["p50"]), "tpot_p99_ms": ms(result["tpot_s"]["p99"]),
+            "errors": result["errors"]}
+
+
+def _model_config(model: str | None) -> dict[str, Any] | None:
+    """The shape the run served (a config directory's config.json), for the record."""
+    if model and (Path(model) / "config.json").is_file():
+        return json.loads((Path(model) / "config.json").read_text())
+    return None
 
 
 if __name__ == "__main__":

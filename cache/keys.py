@@ -7,7 +7,7 @@ A key is the SHA-256 of its *factors*, a JSON-able dict:
 - `dtype`, `block_size` (the KV cache's static block dimension);
 - `passes`: each pass's uuid (hash of its source and options);
 - `kiln`: the Kiln version plus a hash of the sources that decide what an artifact
-  contains (capture, the compile step, the custom ops' schemas and implementations);
+  contains (capture and its inline-attention pass, the compile step, the custom ops' schemas and implementations);
 - `torch`, `triton` versions; `device` kind and `capability` (CUDA compute capability, or
   the CPU's vector ISA, since the C++ kernels are built for it);
 - `format` of the artifact; and, for a bucket, the bucket's static shape.
@@ -63,6 +63,8 @@ NON_ARCHITECTURE_FIELDS = frozenset({
 # Sources (relative to the kiln package folders) whose changes change what an artifact is.
 KEY_SOURCES = (
     ("kiln.compiler", ("capture.py", "pipeline.py", "inductor_compile.py")),
+    # Part of capture, though it lives with the passes: it is not a pipeline pass with a uuid.
+    ("kiln.passes", ("inline_attention.py",)),
     ("kiln.kernels", ("*.py",)),
 )
 

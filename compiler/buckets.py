@@ -4,8 +4,10 @@ A step is `T` packed tokens from `B` sequences. Compiling one artifact per exact
 would never end, so steps are padded up to a bucket:
 
 - **decode buckets** (`decode-N`): steps in which every sequence brings one token
-  (T == B). N sequences; the default sizes are 1, 2, 4, 8, then every 16 up to
-  `max_num_seqs`.
+  (T == B). N sequences; the default sizes are 1, 2, 4, 8, every 16 up to 256, then every
+  64 up to 512 (or `max_num_seqs` if smaller). Each is an artifact and, on CUDA, a captured
+  graph, so their number is bounded whatever `max_num_seqs` is (1,024 on a large GPU): as
+  vLLM, which captures up to 512, decodes of more sequences run in a token bucket.
 - **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
   decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
   the powers of two from 16 up to `max_num_batched_tokens` (which is always included).
@@ -24,6 +26,10 @@ from typing import Iterable
 DECODE = "decode"
 TOKENS = "tokens"
 SMALLEST_TOKEN_BUCKET = 16
+# Default decode buckets: every 16 sequences up to DENSE_DECODE_LIMIT, every 64 beyond, none
+# above MAX_DEFAULT_DECODE_BUCKET (24 buckets at the most).
+DENSE_DECODE_LIMIT = 256
+MAX_DEFAULT_DECODE_BUCKET = 512
 
 
 class BucketPlanError(ValueError):
@@ -66,10 +72,12 @@ def token_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
 
 
 def default_decode_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [n for n in (1, 2, 4, 8) if n <= max_num_seqs]
-    sizes += list(range(16, max_num_seqs + 1, 16))
-    if max_num_seqs not in sizes:
-        sizes.append(max_num_seqs)
+    largest = min(max_num_seqs, MAX_DEFAULT_DECODE_BUCKET)
+    sizes = [n for n in (1, 2, 4, 8) if n <= largest]
+    sizes += list(range(16, min(largest, DENSE_DECODE_LIMIT) + 1, 16))
+    sizes += list(range(DENSE_DECODE_LIMIT + 64, largest + 1, 64))
+    if largest not in sizes:
+        sizes.append(largest)
     return sorted(set(sizes))
 
 

@@ -2,7 +2,11 @@
 
 The model is built from its config with a registered attention function ("kiln") that
 calls the marker op `kiln::attention` once per layer; since "kiln" has no mask function,
-transformers builds no attention mask. `torch.export` traces token-major inputs
+transformers builds no attention mask. Models whose attention never reaches that interface
+(Bloom, MPT and Falcon compute it inline, with their own masks and ALiBi biases) are traced
+as transformers runs them, and the capture-time pass `kiln.passes.inline_attention` puts
+the marker where each inline attention was, reading the scale, mask and ALiBi slopes off the
+graph. `torch.export` traces token-major inputs
 `input_ids[1, T]` and `position_ids[1, T]` with T dynamic. The exported program lifts
 parameters and buffers to graph inputs, so the graph (and every artifact compiled from
 it) holds no weights.
@@ -205,14 +209,17 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
         # build catches a version where it would not.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
-        if not cls._can_set_attn_implementation():
+        inline = not cls._can_set_attn_implementation()
+        if inline:
             # transformers' own test: the model's attention classes never call
-            # ALL_ATTENTION_FUNCTIONS. Build it plainly to name what they compute instead.
-            del kwargs["attn_implementation"]
-            model = cls._from_config(config, **kwargs)
-            construct = find_unsupported_construct(model) or attention_outside_interface(model)
-            raise UnsupportedArchitectureError(f"{construct} is not supported by Kiln")
+            # ALL_ATTENTION_FUNCTIONS. Build it as transformers would run it; capture then
+            # replaces its inline attention with the marker (kiln.passes.inline_attention).
+            # Named, not left to the config (whose object a caller may have built another model
+            # from): transformers' own default, SDPA where the model has it. Falcon's eager ALiBi
+            # path adds the bias twice (inline and folded into its mask); its SDPA path once.
+            kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
         model = cls._from_config(config, **kwargs)
+    model._kiln_inline_attention = inline
     if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":
         raise RuntimeError(
             f"transformers built {cls.__name__} with experts implementation "
@@ -280,9 +287,24 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     position_ids = torch.arange(example_tokens, device=device).unsqueeze(0)
     num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
     dynamic_shapes = {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}}
+    inline = getattr(hf, "_kiln_inline_attention", False)
     with torch.no_grad():
-        program = torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes, strict=False)
-    if not program.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+        try:
+            program = torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes,
+                                          strict=False)
+        except torch._dynamo.exc.UserError as e:
+            if not inline or e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+                raise
+            # An inline bias sized by the model's context (MPT slices a max_seq_len-long ALiBi
+            # tensor) bounds the token count. That bias is replaced by the marker below and each
+            # bucket is exported again at its own static shape, so let export narrow the range.
+            logger.info("capture: %s bounds the token count (%s); tracing with the range export infers",
+                        type(hf).__name__, str(e).splitlines()[1].strip() if "\n" in str(e) else e)
+            program = torch.export.export(wrapper, (input_ids, position_ids), strict=False,
+                                          dynamic_shapes={"input_ids": {1: Dim.DYNAMIC},
+                                                          "position_ids": {1: Dim.DYNAMIC}})
+    if not inline and not program.graph_module.graph.find_nodes(
+            op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
 
     gm = program.graph_module
@@ -313,6 +335,8 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
             node.meta[INPUT_META_KEY] = batch_role(spec.arg.name)
         else:
             raise ValueError(f"unexpected graph input kind {kind} for {node.name}")
+    if inline:
+        _mark_inline_attention(gm, constants, hf)
     _unwrap_single_output(gm)
     gm.recompile()
     # The HF model sits in reference cycles, so without a collection its parameters (real
@@ -321,6 +345,20 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     del hf, wrapper, program, named_params, named_buffers, aliases
     gc.collect()
     return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants)
+
+
+def _mark_inline_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor], hf: torch.nn.Module) -> None:
+    from kiln.passes.inline_attention import InlineAttentionError, mark_inline_attention
+
+    if gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+        raise UnsupportedArchitectureError(
+            f"attention partly through transformers' attention interface and partly inline ({type(hf).__name__})")
+    try:
+        report = mark_inline_attention(gm, constants, getattr(hf.config, "sliding_window", None))
+    except InlineAttentionError as e:
+        raise UnsupportedArchitectureError(f"{e} is not supported by Kiln") from e
+    logger.info("capture: %d inline attention(s) of %s replaced by the marker (%d with ALiBi, %d windowed)",
+                report.sites, type(hf).__name__, report.alibi_layers, report.sliding_window_layers)
 
 
 def _tied_weights(hf: torch.nn.Module, config: Any) -> dict[str, str]:

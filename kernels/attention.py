@@ -16,6 +16,12 @@ and the kernels need no knowledge of the architecture:
                   0 on global layers, so windowed and global layers mix freely (Gemma 2/3)
   softcap         > 0: logits become softcap * tanh(logits / softcap) before the mask and
                   softmax (Gemma 2's attn_logit_softcapping); 0 = off
+  alibi_slopes    [Hq] float32 or None: ALiBi (Bloom, MPT, Falcon-RW) adds
+                  slope[h] * (k_pos - q_pos) to head h's logits after the soft-cap and
+                  before the mask. Bloom and MPT write the bias as slope[h] * k_pos (plus
+                  a per-model offset); per query row that differs by a constant, which
+                  softmax drops. A tensor, not a scalar: it is a graph input (role
+                  `constant:alibi_slopes`), so a captured CUDA graph reads it in place.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ def causal_attention(
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over k/v, causal by position, GQA by head grouping; float32 softmax.
 
@@ -41,6 +48,7 @@ def causal_attention(
     sliding_window > 0 limits each query to the last `sliding_window` keys (itself included),
     as Hugging Face's sliding-window mask does. softcap > 0 caps the scaled logits with
     softcap * tanh(logits / softcap), as Hugging Face's eager Gemma 2 attention does.
+    alibi_slopes [Hq] adds slope[h] * (k_pos - q_pos) to the logits (ALiBi).
     """
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
@@ -54,6 +62,9 @@ def causal_attention(
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        distance = (k_positions[None, :] - q_positions[:, None]).float()
+        scores = scores + alibi_slopes.float()[:, None, None] * distance[None]
     allowed = k_positions[None, :] <= q_positions[:, None]
     if sliding_window > 0:
         allowed = allowed & (k_positions[None, :] > q_positions[:, None] - sliding_window)
@@ -72,10 +83,11 @@ def attention(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return causal_attention(q, k, v, scale, sliding_window, softcap=softcap)
+    return causal_attention(q, k, v, scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, layer_idx, scale, sliding_window, softcap=0.0):
+def _attention_fake(q, k, v, layer_idx, scale, sliding_window, softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q)

@@ -15,6 +15,8 @@ Shapes and meaning (B sequences, T tokens in the step):
   query_start_loc [B+1] int32 offsets of each sequence's tokens in q (cumulative)
   scale        softmax scale; sliding_window > 0 limits attention to the last N positions;
   softcap      > 0: logits capped as softcap * tanh(logits / softcap) (Gemma 2); 0 = off.
+  alibi_slopes [Hq] float32 or None: ALiBi, slope[h] * (k_pos - q_pos) added to the logits
+               (positions within the sequence), as in `kiln.kernels.attention`.
 Returns [T, Hq, D]; rows of padded tokens (past query_start_loc[-1]) are zero.
 
 The CPU reference below is plain torch with a Python loop over sequences; the CUDA
@@ -72,6 +74,7 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     write_kv_cache(k, v, kv_cache, slot_mapping)
     block_size = kv_cache.shape[2]
@@ -91,6 +94,7 @@ def paged_attention_reference(
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,
             q_positions=positions[seq_len - n_new:], k_positions=positions, softcap=softcap,
+            alibi_slopes=alibi_slopes,
         )
     return out
 
@@ -108,13 +112,15 @@ def paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_attention_reference(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
+        alibi_slopes,
     )
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                          softcap=0.0):
+                          softcap=0.0, alibi_slopes=None):
     return torch.empty_like(q)

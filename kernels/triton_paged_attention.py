@@ -15,7 +15,8 @@ kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the valu
    The kernel walks the sequence's blocks through the block table with an online softmax
    (float32), masking causally by position (and by the sliding window). With a soft-cap
    (Gemma 2) the scaled logits pass through softcap * tanh(x / softcap) first; SOFTCAP is a
-   compile-time flag, so models without it run the kernel they ran before.
+   compile-time flag, so models without it run the kernel they ran before. ALiBi (Bloom,
+   MPT) adds slope[head] * (k_pos - q_pos) after that, behind the ALIBI flag likewise.
 3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
    length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
    and log-sum-exp, and `_combine_splits_kernel` merges them.
@@ -73,12 +74,12 @@ def _write_kv_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
     scale, num_seqs, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    SOFTCAP: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -112,6 +113,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if ALIBI:
+        slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
 
     # Keys this tile can see: up to its last token, from its first token's window start.
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
@@ -138,6 +141,8 @@ def _paged_attention_kernel(
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
             # overflowing to inf gives 1 and underflowing to 0 gives -1, so no NaN.
             qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
+        if ALIBI:
+            qk += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
         allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
         qk = tl.where(allowed, qk, float("-inf"))
@@ -267,16 +272,17 @@ def paged_attention_triton(
     num_splits: int | None = None,
     tiling: AttentionTiling | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write K/V into the cache and attend; `num_splits` and `tiling` override the heuristics (tests)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                         query_start_loc, scale, sliding_window, softcap)
+                                         query_start_loc, scale, sliding_window, softcap, alibi_slopes)
     write_kv_cache_triton(k, v, kv_cache, slot_mapping)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling, softcap)
+                               num_splits, tiling, softcap, alibi_slopes)
 
 
 def attend_paged_triton(
@@ -290,6 +296,7 @@ def attend_paged_triton(
     num_splits: int | None = None,
     tiling: AttentionTiling | None = None,
     softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over the cache, whose slots for this step's tokens are already written.
 
@@ -298,6 +305,9 @@ def attend_paged_triton(
     hkv = kv_cache.shape[3]
     if hq % hkv:
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} KV heads")
+    if alibi_slopes is not None and (alibi_slopes.shape != (hq,) or alibi_slopes.device != q.device):
+        raise ValueError(f"paged_attention: alibi_slopes must be [{hq}] on {q.device}, "
+                         f"got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
     num_seqs = block_tables.shape[0]
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
@@ -328,12 +338,12 @@ def attend_paged_triton(
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
     _paged_attention_kernel[(num_tiles, hkv, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, seq_lens, query_start_loc,
+        block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
         float(scale), num_seqs, int(sliding_window), float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        SOFTCAP=softcap > 0, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
+        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
         NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tiling.num_stages,
     )
@@ -377,9 +387,9 @@ def rope_paged_attention_triton(
 
 @paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, softcap=0.0):
+                          sliding_window, softcap=0.0, alibi_slopes=None):
     return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                  scale, sliding_window, softcap=softcap)
+                                  scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 @rope_paged_attention_op.register_kernel("cuda")

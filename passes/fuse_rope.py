@@ -136,6 +136,8 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         q, k, cos, sin, q_weight, k_weight, eps = rope.args
         _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window, *rest = attn.args
         softcap = rest[0] if rest else 0.0
+        if len(rest) > 1 and rest[1] is not None:
+            continue  # ALiBi slopes: the fused op does not carry them (no model has both RoPE and ALiBi)
         with graph.inserting_before(attn):
             fused = graph.call_function(torch.ops.kiln.rope_paged_attention.default, (
                 q, k, v, cos, sin, q_weight, k_weight, eps, kv_cache, slot_mapping, block_tables, seq_lens,

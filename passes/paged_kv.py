@@ -1,14 +1,15 @@
 """`paged_kv`: replace each `kiln::attention` marker with `kiln::paged_attention`.
 
-Before: attention(q, k, v, layer_idx, scale, window, softcap) over the T tokens of one sequence.
+Before: attention(q, k, v, layer_idx, scale, window, softcap[, alibi_slopes]) over the T tokens
+        of one sequence.
 After:  paged_attention(q, k, v, kv_cache_<layer>, slot_mapping, block_tables, seq_lens,
-        query_start_loc, scale, window, softcap), which writes K/V into the layer's paged cache and
+        query_start_loc, scale, window, softcap[, alibi_slopes]), which writes K/V into the layer's paged cache and
         attends over each sequence's cached blocks, for any mix of prefills and decodes.
 
 Graph inputs added (roles in brackets): one KV cache per layer [kv_cache:<layer>], and the
 batch metadata shared by all layers [batch:slot_mapping], [batch:block_tables],
 [batch:seq_lens], [batch:query_start_loc]. Layout is documented in
-`kiln.kernels.paged_attention`. The per-layer semantics (scale, window, soft-cap) are
+`kiln.kernels.paged_attention`. The per-layer semantics (scale, window, soft-cap, ALiBi slopes) are
 copied from the marker as they are, so layers of one model may differ (Gemma 2's
 alternating windowed and global layers).
 
@@ -42,6 +43,8 @@ class PagedKVPass(KilnPass):
         for node in markers:
             q, k, v, layer_idx, scale, window, *rest = node.args
             softcap = rest[0] if rest else 0.0
+            # ALiBi slopes only where the marker has them, so other graphs keep their form.
+            alibi = tuple(rest[1:2]) if len(rest) > 1 and rest[1] is not None else ()
             k_val = k.meta.get("val") if isinstance(k, torch.fx.Node) else None
             if expected is not None and isinstance(k_val, torch.Tensor) and tuple(k_val.shape[1:]) != expected:
                 raise ValueError(f"paged_kv: layer {layer_idx} has {tuple(k_val.shape[1:])} KV heads x head_dim, "
@@ -50,7 +53,7 @@ class PagedKVPass(KilnPass):
             with graph.inserting_before(node):
                 paged = graph.call_function(
                     torch.ops.kiln.paged_attention.default,
-                    (q, k, v, kv_cache, *metadata.values(), scale, window, softcap),
+                    (q, k, v, kv_cache, *metadata.values(), scale, window, softcap, *alibi),
                 )
             paged.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.startup import COMPILE_MODES, CompileOptions
+from kiln.runtime.hardware_defaults import BatchLimits, choose_batch_limits, device_memory_bytes
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -56,10 +57,13 @@ class EngineConfig:
     device: str = option("auto", help="cpu | cuda | auto (CUDA when available)")
     load_format: str = option("auto", choices=("auto", "dummy"),
                               help="'dummy' uses deterministic random weights (benchmarks)")
-    max_model_len: int | None = option(None, help="longest prompt + output, in tokens (default: the model's, "
-                                                  "at most 8192)")
-    max_num_seqs: int = option(64, help="most sequences in one step")
-    max_num_batched_tokens: int = option(2048, help="token budget of one step")
+    # None: chosen at start-up from the model and the hardware (kiln.runtime.hardware_defaults).
+    max_model_len: int | None = option(None, help="longest prompt + output, in tokens (default: the model's context "
+                                                  "length when one sequence of it fits in the KV cache)")
+    max_num_seqs: int | None = option(None, help="most sequences in one step (default: 1024 on a GPU of >= 70 GiB, "
+                                                 "256 on smaller GPUs, 64 on CPU)")
+    max_num_batched_tokens: int | None = option(None, help="token budget of one step (default: 16384 on a GPU of "
+                                                           ">= 70 GiB, 8192 on smaller GPUs, 2048 on CPU)")
     block_size: int = option(16, help="tokens per KV-cache block")
     num_kv_blocks: int | None = option(None, help="KV-cache blocks (default: sized from memory)")
     enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
@@ -100,10 +104,9 @@ class EngineConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         self.enable_passes, self.disable_passes = list(self.enable_passes), list(self.disable_passes)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "num_kv_blocks"):
+        if int(self.block_size) < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -138,12 +141,25 @@ class EngineConfig:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
 
-    def compile_options(self) -> CompileOptions:
-        """What the compiler needs of these options (kiln.compiler.startup)."""
+    def batch_limits(self, device: torch.device) -> BatchLimits:
+        """max_num_seqs and max_num_batched_tokens: as set, or the device's defaults."""
+        return choose_batch_limits(self.max_num_seqs, self.max_num_batched_tokens, device.type,
+                                   device_memory_bytes(device))
+
+    def with_batch_limits(self, device: torch.device) -> tuple["EngineConfig", BatchLimits]:
+        """A copy with both batch limits concrete for `device`, and why they are what they are."""
+        limits = self.batch_limits(device)
+        return dataclasses.replace(self, max_num_seqs=limits.max_num_seqs,
+                                   max_num_batched_tokens=limits.max_num_batched_tokens), limits
+
+    def compile_options(self, device: torch.device | None = None) -> CompileOptions:
+        """What the compiler needs of these options (kiln.compiler.startup); unset batch limits
+        take the defaults of `device` (default: the resolved device)."""
+        limits = self.batch_limits(device if device is not None else self.resolved_device())
         return CompileOptions(
             enable_passes=list(self.enable_passes), disable_passes=list(self.disable_passes),
-            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, decode_buckets=self.decode_buckets,
+            block_size=self.block_size, max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens, decode_buckets=self.decode_buckets,
             token_buckets=self.token_buckets, mode=self.compile, cache_dir=self.cache_dir,
             require_cache=self.require_cache, progress=self.progress,
         )

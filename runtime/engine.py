@@ -31,6 +31,7 @@ from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
+from kiln.runtime.hardware_defaults import FALLBACK_CONTEXT, choose_max_model_len, model_context_length
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs, TopLogprob
 from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
@@ -87,11 +88,16 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.timings: dict[str, float] = {}
         t0 = time.perf_counter()
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
+        # Unset batch limits become the device's (kiln.runtime.hardware_defaults); from here on
+        # the engine's config holds concrete values.
+        config, limits = config.with_batch_limits(self.device)
+        self.config = config
+        logger.info("engine limits: max_num_seqs=%d, max_num_batched_tokens=%d (%s)",
+                    limits.max_num_seqs, limits.max_num_batched_tokens, limits.reason)
 
         with timed(self.timings, "resolve model"):
             # A config.json the cache has seen comes back as its snapshot: no transformers import.
@@ -104,7 +110,9 @@ class LLMEngine:
                 self.tokenizer = resolve_tokenizer(config.tokenizer, config.tokenizer_revision, config.download_dir)
             else:
                 self.tokenizer = self.source.tokenizer()
-        self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
+        # Provisional until the KV cache is sized: the user's value or the model's context.
+        model_context = model_context_length(self.model_config)
+        self.max_model_len = int(config.max_model_len or model_context or FALLBACK_CONTEXT)
 
         # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
         # compile only what is missing -> load artifacts. Warm starts capture nothing: the
@@ -134,6 +142,11 @@ class LLMEngine:
                 kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len,
                                     make_runner)
             self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
+            # Block 0 is the null block: one sequence can use the others.
+            self.max_model_len, why = choose_max_model_len(config.max_model_len, model_context,
+                                                           (self.num_kv_blocks - 1) * config.block_size,
+                                                           config.block_size)
+            logger.info("engine limits: max_model_len=%d (%s)", self.max_model_len, why)
             self.runner = make_runner(kv.layers)
             if run_every_bucket:
                 with timed(self.timings, "run every token bucket"):

@@ -31,6 +31,18 @@ LAYOUTS: dict[str, tuple[list[str], list[str]]] = {
     "phi": (["model.layers.0.self_attn.dense.bias", "lm_head.bias", "model.final_layernorm.bias"], []),
     # GPT-BigCode multi-query: one fused c_attn of hidden + 2 * head_dim rows.
     "gpt_bigcode": (["transformer.h.0.attn.c_attn.weight"], ["lm_head.weight"]),
+    # Bloom: fused query_key_value (heads interleaved q/k/v) with bias, embedding LayerNorm, tied head.
+    "bloom": (["transformer.h.0.self_attention.query_key_value.weight",
+               "transformer.h.0.self_attention.query_key_value.bias", "transformer.word_embeddings_layernorm.weight"],
+              ["lm_head.weight"]),
+    # Falcon (7B layout): multi-query fused query_key_value without bias, tied head.
+    "falcon": (["transformer.h.0.self_attention.query_key_value.weight"],
+               ["transformer.h.0.self_attention.query_key_value.bias", "lm_head.weight"]),
+    # Falcon-RW: fused query_key_value with bias, sequential block's post-attention LayerNorm.
+    "falcon_rw": (["transformer.h.0.self_attention.query_key_value.bias",
+                   "transformer.h.0.post_attention_layernorm.weight"], ["lm_head.weight"]),
+    # MPT: fused Wqkv, LayerNorms without bias.
+    "mpt": (["transformer.blocks.0.attn.Wqkv.weight"], ["transformer.blocks.0.norm_1.bias", "lm_head.weight"]),
 }
 
 

@@ -8,9 +8,9 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     gpt_bigcode  multi-query attention (one KV head), learned absolute positions
     cohere2      windowed RoPE layers mixed with global layers without RoPE, parallel block
     smollm3      layers without RoPE
-
-No architecture in the support table uses ALiBi (transformers' ALiBi models compute
-attention outside the attention interface and are refused), so none is run here.
+    bloom        ALiBi (6 heads), attention written inline (capture's inline_attention pass)
+    falcon_rw    ALiBi folded into the model's own SDPA mask
+    falcon       multi-query, parallel block, attention through the model's own SDPA call
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kiln.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3"]
+ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,3 +44,7 @@ def test_gpu_greedy_equals_cpu_reference_and_hf(arch: str, tiny_model_dir) -> No
         records = {r["name"]: r["stats"] for r in gpu.engine.graph_spec.pass_records}
         assert records["paged_kv"]["attention_replaced"] == 2
         assert hf.config.attn_logit_softcapping > 0
+    if arch in ("bloom", "falcon_rw"):
+        # The compiled graphs take the ALiBi slopes (their attention runs the Triton kernel's ALIBI path).
+        assert "constant:alibi_slopes" in gpu.engine.graph_spec.input_roles
+        assert gpu.engine.graph_spec.constants["alibi_slopes"].abs().min() > 0

@@ -366,11 +366,12 @@ def assert_cache_matches(cache: torch.Tensor, ref_cache: torch.Tensor, batch: di
 
 def check_paged_attention(batch: dict, scale: float, window: int, num_splits: int | None,
                           atol: float = 2e-5, rtol: float = 2e-5, tiling: AttentionTiling | None = None,
-                          softcap: float = 0.0) -> None:
+                          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> None:
     ref_batch = {k: v.clone() for k, v in batch.items()}
     out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits, tiling=tiling,
-                                 softcap=softcap)
-    ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window, softcap=softcap)
+                                 softcap=softcap, alibi_slopes=alibi_slopes)
+    ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window, softcap=softcap,
+                                    alibi_slopes=alibi_slopes)
     assert_attention_close(out, ref, batch, atol, rtol)
     # The cache after the write must match too (the write is a copy: exactly).
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch)
@@ -427,6 +428,24 @@ def test_paged_attention_softcap(hkv, window, splits):
                                        softcap=1.5)
     assert (capped - uncapped).abs().max() > 1e-2  # the cap changes the result at this scale
     check_paged_attention(batch, scale=2.0, window=window, num_splits=splits, softcap=1.5)
+
+
+@pytest.mark.parametrize("hq,hkv,splits", [
+    (4, 4, 1),   # MHA (Bloom, MPT), prefill chunks and decodes in one pass
+    (4, 1, 3),   # multi-query (Falcon-RW style), split-K with a combine
+    (6, 2, 2),   # grouped heads padded in the tile: each row must get its own head's slope
+])
+def test_paged_attention_alibi(hq, hkv, splits):
+    # ALiBi slopes as Bloom's formula gives them, scaled up so the bias dominates the logits:
+    # a kernel that used the wrong head's slope, the wrong sign or absolute positions fails.
+    batch = make_paged_batch(**MIXED, hq=hq, hkv=hkv, d=16, block_size=4, num_blocks=24, seed=41 + hq + hkv)
+    slopes = 4.0 * 2.0 ** (-8.0 * torch.arange(1, hq + 1, dtype=torch.float32) / hq)
+    slopes = slopes.to(batch["q"].device)
+    plain = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25, sliding_window=0)
+    biased = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25, sliding_window=0,
+                                       alibi_slopes=slopes)
+    assert (biased - plain).abs().max() > 1e-2  # the bias changes the result at these slopes
+    check_paged_attention(batch, scale=0.25, window=0, num_splits=splits, alibi_slopes=slopes)
 
 
 def test_paged_attention_half_precision():

@@ -5,7 +5,8 @@ well under a second on CPU, yet keeps the constructs that matter for its family:
 multi-query attention, tied embeddings, q/k norm, MoE, sliding windows mixed with global
 layers, Llama 3.1 rope scaling, partial rotary, parallel attention/MLP blocks, learned
 absolute positions, attention and final-logit soft-capping, embedding/residual/logit
-multipliers, layers without RoPE, fused qkv and gate/up checkpoint tensors, biases.
+multipliers, layers without RoPE, ALiBi and attention written inline (Bloom, MPT, Falcon),
+fused qkv and gate/up checkpoint tensors, biases.
 
 `SUPPORTED` lists the architectures Kiln runs (each has a parity test); `REFUSED` lists
 architectures Kiln refuses, each with the construct its message must name. The README's
@@ -22,6 +23,7 @@ import torch
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Architectures whose configs have no KV-head count (every head has its own K/V).
 MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
@@ -97,19 +99,32 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "jais2": (dict(head_dim=16), "LayerNorm, biases everywhere, squared-ReLU MLP without gate"),
     "vaultgemma": (dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0),
                    "soft-capping, windowed + global layers, Gemma norms without post-norms"),
+    # Attention written inline (no attention interface): capture's inline_attention pass.
+    "bloom": (dict(_IDS, hidden_size=96, n_layer=2, n_head=6, vocab_size=128),
+              "ALiBi (6 heads: slopes of a non-power-of-two count) in baddbmm, fused qkv, embedding LayerNorm"),
+    "mpt": (dict(_IDS, d_model=96, n_heads=6, n_layers=2, expansion_ratio=2, vocab_size=128, max_seq_len=128),
+            "ALiBi (MPT's slopes) sliced from a max_seq_len bias, LayerNorm without bias, fused qkv"),
+    "falcon": (dict(_IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
+               "multi-query, parallel block, RoPE, attention through the model's own SDPA call and mask"),
+    "falcon_rw": (dict(_IDS, model_type="falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       vocab_size=128, alibi=True, multi_query=False, parallel_attn=False, bias=True),
+                  "ALiBi folded into the model-built SDPA mask (Falcon-RW), sequential block, biases"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
 _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "bloom": (dict(n_layer=2, hidden_size=64, n_head=4, vocab_size=128), "ALiBi attention bias"),
-    "mpt": (dict(d_model=64, n_heads=4, n_layers=2, vocab_size=128), "ALiBi attention bias"),
-    "falcon": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=128),
-               "attention computed outside transformers' attention interface"),
     "mamba": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
     "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
 }
+
+
+# The Hugging Face attention a parity reference runs where eager is not transformers' own
+# default: Falcon's eager ALiBi path adds the bias twice (inline, and folded into the mask it
+# builds), 11% off its SDPA path in transformers 5.17 and 5.24; Kiln follows SDPA (the
+# default, and ALiBi as Falcon-RW was trained).
+_HF_ATTENTION = {"falcon_rw": "sdpa"}
 
 
 def tiny_config(arch: str) -> Any:
@@ -123,7 +138,7 @@ def tiny_config(arch: str) -> Any:
     overrides = dict(_CONFIGS[arch][0])
     model_type = overrides.pop("model_type", arch)
     # Overrides built on MHA carry every size themselves (and must not get COMMON's KV heads).
-    base = {} if "hidden_size" in overrides else COMMON
+    base = {} if {"hidden_size", "d_model"} & overrides.keys() else COMMON
     kwargs = {**base, **overrides}
     return AutoConfig.for_model(model_type, **kwargs)
 
@@ -155,7 +170,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
 
     torch.manual_seed(seed)
     config = tiny_config(arch)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=_HF_ATTENTION.get(arch, "eager")).eval()
     # Larger-than-default init spreads the logits so greedy choices are not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -151,6 +151,7 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
     from kiln.compiler.capture import capture
     from kiln.passes.base import PassContext
     from kiln.passes.manager import PassManager
+    from kiln.runtime.hardware_defaults import choose_batch_limits, device_memory_bytes
 
     config, model_name, dtype, device = _resolve(args)
     pm = PassManager.default(enable=args.enable_passes, disable=args.disable_passes)
@@ -163,7 +164,9 @@ def build_phase_graph(args: argparse.Namespace, until_phase: str, stop_before: s
         passes = [p for p in passes if PHASES.index(p.phase) <= limit]
     else:
         passes = []
-    captured = capture(config, dtype=dtype, device=device, max_num_tokens=max(args.max_num_batched_tokens, 2))
+    limits = choose_batch_limits(getattr(args, "max_num_seqs", None), args.max_num_batched_tokens, device.type,
+                                 device_memory_bytes(device))
+    captured = capture(config, dtype=dtype, device=device, max_num_tokens=max(limits.max_num_batched_tokens, 2))
     ctx = PassContext(config=config, dtype=dtype)
     report = PassManager(passes).run(captured.graph_module, ctx, dump_dir=args.dump_graphs)
     graph = PhaseGraph(graph_module=captured.graph_module, records=report.records, pipeline=[p.name for p in passes],
