@@ -51,8 +51,8 @@ def child_kiln(args: argparse.Namespace) -> dict[str, Any]:
     imported = time.perf_counter()
     with count_triton_compiles() as triton:
         llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                  cache_dir=args.cache_dir, require_cache=args.require_cache, max_num_seqs=args.max_num_seqs,
-                  progress=False, **bc.bucket_options(args))
+                  cache_dir=args.cache_dir, require_cache=args.require_cache, progress=False,
+                  **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}), **bc.bucket_options(args))
         ready = time.perf_counter()
         # torch._dynamo (with sympy) is seconds of imports that a warm start should not need.
         dynamo_at_ready = "torch._dynamo" in sys.modules
@@ -92,8 +92,9 @@ def child_hf(args: argparse.Namespace) -> dict[str, Any]:
 def run_child(args: argparse.Namespace, kind: str, env: dict[str, str], cache_dir: str | None = None,
               require_cache: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--load-format", args.load_format,
-           "--dtype", args.dtype, "--cache-dir", cache_dir or args.cache_dir, "--max-num-seqs", str(args.max_num_seqs),
-           "--device", args.device] + (["--require-cache"] if require_cache else [])
+           "--dtype", args.dtype, "--cache-dir", cache_dir or args.cache_dir, "--device", args.device]
+    cmd += (["--require-cache"] if require_cache else []) + (["--max-num-seqs", str(args.max_num_seqs)]
+                                                             if args.max_num_seqs else [])
     for flag, value in (("--decode-buckets", args.decode_buckets), ("--token-buckets", args.token_buckets)):
         if value:
             cmd += [flag, value]
@@ -110,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
     parser.add_argument("--cache-dir", default=None, help="Kiln cache directory (default: a fresh temporary one)")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="default: the engine's own (sized from the GPU, as a user gets it)")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--device", default="cuda", help="cuda (the benchmark); cpu only to try the script")
     parser.add_argument("--child", choices=("kiln", "hf"), help=argparse.SUPPRESS)
@@ -138,8 +140,8 @@ def main() -> None:
     # CI: `kiln compile` into a cache of its own; the server: a copy of it on another path.
     built = work / "ci-cache"
     cmd = [sys.executable, "-m", "kiln.runtime.cli", "compile", "--model", args.model, "--load-format",
-           args.load_format, "--dtype", args.dtype, "--device", args.device, "--cache-dir", str(built),
-           "--max-num-seqs", str(args.max_num_seqs)]
+           args.load_format, "--dtype", args.dtype, "--device", args.device, "--cache-dir", str(built)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
     buckets = [f"decode:{args.decode_buckets}"] if args.decode_buckets else []
     buckets += [f"tokens:{args.token_buckets}"] if args.token_buckets else []
     cmd += ["--buckets", *buckets] if buckets else []
