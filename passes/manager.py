@@ -21,7 +21,7 @@ import torch
 
 from kiln.compiler.graph_inputs import INPUT_META_KEY
 from kiln.passes.base import GraphPass, PassContext, PassStats
-from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass, unknown_pass_error
+from kiln.passes.registry import OPT_IN_BUILTIN_PASSES, PHASES, all_pass_factories, builtin_pass_factories, create_pass, unknown_pass_error
 
 logger = logging.getLogger("kiln.passes")
 
@@ -70,9 +70,10 @@ ENABLE_PASSES_ENV = "KILN_ENABLE_PASSES"
 
 def enabled_pass_names(enable: list[str] | None = None, disable: list[str] | None = None) -> list[str]:
     """The passes `PassManager.default` runs: every built-in pass, plus the passes named in
-    $KILN_ENABLE_PASSES and `enable`, minus `disable`. Installed plugins are off unless named."""
+    $KILN_ENABLE_PASSES and `enable`, minus `disable`. Installed plugins, and the built-ins of
+    OPT_IN_BUILTIN_PASSES (quantize_fp8), are off unless named."""
     names = list(DEFAULT_PIPELINE)
-    names += [n for n in builtin_pass_factories() if n not in names]
+    names += [n for n in builtin_pass_factories() if n not in names and n not in OPT_IN_BUILTIN_PASSES]
     factories = all_pass_factories()
     from_env = [n.strip() for n in os.environ.get(ENABLE_PASSES_ENV, "").split(",") if n.strip()]
     for name in from_env:
