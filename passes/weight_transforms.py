@@ -111,6 +111,19 @@ WeightTransform = ConcatWeights | QuantizeFP8Weight
 _KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight}
 
 
+def fp8_weight_names(transforms: Iterable[WeightTransform]) -> frozenset[str]:
+    """The checkpoint tensors the rewritten graph takes in FP8: each quantized weight, and the
+    inputs of a concatenation whose output is quantized (the loader keeps those of an FP8
+    checkpoint as they are; kiln.compiler.fp8_checkpoint)."""
+    names: set[str] = set()
+    for transform in reversed(list(transforms)):
+        if isinstance(transform, QuantizeFP8Weight):
+            names.add(transform.weight)
+        elif isinstance(transform, ConcatWeights) and transform.output in names:
+            names.update(transform.inputs)
+    return frozenset(names)
+
+
 def apply_weight_transforms(weights: dict[str, torch.Tensor], transforms: Iterable[WeightTransform]
                             ) -> dict[str, torch.Tensor]:
     """The weights the rewritten graph takes, built in `weights` itself, which is returned.

@@ -10,6 +10,7 @@ captures CUDA graphs, and logs how long each phase took.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import itertools
 import logging
@@ -19,10 +20,11 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.fp8_checkpoint import checkpoint_quantization
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
-from kiln.passes.weight_transforms import apply_weight_transforms
+from kiln.passes.weight_transforms import apply_weight_transforms, fp8_weight_names
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token
@@ -101,11 +103,19 @@ class LLMEngine:
             else:
                 self.tokenizer = self.source.tokenizer()
         self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
+        # FP8 (kiln.passes.quantize_fp8): asked for, or implied by a pre-quantized checkpoint.
+        self.quantization = config.quantization
+        if self.quantization is None and checkpoint_quantization(self.model_config) is not None:
+            self.quantization = checkpoint_quantization(self.model_config)
+            logger.info("checkpoint is quantized (%s): running with quantization=%r", self.source.name,
+                        self.quantization)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)
+        compile_options = dataclasses.replace(config.compile_options(), quantization=self.quantization)
 
         # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
         # compile only what is missing -> load artifacts. Warm starts capture nothing: the
         # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
-        self.prepared: PreparedModel = prepare_for_engine(config.compile_options(), self.model_config, self.dtype,
+        self.prepared: PreparedModel = prepare_for_engine(compile_options, self.model_config, self.dtype,
                                                           self.device)
         self.timings.update(self.prepared.report.timings)
         self.startup_report = self.prepared.report
@@ -113,7 +123,8 @@ class LLMEngine:
         self.graph: ModelGraph | None = self.prepared.graph  # None when nothing was captured
         with timed(self.timings, "load weights"):
             weights = self.source.load_weights(self.graph_spec.param_aliases, self.dtype, self.device,
-                                               progress=config.progress)
+                                               progress=config.progress,
+                                               keep_fp8=fp8_weight_names(self.graph_spec.weight_transforms))
             # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
             weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
 
@@ -124,7 +135,8 @@ class LLMEngine:
             )
 
         with timed(self.timings, "allocate KV cache"):
-            kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len, make_runner)
+            kv = build_kv_cache(config, self.model_config, self.kv_cache_dtype, self.device, self.max_model_len,
+                                make_runner)
         self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
         self.runner = make_runner(kv.layers)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -164,7 +176,7 @@ class LLMEngine:
         )
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.dtype)
+        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
