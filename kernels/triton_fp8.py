@@ -32,7 +32,8 @@ def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.c
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX_C), FP8_MAX_C)
+        # div_rn: IEEE division, as the reference divides (the default is an approximation).
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
         tl.store(xq_ptr + row * K + ks, q.to(xq_ptr.dtype.element_ty), mask=ks < K)
 
 
