@@ -1,4 +1,6 @@
-"""FP8 (e4m3) GEMMs: `kiln::quantize_fp8_per_token` and `kiln::fp8_linear`.
+"""FP8 (e4m3) GEMMs: `kiln::quantize_fp8_per_token` and `kiln::fp8_linear`, and the
+quantization fused into the ops that produce a projection's input: `kiln::rms_norm_quant_fp8`,
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`.
 
     quantize_fp8_per_token(x [..., K]) -> (xq [..., K] float8_e4m3fn, scale [..., 1] float32)
         x ~= xq * scale, one scale per row (token): max|row| / 448, the e4m3 range.
@@ -19,7 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.activation import silu_and_mul_reference
 from kiln.kernels.library import kiln_op
+from kiln.kernels.rms_norm import add_rms_norm_reference, check_rms_norm_args, rms_norm_reference
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -121,3 +125,49 @@ def linear_fp8_dequantized(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same projection with the weight dequantized (tests: what fp8_linear approximates)."""
     return F.linear(x, dequantize_fp8(weight, weight_scale, x.dtype), bias)
+
+
+# ---- the quantization fused into the kernel producing the activation ---------------------------
+# Each returns what `quantize_fp8_per_token` of the unfused op's output returns (the norm's
+# or activation's output rounded to its dtype first, as the unfused graph rounds it), so the
+# `quantize_fp8` pass swaps one for the other without changing a number.
+
+def _fake_quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape, dtype=FP8_DTYPE), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@kiln_op("kiln::rms_norm_quant_fp8")
+def rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight)
+    return quantize_fp8_rows(rms_norm_reference(x, weight, eps))
+
+
+@rms_norm_quant_fp8.register_fake
+def _rms_norm_quant_fp8_fake(x, weight, eps):
+    return _fake_quantized(x)
+
+
+@kiln_op("kiln::add_rms_norm_quant_fp8")
+def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    out, summed = add_rms_norm_reference(x, residual, weight, eps)
+    return (*quantize_fp8_rows(out), summed)
+
+
+@add_rms_norm_quant_fp8.register_fake
+def _add_rms_norm_quant_fp8_fake(x, residual, weight, eps):
+    return (*_fake_quantized(x), torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+                                             device=x.device))
+
+
+@kiln_op("kiln::silu_and_mul_quant_fp8")
+def silu_and_mul_quant_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    return quantize_fp8_rows(silu_and_mul_reference(gate, up))
+
+
+@silu_and_mul_quant_fp8.register_fake
+def _silu_and_mul_quant_fp8_fake(gate, up):
+    return _fake_quantized(gate)

@@ -1,4 +1,5 @@
-"""Triton kernel for `kiln::quantize_fp8_per_token` (registered for CUDA).
+"""Triton kernels for `kiln::quantize_fp8_per_token` and the fused `kiln::rms_norm_quant_fp8`,
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8` (registered for CUDA).
 
 The plain-torch reference is five launches (abs, amax, divide, clamp, cast) and reads the
 activation twice from memory at full precision; this kernel is one launch, one program per
@@ -13,8 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.activation import silu_and_mul_reference
 from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kiln.kernels.fp8 import add_rms_norm_quant_fp8 as add_rms_norm_quant_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
+from kiln.kernels.fp8 import quantize_fp8_rows as quantize_fp8_rows_ref
+from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
+from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
+from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.triton_activation import _rows
+from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+from kiln.kernels.triton_norm import _rows_view
 
 
 @triton.jit
@@ -57,3 +67,134 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple
 @quantize_op.register_kernel("cuda")
 def _quantize_fp8_per_token_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_fp8_per_token_triton(x)
+
+
+# ---- quantization fused into RMSNorm and SiLU-and-mul ------------------------------------------
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, xq_ptr, scale_ptr, sum_ptr,
+    rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # kiln.kernels.triton_norm's RMSNorm (one row per program, the row in one block), then the
+    # row's e4m3 quantization while it is still in registers: the normed row never goes to memory.
+    row = tl.program_id(0)
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # Rounded to the norm's output dtype, as the unfused graph's rms_norm output is.
+    out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    xq = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+                                                       device=x.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return xq, scale, summed
+    x3 = _rows_view(x)
+    r3 = _rows_view(residual) if residual is not None else x3
+    if r3.shape != x3.shape:
+        r3 = residual.reshape(x3.shape)
+    block = pow2_at_least(n)
+    _rms_norm_quant_kernel[(rows,)](
+        x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
+        x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=num_warps_for(block),
+    )
+    return xq, scale, summed
+
+
+def rms_norm_quant_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xq, scale, _ = _norm_quant_launch(x, None, weight, eps)
+    return xq, scale
+
+
+def add_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xq, scale, summed = _norm_quant_launch(x, residual, weight, eps)
+    return xq, scale, summed
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
+                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: a first pass over the columns finds max|silu(g) * u| (each product
+    # rounded to the activation dtype, as kiln::silu_and_mul's output is), a second recomputes
+    # the products (gate and up mostly from L2 by then) and writes them as e4m3.
+    row = tl.program_id(0).to(tl.int64)
+    dt = gate_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    if gate.dtype != up.dtype:
+        return quantize_fp8_rows_ref(silu_and_mul_reference(gate, up))
+    n = gate.shape[-1]
+    xq = torch.empty(gate.shape, dtype=FP8_DTYPE, device=gate.device)
+    scale = torch.empty((*gate.shape[:-1], 1), dtype=torch.float32, device=gate.device)
+    if xq.numel() == 0:
+        return xq, scale
+    g2, u2 = _rows(gate), _rows(up)
+    _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
+                                               FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                               BLOCK=min(block, triton.next_power_of_2(n)), num_warps=4)
+    return xq, scale
+
+
+@rms_norm_quant_op.register_kernel("cuda")
+def _rms_norm_quant_fp8_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight)
+    return rms_norm_quant_fp8_triton(x, weight, eps)
+
+
+@add_rms_norm_quant_op.register_kernel("cuda")
+def _add_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_rms_norm_quant_fp8_triton(x, residual, weight, eps)
+
+
+@silu_and_mul_quant_op.register_kernel("cuda")
+def _silu_and_mul_quant_fp8_cuda(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return silu_and_mul_quant_fp8_triton(gate, up)

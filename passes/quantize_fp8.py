@@ -25,9 +25,12 @@ import operator
 import torch
 
 from kiln.compiler.graph_inputs import RoleKind, add_graph_input, param_role, role_of
-from kiln.kernels.fp8 import FP8_DTYPE
+from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
+from kiln.kernels.fp8 import FP8_DTYPE, add_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
+from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
+from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.prune_logits import find_lm_head
 from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
@@ -99,4 +102,46 @@ class QuantizeFP8Pass(KilnPass):
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             replaced += 1
-        return {"fp8_linear": replaced, "kept_high_precision": kept}
+        fused = fuse_quantization_into_producers(graph, [xq.args[0] for xq, _ in quantized_inputs.values()])
+        return {"fp8_linear": replaced, "kept_high_precision": kept, **fused}
+
+
+def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[torch.fx.Node]) -> dict[str, int]:
+    """Each `quantize_fp8_per_token(x)` whose x comes from `kiln::rms_norm`, `kiln::add_rms_norm`
+    (its normed output) or `kiln::silu_and_mul` and is used by nothing else becomes the fused
+    op (`kiln::*_quant_fp8`), which returns the same (xq, scale) first: the normed or
+    activated tensor is never written out in full precision. The fused op takes the producer's
+    place in the graph (the residual sum of add_rms_norm is used later, by the next layer)."""
+    stats = {"rms_norm_quant_fused": 0, "silu_and_mul_quant_fused": 0}
+    for q in quantizations:
+        x = q.args[0]
+        if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
+            continue
+        if x.target in (rms_norm_op.default, silu_and_mul_op.default):
+            producer, fused_op = x, (rms_norm_quant_fp8 if x.target == rms_norm_op.default else silu_and_mul_quant_fp8)
+            residual_out = None
+        elif (x.target is operator.getitem and x.args[1] == 0 and isinstance(x.args[0], torch.fx.Node)
+              and x.args[0].target == add_rms_norm_op.default):
+            producer, fused_op = x.args[0], add_rms_norm_quant_fp8
+            residual_out = next((u for u in producer.users if u.target is operator.getitem and u.args[1] == 1), None)
+        else:
+            continue
+        with graph.inserting_before(producer):
+            fused = graph.call_function(fused_op.default, tuple(producer.args), dict(producer.kwargs))
+        fused.meta.update({k: v for k, v in producer.meta.items() if k != "val"})
+        if "val" in q.meta:
+            fused.meta["val"] = tuple(q.meta["val"]) + ((producer.meta["val"][1],) if residual_out is not None
+                                                         and "val" in producer.meta else ())
+        q.replace_all_uses_with(fused)  # getitem(q, 0 / 1) -> getitem(fused, 0 / 1)
+        graph.erase_node(q)
+        if residual_out is not None:
+            with graph.inserting_after(fused):
+                summed = graph.call_function(operator.getitem, (fused, 2))
+            summed.meta.update(residual_out.meta)
+            residual_out.replace_all_uses_with(summed)
+            graph.erase_node(residual_out)
+        graph.erase_node(x)
+        if producer is not x:
+            graph.erase_node(producer)
+        stats["silu_and_mul_quant_fused" if fused_op is silu_and_mul_quant_fp8 else "rms_norm_quant_fused"] += 1
+    return stats
