@@ -82,7 +82,9 @@ def test_quantize_fp8_pass(arch, dtype):
     # Merged QKV, O, merged gate/up and down per layer (Mixtral's experts are kiln::fused_moe
     # on CUDA, batched matmuls here: not projections of this form; its routers stay too).
     per_layer = 2 if arch == "mixtral" else 4
-    assert stats == {"fp8_linear": per_layer * layers, "kept_high_precision": 1 + (layers if arch == "mixtral" else 0)}
+    # (On CPU the norms and activations are ATen ops: nothing to fuse the quantization into.)
+    assert stats == {"fp8_linear": per_layer * layers, "kept_high_precision": 1 + (layers if arch == "mixtral" else 0),
+                     "rms_norm_quant_fused": 0, "silu_and_mul_quant_fused": 0}
     counts = op_counts(after.graph_module)
     assert counts["kiln.fp8_linear.default"] == per_layer * layers
     assert counts["kiln.quantize_fp8_per_token.default"] == per_layer * layers  # one per distinct input
@@ -311,3 +313,33 @@ def test_default_model_perplexity_fp8():
 # so a regression (a wrong scale, a lost transform) still fails; the 3% target is not met
 # for this 135M model with per-token / per-channel e4m3.
 PERPLEXITY_LIMIT = 1.05
+
+
+def test_quantize_fp8_fuses_into_norms_and_activations():
+    # The CUDA pipeline's graph (kiln::rms_norm, kiln::add_rms_norm, kiln::silu_and_mul there):
+    # the quantization of a projection's input moves into the op that produces it.
+    config = tiny_config("llama")
+    before = graph_for_pass(config, "quantize_fp8", cpu_fusions=True)
+    assert before.pipeline[-1] == "prune_logits"  # before use_triton_linear, as enabling it places it
+    after = before.copy()
+    stats = after.run_pass(QuantizeFP8Pass())
+    layers = config.num_hidden_layers
+    assert stats == {"fp8_linear": 4 * layers, "kept_high_precision": 1,
+                     "rms_norm_quant_fused": 2 * layers, "silu_and_mul_quant_fused": layers}
+    counts = op_counts(after.graph_module)
+    assert counts["kiln.rms_norm_quant_fp8.default"] + counts["kiln.add_rms_norm_quant_fp8.default"] == 2 * layers
+    assert counts["kiln.silu_and_mul_quant_fp8.default"] == layers
+    assert counts["kiln.quantize_fp8_per_token.default"] == layers  # the attention output, before o_proj
+    assert counts["kiln.add_rms_norm.default"] == 1  # the final norm, before the LM head
+    # The fused references round as the unfused chain does: the same numbers as the CPU graph.
+    unfused = graph_for_pass(config, "quantize_fp8", cpu_fusions=False)
+    unfused.run_pass(QuantizeFP8Pass())
+    assert torch.equal(run_graph(after), run_graph(unfused))
+
+
+def test_quantization_pipeline_order_when_enabled():
+    from kiln.passes.manager import enabled_pass_names
+
+    names = enabled_pass_names(enable=["quantize_fp8"])
+    assert names.index("prune_logits") < names.index("quantize_fp8") < names.index("use_triton_linear")
+    assert "quantize_fp8" not in enabled_pass_names()

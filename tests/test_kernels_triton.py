@@ -496,6 +496,9 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
 # ---- FP8 (issue 16): e4m3 KV cache, per-token activation quantization -----------------------
 
 FP8 = torch.float8_e4m3fn
+# One e4m3 step: where an input was rounded in another place (a norm's rsqrt, a sigmoid), the
+# value may sit across a rounding boundary of e4m3.
+FP8_NEIGHBOUR = 0.13
 
 
 def assert_fp8_close(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:
@@ -575,3 +578,34 @@ def test_quantize_fp8_per_token(shape, block_k):
     torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     assert_fp8_close(xq.float(), ref_q.float(), atol=0, rtol=0)
     assert (xq.float().abs().amax(-1) <= 448).all()
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_quant_fp8(residual):
+    from kiln.kernels.fp8 import add_rms_norm_quant_fp8, rms_norm_quant_fp8
+    from kiln.kernels.triton_fp8 import add_rms_norm_quant_fp8_triton, rms_norm_quant_fp8_triton
+
+    x, w = randn(2, 5, 96, seed=61, dtype=HALF) * 4, randn(96, seed=62, dtype=HALF)
+    if residual:
+        r = randn(2, 5, 96, seed=63, dtype=HALF)
+        xq, scale, summed = add_rms_norm_quant_fp8_triton(x, r, w, 1e-6)
+        ref_q, ref_scale, ref_summed = add_rms_norm_quant_fp8(x.cpu(), r.cpu(), w.cpu(), 1e-6)
+        assert torch.equal(summed.cpu(), ref_summed)
+    else:
+        xq, scale = rms_norm_quant_fp8_triton(x, w, 1e-6)
+        ref_q, ref_scale = rms_norm_quant_fp8(x.cpu(), w.cpu(), 1e-6)
+    assert xq.dtype == FP8 and scale.shape == (2, 5, 1)
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)  # the norm's rsqrt may differ in the last place
+    assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
+
+
+def test_silu_and_mul_quant_fp8():
+    from kiln.kernels.fp8 import silu_and_mul_quant_fp8
+    from kiln.kernels.triton_fp8 import silu_and_mul_quant_fp8_triton
+
+    gate_up = randn(7, 2 * 80, seed=64, dtype=HALF) * 3
+    gate, up = gate_up[:, :80], gate_up[:, 80:]  # the halves of a merged projection, read in place
+    xq, scale = silu_and_mul_quant_fp8_triton(gate, up, block=32)
+    ref_q, ref_scale = silu_and_mul_quant_fp8(gate.cpu(), up.cpu())
+    torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)
+    assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
