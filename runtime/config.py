@@ -155,13 +155,23 @@ class EngineConfig:
         """The KV cache's element type for a model computing in `dtype`."""
         return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else dtype
 
-    def compile_options(self) -> CompileOptions:
-        """What the compiler needs of these options (kiln.compiler.startup)."""
+    def resolved_quantization(self, model_config: Any = None) -> str | None:
+        """`quantization`, or the one a pre-quantized checkpoint's config implies
+        (kiln.compiler.fp8_checkpoint; any other quantization_config is refused there)."""
+        from kiln.compiler.fp8_checkpoint import checkpoint_quantization
+
+        implied = checkpoint_quantization(model_config) if model_config is not None else None
+        return self.quantization or implied
+
+    def compile_options(self, model_config: Any = None) -> CompileOptions:
+        """What the compiler needs of these options (kiln.compiler.startup); with the model's
+        config, a pre-quantized checkpoint's implied quantization included."""
         return CompileOptions(
             enable_passes=list(self.enable_passes), disable_passes=list(self.disable_passes),
             block_size=self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, decode_buckets=self.decode_buckets,
             token_buckets=self.token_buckets, mode=self.compile, cache_dir=self.cache_dir,
-            require_cache=self.require_cache, progress=self.progress, quantization=self.quantization,
+            require_cache=self.require_cache, progress=self.progress,
+            quantization=self.resolved_quantization(model_config),
             kv_cache_dtype=torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None,
         )

@@ -10,7 +10,6 @@ captures CUDA graphs, and logs how long each phase took.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import gc
 import itertools
 import logging
@@ -20,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.fp8_checkpoint import checkpoint_quantization
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
@@ -104,13 +102,12 @@ class LLMEngine:
                 self.tokenizer = self.source.tokenizer()
         self.max_model_len = int(config.max_model_len or min(getattr(self.model_config, "max_position_embeddings", 4096), 8192))
         # FP8 (kiln.passes.quantize_fp8): asked for, or implied by a pre-quantized checkpoint.
-        self.quantization = config.quantization
-        if self.quantization is None and checkpoint_quantization(self.model_config) is not None:
-            self.quantization = checkpoint_quantization(self.model_config)
-            logger.info("checkpoint is quantized (%s): running with quantization=%r", self.source.name,
+        self.quantization = config.resolved_quantization(self.model_config)
+        if self.quantization != config.quantization:
+            logger.info("checkpoint %s is quantized: running with quantization=%r", self.source.name,
                         self.quantization)
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)
-        compile_options = dataclasses.replace(config.compile_options(), quantization=self.quantization)
+        compile_options = config.compile_options(self.model_config)
 
         # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
         # compile only what is missing -> load artifacts. Warm starts capture nothing: the

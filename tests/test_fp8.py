@@ -343,3 +343,22 @@ def test_quantization_pipeline_order_when_enabled():
     names = enabled_pass_names(enable=["quantize_fp8"])
     assert names.index("prune_logits") < names.index("quantize_fp8") < names.index("use_triton_linear")
     assert "quantize_fp8" not in enabled_pass_names()
+
+
+def test_kiln_compile_of_an_fp8_checkpoint_gives_a_warm_start(tiny_model_dir, tmp_path):
+    # `kiln compile` reads the checkpoint's config: its implied quantization="fp8" and an
+    # explicit --kv-cache-dtype fp8 enter the keys it fills, and the engine's keys match them.
+    from kiln.runtime.cli import main
+
+    src, _ = tiny_model_dir("llama")
+    dst, cache = tmp_path / "ct", str(tmp_path / "cache")
+    save_fp8_checkpoint(src, dst, "ct-channel")
+    options = ["--compile", "graph", "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]
+    assert main(["compile", str(dst), "--cache-dir", cache, "--kv-cache-dtype", "fp8", *options]) == 0
+    llm = LLM(str(dst), cache_dir=cache, compile="graph", require_cache=True, kv_cache_dtype="fp8", progress=False,
+              max_num_seqs=2, max_num_batched_tokens=32)
+    assert not llm.engine.startup_report.captured
+    assert llm.engine.runner.kv_caches[0].dtype == FP8_DTYPE
+    with pytest.raises(Exception, match="kv_cache_dtype"):  # the miss names the factor
+        LLM(str(dst), cache_dir=cache, compile="graph", require_cache=True, progress=False, max_num_seqs=2,
+            max_num_batched_tokens=32)

@@ -132,7 +132,7 @@ def _setup(args: argparse.Namespace) -> Any:
     dtype = config.resolved_dtype(device)
     source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto",
                            revision=config.revision, download_dir=config.download_dir)
-    return setup_for_engine(config.compile_options(), source.config, dtype, device)
+    return setup_for_engine(config.compile_options(source.config), source.config, dtype, device)
 
 
 # ---- kiln compile ----------------------------------------------------------------------------
