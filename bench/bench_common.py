@@ -50,6 +50,11 @@ def precision_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, An
     return [("kiln", {})] + ([("kiln_quantized", options)] if options else [])
 
 
+def quantized_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM options of --quantization / --kv-cache-dtype alone (profiles run one engine)."""
+    return precision_variants(args)[-1][1]
+
+
 def bucket_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine options for the bucket plan: fewer buckets compile faster on a cold cache."""
     out: dict[str, Any] = {}
