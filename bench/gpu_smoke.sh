@@ -4,7 +4,7 @@
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency throughput startup profile
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
-#                                         fp8_tests fp8_latency fp8_throughput fp8_profile
+#                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
 #                                         fp8_profile_throughput
 #                                         (default: tests latency throughput startup)
 #
@@ -64,6 +64,8 @@ for stage in $STAGES; do
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
     fp8_tests)  # issue 16: the FP8 kernels at real shapes, the FP8 engine under CUDA graphs
       run_stage fp8_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -s -m gpu tests/test_gpu_fp8.py ;;
+    fp8_gemm)  # _scaled_mm vs the Triton FP8 GEMV vs bf16, Llama-3-8B projections
+      run_stage fp8_gemm 300 $PY bench/fp8_gemm.py --out "$OUT/fp8_gemm.json" ;;
     fp8_latency)  # bf16, then FP8 weights + FP8 KV, in one run
       run_stage fp8_latency 560 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --no-baseline \
         --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
@@ -86,7 +88,7 @@ for stage in $STAGES; do
       run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
-           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 fp8_tests fp8_latency fp8_throughput" \
+           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 fp8_tests fp8_gemm fp8_latency fp8_throughput" \
            "fp8_profile fp8_profile_throughput)"; status=2 ;;
   esac
 done

@@ -1,21 +1,26 @@
 """Triton kernels for `kiln::quantize_fp8_per_token` and the fused `kiln::rms_norm_quant_fp8`,
-`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8` (registered for CUDA).
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and a GEMV for
+`kiln::fp8_linear` at decode-sized inputs (all registered for CUDA).
 
 The plain-torch reference is five launches (abs, amax, divide, clamp, cast) and reads the
 activation twice from memory at full precision; this kernel is one launch, one program per
 token row: a first loop over K finds max|x|, a second writes x / scale as e4m3 (the row is
-read twice, the second time mostly from L2). `kiln::fp8_linear` itself stays on
-`torch._scaled_mm` (cuBLASLt's FP8 GEMM with row-wise scales).
+read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._scaled_mm`
+(cuBLASLt's FP8 GEMM with row-wise scales) except at 1-16 rows (the GEMV below).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kiln.kernels.activation import silu_and_mul_reference
-from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_fp8_linear_args, fp8_linear_reference
+from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import add_rms_norm_quant_fp8 as add_rms_norm_quant_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.fp8 import quantize_fp8_rows as quantize_fp8_rows_ref
@@ -24,6 +29,7 @@ from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
 from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+from kiln.kernels.triton_linear import DOT_BLOCK_M
 from kiln.kernels.triton_norm import _rows_view
 
 
@@ -198,3 +204,101 @@ def _add_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor, weight
 @silu_and_mul_quant_op.register_kernel("cuda")
 def _silu_and_mul_quant_fp8_cuda(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return silu_and_mul_quant_fp8_triton(gate, up)
+
+
+# ---- FP8 GEMV for decode-sized inputs --------------------------------------------------------
+# At 1-16 rows a projection is bound by reading its weight; these kernels read the e4m3 weight
+# once with the tiling of kiln.kernels.triton_linear's GEMVs (the same bytes per tile: twice
+# the K of the bf16 tables) and apply both scales to the fp32 accumulator. Above
+# FP8_GEMV_MAX_ROWS rows, or where the shapes do not fit, kiln::fp8_linear is
+# torch._scaled_mm. Which is faster at 1-16 rows is measured by bench/fp8_gemm.py;
+# KILN_FP8_GEMV_MAX_ROWS=0 in the environment (read once, at import) always uses _scaled_mm.
+FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
+
+
+@triton.jit
+def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :])
+        x = tl.load(x_ptr + ks)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(xs_ptr) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rows[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :])
+        x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        # float16 holds every e4m3 value exactly: a 16-bit MMA as the bf16 GEMV's, rather than
+        # depending on an FP8 MMA at a 16-row tile.
+        acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+    ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv_config(n: int, k: int, m: int):
+    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
+    from kiln.kernels.triton_linear import choose_config
+
+    if not 1 <= m <= FP8_GEMV_MAX_ROWS:
+        return None
+    config = choose_config(n, k, m)  # the bf16 tables; one-byte elements take twice the K per tile
+    if config is None:
+        return None
+    config = dataclasses.replace(config, block_k=config.block_k * 2)
+    return config if k % config.block_k == 0 else None
+
+
+def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """kiln::fp8_linear by a Triton GEMV at 1..FP8_GEMV_MAX_ROWS rows (`config` overrides the
+    choice, for tests and bench/fp8_gemm.py); otherwise the reference (torch._scaled_mm)."""
+    check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
+    n, k = weight.shape
+    m = xq.numel() // k if k else 0
+    config = config or fp8_gemv_config(n, k, m)
+    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % config.block_k or not weight.is_contiguous()
+            or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
+        return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
+    x2 = xq.reshape(m, k).contiguous()
+    xs = x_scale.reshape(m).contiguous().float()
+    ws = weight_scale.float()
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(n, config.block_n),)
+    if m == 1:
+        _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*xq.shape[:-1], n)
+
+
+@fp8_linear_op.register_kernel("cuda")
+def _fp8_linear_cuda(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_triton(xq, x_scale, weight, weight_scale, bias, out_dtype)

@@ -609,3 +609,22 @@ def test_silu_and_mul_quant_fp8():
     ref_q, ref_scale = silu_and_mul_quant_fp8(gate.cpu(), up.cpu())
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
+
+
+@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True), (16, False)])
+def test_fp8_gemv(m, bias):
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.triton_fp8 import fp8_linear_triton
+    from kiln.kernels.triton_linear import GemvConfig
+
+    n, k = 40, 128
+    w = randn(n, k, seed=71) * 0.1
+    x = randn(1, m, k, seed=72, dtype=HALF)
+    wq, ws = quantize_fp8_rowwise(w)
+    xq, xs = quantize_fp8_rows(x)
+    b = randn(n, seed=73, dtype=HALF) if bias else None
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)  # 3 column blocks, the last partial
+    y = fp8_linear_triton(xq, xs, wq, ws, b, HALF, config=config)
+    ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), None if b is None else b.cpu(), torch.float32)
+    assert y.shape == (1, m, n) and y.dtype == HALF
+    torch.testing.assert_close(y.cpu().float(), ref, atol=2e-3, rtol=2e-3)
