@@ -208,8 +208,8 @@ def _silu_and_mul_quant_fp8_cuda(gate: torch.Tensor, up: torch.Tensor) -> tuple[
 
 # ---- FP8 GEMV for decode-sized inputs --------------------------------------------------------
 # At 1-16 rows a projection is bound by reading its weight; these kernels read the e4m3 weight
-# once with the tiling of kiln.kernels.triton_linear's GEMVs (the same bytes per tile: twice
-# the K of the bf16 tables) and apply both scales to the fp32 accumulator. Above
+# once with the tiling of kiln.kernels.triton_linear's GEMVs (at one row, the same bytes per
+# tile: twice the K of the bf16 table) and apply both scales to the fp32 accumulator. Above
 # FP8_GEMV_MAX_ROWS rows, or where the shapes do not fit, kiln::fp8_linear is
 # torch._scaled_mm. Which is faster at 1-16 rows is measured by bench/fp8_gemm.py;
 # KILN_FP8_GEMV_MAX_ROWS=0 in the environment (read once, at import) always uses _scaled_mm.
@@ -263,10 +263,14 @@ def fp8_gemv_config(n: int, k: int, m: int):
 
     if not 1 <= m <= FP8_GEMV_MAX_ROWS:
         return None
-    config = choose_config(n, k, m)  # the bf16 tables; one-byte elements take twice the K per tile
+    config = choose_config(n, k, m)  # the bf16 tables
     if config is None:
         return None
-    config = dataclasses.replace(config, block_k=config.block_k * 2)
+    if m == 1:
+        # One-byte elements: twice the K per tile for the same bytes in flight. The 2-16-row
+        # kernel keeps the bf16 K: its tiles are converted to float16 for the MMA, and twice
+        # the K would double the shared memory of the bf16 GEMV's (sized near the limit).
+        config = dataclasses.replace(config, block_k=config.block_k * 2)
     return config if k % config.block_k == 0 else None
 
 
