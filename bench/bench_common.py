@@ -31,6 +31,30 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
 
 
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    """FP8 (issue 16): with either flag, the unquantized engine runs first and then the one
+    with these options, in the same run (results under "kiln" and "kiln_quantized")."""
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="also run Kiln with FP8 projections (after the unquantized run)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="also run Kiln with this KV-cache dtype (with --quantization: both at once)")
+
+
+def precision_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(result key, extra LLM options) for each Kiln engine the run measures, in order."""
+    options: dict[str, Any] = {}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    return [("kiln", {})] + ([("kiln_quantized", options)] if options else [])
+
+
+def quantized_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM options of --quantization / --kv-cache-dtype alone (profiles run one engine)."""
+    return precision_variants(args)[-1][1]
+
+
 def bucket_options(args: argparse.Namespace) -> dict[str, Any]:
     """Engine options for the bucket plan: fewer buckets compile faster on a cold cache."""
     out: dict[str, Any] = {}
@@ -87,6 +111,22 @@ def weight_bytes(config: Any, dtype: torch.dtype) -> int:
     return sum(math.prod(shape) for shape in parameter_shapes(config).values()) * elem
 
 
+def weight_bytes_quantized(config: Any, dtype: torch.dtype) -> int:
+    """`weight_bytes` under quantization="fp8": the decoder layers' projections at one byte per
+    parameter, the embedding, LM head, norms and MoE routers in `dtype` (kiln.passes.quantize_fp8
+    leaves those; its per-channel scales add 4 bytes per output row, counted too)."""
+    from kiln.compiler.capture import parameter_shapes
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, shape in parameter_shapes(config).items():
+        if len(shape) == 2 and ".layers." in name and name.endswith("proj.weight"):
+            total += math.prod(shape) + 4 * shape[0]
+        else:
+            total += math.prod(shape) * elem
+    return total
+
+
 def copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written, per second)."""
     n = int(gib * 2**30) // 2
@@ -129,6 +169,9 @@ def sync(device: torch.device | str) -> None:
 def free_cuda() -> None:
     import gc
 
+    # An engine freezes the heap it started with (gc.freeze, kiln.runtime.engine): unfreeze so
+    # that a deleted engine's cycles, which hold its weights and KV cache, are collected too.
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

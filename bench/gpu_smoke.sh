@@ -6,6 +6,8 @@
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         arch_tests serve serve_fp8 serve_plot
+#                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
+#                                         fp8_profile_throughput
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -74,6 +76,22 @@ for stage in $STAGES; do
       run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
     tune_attention)
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
+    fp8_tests)  # issue 16: the FP8 kernels at real shapes, the FP8 engine under CUDA graphs
+      run_stage fp8_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -s -m gpu tests/test_gpu_fp8.py ;;
+    fp8_gemm)  # _scaled_mm vs the Triton FP8 GEMV vs bf16, Llama-3-8B projections
+      run_stage fp8_gemm 300 $PY bench/fp8_gemm.py --out "$OUT/fp8_gemm.json" ;;
+    fp8_latency)  # bf16, then FP8 weights + FP8 KV, in one run
+      run_stage fp8_latency 560 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --no-baseline \
+        --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
+    fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
+      run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
+        --out "$OUT/fp8_throughput.json" ;;
+    fp8_profile)
+      run_stage fp8_profile 300 $PY bench/profile_decode.py --batch-sizes 1,8 --steps 30 --quantization fp8 \
+        --kv-cache-dtype fp8 --out "$OUT/fp8_profile.json" ;;
+    fp8_profile_throughput)
+      run_stage fp8_profile_throughput 300 $PY bench/profile_throughput.py --quantization fp8 --kv-cache-dtype fp8 \
+        --out "$OUT/fp8_profile_throughput.json" ;;
     moe_tests)  # issue 17: fused_moe's Triton kernel at real shapes, MoE parity through the CUDA pipeline
       run_stage moe_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_moe_triton.py tests/test_moe.py ;;
     moe_mixtral_decode)
@@ -96,7 +114,8 @@ for stage in $STAGES; do
         --out "$OUT/serve.png" ;;
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
-           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot)"; status=2 ;;
+           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot" \
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput)"; status=2 ;;
   esac
 done
 exit $status

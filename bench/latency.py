@@ -77,6 +77,7 @@ def hf_decode(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, v
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
+    bc.add_precision_args(parser)
     parser.add_argument("--batch-sizes", default="1,8,32,128")
     parser.add_argument("--compile", default="auto", choices=["auto", "eager", "graph", "inductor"],
                         help="the engine's compile mode (inductor: Inductor artifacts per bucket, compiled into "
@@ -115,23 +116,35 @@ def main() -> None:
 
     from kiln.runtime.llm import LLM
 
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
-              max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 16, progress=False,
-              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args))
-    result["kiln_compile"] = args.compile
-    result["kiln_startup_report"] = llm.engine.startup_report.summary()
-    result["kiln_startup_s"] = time.perf_counter() - t0
-    result["kiln_startup_phases"] = dict(llm.engine.timings)
-    engine = llm.engine
-    kiln_decode(engine, 1, args.prompt_len, 4, config.vocab_size, seed=999)  # warm-up
-    result["kiln"] = {}
-    for b in batches:
-        r = kiln_decode(engine, b, args.prompt_len, args.steps, config.vocab_size, seed=b)
-        r["achieved_bandwidth_tb_s"] = wbytes * r["steps_per_s"] / 1e12
-        r["percent_of_limit"] = 100 * r["achieved_bandwidth_tb_s"] * 1e12 / bandwidth
-        result["kiln"][str(b)] = r
-        print(f"[kiln] batch {b}: {r['tokens_per_s']:.1f} tokens/s ({r['percent_of_limit']:.0f}% of limit)", flush=True)
+    for key, options in bc.precision_variants(args):  # unquantized first, then --quantization / --kv-cache-dtype
+        t0 = time.perf_counter()
+        llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
+                  max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 16, progress=False,
+                  compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **options)
+        startup = time.perf_counter() - t0
+        engine = llm.engine
+        # What a decode step reads of the weights: FP8 projections are one byte per parameter.
+        step_bytes = bc.weight_bytes_quantized(config, dtype) if options.get("quantization") else wbytes
+        if key == "kiln":
+            result["kiln_compile"] = args.compile
+            result["kiln_startup_report"] = engine.startup_report.summary()
+            result["kiln_startup_s"] = startup
+            result["kiln_startup_phases"] = dict(engine.timings)
+        else:
+            result[key + "_options"] = options
+            result[key + "_weight_bytes"] = step_bytes
+            result[key + "_batch1_limit_tokens_per_s"] = bandwidth / step_bytes
+        kiln_decode(engine, 1, args.prompt_len, 4, config.vocab_size, seed=999)  # warm-up
+        result[key] = {}
+        for b in batches:
+            r = kiln_decode(engine, b, args.prompt_len, args.steps, config.vocab_size, seed=b)
+            r["achieved_bandwidth_tb_s"] = step_bytes * r["steps_per_s"] / 1e12
+            r["percent_of_limit"] = 100 * r["achieved_bandwidth_tb_s"] * 1e12 / bandwidth
+            result[key][str(b)] = r
+            print(f"[{key}] batch {b}: {r['tokens_per_s']:.1f} tokens/s ({r['percent_of_limit']:.0f}% of limit)",
+                  flush=True)
+        del llm, engine
+        bc.free_cuda()
     bc.emit(result, args.out)
 
 

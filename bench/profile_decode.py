@@ -166,6 +166,7 @@ def gemv_table(config: Any, dtype: torch.dtype, batch: int, bandwidth: float) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
+    bc.add_precision_args(parser)  # here: profile the engine with these options (one engine)
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
@@ -182,14 +183,16 @@ def main() -> None:
     bandwidth = bc.copy_bandwidth(torch.device("cuda"))
     result: dict[str, Any] = {"benchmark": "profile_decode", "env": bc.environment(), "model": args.model,
                               "copy_bandwidth_tb_s": bandwidth / 1e12,
-                              "weight_bytes": bc.weight_bytes(config, dtype)}
+                              "weight_bytes": (bc.weight_bytes_quantized(config, dtype) if args.quantization
+                                               else bc.weight_bytes(config, dtype)),
+                              "options": bc.quantized_options(args)}
     result["gemv"] = {str(b): gemv_table(config, dtype, b, bandwidth) for b in batches}
 
     from kiln.runtime.llm import LLM
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
               max_num_seqs=max(batches), max_model_len=args.prompt_len + 4 * args.steps + 128, progress=False,
-              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args))
+              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **bc.quantized_options(args))
     result["compile"] = llm.engine.startup_report.summary()
     result["startup_phases"] = dict(llm.engine.timings)
     result["batches"] = {}

@@ -46,6 +46,7 @@ def kernel_family(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
+    bc.add_precision_args(parser)  # here: profile the engine with these options (one engine)
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=256)
     # vLLM's defaults for its offline LLM class on GPUs of >= 70 GiB (H100, H200).
@@ -67,7 +68,7 @@ def main() -> None:
     prompts = workload(args.num_requests, config.vocab_size, args.seed)
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args))
+              max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args), **bc.quantized_options(args))
     engine = llm.engine
     runner = engine.runner
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up

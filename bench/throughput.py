@@ -73,6 +73,7 @@ def kiln_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
+    bc.add_precision_args(parser)
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=128, help="baseline subset (rounded to batches of 64)")
@@ -104,18 +105,28 @@ def main() -> None:
 
     from kiln.runtime.llm import LLM
 
-    t0 = time.perf_counter()
-    llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args))
-    result["kiln_startup_s"] = time.perf_counter() - t0
-    result["kiln_config"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                             "num_kv_blocks": llm.engine.num_kv_blocks}
-    kiln_throughput(llm, prompts[:8], 8)  # warm-up
-    result["kiln"] = kiln_throughput(llm, prompts, args.output_len)
-    print(f"[kiln] {result['kiln']['output_tokens_per_s']:.0f} output tokens/s", flush=True)
+    for key, options in bc.precision_variants(args):  # unquantized first, then --quantization / --kv-cache-dtype
+        t0 = time.perf_counter()
+        llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args), **options)
+        startup = time.perf_counter() - t0
+        kiln_throughput(llm, prompts[:8], 8)  # warm-up
+        result[key] = {**kiln_throughput(llm, prompts, args.output_len), "options": options, "startup_s": startup,
+                       "num_kv_blocks": llm.engine.num_kv_blocks}
+        print(f"[{key}] {options or ''} {result[key]['output_tokens_per_s']:.0f} output tokens/s", flush=True)
+        if key == "kiln":
+            result["kiln_startup_s"] = startup
+            result["kiln_config"] = {"max_num_seqs": args.max_num_seqs,
+                                     "max_num_batched_tokens": args.max_num_batched_tokens,
+                                     "num_kv_blocks": llm.engine.num_kv_blocks}
+        del llm
+        bc.free_cuda()
     if "baseline" in result:
         result["speedup_vs_baseline"] = result["kiln"]["output_tokens_per_s"] / result["baseline"]["output_tokens_per_s"]
+    if "kiln_quantized" in result:
+        result["quantized_speedup_vs_kiln"] = (result["kiln_quantized"]["output_tokens_per_s"]
+                                               / result["kiln"]["output_tokens_per_s"])
     bc.emit(result, args.out)
 
 

@@ -134,9 +134,20 @@ def model_factors(
     device: torch.device,
     block_size: int,
     artifact_format: str,
+    kv_cache_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
-    """The factors every entry of one model setup shares (the graph spec's key factors)."""
+    """The factors every entry of one model setup shares (the graph spec's key factors).
+
+    `kv_cache_dtype` (when it differs from `dtype`) and `quantization` enter only when set, so
+    the keys of unquantized setups are what they were before these options existed."""
+    extra: dict[str, Any] = {}
+    if kv_cache_dtype is not None and kv_cache_dtype != dtype:
+        extra["kv_cache_dtype"] = str(kv_cache_dtype).removeprefix("torch.")
+    if quantization is not None:
+        extra["quantization"] = quantization
     return {
+        **extra,
         "architecture": architecture_fields(config),
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": int(block_size),

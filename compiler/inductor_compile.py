@@ -103,6 +103,7 @@ def example_inputs(
     dtype: torch.dtype,
     device: torch.device,
     block_size: int,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> tuple[list[torch.Tensor], list[dict[int, Any] | None]]:
     """Tensors with the bucket's shapes for every graph input, and export's dynamic_shapes.
 
@@ -128,7 +129,7 @@ def example_inputs(
     sizes = bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, EXAMPLE_BLOCK_TABLE_WIDTH)
     try:
         args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
-                    kv_caches=lambda layer: torch.zeros(kv_shape, dtype=dtype, device=device),
+                    kv_caches=lambda layer: torch.zeros(kv_shape, dtype=kv_cache_dtype or dtype, device=device),
                     batch=empty_step(sizes, device))
     except ValueError as e:
         raise BucketCompileError(f"bucket {bucket.name}: {e}") from e
@@ -167,11 +168,13 @@ def compile_bucket(
     device: torch.device,
     block_size: int,
     scratch_root: Path,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> bytes:
     """The AOTInductor package (bytes) of `gm` at `bucket`'s shapes."""
     scratch_root.mkdir(parents=True, exist_ok=True)
     try:
-        args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size)
+        args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size,
+                                       kv_cache_dtype)
         if artifact_format(device) == STANDALONE_FORMAT:
             return _compile_standalone(gm, args, dynamic, bucket, scratch_root)
         with torch.no_grad():

@@ -179,17 +179,21 @@ class ModelSource:
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool = True,
+        keep_fp8: frozenset[str] = frozenset(),
     ) -> dict[str, torch.Tensor]:
         """Tensors for each wanted parameter name.
 
         `names` maps each parameter the graph takes to its aliases (tied weights such as
-        lm_head.weight / model.embed_tokens.weight); the first alias found is used.
+        lm_head.weight / model.embed_tokens.weight); the first alias found is used. FP8
+        tensors of a pre-quantized checkpoint (kiln.compiler.fp8_checkpoint) named in
+        `keep_fp8` load as they are, their per-tensor or per-channel scale beside them as
+        `<name>_scale`; every other FP8 tensor is dequantized to `dtype`.
         """
         if self.load_format == "dummy":
             return dummy_weights(names, self._shapes(), dtype, device)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         config_num_experts(self.config))
+                                         config_num_experts(self.config), keep_fp8)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
@@ -552,9 +556,12 @@ def _pick(names: list[str], available: Any) -> str | None:
 
 def _load_safetensors_dir(
     path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
-    num_experts: int | None = None,
+    num_experts: int | None = None, keep_fp8: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
+
+    from kiln.compiler.fp8_checkpoint import dequantize, is_fp8, row_scale, scale_keys
+    from kiln.passes.weight_transforms import fp8_scale_name
     from tqdm import tqdm
 
     shards = sorted(path.glob("*.safetensors"))
@@ -591,10 +598,25 @@ def _load_safetensors_dir(
         for shard, items in plan.items():
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
+                    tensor = f.get_tensor(key)
+                    if is_fp8(tensor):
+                        scale_key = _pick(list(scale_keys(key)), where)
+                        if scale_key is None:
+                            raise ModelSourceError(f"FP8 tensor {key!r} in {shard.name} has no scale "
+                                                   f"({' or '.join(scale_keys(key))})")
+                        with safe_open(str(where[scale_key]), framework="pt", device="cpu") as sf:
+                            scale = sf.get_tensor(scale_key)
+                        per_row = row_scale(scale, tensor.shape[0])
+                        if key not in derived_sources and name in keep_fp8 and per_row is not None:
+                            out[name] = tensor.to(device=device)
+                            out[fp8_scale_name(name)] = per_row.to(device=device)
+                            bar.update(1)
+                            continue
+                        tensor = dequantize(tensor, scale, dtype)
                     if key in derived_sources:
-                        raw[key] = f.get_tensor(key)
+                        raw[key] = tensor
                     else:
-                        out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                        out[name] = tensor.to(device=device, dtype=dtype)
                     bar.update(1)
     for name, sources in derived.items():
         out[name] = combine_checkpoint_tensors(name, [raw[s] for s in sources]).to(device=device, dtype=dtype)

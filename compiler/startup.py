@@ -98,6 +98,8 @@ class CompileOptions:
     cache_dir: str | None = None  # None: $KILN_CACHE_DIR or the user's cache directory
     require_cache: bool = False  # a miss is an error naming the missing entries
     progress: bool = True
+    quantization: str | None = None  # "fp8": the quantize_fp8 pass (kiln.passes.quantize_fp8)
+    kv_cache_dtype: torch.dtype | None = None  # None: the compute dtype
 
 
 @contextlib.contextmanager
@@ -207,10 +209,13 @@ class ModelSetup:
     block_size: int
     plan: BucketPlan
     max_num_tokens: int = 8192
+    kv_cache_dtype: torch.dtype | None = None  # None: the compute dtype
+    quantization: str | None = None
 
     def model_factors(self) -> dict[str, Any]:
         return model_factors(self.config, self.dtype, self.pass_manager.uuids(), self.device, self.block_size,
-                             artifact_format(self.device))
+                             artifact_format(self.device), kv_cache_dtype=self.kv_cache_dtype,
+                             quantization=self.quantization)
 
     def model_key(self) -> str:
         return key_for(MODEL_KIND, self.model_factors())
@@ -527,7 +532,8 @@ def _compile_missing(
             else:
                 try:
                     data = compile_bucket(graph.graph_module, spec.input_roles, spec.constants, setup.config, bucket,
-                                          setup.dtype, setup.device, setup.block_size, scratch)
+                                          setup.dtype, setup.device, setup.block_size, scratch,
+                                          kv_cache_dtype=setup.kv_cache_dtype)
                 except BucketCompileError as e:
                     logger.error("%s", e)
                     result = BucketResult(bucket, key, "failed", time.perf_counter() - t0, error=str(e))
@@ -548,12 +554,18 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
     """The `ModelSetup` (key factors, bucket plan, pass pipeline) for these options."""
     from kiln.compiler.buckets import make_bucket_plan
 
-    pm = PassManager.default(enable=options.enable_passes, disable=options.disable_passes)
+    enable = list(options.enable_passes)
+    if options.quantization == "fp8" and "quantize_fp8" not in enable:
+        enable.append("quantize_fp8")
+    elif options.quantization is not None and options.quantization != "fp8":
+        raise ValueError(f"quantization must be 'fp8' or None, got {options.quantization!r}")
+    pm = PassManager.default(enable=enable, disable=options.disable_passes)
     plan = make_bucket_plan(options.max_num_seqs, options.max_num_batched_tokens,
                             options.decode_buckets, options.token_buckets)
     return ModelSetup(config=model_config, dtype=dtype, device=device, pass_manager=pm,
                       block_size=options.block_size, plan=plan,
-                      max_num_tokens=max(options.max_num_batched_tokens, 2))
+                      max_num_tokens=max(options.max_num_batched_tokens, 2),
+                      kv_cache_dtype=options.kv_cache_dtype, quantization=options.quantization)
 
 
 def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,

@@ -54,10 +54,25 @@ def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, 
     return (2, num_blocks, block_size, *kv_heads_and_head_dim(config))
 
 
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it. An FP8 (e4m3) cache saturates at +-448 instead of turning an
+    outlier into NaN (torch's cast does not saturate; the Triton kernels' does)."""
+    if cache_dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(cache_dtype).max
+        return x.float().clamp(-limit, limit).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter the step's K/V rows into their cache slots (in place)."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    if kv_cache.element_size() == 1:
+        # index_copy_ has no FP8 kernel: copy the bytes.
+        flat = flat.view(torch.uint8)
+        flat[0].index_copy_(0, slot_mapping, to_cache_dtype(k, kv_cache.dtype).view(torch.uint8))
+        flat[1].index_copy_(0, slot_mapping, to_cache_dtype(v, kv_cache.dtype).view(torch.uint8))
+        return
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
@@ -88,8 +103,9 @@ def paged_attention_reference(
             continue
         n_blocks = -(-seq_len // block_size)
         blocks = block_tables[i, :n_blocks].long()
-        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
-        values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len]
+        # An FP8 cache is read back in the query's dtype (its scale is 1: e4m3 holds K/V as they are).
+        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].to(q.dtype)
+        values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].to(q.dtype)
         positions = torch.arange(seq_len, device=q.device)
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,

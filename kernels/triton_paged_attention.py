@@ -134,8 +134,9 @@ def _paged_attention_kernel(
         block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
         kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
         # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
+        # .to: an FP8 cache is read back in the query's dtype (a no-op for a bf16/fp16 cache).
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
         qk = tl.dot(q, k, input_precision="ieee") * scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
@@ -152,7 +153,7 @@ def _paged_attention_kernel(
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 

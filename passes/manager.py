@@ -21,7 +21,7 @@ import torch
 
 from kiln.compiler.graph_inputs import INPUT_META_KEY
 from kiln.passes.base import GraphPass, PassContext, PassStats
-from kiln.passes.registry import PHASES, all_pass_factories, builtin_pass_factories, create_pass, unknown_pass_error
+from kiln.passes.registry import OPT_IN_BUILTIN_PASSES, PHASES, all_pass_factories, builtin_pass_factories, create_pass, unknown_pass_error
 
 logger = logging.getLogger("kiln.passes")
 
@@ -70,11 +70,16 @@ ENABLE_PASSES_ENV = "KILN_ENABLE_PASSES"
 
 def enabled_pass_names(enable: list[str] | None = None, disable: list[str] | None = None) -> list[str]:
     """The passes `PassManager.default` runs: every built-in pass, plus the passes named in
-    $KILN_ENABLE_PASSES and `enable`, minus `disable`. Installed plugins are off unless named."""
-    names = list(DEFAULT_PIPELINE)
-    names += [n for n in builtin_pass_factories() if n not in names]
+    $KILN_ENABLE_PASSES and `enable`, minus `disable`. Installed plugins, and the built-ins of
+    OPT_IN_BUILTIN_PASSES (quantize_fp8), are off unless named."""
     factories = all_pass_factories()
     from_env = [n.strip() for n in os.environ.get(ENABLE_PASSES_ENV, "").split(",") if n.strip()]
+    requested = set(from_env) | set(enable or [])
+    names = list(DEFAULT_PIPELINE)
+    # An opt-in built-in, once asked for, takes its place among the built-ins (quantize_fp8
+    # must run before use_triton_linear), not after them as a plugin does.
+    names += [n for n in builtin_pass_factories()
+              if n not in names and (n not in OPT_IN_BUILTIN_PASSES or n in requested)]
     for name in from_env:
         if name not in factories:
             raise unknown_pass_error(f"${ENABLE_PASSES_ENV} names", name, factories)
@@ -160,6 +165,10 @@ class PassManager:
         if target is None:
             target = create_pass(name)
             passes = PassManager(passes + [target]).passes  # stable sort: last within its phase
+            builtins = list(builtin_pass_factories())
+            if name in builtins:  # an opt-in built-in: where enabling it puts it, among the built-ins
+                order = {n: i for i, n in enumerate(builtins)}
+                passes = sorted(passes, key=lambda p: (PHASES.index(p.phase), order.get(p.name, len(order))))
         return passes[: passes.index(target)], target
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext, dump_dir: str | os.PathLike | None = None) -> PassReport:

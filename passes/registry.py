@@ -17,6 +17,10 @@ logger = logging.getLogger("kiln.passes")
 
 ENTRY_POINT_GROUP = "kiln.passes"
 
+# Built-in passes that change numerics, not just speed: off unless asked for (an engine
+# option such as quantization="fp8" turns one on, as --enable-pass does).
+OPT_IN_BUILTIN_PASSES = frozenset({"quantize_fp8"})
+
 # Phases in the order the pass manager runs them.
 PHASES = ("normalize", "attention", "fusion", "logits")
 
@@ -49,8 +53,12 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     })
     # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
     # projections, merged and pruned, become kiln::linear (CUDA graphs by default).
+    # quantize_fp8 (opt-in, OPT_IN_BUILTIN_PASSES) before use_triton_linear, which would
+    # otherwise take the projections it quantizes.
+    from kiln.passes.quantize_fp8 import QuantizeFP8Pass
     from kiln.passes.use_triton_linear import UseTritonLinearPass
 
+    factories["quantize_fp8"] = QuantizeFP8Pass
     factories["use_triton_linear"] = UseTritonLinearPass
     return factories
 

@@ -41,6 +41,13 @@ class ConcatWeights:
                 "(the checkpoint does not match the graph's architecture, or a transform ran twice)"
             )
         parts = [weights.pop(name) for name in self.inputs]
+        if any(p.dtype.is_floating_point and p.element_size() == 1 for p in parts):
+            # FP8 parts of a pre-quantized checkpoint: their scales are concatenated too,
+            # per output channel (a per-tensor scale repeated over its rows).
+            scales = [_row_scales(name, weights, p.shape[0]) for name, p in zip(self.inputs, parts)]
+            if self.dim != 0:
+                raise WeightTransformError(f"cannot build {self.output!r}: FP8 weights concatenate along dim 0 only")
+            weights[fp8_scale_name(self.output)] = torch.cat(scales)
         ranks = {p.dim() for p in parts}
         if len(ranks) != 1 or any(p.shape[:self.dim] + p.shape[self.dim + 1:] != parts[0].shape[:self.dim]
                                   + parts[0].shape[self.dim + 1:] for p in parts):
@@ -51,9 +58,70 @@ class ConcatWeights:
         weights[self.output] = torch.cat(parts, dim=self.dim)
 
 
-WeightTransform = ConcatWeights  # the only kind so far; a union when there are more
+def fp8_scale_name(weight_name: str) -> str:
+    """Where an FP8 weight's per-output-channel scale lives in the weights dict (and its graph
+    input's `param:` role): `<name>_scale`, which is also compressed-tensors' checkpoint name
+    (`...q_proj.weight_scale`), so the loader stores a checkpoint's scales under it as read."""
+    return weight_name + "_scale"
 
-_KINDS: dict[str, type] = {"concat": ConcatWeights}
+
+def _row_scales(name: str, weights: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """The [rows] float32 scales of FP8 weight `name` (a per-tensor scale repeated)."""
+    scale_name = fp8_scale_name(name)
+    if scale_name not in weights:
+        raise WeightTransformError(f"FP8 weight {name!r} has no scale {scale_name!r} (a pre-quantized checkpoint "
+                                   "must carry one scale per tensor or per output channel)")
+    scale = weights.pop(scale_name).float().reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(rows)
+    if scale.numel() != rows:
+        raise WeightTransformError(f"FP8 weight {name!r} has {rows} output channels but its scale has "
+                                   f"{scale.numel()} values (only per-tensor and per-channel scales are supported)")
+    return scale.contiguous()
+
+
+@dataclass(frozen=True)
+class QuantizeFP8Weight:
+    """`weights[weight]` as e4m3 with one float32 scale per output channel at
+    `weights[fp8_scale_name(weight)]`. A weight already in FP8 (a pre-quantized checkpoint,
+    its scale loaded beside it) keeps its values; its scale is only brought to that form."""
+
+    weight: str
+    kind: str = "quantize_fp8"
+
+    def apply(self, weights: dict[str, torch.Tensor]) -> None:
+        from kiln.kernels.fp8 import FP8_DTYPE, quantize_fp8_rowwise
+
+        if self.weight not in weights:
+            raise WeightTransformError(f"cannot quantize {self.weight!r}: the loaded weights lack it")
+        w = weights.pop(self.weight)
+        if w.dim() != 2:
+            raise WeightTransformError(f"cannot quantize {self.weight!r} to FP8: it has shape {tuple(w.shape)}, "
+                                       "not [out_features, in_features]")
+        if w.dtype == FP8_DTYPE:
+            scale = _row_scales(self.weight, weights, w.shape[0]).to(w.device)
+        else:
+            w, scale = quantize_fp8_rowwise(w)
+        weights[self.weight] = w.contiguous()
+        weights[fp8_scale_name(self.weight)] = scale
+
+
+WeightTransform = ConcatWeights | QuantizeFP8Weight
+
+_KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight}
+
+
+def fp8_weight_names(transforms: Iterable[WeightTransform]) -> frozenset[str]:
+    """The checkpoint tensors the rewritten graph takes in FP8: each quantized weight, and the
+    inputs of a concatenation whose output is quantized (the loader keeps those of an FP8
+    checkpoint as they are; kiln.compiler.fp8_checkpoint)."""
+    names: set[str] = set()
+    for transform in reversed(list(transforms)):
+        if isinstance(transform, QuantizeFP8Weight):
+            names.add(transform.weight)
+        elif isinstance(transform, ConcatWeights) and transform.output in names:
+            names.update(transform.inputs)
+    return frozenset(names)
 
 
 def apply_weight_transforms(weights: dict[str, torch.Tensor], transforms: Iterable[WeightTransform]
@@ -70,7 +138,7 @@ def apply_weight_transforms(weights: dict[str, torch.Tensor], transforms: Iterab
 
 
 def transforms_to_json(transforms: Iterable[WeightTransform]) -> list[dict[str, Any]]:
-    return [{**asdict(t), "inputs": list(t.inputs)} for t in transforms]
+    return [{**asdict(t), **({"inputs": list(t.inputs)} if hasattr(t, "inputs") else {})} for t in transforms]
 
 
 def transforms_from_json(data: list[dict[str, Any]]) -> list[WeightTransform]:
@@ -80,6 +148,7 @@ def transforms_from_json(data: list[dict[str, Any]]) -> list[WeightTransform]:
         if kind not in _KINDS:
             raise WeightTransformError(f"weight transform #{i} has unknown kind {kind!r}; known: {', '.join(_KINDS)}")
         fields = {k: v for k, v in item.items() if k != "kind"}
-        fields["inputs"] = tuple(fields.get("inputs", ()))
+        if "inputs" in fields:
+            fields["inputs"] = tuple(fields["inputs"])
         out.append(_KINDS[kind](**fields))
     return out

@@ -20,6 +20,8 @@ from kiln.runtime.hardware_defaults import BatchLimits, choose_batch_limits, dev
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8")
 MODEL_HELP = ("Hugging Face hub id (org/name, from the local HF cache or downloaded), directory, .gguf file or "
               "config.json (default: SmolLM2-135M-Instruct GGUF)")
 
@@ -71,6 +73,13 @@ class EngineConfig:
     enable_passes: list[str] = option(default_factory=list, flag="--enable-pass",
                                       help="turn on an optional pass (repeatable)")
     disable_passes: list[str] = option(default_factory=list, flag="--disable-pass", help="turn off a pass (repeatable)")
+    # FP8 (issue 16): the quantize_fp8 pass and an e4m3 KV cache. A pre-quantized FP8
+    # checkpoint implies quantization="fp8" (LLMEngine).
+    quantization: str | None = option(None, choices=QUANTIZATIONS,
+                                      help="fp8: projections as FP8 GEMMs (e4m3 weights with per-channel scales, "
+                                           "quantized at load unless the checkpoint is FP8 already)")
+    kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES,
+                                 help="auto: the model's dtype; fp8: e4m3 KV cache (half the bytes of bf16)")
     gpu_memory_utilization: float = option(0.9, help="CUDA: fraction of GPU memory for weights, activations and "
                                                      "the KV cache")
     enforce_eager: bool = option(False, help="CUDA: run decode steps without capturing CUDA graphs")
@@ -115,6 +124,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None; got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
 
@@ -152,9 +165,22 @@ class EngineConfig:
         return dataclasses.replace(self, max_num_seqs=limits.max_num_seqs,
                                    max_num_batched_tokens=limits.max_num_batched_tokens), limits
 
-    def compile_options(self, device: torch.device | None = None) -> CompileOptions:
-        """What the compiler needs of these options (kiln.compiler.startup); unset batch limits
-        take the defaults of `device` (default: the resolved device)."""
+    def resolved_kv_cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type for a model computing in `dtype`."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else dtype
+
+    def resolved_quantization(self, model_config: Any = None) -> str | None:
+        """`quantization`, or the one a pre-quantized checkpoint's config implies
+        (kiln.compiler.fp8_checkpoint; any other quantization_config is refused there)."""
+        from kiln.compiler.fp8_checkpoint import checkpoint_quantization
+
+        implied = checkpoint_quantization(model_config) if model_config is not None else None
+        return self.quantization or implied
+
+    def compile_options(self, model_config: Any = None, device: torch.device | None = None) -> CompileOptions:
+        """What the compiler needs of these options (kiln.compiler.startup): unset batch limits
+        take the defaults of `device` (default: the resolved device); with the model's config,
+        a pre-quantized checkpoint's implied quantization is included."""
         limits = self.batch_limits(device if device is not None else self.resolved_device())
         return CompileOptions(
             enable_passes=list(self.enable_passes), disable_passes=list(self.disable_passes),
@@ -162,4 +188,6 @@ class EngineConfig:
             max_num_batched_tokens=limits.max_num_batched_tokens, decode_buckets=self.decode_buckets,
             token_buckets=self.token_buckets, mode=self.compile, cache_dir=self.cache_dir,
             require_cache=self.require_cache, progress=self.progress,
+            quantization=self.resolved_quantization(model_config),
+            kv_cache_dtype=torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None,
         )

@@ -24,7 +24,7 @@ from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import (
     PreparedModel, config_lookup, prepare_for_engine, timed, triton_kernels_at_startup,
 )
-from kiln.passes.weight_transforms import apply_weight_transforms
+from kiln.passes.weight_transforms import apply_weight_transforms, fp8_weight_names
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
@@ -113,11 +113,18 @@ class LLMEngine:
         # Provisional until the KV cache is sized: the user's value or the model's context.
         model_context = model_context_length(self.model_config)
         self.max_model_len = int(config.max_model_len or model_context or FALLBACK_CONTEXT)
+        # FP8 (kiln.passes.quantize_fp8): asked for, or implied by a pre-quantized checkpoint.
+        self.quantization = config.resolved_quantization(self.model_config)
+        if self.quantization != config.quantization:
+            logger.info("checkpoint %s is quantized: running with quantization=%r", self.source.name,
+                        self.quantization)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)
+        compile_options = config.compile_options(self.model_config)
 
         # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
         # compile only what is missing -> load artifacts. Warm starts capture nothing: the
         # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
-        self.prepared: PreparedModel = prepare_for_engine(config.compile_options(), self.model_config, self.dtype,
+        self.prepared: PreparedModel = prepare_for_engine(compile_options, self.model_config, self.dtype,
                                                           self.device, raw_config=self.source.raw_config)
         self.timings.update(self.prepared.report.timings)
         self.startup_report = self.prepared.report
@@ -125,7 +132,8 @@ class LLMEngine:
         self.graph: ModelGraph | None = self.prepared.graph  # None when nothing was captured
         with timed(self.timings, "load weights"):
             weights = self.source.load_weights(self.graph_spec.param_aliases, self.dtype, self.device,
-                                               progress=config.progress)
+                                               progress=config.progress,
+                                               keep_fp8=fp8_weight_names(self.graph_spec.weight_transforms))
             # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
             weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
 
@@ -139,7 +147,7 @@ class LLMEngine:
         # taken into it, every bucket run once) - kiln.compiler.triton_kernels.
         with triton_kernels_at_startup(self.prepared.triton_kernels, self.startup_report) as run_every_bucket:
             with timed(self.timings, "allocate KV cache"):
-                kv = build_kv_cache(config, self.model_config, self.dtype, self.device, self.max_model_len,
+                kv = build_kv_cache(config, self.model_config, self.kv_cache_dtype, self.device, self.max_model_len,
                                     make_runner)
             self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
             # Block 0 is the null block: one sequence can use the others.
@@ -189,7 +197,7 @@ class LLMEngine:
         )
 
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.dtype)
+        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

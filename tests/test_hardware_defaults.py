@@ -53,8 +53,8 @@ def test_engine_config_resolves_unset_limits_only():
     cpu = torch.device("cpu")
     config, limits = EngineConfig(max_num_seqs=3).with_batch_limits(cpu)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (3, 2048)
-    assert EngineConfig(max_num_batched_tokens=100).compile_options(cpu).max_num_batched_tokens == 100
-    assert EngineConfig().compile_options(cpu).max_num_seqs == 64
+    assert EngineConfig(max_num_batched_tokens=100).compile_options(device=cpu).max_num_batched_tokens == 100
+    assert EngineConfig().compile_options(device=cpu).max_num_seqs == 64
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(max_num_seqs=0)
 

@@ -135,7 +135,7 @@ def _setup(args: argparse.Namespace) -> Any:
     dtype = config.resolved_dtype(device)
     source = resolve_model(config.model, "dummy" if config.load_format == "dummy" else "auto",
                            revision=config.revision, download_dir=config.download_dir)
-    setup = setup_for_engine(config.compile_options(), source.config, dtype, device)
+    setup = setup_for_engine(config.compile_options(source.config), source.config, dtype, device)
     args.raw_config = source.raw_config  # for store_config_snapshot after a compile
     return setup
 

@@ -1,0 +1,308 @@
+"""Triton kernels for `kiln::quantize_fp8_per_token` and the fused `kiln::rms_norm_quant_fp8`,
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and a GEMV for
+`kiln::fp8_linear` at decode-sized inputs (all registered for CUDA).
+
+The plain-torch reference is five launches (abs, amax, divide, clamp, cast) and reads the
+activation twice from memory at full precision; this kernel is one launch, one program per
+token row: a first loop over K finds max|x|, a second writes x / scale as e4m3 (the row is
+read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._scaled_mm`
+(cuBLASLt's FP8 GEMM with row-wise scales) except at 1-16 rows (the GEMV below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.activation import silu_and_mul_reference
+from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_fp8_linear_args, fp8_linear_reference
+from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
+from kiln.kernels.fp8 import add_rms_norm_quant_fp8 as add_rms_norm_quant_op
+from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
+from kiln.kernels.fp8 import quantize_fp8_rows as quantize_fp8_rows_ref
+from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
+from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
+from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.triton_activation import _rows
+from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+from kiln.kernels.triton_linear import DOT_BLOCK_M
+from kiln.kernels.triton_norm import _rows_view
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        # div_rn: IEEE division, as the reference divides (the default is an approximation).
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(xq_ptr + row * K + ks, q.to(xq_ptr.dtype.element_ty), mask=ks < K)
+
+
+def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() < 1:
+        raise ValueError("quantize_fp8_per_token: x must have at least one dimension")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m and k:
+        block = min(block_k, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                    BLOCK_K=block, num_warps=4)
+    return xq.view(x.shape), scale.view(*x.shape[:-1], 1)
+
+
+@quantize_op.register_kernel("cuda")
+def _quantize_fp8_per_token_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_fp8_per_token_triton(x)
+
+
+# ---- quantization fused into RMSNorm and SiLU-and-mul ------------------------------------------
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr, res_ptr, w_ptr, xq_ptr, scale_ptr, sum_ptr,
+    rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # kiln.kernels.triton_norm's RMSNorm (one row per program, the row in one block), then the
+    # row's e4m3 quantization while it is still in registers: the normed row never goes to memory.
+    row = tl.program_id(0)
+    outer = row // rows_inner
+    inner = row % rows_inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, axis=0) / n_cols
+    normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    # Rounded to the norm's output dtype, as the unfused graph's rms_norm output is.
+    out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -FP8_MAX_C), FP8_MAX_C)
+    tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    xq = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    summed = None if residual is None else torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
+                                                       device=x.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return xq, scale, summed
+    x3 = _rows_view(x)
+    r3 = _rows_view(residual) if residual is not None else x3
+    if r3.shape != x3.shape:
+        r3 = residual.reshape(x3.shape)
+    block = pow2_at_least(n)
+    _rms_norm_quant_kernel[(rows,)](
+        x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
+        x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=num_warps_for(block),
+    )
+    return xq, scale, summed
+
+
+def rms_norm_quant_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    xq, scale, _ = _norm_quant_launch(x, None, weight, eps)
+    return xq, scale
+
+
+def add_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    xq, scale, summed = _norm_quant_launch(x, residual, weight, eps)
+    return xq, scale, summed
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
+                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: a first pass over the columns finds max|silu(g) * u| (each product
+    # rounded to the activation dtype, as kiln::silu_and_mul's output is), a second recomputes
+    # the products (gate and up mostly from L2 by then) and writes them as e4m3.
+    row = tl.program_id(0).to(tl.int64)
+    dt = gate_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(y))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, n_cols, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+        tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    if gate.dtype != up.dtype:
+        return quantize_fp8_rows_ref(silu_and_mul_reference(gate, up))
+    n = gate.shape[-1]
+    xq = torch.empty(gate.shape, dtype=FP8_DTYPE, device=gate.device)
+    scale = torch.empty((*gate.shape[:-1], 1), dtype=torch.float32, device=gate.device)
+    if xq.numel() == 0:
+        return xq, scale
+    g2, u2 = _rows(gate), _rows(up)
+    _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
+                                               FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                               BLOCK=min(block, triton.next_power_of_2(n)), num_warps=4)
+    return xq, scale
+
+
+@rms_norm_quant_op.register_kernel("cuda")
+def _rms_norm_quant_fp8_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight)
+    return rms_norm_quant_fp8_triton(x, weight, eps)
+
+
+@add_rms_norm_quant_op.register_kernel("cuda")
+def _add_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_rms_norm_quant_fp8_triton(x, residual, weight, eps)
+
+
+@silu_and_mul_quant_op.register_kernel("cuda")
+def _silu_and_mul_quant_fp8_cuda(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return silu_and_mul_quant_fp8_triton(gate, up)
+
+
+# ---- FP8 GEMV for decode-sized inputs --------------------------------------------------------
+# At 1-16 rows a projection is bound by reading its weight; these kernels read the e4m3 weight
+# once with the tiling of kiln.kernels.triton_linear's GEMVs (at one row, the same bytes per
+# tile: twice the K of the bf16 table) and apply both scales to the fp32 accumulator. Above
+# FP8_GEMV_MAX_ROWS rows, or where the shapes do not fit, kiln::fp8_linear is
+# torch._scaled_mm. Which is faster at 1-16 rows is measured by bench/fp8_gemm.py;
+# KILN_FP8_GEMV_MAX_ROWS=0 in the environment (read once, at import) always uses _scaled_mm.
+FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
+
+
+@triton.jit
+def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :])
+        x = tl.load(x_ptr + ks)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1) * tl.load(xs_ptr) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
+def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    x_rows = x_ptr + rows[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[None, :])
+        x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
+        # float16 holds every e4m3 value exactly: a 16-bit MMA as the bf16 GEMV's, rather than
+        # depending on an FP8 MMA at a 16-row tile.
+        acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+    ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+    acc = acc * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_gemv_config(n: int, k: int, m: int):
+    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
+    from kiln.kernels.triton_linear import choose_config
+
+    if not 1 <= m <= FP8_GEMV_MAX_ROWS:
+        return None
+    config = choose_config(n, k, m)  # the bf16 tables
+    if config is None:
+        return None
+    if m == 1:
+        # One-byte elements: twice the K per tile for the same bytes in flight. The 2-16-row
+        # kernel keeps the bf16 K: its tiles are converted to float16 for the MMA, and twice
+        # the K would double the shared memory of the bf16 GEMV's (sized near the limit).
+        config = dataclasses.replace(config, block_k=config.block_k * 2)
+    return config if k % config.block_k == 0 else None
+
+
+def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype, config=None) -> torch.Tensor:
+    """kiln::fp8_linear by a Triton GEMV at 1..FP8_GEMV_MAX_ROWS rows (`config` overrides the
+    choice, for tests and bench/fp8_gemm.py); otherwise the reference (torch._scaled_mm)."""
+    check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
+    n, k = weight.shape
+    m = xq.numel() // k if k else 0
+    config = config or fp8_gemv_config(n, k, m)
+    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % config.block_k or not weight.is_contiguous()
+            or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
+        return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
+    x2 = xq.reshape(m, k).contiguous()
+    xs = x_scale.reshape(m).contiguous().float()
+    ws = weight_scale.float()
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    b = bias if bias is not None else y
+    grid = (triton.cdiv(n, config.block_n),)
+    if m == 1:
+        _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   num_warps=config.num_warps, num_stages=config.num_stages)
+    return y.view(*xq.shape[:-1], n)
+
+
+@fp8_linear_op.register_kernel("cuda")
+def _fp8_linear_cuda(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_triton(xq, x_scale, weight, weight_scale, bias, out_dtype)

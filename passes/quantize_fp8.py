@@ -1,0 +1,147 @@
+"""`quantize_fp8`: every projection over a model weight as an FP8 GEMM (`quantization="fp8"`).
+
+Before: y = aten.linear(x, W[, b])          W a graph input `param:NAME`, [N, K] in the compute dtype
+After:  xq, x_scale = kiln.quantize_fp8_per_token(x)          (once per x)
+        y = kiln.fp8_linear(xq, x_scale, W, W_scale, b, out_dtype)
+        W is now float8_e4m3fn [N, K]; W_scale a new input `param:NAME_scale`, float32 [N]
+
+The loader gets a `QuantizeFP8Weight` transform per weight (kiln.passes.weight_transforms):
+bf16/fp16/fp32 checkpoints are quantized per output channel at load; FP8 checkpoints keep
+their values and scales. Left in the compute dtype, as vLLM leaves them: the LM head (the
+logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
+to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking picks the
+experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
+as they are.
+
+Phase `logits`, after `prune_logits` (which finds the LM head as an `aten.linear`) and before
+`use_triton_linear` (which would otherwise take the projections into `kiln::linear`). Off
+unless asked for: `quantization="fp8"` enables it (and a pre-quantized checkpoint implies it).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from kiln.compiler.graph_inputs import RoleKind, add_graph_input, param_role, role_of
+from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
+from kiln.kernels.fp8 import FP8_DTYPE, add_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8
+from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
+from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
+from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
+from kiln.kernels.rms_norm import rms_norm as rms_norm_op
+from kiln.passes.base import KilnPass, PassContext, PassStats
+from kiln.passes.prune_logits import find_lm_head
+from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
+
+aten = torch.ops.aten
+
+
+def _param_name(node: object) -> str | None:
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+        role = role_of(node)
+        if role is not None and role.kind is RoleKind.PARAM:
+            return role.name
+    return None
+
+
+def _is_router(name: str) -> bool:
+    return name.endswith(".gate.weight")
+
+
+class QuantizeFP8Pass(KilnPass):
+    name = "quantize_fp8"
+    phase = "logits"
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
+        graph = gm.graph
+        try:
+            head = find_lm_head(gm)
+        except ValueError:
+            head = None
+        embedded = {n.args[0] for n in graph.find_nodes(op="call_function", target=aten.embedding.default)}
+        quantized_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}
+        scales: dict[torch.fx.Node, torch.fx.Node] = {}
+        replaced = kept = 0
+        for node in list(graph.find_nodes(op="call_function", target=aten.linear.default)):
+            weight = node.args[1] if len(node.args) > 1 else None
+            name = _param_name(weight)
+            if name is None:
+                continue  # a product of activations, not a projection of a weight
+            if node is head or weight in embedded or _is_router(name):
+                kept += 1
+                continue
+            x = node.args[0]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            out_dtype = node.meta["val"].dtype if "val" in node.meta else ctx.dtype
+            if weight not in scales:
+                val = weight.meta.get("val")
+                scale_example = None
+                if isinstance(val, torch.Tensor):
+                    weight.meta["val"] = val.to(FP8_DTYPE)
+                    scale_example = val.new_empty((val.shape[0],), dtype=torch.float32)
+                scales[weight] = add_graph_input(gm, f"{weight.name}_scale", param_role(fp8_scale_name(name)),
+                                                 scale_example)
+                ctx.weight_transforms.append(QuantizeFP8Weight(name))
+            if x not in quantized_inputs:
+                # Before the first projection of x (in graph order): one quantization serves all.
+                with graph.inserting_before(node):
+                    q = graph.call_function(quantize_op.default, (x,))
+                    xq = graph.call_function(operator.getitem, (q, 0))
+                    xs = graph.call_function(operator.getitem, (q, 1))
+                if isinstance(x.meta.get("val"), torch.Tensor):
+                    xv = x.meta["val"]
+                    q.meta["val"] = (xv.to(FP8_DTYPE), xv.new_empty((*xv.shape[:-1], 1), dtype=torch.float32))
+                    xq.meta["val"], xs.meta["val"] = q.meta["val"]
+                quantized_inputs[x] = (xq, xs)
+            xq, xs = quantized_inputs[x]
+            with graph.inserting_before(node):
+                new = graph.call_function(fp8_linear_op.default, (xq, xs, weight, scales[weight], bias, out_dtype))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            replaced += 1
+        fused = fuse_quantization_into_producers(graph, [xq.args[0] for xq, _ in quantized_inputs.values()])
+        return {"fp8_linear": replaced, "kept_high_precision": kept, **fused}
+
+
+def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[torch.fx.Node]) -> dict[str, int]:
+    """Each `quantize_fp8_per_token(x)` whose x comes from `kiln::rms_norm`, `kiln::add_rms_norm`
+    (its normed output) or `kiln::silu_and_mul` and is used by nothing else becomes the fused
+    op (`kiln::*_quant_fp8`), which returns the same (xq, scale) first: the normed or
+    activated tensor is never written out in full precision. The fused op takes the producer's
+    place in the graph (the residual sum of add_rms_norm is used later, by the next layer)."""
+    stats = {"rms_norm_quant_fused": 0, "silu_and_mul_quant_fused": 0}
+    for q in quantizations:
+        x = q.args[0]
+        if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
+            continue
+        if x.target in (rms_norm_op.default, silu_and_mul_op.default):
+            producer, fused_op = x, (rms_norm_quant_fp8 if x.target == rms_norm_op.default else silu_and_mul_quant_fp8)
+            residual_out = None
+        elif (x.target is operator.getitem and x.args[1] == 0 and isinstance(x.args[0], torch.fx.Node)
+              and x.args[0].target == add_rms_norm_op.default):
+            producer, fused_op = x.args[0], add_rms_norm_quant_fp8
+            residual_out = next((u for u in producer.users if u.target is operator.getitem and u.args[1] == 1), None)
+        else:
+            continue
+        with graph.inserting_before(producer):
+            fused = graph.call_function(fused_op.default, tuple(producer.args), dict(producer.kwargs))
+        fused.meta.update({k: v for k, v in producer.meta.items() if k != "val"})
+        if "val" in q.meta:
+            fused.meta["val"] = tuple(q.meta["val"]) + ((producer.meta["val"][1],) if residual_out is not None
+                                                         and "val" in producer.meta else ())
+        q.replace_all_uses_with(fused)  # getitem(q, 0 / 1) -> getitem(fused, 0 / 1)
+        graph.erase_node(q)
+        if residual_out is not None:
+            with graph.inserting_after(fused):
+                summed = graph.call_function(operator.getitem, (fused, 2))
+            summed.meta.update(residual_out.meta)
+            residual_out.replace_all_uses_with(summed)
+            graph.erase_node(residual_out)
+        graph.erase_node(x)
+        if producer is not x:
+            graph.erase_node(producer)
+        stats["silu_and_mul_quant_fused" if fused_op is silu_and_mul_quant_fp8 else "rms_norm_quant_fused"] += 1
+    return stats
