@@ -56,14 +56,16 @@ for stage in $STAGES; do
         --prompt-len 128 --out "$OUT/latency.json" ;;
     latency_inductor)  # the same decode figures with Inductor artifacts (a 4-bucket plan: compiling the default one takes many minutes)
       run_stage latency_inductor 560 $PY bench/latency.py --batch-sizes 1,8,64 --steps 128 --no-baseline \
-        --prompt-len 128 --compile inductor --decode-buckets 1,8,64 --token-buckets 2048 \
+        --prompt-len 128 --compile inductor --decode-buckets 1,8,64 --token-buckets 2048 --max-num-batched-tokens 2048 \
         --cache-dir "$OUT/inductor-cache" --out "$OUT/latency_inductor.json" ;;
     latency_graph)  # the comparison run for latency_inductor: same plan, the default CUDA artifact
       run_stage latency_graph 300 $PY bench/latency.py --batch-sizes 1,8,64 --steps 128 --no-baseline \
-        --prompt-len 128 --decode-buckets 1,8,64 --token-buckets 2048 --out "$OUT/latency_graph.json" ;;
+        --prompt-len 128 --decode-buckets 1,8,64 --token-buckets 2048 --max-num-batched-tokens 2048 \
+        --out "$OUT/latency_graph.json" ;;
     profile_inductor)  # kernel by kernel: the Inductor artifacts' decode step next to the graph's (profile)
       run_stage profile_inductor 400 $PY bench/profile_decode.py --batch-sizes 1,8 --steps 30 --compile inductor \
-        --decode-buckets 1,8 --token-buckets 2048 --cache-dir "$OUT/inductor-cache" --out "$OUT/profile_inductor.json" ;;
+        --decode-buckets 1,8 --token-buckets 2048 --max-num-batched-tokens 2048 --cache-dir "$OUT/inductor-cache" \
+        --out "$OUT/profile_inductor.json" ;;
     load_weights)  # a real safetensors checkpoint of the 8B shape: Kiln's load rate next to the disk's
       run_stage load_weights 400 $PY bench/load_weights.py --out "$OUT/load_weights.json" ;;
     throughput)

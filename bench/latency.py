@@ -84,6 +84,8 @@ def main() -> None:
                              "--cache-dir first when missing; use --decode-buckets/--token-buckets to bound it)")
     parser.add_argument("--cache-dir", default=None, help="Kiln cache directory for --compile graph/inductor")
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: the engine's); with --token-buckets, their largest")
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per batch size (Kiln)")
     parser.add_argument("--hf-steps", type=int, default=32, help="decode steps timed per batch size (baseline)")
     parser.add_argument("--hf-batch-sizes", default=None, help="baseline batch sizes (default: --batch-sizes)")
@@ -120,7 +122,8 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
                   max_num_seqs=max(batches), max_model_len=args.prompt_len + args.steps + 16, progress=False,
-                  compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **options)
+                  compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **options,
+                  **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))
         startup = time.perf_counter() - t0
         engine = llm.engine
         # What a decode step reads of the weights: FP8 projections are one byte per parameter.

@@ -174,6 +174,8 @@ def main() -> None:
                         help="the engine's compile mode; with inductor the kernels listed are the artifacts' "
                              "(bound the plan with --decode-buckets/--token-buckets)")
     parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: the engine's); with --token-buckets, their largest")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("profile_decode.py profiles GPU decode; no CUDA device is available")
@@ -192,7 +194,8 @@ def main() -> None:
 
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
               max_num_seqs=max(batches), max_model_len=args.prompt_len + 4 * args.steps + 128, progress=False,
-              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **bc.quantized_options(args))
+              compile=args.compile, cache_dir=args.cache_dir, **bc.bucket_options(args), **bc.quantized_options(args),
+              **({"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}))
     result["compile"] = llm.engine.startup_report.summary()
     result["startup_phases"] = dict(llm.engine.timings)
     result["batches"] = {}
