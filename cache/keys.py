@@ -128,9 +128,15 @@ def model_factors(
     device: torch.device,
     block_size: int,
     artifact_format: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> dict[str, Any]:
-    """The factors every entry of one model setup shares (the graph spec's key factors)."""
+    """The factors every entry of one model setup shares (the graph spec's key factors).
+
+    Tensor parallelism: each rank's graph differs (its weight shapes, its vocabulary offset),
+    so the group size and the rank are factors, and `kiln cache explain` names them."""
     return {
+        "tensor_parallel": {"size": int(tp_size), "rank": int(tp_rank)},
         "architecture": architecture_fields(config),
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": int(block_size),

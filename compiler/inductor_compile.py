@@ -83,6 +83,7 @@ def example_inputs(
     dtype: torch.dtype,
     device: torch.device,
     block_size: int,
+    tp_size: int = 1,
 ) -> tuple[list[torch.Tensor], list[dict[int, Any] | None]]:
     """Tensors with the bucket's shapes for every graph input, and export's dynamic_shapes.
 
@@ -104,7 +105,7 @@ def example_inputs(
             raise BucketCompileError(f"graph input {param_role(name)} has no recorded shape")
         return torch.empty(tuple(int(s) for s in val.shape), dtype=val.dtype, device=device)
 
-    kv_shape = kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size)
+    kv_shape = kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size, tp_size)
     sizes = bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, EXAMPLE_BLOCK_TABLE_WIDTH)
     try:
         args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
@@ -147,11 +148,12 @@ def compile_bucket(
     device: torch.device,
     block_size: int,
     scratch_root: Path,
+    tp_size: int = 1,
 ) -> bytes:
     """The AOTInductor package (bytes) of `gm` at `bucket`'s shapes."""
     scratch_root.mkdir(parents=True, exist_ok=True)
     try:
-        args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size)
+        args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size, tp_size)
         with torch.no_grad():
             program = torch.export.export(gm, tuple(args), dynamic_shapes=tuple(dynamic), strict=False)
         del args

@@ -93,6 +93,9 @@ class CompileOptions:
     cache_dir: str | None = None  # None: $KILN_CACHE_DIR or the user's cache directory
     require_cache: bool = False  # a miss is an error naming the missing entries
     progress: bool = True
+    # Tensor parallelism: the graph is rank tp_rank's of tp_size (kiln.passes.shard_tensor_parallel).
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 @contextlib.contextmanager
@@ -196,10 +199,12 @@ class ModelSetup:
     block_size: int
     plan: BucketPlan
     max_num_tokens: int = 8192
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def model_factors(self) -> dict[str, Any]:
         return model_factors(self.config, self.dtype, self.pass_manager.uuids(), self.device, self.block_size,
-                             ARTIFACT_FORMAT)
+                             ARTIFACT_FORMAT, self.tp_size, self.tp_rank)
 
     def model_key(self) -> str:
         return key_for(MODEL_KIND, self.model_factors())
@@ -257,7 +262,8 @@ def resolve_compile_mode(mode: str, device: torch.device, require_cache: bool, c
 
 def _capture(setup: ModelSetup) -> ModelGraph:
     return build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
-                             pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
+                             pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens,
+                             tp_size=setup.tp_size, tp_rank=setup.tp_rank)
 
 
 def _capture_against(setup: ModelSetup, spec: GraphSpec | None, report: StartupReport) -> tuple[ModelGraph, bool]:
@@ -505,7 +511,7 @@ def _compile_missing(
             else:
                 try:
                     data = compile_bucket(graph.graph_module, spec.input_roles, spec.constants, setup.config, bucket,
-                                          setup.dtype, setup.device, setup.block_size, scratch)
+                                          setup.dtype, setup.device, setup.block_size, scratch, setup.tp_size)
                 except BucketCompileError as e:
                     logger.error("%s", e)
                     result = BucketResult(bucket, key, "failed", time.perf_counter() - t0, error=str(e))
@@ -531,7 +537,8 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
                             options.decode_buckets, options.token_buckets)
     return ModelSetup(config=model_config, dtype=dtype, device=device, pass_manager=pm,
                       block_size=options.block_size, plan=plan,
-                      max_num_tokens=max(options.max_num_batched_tokens, 2))
+                      max_num_tokens=max(options.max_num_batched_tokens, 2),
+                      tp_size=options.tp_size, tp_rank=options.tp_rank)
 
 
 def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,

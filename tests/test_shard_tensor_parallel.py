@@ -1,0 +1,94 @@
+"""The tensor-parallel sharding pass, before -> after: the graph one rank runs (shards,
+collectives, shapes), and numerically: two ranks over gloo, each running its own graph on
+its slices of the same weights, give the logits of the unsharded graph."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kiln.compiler.pass_testing import capture_through, graph_for_pass, run_graph
+from kiln.passes.manager import op_counts
+from kiln.passes.shard_tensor_parallel import ShardTensorParallelPass, check_tp_size
+from kiln.passes.weight_transforms import ShardWeight, transforms_from_json, transforms_to_json
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import tiny_config  # noqa: E402
+
+# Architectures the pass shards; "llama-kv1" has one KV head, fewer than the two ranks (replicated).
+TP_TEST_ARCHS = ["llama", "llama-kv1", "qwen2", "qwen3", "mistral", "mixtral"]
+
+
+def config_for(arch: str):
+    if arch == "llama-kv1":
+        config = tiny_config("llama")
+        config.num_key_value_heads = 1
+        return config
+    return tiny_config(arch)
+
+
+def test_tp1_changes_nothing() -> None:
+    before = graph_for_pass(tiny_config("llama"), "shard_tensor_parallel")
+    after = before.copy()
+    assert after.run_pass(ShardTensorParallelPass()) == {"tp_size": 1}
+    assert after.graph_module.code == before.graph_module.code
+    assert after.context.weight_transforms == []
+
+
+def test_rank_graph_is_sharded() -> None:
+    config = tiny_config("llama")  # 4 heads, 2 KV heads of 16, intermediate 128, vocab 128
+    before = graph_for_pass(config, "shard_tensor_parallel")
+    after = before.copy()
+    after.context.tp_size, after.context.tp_rank = 2, 1
+    stats = after.run_pass(ShardTensorParallelPass())
+    layers = config.num_hidden_layers
+    # q, k, v, gate, up per layer; o and down per layer; embedding and LM head.
+    assert stats["column_parallel"] == 5 * layers and stats["row_parallel"] == 2 * layers
+    assert stats["vocab_parallel"] == 2
+    counts = op_counts(after.graph_module)
+    assert counts["kiln.all_reduce.default"] == 2 * layers + 1  # o, down, embedding
+    assert counts["kiln.all_gather.default"] == 1  # LM head
+    shards = {t.name: t for t in after.context.weight_transforms}
+    assert shards["model.layers.0.self_attn.q_proj.weight"] == ShardWeight(
+        "model.layers.0.self_attn.q_proj.weight", 0, ((32, 64),), 32)  # heads 2, 3 of 4
+    assert shards["model.layers.0.self_attn.k_proj.weight"].ranges == ((16, 32),)  # KV head 1 of 2
+    assert shards["model.layers.0.self_attn.o_proj.weight"].dim == 1
+    assert shards["model.layers.0.mlp.down_proj.weight"].ranges == ((64, 128),)
+    assert shards["model.embed_tokens.weight"].ranges == ((64, 128),)
+    # Later passes see the rank's shapes: the KV cache holds one head of 16.
+    k = next(iter(after.graph_module.graph.find_nodes(op="call_function",
+                                                        target=torch.ops.kiln.attention.default))).args[1]
+    assert tuple(k.meta["val"].shape[1:]) == (1, 16)
+    assert transforms_from_json(transforms_to_json(after.context.weight_transforms)) == after.context.weight_transforms
+
+
+def test_refusals_are_clear() -> None:
+    with pytest.raises(ValueError, match="does not shard 'gpt2'"):
+        check_tp_size(tiny_config("gpt2"), 2)
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
+        check_tp_size(tiny_config("llama"), 3)
+
+
+def _rank_logits(rank: int, world: int, init_file: str, arch: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        graph = capture_through(config_for(arch), "logits", inclusive=True, tp_size=world, tp_rank=rank)
+        torch.save(run_graph(graph, num_tokens=11, sample_all_rows=True), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", TP_TEST_ARCHS)
+def test_two_ranks_match_the_unsharded_graph(arch: str, tmp_path: Path) -> None:
+    expected = run_graph(capture_through(config_for(arch), "logits", inclusive=True), num_tokens=11,
+                         sample_all_rows=True)
+    mp.start_processes(_rank_logits, args=(2, str(tmp_path / "init"), arch, str(tmp_path)), nprocs=2,
+                       start_method="spawn")
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, rtol=1e-4, atol=1e-5)
