@@ -91,17 +91,22 @@ class ModelSource:
         dtype: torch.dtype,
         device: torch.device | str,
         progress: bool = True,
+        shards: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tensors for each wanted parameter name.
 
         `names` maps each parameter the graph takes to its aliases (tied weights such as
         lm_head.weight / model.embed_tokens.weight); the first alias found is used.
+        `shards` (tensor parallelism: `ShardWeight`s by parameter name, from the graph's
+        weight transforms) makes the loader read only this rank's slice of those tensors
+        from the checkpoint (safetensors' `get_slice`), never the whole tensor.
         """
+        shards = shards or {}
         if self.load_format == "dummy":
-            return dummy_weights(names, self._shapes(), dtype, device)
+            return dummy_weights(names, self._shapes(), dtype, device, shards)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         config_num_experts(self.config))
+                                         config_num_experts(self.config), shards)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
@@ -427,7 +432,7 @@ def _pick(names: list[str], available: Any) -> str | None:
 
 def _load_safetensors_dir(
     path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
-    num_experts: int | None = None,
+    num_experts: int | None = None, tp_shards: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
     from tqdm import tqdm
@@ -468,11 +473,17 @@ def _load_safetensors_dir(
                 for name, key in items:
                     if key in derived_sources:
                         raw[key] = f.get_tensor(key)
+                    elif tp_shards and name in tp_shards:  # this rank's slice only
+                        out[name] = tp_shards[name].read_shard(f.get_slice(key)).to(device=device, dtype=dtype)
                     else:
                         out[name] = f.get_tensor(key).to(device=device, dtype=dtype)
                     bar.update(1)
     for name, sources in derived.items():
-        out[name] = combine_checkpoint_tensors(name, [raw[s] for s in sources]).to(device=device, dtype=dtype)
+        # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
+        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
+        if tp_shards and name in tp_shards:
+            combined = tp_shards[name].read_shard(combined)
+        out[name] = combined.to(device=device, dtype=dtype)
     return out
 
 
@@ -533,16 +544,22 @@ def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.
 
 
 def dummy_weights(
-    names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str
+    names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str,
+    shards: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights: the same name and shape always give the same values.
 
     Norm scales are ones and biases zeros so that activations stay in range through deep
-    models; matrices are N(0, 0.02) like Hugging Face's initializer.
+    models; matrices are N(0, 0.02) like Hugging Face's initializer. A sharded tensor
+    (`shards`) is drawn whole, one at a time, and cut, so that every rank count gives the
+    same model.
     """
     out = {}
     for name in names:
         shape = shapes[name]
+        if shards and name in shards:
+            out[name] = shards[name].read_shard(dummy_weights({name: [name]}, shapes, dtype, device)[name]).clone()
+            continue
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
