@@ -101,8 +101,9 @@ class RankWorker:
     def execute(self, inputs: dict[str, Any], input_ids: Any) -> Any:
         """Run one step on this rank (inputs as numpy arrays); rank 0 returns the logits (a
         numpy array on the host), the others None."""
-        step = StepInputs({name: torch.from_numpy(a) for name, a in inputs.items()})
-        ids = torch.from_numpy(input_ids).to(self.device) if input_ids is not None else None
+        # Copies: Ray passes read-only views of its object store (and they are a few KB).
+        step = StepInputs({name: torch.from_numpy(a.copy()) for name, a in inputs.items()})
+        ids = torch.from_numpy(input_ids.copy()).to(self.device) if input_ids is not None else None
         logits = self.runner.execute(step, ids)
         return logits.cpu().numpy() if self.spec.rank == 0 else None
 
