@@ -63,6 +63,9 @@ class RankWorker:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
+            # The ranks share the host's cores: each its share, or their OpenMP threads spin
+            # against each other at every collective (on 2 cores, TP=2 decode ran 10x slower).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         self.timings: dict[str, float] = {}
         t0 = time.perf_counter()
         dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size,
