@@ -18,7 +18,7 @@ logger = logging.getLogger("kiln.passes")
 ENTRY_POINT_GROUP = "kiln.passes"
 
 # Phases in the order the pass manager runs them.
-PHASES = ("normalize", "parallel", "attention", "fusion", "logits")
+PHASES = ("normalize", "attention", "fusion", "logits")
 
 
 def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:

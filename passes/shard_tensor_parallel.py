@@ -126,7 +126,9 @@ class _Plan:
 
 class ShardTensorParallelPass(KilnPass):
     name = "shard_tensor_parallel"
-    phase = "parallel"
+    # Last of the normalize phase: every later pass (paged_kv's KV-cache shape, the merges'
+    # widths, the fusions) sees this rank's graph, as if the model were this small.
+    phase = "normalize"
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         tp, rank = int(ctx.tp_size), int(ctx.tp_rank)
