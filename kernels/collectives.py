@@ -10,8 +10,9 @@ like any other (the fake implementations give the shapes; Inductor calls them op
 Both are out of place (a new tensor, the input left alone) so that the graph stays
 functional. On CUDA they are plain NCCL calls on the current stream, which a CUDA graph
 captures (NCCL supports stream capture): a decode step replays with its all-reduces inside.
-A process that never initialised a group (world size 1 without `init_process_group`) gets
-the identity, so a graph can be run, e.g. in a test, without one.
+A process that never initialised a group gets the identity, so a graph can be run, e.g. in
+a test, without one; a group of one rank still runs the collective (what the CUDA-graph
+capture test on one GPU exercises).
 """
 
 from __future__ import annotations
@@ -22,15 +23,19 @@ import torch.distributed as dist
 from kiln.kernels.library import kiln_op
 
 
+def _in_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if _in_group() else 1
 
 
 @kiln_op("kiln::all_reduce")
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of `x` over the ranks of the tensor-parallel group."""
     out = x.clone()
-    if _world_size() > 1:
+    if _in_group():
         dist.all_reduce(out)
     return out
 
@@ -50,7 +55,7 @@ def all_gather(x: torch.Tensor, dim: int, world_size: int) -> torch.Tensor:
     if world != world_size:
         raise ValueError(f"kiln::all_gather: the graph was sharded for {world_size} ranks, but this process's "
                          f"tensor-parallel group has {world}")
-    if world == 1:
+    if not _in_group():
         return x.clone()
     dim = dim % x.dim()
     # Gathered along a new leading dimension (one contiguous buffer: NCCL's
