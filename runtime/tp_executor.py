@@ -136,6 +136,8 @@ class MultiprocExecutor(TensorParallelExecutor):
     def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self._failure is not None:
             raise self._failure
+        if not self.conns:
+            raise RuntimeError("the engine's tensor-parallel workers have been shut down (LLMEngine.shutdown)")
         # Sent as numpy arrays, pickled by value: torch's own pickling of CPU tensors passes
         # shared-memory file descriptors, a round trip per tensor that needs the sender's key.
         message = ("step", {name: t.numpy() for name, t in inputs.items()},

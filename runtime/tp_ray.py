@@ -138,6 +138,8 @@ class RayExecutor(TensorParallelExecutor):
     def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self._failure is not None:
             raise self._failure
+        if not self.actors:
+            raise RuntimeError("the engine's tensor-parallel workers have been shut down (LLMEngine.shutdown)")
         arrays = {name: t.numpy() for name, t in inputs.items()}
         ids = None if input_ids is None else input_ids.cpu().numpy()
         try:
