@@ -166,7 +166,7 @@ class LLMEngine:
         self.worker_device = self.device
         self.device = torch.device("cpu")
         with timed(self.timings, "start workers"):
-            self.executor = start_executor(config, self.max_model_len)
+            self.executor = start_executor(config, self.max_model_len, int(self.model_config.vocab_size))
         self.runner = self.executor
         self.prepared, self.graph_spec, self.graph = None, None, None
         self.startup_report = self.executor.startup_report

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -37,6 +38,9 @@ logger = logging.getLogger("kiln.runtime")
 
 # How often a wait for a worker looks at whether every worker is still alive.
 LIVENESS_POLL_S = 0.5
+# A worker process's program. Not `-m kiln.runtime.tp_worker`: importing the package first
+# (kiln.runtime imports the engine, which imports tp_worker) would load that module twice.
+WORKER_COMMAND = "import sys; from kiln.runtime.tp_worker import main; main(sys.argv[1:])"
 # How long shutdown waits for a worker to exit by itself before it is killed.
 SHUTDOWN_GRACE_S = 5.0
 
@@ -69,17 +73,22 @@ class TensorParallelExecutor:
 
 
 class MultiprocExecutor(TensorParallelExecutor):
-    """Workers as processes on this host: `python -m kiln.runtime.tp_worker`, one per rank,
+    """Workers as processes on this host (`kiln.runtime.tp_worker.main`), one per rank,
     connected to the engine by a local socket (multiprocessing.connection, with a random
     key). Not `multiprocessing`'s spawn: that re-imports the user's main script in every
     worker, which breaks any script without an `if __name__ == "__main__"` guard."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, max_model_len: int, vocab_size: int):
         self.world_size = config.tensor_parallel_size
         self._failure: WorkerFailedError | None = None
         self.processes: list[subprocess.Popen[bytes]] = []
         self.conns: list[Any] = [None] * self.world_size
         self._scratch = tempfile.mkdtemp(prefix="kiln-tp-")
+        # Rank 0 writes a step's logits here (up to max_num_seqs rows: every decode step;
+        # larger steps, with prompt logprobs, go through the socket). Sized from the config's
+        # vocabulary: the LM head's rows, gathered, are exactly that many.
+        self._logits = shared_memory.SharedMemory(create=True, size=4 * vocab_size * config.max_num_seqs)
+        self._logits_flat = torch.frombuffer(self._logits.buf, dtype=torch.float32)
         authkey = secrets.token_bytes(32)
         listener = multiprocessing.connection.Listener(os.path.join(self._scratch, "engine.sock"), "AF_UNIX",
                                                        authkey=authkey)
@@ -87,13 +96,14 @@ class MultiprocExecutor(TensorParallelExecutor):
             env = {**os.environ, "KILN_TP_AUTHKEY": authkey.hex()}
             for rank in range(self.world_size):
                 self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", "kiln.runtime.tp_worker", str(listener.address), str(rank)],
+                    [sys.executable, "-c", WORKER_COMMAND, str(listener.address), str(rank)],
                     env=env, stdin=subprocess.DEVNULL))
             self._accept(listener)
             init = f"file://{os.path.join(self._scratch, 'rendezvous')}"
             for rank, conn in enumerate(self.conns):
                 conn.send(WorkerSpec(config=config, rank=rank, world_size=self.world_size, init_method=init,
-                                     max_model_len=max_model_len))
+                                     max_model_len=max_model_len,
+                                     logits_shm=(self._logits.name, config.max_num_seqs)))
             reports = list(self._gather(list(range(self.world_size)), "ready").values())
             self.num_kv_blocks = self._combine(reports)
             for conn in self.conns:
@@ -145,10 +155,16 @@ class MultiprocExecutor(TensorParallelExecutor):
         try:
             for rank, conn in enumerate(self.conns):
                 self._send(rank, conn, message)
-            return torch.from_numpy(self._receive(0, "logits"))
+            logits = self._receive(0, "logits")
         except WorkerFailedError:
             self.shutdown()
             raise
+        if isinstance(logits, tuple):  # ("shm", rows, vocab): in the shared block
+            _, rows, vocab = logits
+            # A copy: the next step (launched before this one's draw is read, with async
+            # scheduling) overwrites the block.
+            return self._logits_flat[: rows * vocab].view(rows, vocab).clone()
+        return torch.from_numpy(logits)
 
     def _send(self, rank: int, conn: Any, message: Any) -> None:
         try:
@@ -222,12 +238,17 @@ class MultiprocExecutor(TensorParallelExecutor):
                 conn.close()
         self.conns = []
         shutil.rmtree(self._scratch, ignore_errors=True)
+        if getattr(self, "_logits", None) is not None:
+            del self._logits_flat  # the buffer's exported views must go before it closes
+            self._logits.close()
+            self._logits.unlink()
+            self._logits = None
 
 
-def start_executor(config: EngineConfig, max_model_len: int) -> TensorParallelExecutor:
+def start_executor(config: EngineConfig, max_model_len: int, vocab_size: int) -> TensorParallelExecutor:
     """The workers of config.tensor_parallel_size ranks on config.distributed_executor_backend."""
     if config.distributed_executor_backend == "ray":
         from kiln.runtime.tp_ray import RayExecutor
 
         return RayExecutor(config, max_model_len)
-    return MultiprocExecutor(config, max_model_len)
+    return MultiprocExecutor(config, max_model_len, vocab_size)

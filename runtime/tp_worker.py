@@ -45,6 +45,9 @@ class WorkerSpec:
     max_model_len: int
     # CUDA device index on its host (None: use the rank, or the only GPU Ray gave the actor).
     local_device: int | None = None
+    # `mp` backend: a shared-memory block (name, rows) rank 0 writes the logits of a step of
+    # up to `rows` sampled rows into, instead of sending them through the socket.
+    logits_shm: tuple[str, int] | None = None
 
 
 class RankWorker:
@@ -101,14 +104,16 @@ class RankWorker:
             self.timings["capture CUDA graphs"] = time.perf_counter() - t0
         return peak_memory(self.device)
 
-    def execute(self, inputs: dict[str, Any], input_ids: Any) -> Any:
+    def execute(self, inputs: dict[str, Any], input_ids: Any, as_numpy: bool = True) -> Any:
         """Run one step on this rank (inputs as numpy arrays); rank 0 returns the logits (a
-        numpy array on the host), the others None."""
+        numpy array on the host, or with `as_numpy=False` the tensor where it is), the others None."""
         # Copies: Ray passes read-only views of its object store (and they are a few KB).
         step = StepInputs({name: torch.from_numpy(a.copy()) for name, a in inputs.items()})
         ids = torch.from_numpy(input_ids.copy()).to(self.device) if input_ids is not None else None
         logits = self.runner.execute(step, ids)
-        return logits.cpu().numpy() if self.spec.rank == 0 else None
+        if self.spec.rank != 0:
+            return None
+        return logits.cpu().numpy() if as_numpy else logits
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -124,6 +129,29 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(1)
 
 
+class LogitsBuffer:
+    """Rank 0's view of the engine's shared-memory logits block (kiln.runtime.tp_executor):
+    at batch 64 and a 128k vocabulary a step's logits are 33 MB, which through the socket
+    cost three copies and a pickle; here they cost one copy, straight from the device."""
+
+    def __init__(self, name: str, rows: int):
+        from multiprocessing import resource_tracker, shared_memory
+
+        self.shm = shared_memory.SharedMemory(name=name)
+        # The engine owns the block; this process's tracker must not unlink it at exit.
+        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.flat = torch.frombuffer(self.shm.buf, dtype=torch.float32)
+        self.rows = rows
+
+    def write(self, logits: Any) -> tuple[str, int, int] | None:
+        """("shm", rows, vocab) once `logits` is in the block; None if it does not fit."""
+        if logits.dim() != 2 or logits.shape[0] * logits.shape[1] > self.flat.numel():
+            return None
+        rows, vocab = logits.shape
+        self.flat[: rows * vocab].view(rows, vocab).copy_(logits)
+        return ("shm", rows, vocab)
+
+
 def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
     """The `mp` backend's worker process: messages from the engine on `conn`, in order:
     ("allocate", num_blocks), ("step", inputs, input_ids)..., ("shutdown",). It answers
@@ -133,14 +161,16 @@ def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
     worker = None
     try:
         worker = RankWorker(spec)
+        buffer = LogitsBuffer(*spec.logits_shm) if spec.logits_shm and spec.rank == 0 else None
         conn.send(("ready", worker.report()))
         while True:
             message = conn.recv()
             kind = message[0]
             if kind == "step":
-                logits = worker.execute(message[1], message[2])
+                logits = worker.execute(message[1], message[2], as_numpy=buffer is None)
                 if logits is not None:
-                    conn.send(("logits", logits))
+                    conn.send(("logits", (buffer.write(logits) if buffer is not None else None)
+                               or (logits if buffer is None else logits.cpu().numpy())))
             elif kind == "allocate":
                 conn.send(("allocated", worker.allocate_kv_cache(message[1])))
             elif kind == "shutdown":
@@ -158,7 +188,7 @@ def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m kiln.runtime.tp_worker ADDRESS RANK`, as the `mp` executor starts it: connect
+    """A worker process's entry point (`main([ADDRESS, RANK])`, as the `mp` executor starts it): connect
     to the engine (key in $KILN_TP_AUTHKEY), say which rank, receive the WorkerSpec, serve."""
     from multiprocessing.connection import Client
 
@@ -168,8 +198,3 @@ def main(argv: list[str]) -> None:
     spec = conn.recv()
     worker_process_main(spec, conn, os.getppid())
 
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])
