@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.tp_worker import WorkerFailedError, WorkerSpec, worker_process_main
+from kiln.runtime.tp_worker import WorkerFailedError, WorkerSpec
 
 logger = logging.getLogger("kiln.runtime")
 
