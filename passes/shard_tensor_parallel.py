@@ -25,8 +25,8 @@ weights shrink, fake-tensor propagation gives every node its rank's shape, and t
 transform; the merge passes that run later concatenate the already-sliced q/k/v and gate/up.
 The graph depends on the rank (the vocabulary offset of its embedding), so the rank and tp
 size are cache-key factors. Architectures are taken one by one once their tensor names and
-per-head constructs are known to shard this way (`TP_ARCHITECTURES`); others are refused
-with a message at tp > 1.
+per-head constructs are known to shard this way (`TP_ARCHITECTURES`, each tested at two
+ranks against the unsharded graph); others are refused with a message at tp > 1.
 """
 
 from __future__ import annotations
@@ -55,9 +55,26 @@ TP_ARCHITECTURES = {
     "helium": "as llama",
     "smollm3": "as llama",
     "mixtral": "as llama; experts split along their intermediate dimension",
+    "gemma": "as llama; embedding scaled after the all-reduce",
+    "gemma2": "as llama; soft-capping per head and on the gathered logits",
+    "gemma3_text": "as llama; q/k norm per head",
+    "olmo": "as llama; LayerNorm without weights",
+    "cohere": "parallel attention/MLP block: both partial sums all-reduced",
+    "cohere2": "as cohere",
+    "exaone4": "as llama; q/k norm per head",
+    "starcoder2": "q/k/v/o with biases, c_fc/c_proj",
+    "phi": "q/k/v, dense, fc1/fc2, parallel block, biases",
+    "gptj": "q/k/v, out_proj, fc_in/fc_out, parallel block",
+    "stablelm": "as llama; its views spell out the head count (rewritten per rank)",
 }
-_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
-_ROW = {"o_proj": "q", "down_proj": "mlp"}
+# Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
+# intermediate dimension, evenly). Names of the architectures in TP_ARCHITECTURES: Llama's
+# q/k/v/o_proj and gate/up/down_proj, Phi's dense and fc1/fc2, StarCoder2's c_fc/c_proj,
+# GPT-J's out_proj and fc_in/fc_out.
+_COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
+           "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp"}
+_ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
+        "fc_out": "mlp"}
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores).
 _REPLICATED = {"gate"}
@@ -111,6 +128,14 @@ class _Plan:
         else:  # replicated: the KV head of this rank's query heads
             kv_index = rank * kv_heads // tp
             self.kv = (kv_index * self.head_dim, (kv_index + 1) * self.head_dim)
+
+    def size_map(self, config: Any) -> dict[int, int]:
+        """Full-model sizes a view may spell out (head counts, their widths) -> this rank's."""
+        heads = int(config.num_attention_heads)
+        kv_heads, _ = kv_heads_and_head_dim(config)
+        kv_rank = (self.kv[1] - self.kv[0]) // self.head_dim
+        return {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
+                kv_heads: kv_rank, kv_heads * self.head_dim: kv_rank * self.head_dim}
 
     def even(self, size: int, what: str) -> tuple[int, int]:
         if size % self.tp:
@@ -219,7 +244,7 @@ class ShardTensorParallelPass(KilnPass):
             stats["all_reduce"] += 1
         stats["experts_sharded"] = self._shard_experts(gm, plan, shard, all_reduce_after)
         stats["all_reduce"] += stats["experts_sharded"]
-        _reshape_params(gm, new_shapes)
+        _reshape_params(gm, new_shapes, plan.size_map(ctx.config))
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
@@ -273,10 +298,15 @@ class ShardTensorParallelPass(KilnPass):
         return count
 
 
-def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, list[int]]) -> None:
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, list[int]],
+                    size_map: dict[int, int]) -> None:
     """Give the sharded inputs their new fake values and recompute every node's (so that
-    later passes see the rank's shapes); a node whose shape arithmetic cannot follow (a view
-    with the head count written in) is an error naming it."""
+    later passes see the rank's shapes). A view that spells out a full-model size (StableLM's
+    `view(1, T, num_heads, head_dim)`) gets the rank's, one dimension tried at a time; any
+    other node whose shape arithmetic cannot follow is an error naming it."""
     from torch._guards import detect_fake_mode
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -294,6 +324,26 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
             try:
                 node.meta["val"] = node.target(*args, **kwargs)
             except Exception as e:
-                raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) cannot take the sharded "
-                                 f"shapes: {e}") from e
+                if not (node.target in _VIEWS and _fix_view(node, args, size_map)):
+                    raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) cannot take the "
+                                     f"sharded shapes: {e}") from e
     gm.recompile()
+
+
+def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], size_map: dict[int, int]) -> bool:
+    """Rewrite one literal dimension of a failing view to the rank's size, if one works."""
+    shape = list(node.args[1])
+    for i, dim in enumerate(shape):
+        if isinstance(dim, int) and dim in size_map:
+            trial = shape[:i] + [size_map[dim]] + shape[i + 1:]
+            fake_trial = list(args[1])
+            fake_trial[i] = size_map[dim]
+            try:
+                val = node.target(args[0], fake_trial)
+            except Exception:
+                continue
+            node.args = (node.args[0], trial, *node.args[2:])
+            node.meta["val"] = val
+            return True
+    return False
+

@@ -15,14 +15,15 @@ import torch.multiprocessing as mp
 
 from kiln.compiler.pass_testing import capture_through, graph_for_pass, run_graph
 from kiln.passes.manager import op_counts
-from kiln.passes.shard_tensor_parallel import ShardTensorParallelPass, check_tp_size
+from kiln.passes.shard_tensor_parallel import TP_ARCHITECTURES, ShardTensorParallelPass, check_tp_size
 from kiln.passes.weight_transforms import ShardWeight, transforms_from_json, transforms_to_json
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import tiny_config  # noqa: E402
+from tiny_models import SUPPORTED, tiny_config  # noqa: E402
 
-# Architectures the pass shards; "llama-kv1" has one KV head, fewer than the two ranks (replicated).
-TP_TEST_ARCHS = ["llama", "llama-kv1", "qwen2", "qwen3", "mistral", "mixtral"]
+# Every tiny model of an architecture the pass shards (variants such as llama3.1 included);
+# "llama-kv1" has one KV head, fewer than the two ranks (replicated).
+TP_TEST_ARCHS = [a for a in SUPPORTED if tiny_config(a).model_type in TP_ARCHITECTURES] + ["llama-kv1"]
 
 
 def config_for(arch: str):
@@ -73,6 +74,22 @@ def test_refusals_are_clear() -> None:
         check_tp_size(tiny_config("gpt2"), 2)
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         check_tp_size(tiny_config("llama"), 3)
+
+
+def test_a_norm_over_all_heads_is_refused_not_miscomputed() -> None:
+    """OLMo2 normalises q over all heads at once: a rank cannot compute that alone, and the
+    shape propagation says so (the pass names the node) rather than producing wrong logits."""
+    before = graph_for_pass(tiny_config("olmo2"), "shard_tensor_parallel")
+    after = before.copy()
+    after.context.tp_size = 2
+    import kiln.passes.shard_tensor_parallel as stp
+
+    stp.TP_ARCHITECTURES["olmo2"] = "probe: not supported"
+    try:
+        with pytest.raises(ValueError, match="cannot take the sharded shapes"):
+            after.run_pass(ShardTensorParallelPass())
+    finally:
+        del stp.TP_ARCHITECTURES["olmo2"]
 
 
 def _rank_logits(rank: int, world: int, init_file: str, arch: str, out_dir: str) -> None:

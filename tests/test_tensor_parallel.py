@@ -3,9 +3,9 @@ through `LLM.generate` and through `kiln serve` with the `openai` client; `kiln 
 fills every rank's cache entries; a killed worker fails the engine naming its rank (503 and
 an unhealthy /health from the server) and leaves no worker process behind.
 
-The architectures are those the sharding pass takes (kiln.passes.shard_tensor_parallel.
-TP_ARCHITECTURES), each as a tiny random checkpoint on disk, plus a Llama with one KV head,
-fewer than the two ranks (the head is replicated)."""
+The architectures (`TP_ARCHS`) are one per construct the sharding pass handles, each as a
+tiny random checkpoint on disk, among them a Llama with one KV head, fewer than the two
+ranks (the head is replicated)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import httpx
 import openai
 import pytest
 
-from kiln.passes.shard_tensor_parallel import TP_ARCHITECTURES
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.tp_worker import WorkerFailedError
@@ -35,7 +34,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 # Small engines: the default 64 sequences x 8192 tokens of KV cache per rank is much more
 # than these tests need on a 2-core machine.
 OPTIONS = dict(progress=False, max_model_len=128, max_num_seqs=8)
-TP_ARCHS = sorted(TP_ARCHITECTURES) + ["llama-kv1"]
+# Engine-level runs for one architecture of each construct the pass handles (the runtime path
+# is the same for all; tests/test_shard_tensor_parallel.py checks every architecture's graph
+# at two ranks): plain GQA, KV heads replicated, biases, per-head q/k norm, MoE experts, a
+# parallel block with a row-parallel bias, soft-capping, views that spell out head counts.
+TP_ARCHS = ["llama", "llama-kv1", "qwen2", "qwen3", "mixtral", "phi", "gemma2", "stablelm"]
 
 
 def _save(arch: str, path: Path) -> Path:
