@@ -9,6 +9,7 @@ weights, and then runs every step the engine sends it; only rank 0 sends logits 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -56,7 +57,8 @@ class RankWorker:
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
-        config = spec.config
+        # One set of progress bars (rank 0's), not one per rank on the same terminal.
+        config = dataclasses.replace(spec.config, progress=spec.config.progress and spec.rank == 0)
         engine_device = config.resolved_device()
         if engine_device.type == "cuda":
             index = spec.local_device if spec.local_device is not None else spec.rank % torch.cuda.device_count()
@@ -78,6 +80,7 @@ class RankWorker:
                                download_dir=config.download_dir)
         self.model_config = source.config
         self.dtype = config.resolved_dtype(self.device)
+        self.config = config
         self.model = load_model(config, source, self.dtype, self.device, self.timings, tp_rank=spec.rank)
         self.memory_after_load = peak_memory(self.device)
         self.num_blocks, self.activation_peak_bytes = size_kv_cache(
@@ -94,7 +97,7 @@ class RankWorker:
     def allocate_kv_cache(self, num_blocks: int) -> dict[str, Any]:
         """The KV cache of `num_blocks` blocks (the smallest any rank fits), the runner, and
         on CUDA this rank's decode CUDA graphs (every rank captures its own)."""
-        config = self.spec.config
+        config = self.config
         kv = allocate_kv_cache(config, self.model_config, num_blocks, self.dtype, self.device)
         self.runner = self.model.make_runner(kv)
         if self.device.type == "cuda" and not config.enforce_eager:
