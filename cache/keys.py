@@ -136,11 +136,15 @@ def model_factors(
     artifact_format: str,
     kv_cache_dtype: torch.dtype | None = None,
     quantization: str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> dict[str, Any]:
     """The factors every entry of one model setup shares (the graph spec's key factors).
 
     `kv_cache_dtype` (when it differs from `dtype`) and `quantization` enter only when set, so
-    the keys of unquantized setups are what they were before these options existed."""
+    the keys of unquantized setups are what they were before these options existed.
+    Tensor parallelism: each rank's graph differs (its weight shapes, its vocabulary offset),
+    so the group size and the rank are factors, and `kiln cache explain` names them."""
     extra: dict[str, Any] = {}
     if kv_cache_dtype is not None and kv_cache_dtype != dtype:
         extra["kv_cache_dtype"] = str(kv_cache_dtype).removeprefix("torch.")
@@ -148,6 +152,7 @@ def model_factors(
         extra["quantization"] = quantization
     return {
         **extra,
+        "tensor_parallel": {"size": int(tp_size), "rank": int(tp_rank)},
         "architecture": architecture_fields(config),
         "dtype": str(dtype).removeprefix("torch."),
         "block_size": int(block_size),

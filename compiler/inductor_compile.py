@@ -104,6 +104,7 @@ def example_inputs(
     device: torch.device,
     block_size: int,
     kv_cache_dtype: torch.dtype | None = None,
+    tp_size: int = 1,
 ) -> tuple[list[torch.Tensor], list[dict[int, Any] | None]]:
     """Tensors with the bucket's shapes for every graph input, and export's dynamic_shapes.
 
@@ -125,7 +126,7 @@ def example_inputs(
             raise BucketCompileError(f"graph input {param_role(name)} has no recorded shape")
         return torch.empty(tuple(int(s) for s in val.shape), dtype=val.dtype, device=device)
 
-    kv_shape = kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size)
+    kv_shape = kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size, tp_size)
     sizes = bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, EXAMPLE_BLOCK_TABLE_WIDTH)
     try:
         args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
@@ -169,12 +170,13 @@ def compile_bucket(
     block_size: int,
     scratch_root: Path,
     kv_cache_dtype: torch.dtype | None = None,
+    tp_size: int = 1,
 ) -> bytes:
     """The AOTInductor package (bytes) of `gm` at `bucket`'s shapes."""
     scratch_root.mkdir(parents=True, exist_ok=True)
     try:
         args, dynamic = example_inputs(gm, roles, constants, config, bucket, dtype, device, block_size,
-                                       kv_cache_dtype)
+                                       kv_cache_dtype, tp_size)
         if artifact_format(device) == STANDALONE_FORMAT:
             return _compile_standalone(gm, args, dynamic, bucket, scratch_root)
         with torch.no_grad():

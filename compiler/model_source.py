@@ -180,6 +180,7 @@ class ModelSource:
         device: torch.device | str,
         progress: bool = True,
         keep_fp8: frozenset[str] = frozenset(),
+        shards: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tensors for each wanted parameter name.
 
@@ -188,12 +189,16 @@ class ModelSource:
         tensors of a pre-quantized checkpoint (kiln.compiler.fp8_checkpoint) named in
         `keep_fp8` load as they are, their per-tensor or per-channel scale beside them as
         `<name>_scale`; every other FP8 tensor is dequantized to `dtype`.
+        `shards` (tensor parallelism: `ShardWeight`s by parameter name, from the graph's
+        weight transforms) makes the loader read only this rank's slice of those tensors
+        from the checkpoint (safetensors' `get_slice`), never the whole tensor.
         """
+        shards = shards or {}
         if self.load_format == "dummy":
-            return dummy_weights(names, self._shapes(), dtype, device)
+            return dummy_weights(names, self._shapes(), dtype, device, shards)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         config_num_experts(self.config), keep_fp8)
+                                         config_num_experts(self.config), keep_fp8, shards)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def _shapes(self) -> dict[str, torch.Size]:
@@ -557,6 +562,7 @@ def _pick(names: list[str], available: Any) -> str | None:
 def _load_safetensors_dir(
     path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
     num_experts: int | None = None, keep_fp8: frozenset[str] = frozenset(),
+    tp_shards: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -598,6 +604,14 @@ def _load_safetensors_dir(
         for shard, items in plan.items():
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
+                    if tp_shards and name in tp_shards and key not in derived_sources:
+                        part = f.get_slice(key)
+                        if str(part.get_dtype()).startswith("F8"):
+                            raise ModelSourceError(f"{key!r} is FP8: tensor parallelism does not take FP8 "
+                                                   "checkpoints yet (their scales are not sharded)")
+                        out[name] = tp_shards[name].read_shard(part).to(device=device, dtype=dtype)  # this rank's slice
+                        bar.update(1)
+                        continue
                     tensor = f.get_tensor(key)
                     if is_fp8(tensor):
                         scale_key = _pick(list(scale_keys(key)), where)
@@ -619,7 +633,11 @@ def _load_safetensors_dir(
                         out[name] = tensor.to(device=device, dtype=dtype)
                     bar.update(1)
     for name, sources in derived.items():
-        out[name] = combine_checkpoint_tensors(name, [raw[s] for s in sources]).to(device=device, dtype=dtype)
+        # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
+        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
+        if tp_shards and name in tp_shards:
+            combined = tp_shards[name].read_shard(combined)
+        out[name] = combined.to(device=device, dtype=dtype)
     return out
 
 
@@ -680,16 +698,22 @@ def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.
 
 
 def dummy_weights(
-    names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str
+    names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str,
+    shards: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights: the same name and shape always give the same values.
 
     Norm scales are ones and biases zeros so that activations stay in range through deep
-    models; matrices are N(0, 0.02) like Hugging Face's initializer.
+    models; matrices are N(0, 0.02) like Hugging Face's initializer. A sharded tensor
+    (`shards`) is drawn whole, one at a time, and cut, so that every rank count gives the
+    same model.
     """
     out = {}
     for name in names:
         shape = shapes[name]
+        if shards and name in shards:
+            out[name] = shards[name].read_shard(dummy_weights({name: [name]}, shapes, dtype, device)[name]).clone()
+            continue
         if name.endswith("norm.weight"):
             out[name] = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):

@@ -90,9 +90,9 @@ def _pipeline(enable: list[str] | None, disable: list[str] | None, cpu_fusions: 
 
 
 def _run(config: Any, passes: list[GraphPass], dtype: torch.dtype, device: torch.device | str,
-         block_size: int) -> PhaseCapture:
+         block_size: int, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
     captured = capture(config, dtype=dtype, device=device)
-    ctx = PassContext(config=config, dtype=dtype)
+    ctx = PassContext(config=config, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
     report = PassManager(passes).run(captured.graph_module, ctx)
     return PhaseCapture(captured=captured, report=report, block_size=block_size, context=ctx,
                         pipeline=[p.name for p in passes])
@@ -101,7 +101,7 @@ def _run(config: Any, passes: list[GraphPass], dtype: torch.dtype, device: torch
 def graph_for_pass(config: Any, graph_pass: str | GraphPass, dtype: torch.dtype = torch.float32,
                    device: torch.device | str = "cpu", enable: list[str] | None = None,
                    disable: list[str] | None = None, cpu_fusions: bool | None = None,
-                   block_size: int = 16) -> PhaseCapture:
+                   block_size: int = 16, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
     """The graph `graph_pass` (a name, or a pass object) receives in the engine's pipeline.
 
     The pipeline is the engine's: `PassManager.default(enable, disable)` (built-ins plus
@@ -109,6 +109,7 @@ def graph_for_pass(config: Any, graph_pass: str | GraphPass, dtype: torch.dtype 
     `device` in `dtype`. Every pass before it runs, in the manager's order; a pass that is
     not enabled is placed where enabling it would put it (last in its phase). `cpu_fusions`
     overrides the built-in fusions' CPU policy (None: $KILN_CPU_FUSIONS, as the engine).
+    `tp_size` / `tp_rank`: the graph of that rank of a tensor-parallel group.
     """
     name = graph_pass if isinstance(graph_pass, str) else graph_pass.name
     pm = _pipeline(enable, disable, cpu_fusions)
@@ -116,12 +117,12 @@ def graph_for_pass(config: Any, graph_pass: str | GraphPass, dtype: torch.dtype 
         # An object not registered (a pass under development): place it as enabling would.
         pm = PassManager(list(pm.passes) + [graph_pass])
     before, _ = pm.split_at(name)
-    return _run(config, before, dtype, device, block_size)
+    return _run(config, before, dtype, device, block_size, tp_size, tp_rank)
 
 
 def capture_through(config: Any, phase: str, dtype: torch.dtype = torch.float32, block_size: int = 16,
                     pass_manager: PassManager | None = None, inclusive: bool = False,
-                    device: torch.device | str = "cpu") -> PhaseCapture:
+                    device: torch.device | str = "cpu", tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
     """Capture `config` and run the pipeline's passes of the phases before `phase` (and of
     `phase` itself when `inclusive`). A pass of `phase` receives more than this (the
     earlier passes of its own phase): use `graph_for_pass` for that graph."""
@@ -130,7 +131,7 @@ def capture_through(config: Any, phase: str, dtype: torch.dtype = torch.float32,
     pm = pass_manager or PassManager.default()
     limit = PHASES.index(phase) + (1 if inclusive else 0)
     passes = [p for p in pm.passes if PHASES.index(p.phase) < limit]
-    return _run(config, passes, dtype, device, block_size)
+    return _run(config, passes, dtype, device, block_size, tp_size, tp_rank)
 
 
 def random_weights(captured: CapturedModel, seed: int = 0, std: float = 0.08) -> dict[str, torch.Tensor]:
@@ -156,12 +157,13 @@ def run_graph(phase_capture: PhaseCapture, num_tokens: int = 8, seed: int = 0,
     to every graph of one model, so the outputs of a graph before and after a pass compare.
     """
     return run_captured(phase_capture.captured, phase_capture.block_size, num_tokens, seed, weights=weights,
-                        sample_all_rows=sample_all_rows, transforms=phase_capture.context.weight_transforms)
+                        sample_all_rows=sample_all_rows, transforms=phase_capture.context.weight_transforms,
+                        tp_size=phase_capture.context.tp_size)
 
 
 def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, seed: int = 0,
                  weights: dict[str, torch.Tensor] | None = None, sample_all_rows: bool = False,
-                 transforms: list[Any] | None = None) -> torch.Tensor:
+                 transforms: list[Any] | None = None, tp_size: int = 1) -> torch.Tensor:
     """`run_graph` for any captured graph: `weights` (by Hugging Face name) replace the seeded
     random ones, `transforms` (a PassContext's weight_transforms) are applied to them as the
     loader does, `sample_all_rows` samples every token's row."""
@@ -176,7 +178,7 @@ def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, 
         batch["logits_indices"] = torch.arange(num_tokens)
     num_blocks = -(-num_tokens // block_size) + 1
     args = bind(graph_input_roles(captured.graph_module), params=weights, constants=captured.constants,
-                kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=captured.dtype),
+                kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size, tp_size), dtype=captured.dtype),
                 batch=batch)
     with torch.no_grad():
         return captured.graph_module(*args)

@@ -107,11 +107,13 @@ def build_model_graph(
     block_size: int = 16,
     pass_manager: PassManager | None = None,
     max_num_tokens: int = 8192,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> ModelGraph:
     pm = pass_manager or PassManager.default()
     if hasattr(config, "to_transformers"):  # a warm start's ConfigSnapshot (kiln.compiler.model_source)
         config = config.to_transformers()
     captured = capture(config, dtype=dtype, device=device, max_num_tokens=max_num_tokens)
-    ctx = PassContext(config=config, dtype=dtype)
+    ctx = PassContext(config=config, dtype=dtype, tp_size=tp_size, tp_rank=tp_rank)
     report = pm.run(captured.graph_module, ctx)
     return ModelGraph(captured=captured, report=report, pass_manager=pm, weight_transforms=ctx.weight_transforms)

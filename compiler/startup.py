@@ -100,6 +100,9 @@ class CompileOptions:
     progress: bool = True
     quantization: str | None = None  # "fp8": the quantize_fp8 pass (kiln.passes.quantize_fp8)
     kv_cache_dtype: torch.dtype | None = None  # None: the compute dtype
+    # Tensor parallelism: the graph is rank tp_rank's of tp_size (kiln.passes.shard_tensor_parallel).
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 @contextlib.contextmanager
@@ -211,11 +214,13 @@ class ModelSetup:
     max_num_tokens: int = 8192
     kv_cache_dtype: torch.dtype | None = None  # None: the compute dtype
     quantization: str | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def model_factors(self) -> dict[str, Any]:
         return model_factors(self.config, self.dtype, self.pass_manager.uuids(), self.device, self.block_size,
                              artifact_format(self.device), kv_cache_dtype=self.kv_cache_dtype,
-                             quantization=self.quantization)
+                             quantization=self.quantization, tp_size=self.tp_size, tp_rank=self.tp_rank)
 
     def model_key(self) -> str:
         return key_for(MODEL_KIND, self.model_factors())
@@ -284,7 +289,8 @@ def _capture(setup: ModelSetup) -> ModelGraph:
     if isinstance(setup.config, ConfigSnapshot):  # a warm start's config, and yet a capture is needed
         setup.config = setup.config.to_transformers()
     return build_model_graph(setup.config, setup.dtype, setup.device, block_size=setup.block_size,
-                             pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens)
+                             pass_manager=setup.pass_manager, max_num_tokens=setup.max_num_tokens,
+                             tp_size=setup.tp_size, tp_rank=setup.tp_rank)
 
 
 def _capture_against(setup: ModelSetup, spec: GraphSpec | None, report: StartupReport) -> tuple[ModelGraph, bool]:
@@ -533,7 +539,7 @@ def _compile_missing(
                 try:
                     data = compile_bucket(graph.graph_module, spec.input_roles, spec.constants, setup.config, bucket,
                                           setup.dtype, setup.device, setup.block_size, scratch,
-                                          kv_cache_dtype=setup.kv_cache_dtype)
+                                          kv_cache_dtype=setup.kv_cache_dtype, tp_size=setup.tp_size)
                 except BucketCompileError as e:
                     logger.error("%s", e)
                     result = BucketResult(bucket, key, "failed", time.perf_counter() - t0, error=str(e))
@@ -565,7 +571,8 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
     return ModelSetup(config=model_config, dtype=dtype, device=device, pass_manager=pm,
                       block_size=options.block_size, plan=plan,
                       max_num_tokens=max(options.max_num_batched_tokens, 2),
-                      kv_cache_dtype=options.kv_cache_dtype, quantization=options.quantization)
+                      kv_cache_dtype=options.kv_cache_dtype, quantization=options.quantization,
+                      tp_size=options.tp_size, tp_rank=options.tp_rank)
 
 
 def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,

@@ -18,6 +18,7 @@ import torch
 from kiln.kernels import activation as activation  # noqa: F401  (kiln::silu_and_mul, kiln::gelu_tanh_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
 from kiln.kernels import fp8 as fp8  # noqa: F401  (kiln::quantize_fp8_per_token, kiln::fp8_linear)
+from kiln.kernels import collectives as collectives  # noqa: F401  (kiln::all_reduce, kiln::all_gather)
 from kiln.kernels import layer_norm as layer_norm  # noqa: F401  (registers kiln::add_layer_norm)
 from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)
 from kiln.kernels import moe as moe  # noqa: F401  (registers kiln::fused_moe)
@@ -55,6 +56,6 @@ def _register_triton_kernels() -> bool:
 
 _TRITON_REGISTERED = _register_triton_kernels()
 
-__all__ = ["activation", "attention", "fp8", "layer_norm", "linear", "moe", "paged_attention", "rms_norm", "rope",
+__all__ = ["activation", "attention", "collectives", "fp8", "layer_norm", "linear", "moe", "paged_attention", "rms_norm", "rope",
            "rope_paged_attention",
            "triton_kernels_available"]

@@ -34,24 +34,29 @@ from kiln.kernels.attention import causal_attention
 from kiln.kernels.library import kiln_op
 
 
-def kv_heads_and_head_dim(config: Any) -> tuple[int, int]:
+def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
     """A Hugging Face config's KV heads and head size.
 
     GQA configs name the KV heads (`num_key_value_heads`); multi-query configs that predate
     that name set a flag instead (GPT-BigCode's `multi_query`: one KV head); otherwise every
     query head has its own. Configs without `head_dim` split hidden_size evenly across the
-    attention heads. The paged-KV pass checks the result against each layer's traced k."""
+    attention heads. The paged-KV pass checks the result against each layer's traced k.
+
+    With `tp_size` > 1, the KV heads of one rank of a tensor-parallel group: its share, or
+    one (replicated) when there are fewer KV heads than ranks (kiln.passes.shard_tensor_parallel)."""
     heads = getattr(config, "num_key_value_heads", None)
     if heads is None and getattr(config, "multi_query", False):
         heads = 1
     heads = int(heads or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    if tp_size > 1:
+        heads = heads // tp_size if heads >= tp_size else 1
     return heads, head_dim
 
 
-def kv_cache_shape(config: Any, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """One layer's cache for `config`: [2, num_blocks, block_size, kv_heads, head_dim]."""
-    return (2, num_blocks, block_size, *kv_heads_and_head_dim(config))
+def kv_cache_shape(config: Any, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    """One layer's cache for `config` (one rank's of `tp_size`): [2, num_blocks, block_size, kv_heads, head_dim]."""
+    return (2, num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size))
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,10 @@ class PassContext:
 
     config: Any
     dtype: torch.dtype = torch.float32
+    # Tensor parallelism (kiln.passes.shard_tensor_parallel): the graph is this rank's of
+    # tp_size. Both are cache-key factors (kiln.cache.keys.model_factors).
+    tp_size: int = 1
+    tp_rank: int = 0
     # Filled by passes for later stages (e.g. weight transforms the loader applies).
     weight_transforms: list[Any] = field(default_factory=list)
 

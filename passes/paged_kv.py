@@ -39,7 +39,7 @@ class PagedKVPass(KilnPass):
         if not markers:
             return {"attention_replaced": 0}
         metadata = {name: add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS}
-        expected = kv_heads_and_head_dim(ctx.config) if ctx.config is not None else None
+        expected = kv_heads_and_head_dim(ctx.config, ctx.tp_size) if ctx.config is not None else None
         for node in markers:
             q, k, v, layer_idx, scale, window, *rest = node.args
             softcap = rest[0] if rest else 0.0

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+import kiln.kernels.collectives  # noqa: F401  (kiln::all_gather, which the LM head may feed)
 from kiln.compiler.graph_inputs import add_graph_input, batch_role
 from kiln.passes.base import KilnPass, PassContext, PassStats
 
 aten = torch.ops.aten
 # Ops between the LM head and the output that keep rows aligned (HF's logits_to_keep slice).
-_ROW_PRESERVING = {aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.alias.default,
+# kiln::all_gather joins vocabulary shards along the last dimension (tensor parallelism).
+_ROW_PRESERVING = {torch.ops.kiln.all_gather.default, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.alias.default,
                    aten.to.dtype, aten._to_copy.default, aten.clone.default}
 # Elementwise ops on the logits with scalar operands (Gemma 2's final soft-cap, Cohere's
 # logit_scale, Granite's logits_scaling): they act on each row alone, so rows can be selected

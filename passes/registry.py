@@ -29,9 +29,12 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.normalize import NormalizePass
     from kiln.passes.paged_kv import PagedKVPass
     from kiln.passes.prune_logits import PruneLogitsPass
+    from kiln.passes.shard_tensor_parallel import ShardTensorParallelPass
 
     factories: dict[str, Callable[[], GraphPass]] = {
         "normalize": NormalizePass, "paged_kv": PagedKVPass, "prune_logits": PruneLogitsPass,
+        # Tensor parallelism (issue 14): a no-op at tensor_parallel_size 1.
+        "shard_tensor_parallel": ShardTensorParallelPass,
     }
     # Fusion phase (issue 5), in run order: merges first; fuse_rope before fuse_rmsnorm so
     # that it takes Qwen3's q/k norms into kiln::rope. See kiln.passes.fuse_common for which

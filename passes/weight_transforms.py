@@ -106,9 +106,6 @@ class QuantizeFP8Weight:
         weights[fp8_scale_name(self.weight)] = scale
 
 
-WeightTransform = ConcatWeights | QuantizeFP8Weight
-
-_KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight}
 
 
 def fp8_weight_names(transforms: Iterable[WeightTransform]) -> frozenset[str]:
@@ -124,21 +121,84 @@ def fp8_weight_names(transforms: Iterable[WeightTransform]) -> frozenset[str]:
     return frozenset(names)
 
 
-def apply_weight_transforms(weights: dict[str, torch.Tensor], transforms: Iterable[WeightTransform]
-                            ) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class ShardWeight:
+    """One rank's slice of a tensor (tensor parallelism): `weights[name]` becomes the
+    concatenation along `dim` of its `ranges` ([start, stop) each, in the full tensor),
+    zero-padded to `size` along `dim` (a vocabulary that does not divide by the rank count).
+
+    Several ranges serve a tensor that holds several projections side by side (a fused
+    q/k/v or gate/up): each rank takes its part of each. The loader reads only these slices
+    from the checkpoint (`read_shard`); `apply` cuts an already loaded full tensor (tests,
+    weights made in memory)."""
+
+    name: str
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    size: int
+    kind: str = "shard"
+
+    def apply(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.name not in weights:
+            raise WeightTransformError(f"cannot shard {self.name!r}: the loaded weights lack it")
+        weights[self.name] = self.read_shard(weights.pop(self.name))
+
+    def read_shard(self, full: Any) -> torch.Tensor:
+        """The shard from `full`: a tensor, or anything sliceable like one along `dim`
+        (safetensors' `get_slice`, which then reads only these bytes)."""
+        shape = tuple(full.shape) if isinstance(full, torch.Tensor) else tuple(full.get_shape())
+        if self.dim >= len(shape) or any(not 0 <= a <= b <= shape[self.dim] for a, b in self.ranges):
+            raise WeightTransformError(f"cannot shard {self.name!r} of shape {shape}: ranges {list(self.ranges)} "
+                                       f"along dim {self.dim} do not fit (the checkpoint is of another shape)")
+        lead = (slice(None),) * self.dim
+        parts = [full[(*lead, slice(a, b))] for a, b in self.ranges]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        missing = self.size - out.shape[self.dim]
+        if missing > 0:
+            pad_shape = list(out.shape)
+            pad_shape[self.dim] = missing
+            out = torch.cat([out, out.new_zeros(pad_shape)], dim=self.dim)
+        return out
+
+
+WeightTransform = ConcatWeights | QuantizeFP8Weight | ShardWeight
+
+_KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight, "shard": ShardWeight}
+
+
+def shard_transforms(transforms: Iterable[WeightTransform]) -> dict[str, ShardWeight]:
+    """The shards among `transforms`, by tensor name: what the loader reads slice by slice
+    (they precede every other transform, whose inputs they produce)."""
+    return {t.name: t for t in transforms if isinstance(t, ShardWeight)}
+
+
+def apply_weight_transforms(weights: dict[str, torch.Tensor], transforms: Iterable[WeightTransform],
+                            skip_shards: bool = False) -> dict[str, torch.Tensor]:
     """The weights the rewritten graph takes, built in `weights` itself, which is returned.
 
     The dict is consumed on purpose: each merged input is removed (and freed, if nothing
     else holds it) as soon as its concatenation exists, so peak memory grows by one merged
     tensor at a time rather than by a second copy of most of the model.
+
+    `skip_shards`: the weights were loaded already sharded (the loader read each rank's
+    slices), so only the other transforms remain.
     """
     for transform in transforms:
-        transform.apply(weights)
+        if not (skip_shards and isinstance(transform, ShardWeight)):
+            transform.apply(weights)
     return weights
 
 
 def transforms_to_json(transforms: Iterable[WeightTransform]) -> list[dict[str, Any]]:
-    return [{**asdict(t), **({"inputs": list(t.inputs)} if hasattr(t, "inputs") else {})} for t in transforms]
+    out = []
+    for t in transforms:
+        data = asdict(t)
+        if isinstance(t, ConcatWeights):
+            data["inputs"] = list(t.inputs)
+        elif isinstance(t, ShardWeight):
+            data["ranges"] = [list(r) for r in t.ranges]
+        out.append(data)
+    return out
 
 
 def transforms_from_json(data: list[dict[str, Any]]) -> list[WeightTransform]:
@@ -148,7 +208,9 @@ def transforms_from_json(data: list[dict[str, Any]]) -> list[WeightTransform]:
         if kind not in _KINDS:
             raise WeightTransformError(f"weight transform #{i} has unknown kind {kind!r}; known: {', '.join(_KINDS)}")
         fields = {k: v for k, v in item.items() if k != "kind"}
-        if "inputs" in fields:
-            fields["inputs"] = tuple(fields["inputs"])
+        if kind == "concat":
+            fields["inputs"] = tuple(fields.get("inputs", ()))
+        elif kind == "shard":
+            fields["ranges"] = tuple(tuple(r) for r in fields.get("ranges", ()))
         out.append(_KINDS[kind](**fields))
     return out

@@ -28,11 +28,13 @@ MODEL_HELP = ("Hugging Face hub id (org/name, from the local HF cache or downloa
 
 def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = "", group: str = "engine",
            choices: tuple[str, ...] | None = None, serving_only: bool = False, default_factory: Any = None,
-           ) -> Any:
+           short: str | None = None) -> Any:
     """A dataclass field with what the CLI needs: its help, its flag ("" for --field-name,
-    None for no flag; a bool field whose default is True gets a flag storing False), its argument group,
-    its choices, and whether only commands that run an engine have it (not `kiln compile`)."""
-    meta = {"help": help, "flag": flag, "group": group, "choices": choices, "serving_only": serving_only}
+    None for no flag; a bool field whose default is True gets a flag storing False), a short
+    form of the flag (vLLM's `-tp`), its argument group, its choices, and whether only
+    commands that run an engine have it (not `kiln compile`)."""
+    meta = {"help": help, "flag": flag, "group": group, "choices": choices, "serving_only": serving_only,
+            "short": short}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -80,6 +82,13 @@ class EngineConfig:
                                            "quantized at load unless the checkpoint is FP8 already)")
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES,
                                  help="auto: the model's dtype; fp8: e4m3 KV cache (half the bytes of bf16)")
+    # Tensor parallelism (issue 14; runtime/README.md, "Tensor parallelism"): one worker
+    # process per rank, each running its shard of the graph (kiln.passes.shard_tensor_parallel).
+    tensor_parallel_size: int = option(1, short="-tp", help="GPUs (CPU: processes) to shard the model over, one "
+                                                            "worker process each")
+    distributed_executor_backend: str = option("mp", choices=("mp", "ray"), serving_only=True,
+                                               help="how tensor-parallel workers are started: mp (processes on this "
+                                                    "host) or ray (Ray actors, one per GPU, across hosts)")
     gpu_memory_utilization: float = option(0.9, help="CUDA: fraction of GPU memory for weights, activations and "
                                                      "the KV cache")
     enforce_eager: bool = option(False, help="CUDA: run decode steps without capturing CUDA graphs")
@@ -128,6 +137,15 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None; got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if (not isinstance(self.tensor_parallel_size, int) or isinstance(self.tensor_parallel_size, bool)
+                or self.tensor_parallel_size < 1):
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.tensor_parallel_size > 1 and (self.quantization is not None or self.kv_cache_dtype == "fp8"):
+            raise ValueError("quantization / kv_cache_dtype='fp8' with tensor_parallel_size > 1 is not supported yet: "
+                             "the sharding pass does not slice FP8 weights' scales; use one of the two")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
 
@@ -187,7 +205,7 @@ class EngineConfig:
             block_size=self.block_size, max_num_seqs=limits.max_num_seqs,
             max_num_batched_tokens=limits.max_num_batched_tokens, decode_buckets=self.decode_buckets,
             token_buckets=self.token_buckets, mode=self.compile, cache_dir=self.cache_dir,
-            require_cache=self.require_cache, progress=self.progress,
+            require_cache=self.require_cache, progress=self.progress, tp_size=self.tensor_parallel_size,
             quantization=self.resolved_quantization(model_config),
             kv_cache_dtype=torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None,
         )

@@ -14,6 +14,7 @@ import gc
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +22,13 @@ import torch
 
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
-from kiln.compiler.startup import (
-    PreparedModel, config_lookup, prepare_for_engine, timed, triton_kernels_at_startup,
-)
-from kiln.passes.weight_transforms import apply_weight_transforms, fp8_weight_names
+from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
+from kiln.runtime.model_loading import load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
+from kiln.runtime.tp_executor import TensorParallelExecutor, start_executor
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
 from kiln.runtime.hardware_defaults import FALLBACK_CONTEXT, choose_max_model_len, model_context_length
@@ -119,51 +119,13 @@ class LLMEngine:
             logger.info("checkpoint %s is quantized: running with quantization=%r", self.source.name,
                         self.quantization)
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)
-        compile_options = config.compile_options(self.model_config)
 
-        # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
-        # compile only what is missing -> load artifacts. Warm starts capture nothing: the
-        # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
-        self.prepared: PreparedModel = prepare_for_engine(compile_options, self.model_config, self.dtype,
-                                                          self.device, raw_config=self.source.raw_config)
-        self.timings.update(self.prepared.report.timings)
-        self.startup_report = self.prepared.report
-        self.graph_spec = self.prepared.spec
-        self.graph: ModelGraph | None = self.prepared.graph  # None when nothing was captured
-        with timed(self.timings, "load weights"):
-            weights = self.source.load_weights(self.graph_spec.param_aliases, self.dtype, self.device,
-                                               progress=config.progress,
-                                               keep_fp8=fp8_weight_names(self.graph_spec.weight_transforms))
-            # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
-            weights = apply_weight_transforms(weights, self.graph_spec.weight_transforms)
-
-        def make_runner(kv_caches: list[torch.Tensor]) -> ModelRunner:
-            return ModelRunner(
-                self.prepared.graph_fn, self.graph_spec.input_roles, weights, self.graph_spec.constants,
-                kv_caches, self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
-            )
-
-        # The first kernel runs: on CUDA with a cache, Triton's kernels come from it (or are
-        # taken into it, every bucket run once) - kiln.compiler.triton_kernels.
-        with triton_kernels_at_startup(self.prepared.triton_kernels, self.startup_report) as run_every_bucket:
-            with timed(self.timings, "allocate KV cache"):
-                kv = build_kv_cache(config, self.model_config, self.kv_cache_dtype, self.device, self.max_model_len,
-                                    make_runner)
-            self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
-            # Block 0 is the null block: one sequence can use the others.
-            self.max_model_len, why = choose_max_model_len(config.max_model_len, model_context,
-                                                           (self.num_kv_blocks - 1) * config.block_size,
-                                                           config.block_size)
-            logger.info("engine limits: max_model_len=%d (%s)", self.max_model_len, why)
-            self.runner = make_runner(kv.layers)
-            if run_every_bucket:
-                with timed(self.timings, "run every token bucket"):
-                    run_token_buckets(self.runner, self.prepared.plan, config.block_size, self.max_model_len)
-            if self.device.type == "cuda" and not config.enforce_eager:
-                with timed(self.timings, "capture CUDA graphs"):
-                    self.runner.capture_decode_graphs(cuda_graph_sizes(self.prepared.plan),
-                                                      -(-self.max_model_len // config.block_size))
-        self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
+        self.executor: TensorParallelExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            self._start_workers(config)
+            self._choose_max_model_len(config, model_context)
+        else:
+            self._load_model(config, model_context)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -196,8 +158,62 @@ class LLMEngine:
             self.startup_report.summary(), self.num_kv_blocks, config.block_size,
         )
 
+    def _load_model(self, config: EngineConfig, model_context: int | None) -> None:
+        # The graph (kiln.compiler.startup): eager capture, or cache lookups -> capture and
+        # compile only what is missing -> load artifacts. Warm starts capture nothing: the
+        # runtime reads what it needs (input roles, weight names, constants) from the cached spec.
+        model = load_model(config, self.source, self.dtype, self.device, self.timings)
+        self.prepared: PreparedModel | None = model.prepared
+        self.startup_report = model.prepared.report
+        self.graph_spec = model.prepared.spec
+        self.graph: ModelGraph | None = model.prepared.graph  # None when nothing was captured
+        # The first kernel runs: on CUDA with a cache, Triton's kernels come from it (or are
+        # taken into it, every bucket run once) - kiln.compiler.triton_kernels.
+        with triton_kernels_at_startup(model.prepared.triton_kernels, self.startup_report) as run_every_bucket:
+            with timed(self.timings, "allocate KV cache"):
+                kv = build_kv_cache(config, self.model_config, self.kv_cache_dtype, self.device, self.max_model_len,
+                                    model.make_runner)
+            self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
+            self._choose_max_model_len(config, model_context)
+            self.runner: ModelRunner | TensorParallelExecutor = model.make_runner(kv.layers)
+            if run_every_bucket:
+                with timed(self.timings, "run every token bucket"):
+                    run_token_buckets(self.runner, model.prepared.plan, config.block_size, self.max_model_len)
+            if self.device.type == "cuda" and not config.enforce_eager:
+                with timed(self.timings, "capture CUDA graphs"):
+                    self.runner.capture_decode_graphs(cuda_graph_sizes(model.prepared.plan),
+                                                      -(-self.max_model_len // config.block_size))
+        self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
+
+    def _choose_max_model_len(self, config: EngineConfig, model_context: int | None) -> None:
+        # Block 0 is the null block: one sequence can use the others.
+        self.max_model_len, why = choose_max_model_len(config.max_model_len, model_context,
+                                                       (self.num_kv_blocks - 1) * config.block_size,
+                                                       config.block_size)
+        logger.info("engine limits: max_model_len=%d (%s)", self.max_model_len, why)
+
+    def _start_workers(self, config: EngineConfig) -> None:
+        """Tensor parallelism: one worker per rank holds the model (kiln.runtime.tp_executor);
+        this process schedules and samples, on the host, from rank 0's gathered logits."""
+        self.worker_device = self.device
+        self.device = torch.device("cpu")
+        with timed(self.timings, "start workers"):
+            self.executor = start_executor(config, self.max_model_len, int(self.model_config.vocab_size))
+        self.runner = self.executor
+        self.prepared, self.graph_spec, self.graph = None, None, None
+        self.startup_report = self.executor.startup_report
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.activation_peak_bytes = max(r["activation_peak_bytes"] for r in self.executor.reports)
+        # No worker outlives the engine, however the engine is dropped.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for a single-device engine)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype)
+        return kv_bytes_per_token(self.model_config, self.kv_cache_dtype, self.config.tensor_parallel_size)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -41,8 +41,9 @@ class KVCache:
     activation_peak_bytes: int  # profiled on CUDA; 0 on CPU or when num_kv_blocks was given
 
 
-def kv_bytes_per_token(model_config: Any, dtype: torch.dtype) -> int:
-    kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of K and V per token over all layers (on one rank of `tp_size`)."""
+    kv_heads, head_dim = kv_heads_and_head_dim(model_config, tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * model_config.num_hidden_layers * kv_heads * head_dim * elem
 
@@ -104,7 +105,7 @@ def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, d
     bs = config.block_size
     if config.num_kv_blocks is not None:
         return int(config.num_kv_blocks)
-    per_block = kv_bytes_per_token(model_config, dtype) * bs
+    per_block = kv_bytes_per_token(model_config, dtype, config.tensor_parallel_size) * bs
     wanted = -(-config.max_num_seqs * max_model_len // bs) + 1
     if device.type == "cpu":
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -125,23 +126,34 @@ def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, d
     return max(2, min(wanted, fit))
 
 
-def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
-                   max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> KVCache:
-    """Size (profiling a probe runner from `make_runner` on CUDA) and allocate the KV cache."""
-    kv_heads, head_dim = kv_heads_and_head_dim(model_config)
+def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, dtype: torch.dtype,
+                      device: torch.device) -> list[torch.Tensor]:
+    """`num_blocks` blocks per layer, of this rank's KV heads (tensor parallelism: its share)."""
+    kv_heads, head_dim = kv_heads_and_head_dim(model_config, config.tensor_parallel_size)
+    return allocate_kv_caches(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads, head_dim,
+                              dtype, device)
 
-    def allocate(blocks: int) -> list[torch.Tensor]:
-        return allocate_kv_caches(model_config.num_hidden_layers, blocks, config.block_size, kv_heads, head_dim,
-                                  dtype, device)
 
+def size_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
+                  max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> tuple[int, int]:
+    """(blocks that fit, profiled activation peak bytes): profiling a probe runner from
+    `make_runner` on CUDA. A tensor-parallel worker reports its count and the engine gives
+    every rank the smallest (kiln.runtime.tp_executor)."""
     peak = 0
     if device.type == "cuda" and config.num_kv_blocks is None:
-        probe = make_runner(allocate(1))
+        probe = make_runner(allocate_kv_cache(config, model_config, 1, dtype, device))
         peak = profile_step_memory(probe, config.max_num_batched_tokens, config.block_size, max_model_len)
         del probe
         torch.cuda.empty_cache()
-    blocks = num_kv_blocks(config, model_config, dtype, device, max_model_len, peak)
-    return KVCache(layers=allocate(blocks), num_blocks=blocks, activation_peak_bytes=peak)
+    return num_kv_blocks(config, model_config, dtype, device, max_model_len, peak), peak
+
+
+def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> KVCache:
+    """Size (profiling a probe runner from `make_runner` on CUDA) and allocate the KV cache."""
+    blocks, peak = size_kv_cache(config, model_config, dtype, device, max_model_len, make_runner)
+    return KVCache(layers=allocate_kv_cache(config, model_config, blocks, dtype, device), num_blocks=blocks,
+                   activation_peak_bytes=peak)
 
 
 def cuda_graph_sizes(plan: BucketPlan) -> list[int]:

@@ -140,14 +140,36 @@ def _setup(args: argparse.Namespace) -> Any:
     return setup
 
 
+def _rank_setups(args: argparse.Namespace) -> list[Any]:
+    """One ModelSetup per tensor-parallel rank (each rank's graph is its own cache entry)."""
+    import dataclasses
+
+    setup = _setup(args)
+    return [dataclasses.replace(setup, tp_rank=rank) for rank in range(setup.tp_size)]
+
+
+def _rank_label(setup: Any) -> str:
+    return f" [tensor-parallel rank {setup.tp_rank} of {setup.tp_size}]" if setup.tp_size > 1 else ""
+
+
 # ---- kiln compile ----------------------------------------------------------------------------
 
 def run_compile(args: argparse.Namespace) -> int:
-    from kiln.compiler.startup import prepare_compiled, store_config_snapshot
+    """`kiln compile`: every bucket of the model, of every rank with -tp N."""
     from kiln.runtime.cli.common import setup_logging
 
     setup_logging(args.verbose)
-    setup = _setup(args)
+    status = 0
+    for setup in _rank_setups(args):
+        if setup.tp_size > 1:
+            print(f"kiln compile:{_rank_label(setup)}", file=sys.stderr)
+        status = max(status, _compile_rank(args, setup))
+    return status
+
+
+def _compile_rank(args: argparse.Namespace, setup: Any) -> int:
+    from kiln.compiler.startup import prepare_compiled, store_config_snapshot
+
     if _mode(args, setup) == "graph":
         return _run_compile_graph(args, setup)
     with _store(args) as store:
@@ -223,6 +245,10 @@ def _take_triton_kernels(args: argparse.Namespace, setup: Any, mode: str) -> int
     from kiln.runtime.config import EngineConfig
     from kiln.runtime.engine import LLMEngine
 
+    if setup.tp_size > 1:  # each rank's worker would have to take its own (not built yet)
+        print("kiln compile: Triton kernels are not cached for tensor-parallel setups yet; the workers compile "
+              "them on first use", file=sys.stderr)
+        return 0
     key = setup.triton_kernels_key()
     with _store(args) as store:
         if key in store:
@@ -344,13 +370,13 @@ def run_import(args: argparse.Namespace) -> int:
 def run_explain(args: argparse.Namespace) -> int:
     from kiln.cache.explain import explain_setup
 
-    setup = _setup(args)
-    mode = _mode(args, setup)
-    with _store(args) as store:
-        rows = explain_setup(store, setup, mode)
-        hits = sum(r.hit for r in rows)
-        print(f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type}) against "
-              f"{store.root}: {hits} of {len(rows)} entries would hit")
-        for r in rows:
-            print(f"  {r.label:<12} {r.key}  {'hit' if r.hit else r.reason}")
+    for setup in _rank_setups(args):
+        mode = _mode(args, setup)
+        with _store(args) as store:
+            rows = explain_setup(store, setup, mode)
+            hits = sum(r.hit for r in rows)
+            print(f"{setup.model_type} ({str(setup.dtype).removeprefix('torch.')}, {setup.device.type})"
+                  f"{_rank_label(setup)} against {store.root}: {hits} of {len(rows)} entries would hit")
+            for r in rows:
+                print(f"  {r.label:<12} {r.key}  {'hit' if r.hit else r.reason}")
     return 0

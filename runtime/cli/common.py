@@ -41,6 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             groups[meta["group"]] = parser.add_argument_group(meta["group"])
         g = groups[meta["group"]]
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        flags = (flag, meta["short"]) if meta.get("short") else (flag,)
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if _FIELD_TYPES[f.name] is bool:
             # "--no-x" switches a default-on option off; others ("--enforce-eager") switch one on.
@@ -49,7 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             g.add_argument(flag, dest=f.name, action="append", default=[], metavar="NAME", help=meta["help"])
         else:
             shown = f" (default {default})" if default is not None else ""
-            g.add_argument(flag, dest=f.name, type=_flag_type(f.name), default=default, choices=meta["choices"],
+            g.add_argument(*flags, dest=f.name, type=_flag_type(f.name), default=default, choices=meta["choices"],
                            help=meta["help"] + shown)
     cache = groups.setdefault("compile cache", parser.add_argument_group("compile cache"))
     cache.add_argument("--buckets", nargs="+", default=[], metavar="KIND:N,N",

@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.outputs import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.tp_worker import WorkerFailedError
 
 logger = logging.getLogger("kiln.runtime.serving.async_engine")
 
@@ -165,6 +166,7 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, timeout)
             if self._thread.is_alive():
                 logger.warning("engine thread did not stop within %.0fs", timeout)
+        await asyncio.to_thread(self.engine.shutdown)  # tensor-parallel workers, if any
 
     @property
     def is_healthy(self) -> bool:
@@ -309,7 +311,14 @@ class AsyncLLMEngine:
             if not affected:
                 affected = set(self._live)
             logger.exception("engine step failed; failing %d request(s): %s", len(affected), sorted(affected))
-            error = EngineStepError(f"the engine failed while running this request: {type(e).__name__}: {e}")
+            error: Exception = EngineStepError(
+                f"the engine failed while running this request: {type(e).__name__}: {e}")
+            if isinstance(e, WorkerFailedError):
+                # A lost tensor-parallel worker ends the engine: /health turns 503, and this
+                # and every later request get 503 (engine stopped), not a 500 per request.
+                self._fatal = e
+                affected = set(self._live)
+                error = EngineStoppedError(f"the engine stopped: {e}")
             for rid in affected:
                 self._abort_in_engine(rid)
             self._post([], [(rid, error) for rid in affected])

@@ -1,0 +1,60 @@
+"""One rank's model: the graph (cache or capture, kiln.compiler.startup), its weights loaded
+and transformed, and runners over KV caches. The engine uses it for a single-GPU model; each
+tensor-parallel worker (kiln.runtime.tp_worker) for its rank."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kiln.compiler.model_source import ModelSource
+from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
+from kiln.passes.weight_transforms import apply_weight_transforms, fp8_weight_names, shard_transforms
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.model_runner import ModelRunner
+
+
+@dataclass
+class LoadedModel:
+    prepared: PreparedModel
+    weights: dict[str, torch.Tensor]
+    device: torch.device
+
+    def make_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+        spec = self.prepared.spec
+        return ModelRunner(self.prepared.graph_fn, spec.input_roles, self.weights, spec.constants, kv_caches,
+                           self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan)
+
+
+def load_model(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: torch.device,
+               timings: dict[str, float], tp_rank: int = 0) -> LoadedModel:
+    """The graph of rank `tp_rank` (of config.tensor_parallel_size) and that rank's weights.
+
+    A sharded graph's weight transforms say which slice of each tensor the rank holds; the
+    loader reads only those slices, then the other transforms (merged QKV / gate-up, FP8
+    quantization) run. A pre-quantized checkpoint's FP8 tensors that the graph takes in FP8
+    load as they are."""
+    # With the model's config: a pre-quantized checkpoint implies quantization="fp8".
+    options = dataclasses.replace(config.compile_options(source.config), tp_rank=tp_rank)
+    prepared = prepare_for_engine(options, source.config, dtype, device, raw_config=source.raw_config)
+    timings.update(prepared.report.timings)
+    with timed(timings, "load weights"):
+        transforms = prepared.spec.weight_transforms
+        weights = source.load_weights(prepared.spec.param_aliases, dtype, device, progress=config.progress,
+                                      keep_fp8=fp8_weight_names(transforms), shards=shard_transforms(transforms))
+        # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
+        weights = apply_weight_transforms(weights, transforms, skip_shards=True)
+    return LoadedModel(prepared=prepared, weights=weights, device=device)
+
+
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """This process's peak host memory (RSS) and, on CUDA, its peak device allocation, in bytes."""
+    import resource
+
+    out: dict[str, Any] = {"host_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if device.type == "cuda":
+        out["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out

@@ -1,0 +1,203 @@
+"""A tensor-parallel worker: one rank's model, KV cache and runner, in its own process.
+
+The same `RankWorker` serves both executors (kiln.runtime.tp_executor): a process started by
+the engine on this host (`worker_process_main`, the `mp` backend) or a Ray actor (the `ray`
+backend). It joins the group's `torch.distributed` process group (NCCL on CUDA, gloo on CPU),
+builds its rank's graph (kiln.passes.shard_tensor_parallel), reads only its slices of the
+weights, and then runs every step the engine sends it; only rank 0 sends logits back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kiln.compiler.graph_inputs import StepInputs
+from kiln.compiler.model_source import resolve_model
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.kv_cache import allocate_kv_cache, cuda_graph_sizes, size_kv_cache
+from kiln.runtime.model_loading import load_model, peak_memory
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel worker died or raised; the engine cannot go on. Names the rank."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"tensor-parallel worker rank {rank} {message}")
+        self.rank = rank
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to start: the engine's options and its place in the group."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    init_method: str  # torch.distributed rendezvous (file:// on one host, tcp:// across hosts)
+    max_model_len: int
+    # CUDA device index on its host (None: use the rank, or the only GPU Ray gave the actor).
+    local_device: int | None = None
+    # `mp` backend: a shared-memory block (name, rows) rank 0 writes the logits of a step of
+    # up to `rows` sampled rows into, instead of sending them through the socket.
+    logits_shm: tuple[str, int] | None = None
+
+
+class RankWorker:
+    """One rank of the group. Methods are called in order: `report` (after start-up),
+    `allocate_kv_cache(num_blocks)` once, then `execute` per step, then `shutdown`."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        # One set of progress bars (rank 0's), not one per rank on the same terminal.
+        config = dataclasses.replace(spec.config, progress=spec.config.progress and spec.rank == 0)
+        engine_device = config.resolved_device()
+        if engine_device.type == "cuda":
+            index = spec.local_device if spec.local_device is not None else spec.rank % torch.cuda.device_count()
+            self.device = torch.device("cuda", index)
+            torch.cuda.set_device(self.device)
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+            # The ranks share the host's cores: each its share, or their OpenMP threads spin
+            # against each other at every collective (on 2 cores, TP=2 decode ran 10x slower).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+        self.timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        dist.init_process_group(backend, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size,
+                                **({"device_id": self.device} if backend == "nccl" else {}))
+        self.timings["join process group"] = time.perf_counter() - t0
+        source = resolve_model(config.model, config.load_format, revision=config.revision,
+                               download_dir=config.download_dir)
+        self.model_config = source.config
+        self.dtype = config.resolved_dtype(self.device)
+        self.config = config
+        self.model = load_model(config, source, self.dtype, self.device, self.timings, tp_rank=spec.rank)
+        self.memory_after_load = peak_memory(self.device)
+        self.num_blocks, self.activation_peak_bytes = size_kv_cache(
+            config, self.model_config, self.dtype, self.device, spec.max_model_len, self.model.make_runner)
+        self.runner: Any = None
+
+    def report(self) -> dict[str, Any]:
+        """Start-up facts the engine logs and combines: blocks that fit, memory, timings."""
+        return {"rank": self.spec.rank, "num_blocks": self.num_blocks, "device": str(self.device),
+                "activation_peak_bytes": self.activation_peak_bytes, "memory": self.memory_after_load,
+                "timings": dict(self.timings), "startup_report": self.model.prepared.report,
+                "pid": os.getpid()}
+
+    def allocate_kv_cache(self, num_blocks: int) -> dict[str, Any]:
+        """The KV cache of `num_blocks` blocks (the smallest any rank fits), the runner, and
+        on CUDA this rank's decode CUDA graphs (every rank captures its own)."""
+        config = self.config
+        kv = allocate_kv_cache(config, self.model_config, num_blocks, self.dtype, self.device)
+        self.runner = self.model.make_runner(kv)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            t0 = time.perf_counter()
+            self.runner.capture_decode_graphs(cuda_graph_sizes(self.model.prepared.plan),
+                                              -(-self.spec.max_model_len // config.block_size))
+            self.timings["capture CUDA graphs"] = time.perf_counter() - t0
+        return peak_memory(self.device)
+
+    def execute(self, inputs: dict[str, Any], input_ids: Any, as_numpy: bool = True) -> Any:
+        """Run one step on this rank (inputs as numpy arrays); rank 0 returns the logits (a
+        numpy array on the host, or with `as_numpy=False` the tensor where it is), the others None."""
+        # Copies: Ray passes read-only views of its object store (and they are a few KB).
+        step = StepInputs({name: torch.from_numpy(a.copy()) for name, a in inputs.items()})
+        ids = torch.from_numpy(input_ids.copy()).to(self.device) if input_ids is not None else None
+        logits = self.runner.execute(step, ids)
+        if self.spec.rank != 0:
+            return None
+        return logits.cpu().numpy() if as_numpy else logits
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker never outlives the engine: if the engine process dies (even by SIGKILL, which
+    runs no clean-up), its workers exit within a second."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+class LogitsBuffer:
+    """Rank 0's view of the engine's shared-memory logits block (kiln.runtime.tp_executor):
+    at batch 64 and a 128k vocabulary a step's logits are 33 MB, which through the socket
+    cost three copies and a pickle; here they cost one copy, straight from the device."""
+
+    def __init__(self, name: str, rows: int):
+        from multiprocessing import resource_tracker, shared_memory
+
+        self.shm = shared_memory.SharedMemory(name=name)
+        # The engine owns the block; this process's tracker must not unlink it at exit.
+        resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.flat = torch.frombuffer(self.shm.buf, dtype=torch.float32)
+        self.rows = rows
+
+    def write(self, logits: Any) -> tuple[str, int, int] | None:
+        """("shm", rows, vocab) once `logits` is in the block; None if it does not fit."""
+        if logits.dim() != 2 or logits.shape[0] * logits.shape[1] > self.flat.numel():
+            return None
+        rows, vocab = logits.shape
+        self.flat[: rows * vocab].view(rows, vocab).copy_(logits)
+        return ("shm", rows, vocab)
+
+
+def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
+    """The `mp` backend's worker process: messages from the engine on `conn`, in order:
+    ("allocate", num_blocks), ("step", inputs, input_ids)..., ("shutdown",). It answers
+    ("ready", report), ("allocated", memory), rank 0 ("logits", tensor) per step, or
+    ("error", traceback) before exiting when anything raises."""
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    worker = None
+    try:
+        worker = RankWorker(spec)
+        buffer = LogitsBuffer(*spec.logits_shm) if spec.logits_shm and spec.rank == 0 else None
+        conn.send(("ready", worker.report()))
+        while True:
+            message = conn.recv()
+            kind = message[0]
+            if kind == "step":
+                logits = worker.execute(message[1], message[2], as_numpy=buffer is None)
+                if logits is not None:
+                    conn.send(("logits", (buffer.write(logits) if buffer is not None else None)
+                               or (logits if buffer is None else logits.cpu().numpy())))
+            elif kind == "allocate":
+                conn.send(("allocated", worker.allocate_kv_cache(message[1])))
+            elif kind == "shutdown":
+                break
+    except EOFError:
+        pass  # the engine went away
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        os._exit(1)  # a peer may be blocked in a collective with us: do not wait for clean-up
+    if worker is not None:
+        worker.shutdown()
+
+
+def main(argv: list[str]) -> None:
+    """A worker process's entry point (`main([ADDRESS, RANK])`, as the `mp` executor starts it): connect
+    to the engine (key in $KILN_TP_AUTHKEY), say which rank, receive the WorkerSpec, serve."""
+    from multiprocessing.connection import Client
+
+    address, rank = argv[0], int(argv[1])
+    conn = Client(address, "AF_UNIX", authkey=bytes.fromhex(os.environ.pop("KILN_TP_AUTHKEY")))
+    conn.send(rank)
+    spec = conn.recv()
+    worker_process_main(spec, conn, os.getppid())
+

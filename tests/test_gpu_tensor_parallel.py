@@ -1,0 +1,121 @@
+"""Tensor parallelism on GPUs: the collective ops captured inside a CUDA graph (a one-GPU
+process group), and, where two GPUs exist, TP=2 over NCCL: greedy tokens of TP=1, a killed
+worker failing the engine naming its rank, `kiln serve -tp 2` answering the openai client.
+CPU versions of the TP=2 tests: tests/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
+def _collectives_in_cuda_graph(init_file: str) -> None:
+    import torch.distributed as dist
+
+    import kiln.kernels  # noqa: F401  (registers kiln::all_reduce, kiln::all_gather)
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        x = torch.ones(8, 4096, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture (NCCL's communicator)
+            torch.ops.kiln.all_reduce(x)
+            torch.ops.kiln.all_gather(x, -1, 1)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            reduced = torch.ops.kiln.all_reduce(x * 2)
+            gathered = torch.ops.kiln.all_gather(x + 1, -1, 1)
+        x.fill_(3.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(reduced, torch.full_like(x, 6.0))  # the replay read the new x
+        assert torch.equal(gathered, torch.full_like(x, 4.0))
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_cuda
+def test_collectives_captured_in_a_cuda_graph(tmp_path: Path) -> None:
+    import multiprocessing
+
+    # Its own process: the process group must not leak into the other tests.
+    ctx = multiprocessing.get_context("spawn")
+    p = ctx.Process(target=_collectives_in_cuda_graph, args=(str(tmp_path / "init"),))
+    p.start()
+    p.join(300)
+    assert p.exitcode == 0
+
+
+@needs_two
+@pytest.mark.parametrize("arch", ["llama", "llama-kv1", "qwen3", "mixtral"])
+def test_tp2_nccl_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
+    from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _save, _tokens
+
+    from kiln.runtime.llm import LLM
+
+    model = str(_save(arch, tmp_path / arch))
+    # float32: bf16 sums in another order (the all-reduce) may flip a near-tie.
+    options = dict(OPTIONS, dtype="float32", gpu_memory_utilization=0.3)
+    tp1 = LLM(model, **options)
+    expected = _tokens(tp1.generate(PROMPTS, GREEDY))
+    del tp1
+    torch.cuda.empty_cache()
+    llm = LLM(model, tensor_parallel_size=2, **options)
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+        assert [r["device"] for r in llm.engine.executor.reports] == ["cuda:0", "cuda:1"]
+        assert all(r["memory"]["device_peak_bytes"] > 0 for r in llm.engine.executor.reports)
+    finally:
+        llm.engine.shutdown()
+
+
+@needs_two
+def test_tp2_nccl_killed_worker(tmp_path: Path) -> None:
+    from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _alive, _save
+
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.tp_worker import WorkerFailedError
+
+    llm = LLM(str(_save("llama", tmp_path / "llama")), tensor_parallel_size=2, gpu_memory_utilization=0.3, **OPTIONS)
+    pids = llm.engine.executor.worker_pids
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="rank 1"):
+        llm.generate(PROMPTS, GREEDY)
+    assert time.monotonic() - t0 < 60
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+@needs_two
+def test_serve_tp2_nccl_openai_client(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import openai
+    from runtime_text_model import text_model_dir
+    from server_process import start_server
+
+    model = str(text_model_dir(tmp_path_factory))
+    server = start_server(model, "-tp", "2", "--max-model-len", "128", "--max-num-seqs", "8",
+                          "--gpu-memory-utilization", "0.3")
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+        done = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=6, temperature=0)
+        assert done.choices[0].text and done.usage.completion_tokens == 6
+    finally:
+        server.stop()
