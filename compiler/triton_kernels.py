@@ -37,6 +37,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import tarfile
 import tempfile
 import time
@@ -263,6 +264,7 @@ def capture_triton_kernels(scratch_root: Path) -> Iterator[TritonCapture]:
     scratch_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="triton-", dir=scratch_root) as d:
         folder = Path(d)
+        outer = triton_cache_dir()
         with _pointed_at(folder), count_triton_compiles() as count:
             capture = TritonCapture(count=count)
             yield capture
@@ -270,4 +272,42 @@ def capture_triton_kernels(scratch_root: Path) -> Iterator[TritonCapture]:
             capture.reason = ("no Triton kernel was compiled (this process had run them already), so the folder "
                               "would hold only some of them")
             return
+        _add_driver_modules(outer, folder)
         capture.data, capture.num_kernels = pack_triton_folder(folder)
+
+
+# Triton's driver builds its utility module (`cuda_utils`) and each kernel signature's
+# launcher with the C compiler on first use, and keeps them in the cache folder of that
+# moment: when this process ran Triton kernels before a capture began (Inductor's compile of
+# a bucket does), they are in the outer folder, not the private one, and a server starting
+# from the entry would build them again. Those this process built are added.
+_DRIVER_MODULES = ("cuda_utils*.so", "hip_utils*.so", "__triton_launcher*.so")
+
+
+def _process_start_time() -> float:
+    try:
+        return os.stat(f"/proc/{os.getpid()}").st_ctime
+    except OSError:
+        return time.time()  # unknown: add none
+
+
+def _add_driver_modules(outer: Path, folder: Path) -> None:
+    since = _process_start_time() - 1.0
+    for pattern in _DRIVER_MODULES:
+        for path in outer.glob(f"*/{pattern}") if outer.is_dir() else []:
+            if path.stat().st_mtime < since:
+                continue
+            target = folder / path.parent.name / path.name
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
+
+
+def merge_triton_entries(entries: list[bytes], scratch_root: Path) -> tuple[bytes, int]:
+    """Stored kernel entries as one (e.g. a setup's entry and the kernels a later workload
+    compiled), with the number of kernels it holds."""
+    scratch_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="triton-merge-", dir=scratch_root) as d:
+        for data in entries:
+            restore_triton_kernels(data, Path(d))
+        return pack_triton_folder(Path(d))

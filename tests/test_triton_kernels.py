@@ -167,3 +167,35 @@ def test_a_damaged_entry_is_dropped_and_taken_again(tmp_path: Path, monkeypatch:
         assert run_every_bucket  # taken again
         compile_in_triton("9" * 64, "_rms_norm_kernel")
     assert "cached (1 kernels" in report.triton
+
+
+def test_driver_module_built_before_a_capture_joins_the_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's driver module (cuda_utils) is built once per process, in whatever folder is
+    current then: a capture that begins later takes it from there, or a server would build it."""
+    from kiln.compiler.triton_kernels import capture_triton_kernels
+
+    outer = tmp_path / "outer"
+    (outer / ("a" * 64)).mkdir(parents=True)
+    (outer / ("a" * 64) / "cuda_utils.cpython-312-x86_64-linux-gnu.so").write_bytes(b"so")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(outer))
+    with capture_triton_kernels(tmp_path / "scratch") as capture:
+        compile_in_triton("b" * 64, "_rms_norm_kernel")
+    assert capture.data is not None
+    restored = tmp_path / "restored"
+    restore_triton_kernels(capture.data, restored)
+    assert (restored / ("a" * 64) / "cuda_utils.cpython-312-x86_64-linux-gnu.so").is_file()
+
+
+def test_merged_entries_hold_the_kernels_of_both(tmp_path: Path) -> None:
+    from kiln.compiler.triton_kernels import merge_triton_entries
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    write_kernel(first, "c" * 64, "_rms_norm_kernel")
+    write_kernel(second, "d" * 64, "_rms_norm_kernel")  # another specialisation of the same kernel
+    data, kernels = merge_triton_entries([pack_triton_folder(first)[0], pack_triton_folder(second)[0]],
+                                         tmp_path / "scratch")
+    assert kernels == 2
+    out = tmp_path / "out"
+    assert restore_triton_kernels(data, out) == 6
+    grp = json.loads((out / ("d" * 64) / "__grp___rms_norm_kernel.json").read_text())
+    assert all(Path(p).is_file() and out in Path(p).parents for p in grp["child_paths"].values())

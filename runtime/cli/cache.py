@@ -259,15 +259,49 @@ def _take_triton_kernels(args: argparse.Namespace, setup: Any, mode: str) -> int
           file=sys.stderr)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
-    seconds = time.perf_counter() - t0
     report = engine.startup_report
     with _store(args) as store:
+        extra = _serve_a_workload(engine, store, key) if key in store else ""
         manifest = store.manifest(key)
+    seconds = time.perf_counter() - t0
     del engine
     print_table([["triton-kernels", "stored" if manifest is not None else "not stored",
                   _size(manifest.size) if manifest is not None else "-", key]], ["entry", "result", "size", "key"])
-    print(f"{report.triton} ({seconds:.1f}s)")
+    print(f"{report.triton}{extra} ({seconds:.1f}s)")
     return 0 if manifest is not None else 1
+
+
+def _serve_a_workload(engine: Any, store: Any, key: str) -> str:
+    """Serve a few requests of mixed lengths (chunked prefills, decode batches of several
+    sizes) after start-up, Triton pointed at a fresh folder: kernel variants that only real
+    steps meet (they are specialised on values start-up's warm-up did not use) are compiled
+    there and added to the entry. Returns what was added, for the summary line."""
+    from kiln.cache.manifest import Manifest
+    from kiln.compiler.triton_kernels import capture_triton_kernels, merge_triton_entries
+    from kiln.runtime.sampling_params import SamplingParams
+
+    vocab = int(engine.model_config.vocab_size)
+    longest = max(1, min(engine.max_model_len - 9, engine.config.max_num_batched_tokens + 7))
+    lengths = sorted({1, 3, 17, min(100, longest), longest})
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with capture_triton_kernels(store.root / "tmp") as capture:
+        for i, n in enumerate(lengths):
+            engine.add_request(f"kiln-compile-warm-{i}", [(7 * j + i) % vocab for j in range(n)], params)
+        while engine.has_unfinished():
+            engine.step()
+    if capture.data is None:
+        return ""
+    entry = store.get(key)
+    old = store.manifest(key)
+    if entry is None or old is None:
+        return ""
+    data, kernels = merge_triton_entries([entry.data, capture.data], store.root / "tmp")
+    extra = {**old.extra, "kernels": kernels, "compiled_serving": capture.count.compiled}
+    with store.lock(key):
+        store.delete(key)
+        store.put(Manifest(key=key, kind=old.kind, label=old.label, model=old.model, factors=old.factors,
+                           checksum="", size=0, created=old.created, extra=extra), data)
+    return f"; {capture.count.compiled} more compiled while serving a few requests, added ({kernels} kernels)"
 
 
 # ---- kiln cache ... --------------------------------------------------------------------------
