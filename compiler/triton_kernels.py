@@ -295,7 +295,9 @@ def _add_driver_modules(outer: Path, folder: Path) -> None:
     since = _process_start_time() - 1.0
     for pattern in _DRIVER_MODULES:
         for path in outer.glob(f"*/{pattern}") if outer.is_dir() else []:
-            if path.stat().st_mtime < since:
+            # The driver's module is one per Triton build (an earlier process may have built
+            # it); launchers are one per kernel signature: only this process's.
+            if pattern.startswith("__triton_launcher") and path.stat().st_mtime < since:
                 continue
             target = folder / path.parent.name / path.name
             if not target.exists():
