@@ -58,7 +58,7 @@ def test_show_phases(capsys, llama_dir) -> None:
 
     code, out, _ = run_kiln(capsys, "passes", "show", llama_dir, "--phase", "normalize", "--json")
     normalized = json.loads(out)
-    assert [p["name"] for p in normalized["passes"]] == ["normalize"]
+    assert [p["name"] for p in normalized["passes"]] == ["normalize", "shard_tensor_parallel"]  # a no-op at tp=1
     assert "aten._assert_tensor_metadata.default" not in normalized["op_counts"]
     assert normalized["passes"][0]["stats"]["asserts_removed"] == captured["op_counts"]["aten._assert_tensor_metadata.default"]
     assert "def forward" in normalized["code"] and "kiln.attention.default" in normalized["code"]
