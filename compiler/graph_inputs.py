@@ -83,6 +83,16 @@ def role_of(node: torch.fx.Node) -> InputRole | None:
     return InputRole.parse(tag) if tag is not None else None
 
 
+def param_name(node: object) -> str | None:
+    """The parameter name of a `param:` placeholder (what passes key weight transforms by),
+    or None for any other node."""
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+        role = role_of(node)
+        if role is not None and role.kind is RoleKind.PARAM:
+            return role.name
+    return None
+
+
 def graph_input_roles(gm: torch.fx.GraphModule) -> list[str]:
     """The role tag of each placeholder, in call order."""
     roles = []

@@ -313,15 +313,22 @@ def prepare_eager(setup: ModelSetup) -> PreparedModel:
     return PreparedModel(spec=graph.spec(), plan=setup.plan, report=report, graph=graph)
 
 
-def _read_spec(store: ArtifactStore, key: str) -> GraphSpec | None:
+def _read_entry(store: ArtifactStore, key: str, parse: Callable[[bytes], Any],
+                errors: type[Exception] | tuple[type[Exception], ...]) -> Any:
+    """`parse` of the entry's bytes; None when it is missing, or when it does not parse (then
+    it is dropped as corrupt, to be rebuilt)."""
     entry = store.get(key)
     if entry is None:
         return None
     try:
-        return GraphSpec.from_bytes(entry.data)
-    except GraphSpecError as e:
+        return parse(entry.data)
+    except errors as e:
         store.drop(key, str(e))
         return None
+
+
+def _read_spec(store: ArtifactStore, key: str) -> GraphSpec | None:
+    return _read_entry(store, key, GraphSpec.from_bytes, GraphSpecError)
 
 
 def _cache_miss_error(store: ArtifactStore, what: str, missing: list[tuple[str, str, str, dict[str, Any]]],
@@ -762,17 +769,9 @@ def config_lookup(options: CompileOptions) -> Callable[[dict[str, Any]], ConfigS
     def lookup(raw: dict[str, Any]) -> ConfigSnapshot | None:
         if not root.is_dir():
             return None
-        key = config_snapshot_key(raw)
         try:
             with ArtifactStore(str(root)) as store:
-                entry = store.get(key)
-                if entry is None:
-                    return None
-                try:
-                    return ConfigSnapshot.from_bytes(entry.data)
-                except ModelSourceError as e:
-                    store.drop(key, str(e))
-                    return None
+                return _read_entry(store, config_snapshot_key(raw), ConfigSnapshot.from_bytes, ModelSourceError)
         except CacheStoreError as e:
             logger.debug("config snapshot not read (%s)", e)
             return None

@@ -18,19 +18,12 @@ from collections import defaultdict
 
 import torch
 
-from kiln.compiler.graph_inputs import RoleKind, add_graph_input, param_role, role_of
+from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.passes.base import PassContext, PassStats
 from kiln.passes.weight_transforms import ConcatWeights
 
 aten = torch.ops.aten
 
-
-def _param_name(node: object) -> str | None:
-    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
-        role = role_of(node)
-        if role is not None and role.kind is RoleKind.PARAM:
-            return role.name
-    return None
 
 
 def _fake_val(target: object, *args: object) -> torch.Tensor | None:
@@ -58,7 +51,7 @@ def merge_sibling_linears(gm: torch.fx.GraphModule, ctx: PassContext, members: t
     graph = gm.graph
     groups: dict[tuple[torch.fx.Node, str], dict[str, torch.fx.Node]] = defaultdict(dict)
     for node in graph.find_nodes(op="call_function", target=aten.linear.default):
-        weight_name = _param_name(node.args[1])
+        weight_name = param_name(node.args[1])
         split = _split_name(weight_name, members, "weight") if weight_name else None
         if split is None:
             continue
@@ -79,7 +72,7 @@ def _mergeable(linears: list[torch.fx.Node]) -> bool:
         return False
     for n in linears:
         params = [n.args[1]] + ([n.args[2]] if len(n.args) > 2 and n.args[2] is not None else [])
-        if any(_param_name(p) is None or len(p.users) != 1 for p in params):
+        if any(param_name(p) is None or len(p.users) != 1 for p in params):
             return False  # a weight someone else reads (tied, shared) keeps its own input
         if n.kwargs:
             return False
@@ -98,7 +91,7 @@ def _merge_group(gm: torch.fx.GraphModule, ctx: PassContext, x: torch.fx.Node, p
         name = f"{prefix}{merged}.{leaf}"
         placeholder = add_graph_input(gm, name.replace(".", "_"), param_role(name),
                                       _fake_val(lambda *ts: torch.cat(ts, 0), *params))
-        ctx.weight_transforms.append(ConcatWeights(output=name, inputs=tuple(_param_name(p) for p in params), dim=0))
+        ctx.weight_transforms.append(ConcatWeights(output=name, inputs=tuple(param_name(p) for p in params), dim=0))
         new_inputs.append(placeholder)
     first = min(linears, key=lambda n: list(graph.nodes).index(n))
     with graph.inserting_before(first):

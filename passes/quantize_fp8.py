@@ -24,7 +24,7 @@ import operator
 
 import torch
 
-from kiln.compiler.graph_inputs import RoleKind, add_graph_input, param_role, role_of
+from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
 from kiln.kernels.fp8 import FP8_DTYPE, add_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
@@ -37,13 +37,6 @@ from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
 
 aten = torch.ops.aten
 
-
-def _param_name(node: object) -> str | None:
-    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
-        role = role_of(node)
-        if role is not None and role.kind is RoleKind.PARAM:
-            return role.name
-    return None
 
 
 def _is_router(name: str) -> bool:
@@ -66,7 +59,7 @@ class QuantizeFP8Pass(KilnPass):
         replaced = kept = 0
         for node in list(graph.find_nodes(op="call_function", target=aten.linear.default)):
             weight = node.args[1] if len(node.args) > 1 else None
-            name = _param_name(weight)
+            name = param_name(weight)
             if name is None:
                 continue  # a product of activations, not a projection of a weight
             if node is head or weight in embedded or _is_router(name):

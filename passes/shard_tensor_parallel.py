@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.graph_inputs import RoleKind, role_of
+from kiln.compiler.graph_inputs import param_name
 from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.prune_logits import find_lm_head
@@ -105,13 +105,6 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={intermediate}")
 
 
-def _param_name(node: Any) -> str | None:
-    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
-        role = role_of(node)
-        if role is not None and role.kind is RoleKind.PARAM:
-            return role.name
-    return None
-
 
 class _Plan:
     """The row ranges of rank r for each kind of projection output."""
@@ -168,7 +161,7 @@ class ShardTensorParallelPass(KilnPass):
         new_shapes: dict[torch.fx.Node, list[int]] = {}
 
         def shard(param: torch.fx.Node, dim: int, ranges: list[tuple[int, int]], size: int) -> None:
-            name = _param_name(param)
+            name = param_name(param)
             assert name is not None  # callers pass parameter placeholders only
             transform = ShardWeight(name=name, dim=dim, ranges=tuple(ranges), size=size)
             if shards.setdefault(name, transform) != transform:
@@ -192,7 +185,7 @@ class ShardTensorParallelPass(KilnPass):
         unknown: list[str] = []
         for node in list(graph.find_nodes(op="call_function", target=aten.linear.default)):
             weight = node.args[1]
-            name = _param_name(weight)
+            name = param_name(weight)
             bias = node.args[2] if len(node.args) > 2 else None
             if name is None:
                 continue
@@ -235,7 +228,7 @@ class ShardTensorParallelPass(KilnPass):
                              f"{' ...' if len(unknown) > 4 else ''}")
         for node in list(graph.find_nodes(op="call_function", target=aten.embedding.default)):
             weight = node.args[0]
-            if _param_name(weight) is None:
+            if param_name(weight) is None:
                 continue
             (start, stop), size = plan.vocab(weight.meta["val"].shape[0])
             shard(weight, 0, [(start, stop)], size)
@@ -276,7 +269,7 @@ class ShardTensorParallelPass(KilnPass):
         [T, H] message per layer rather than one per routed token."""
         count = 0
         for node in gm.graph.find_nodes(op="placeholder"):
-            name = _param_name(node)
+            name = param_name(node)
             match = _EXPERTS.search(name or "")
             if match is None:
                 continue
