@@ -14,6 +14,9 @@ the engine that built the entry warmed every bucket up.
   cubins, their metadata, the launcher modules Triton builds with the C compiler) are the
   entry. A process that already ran some kernels (they live in Triton's in-memory cache,
   so nothing is compiled and no file appears) stores nothing: the entry would be partial.
+  `kiln compile` then serves a few requests and merges in any variant only real steps meet
+  (`merge_triton_entries`); the driver's module and launchers this process built before
+  the capture began are taken from the outer folder.
 - **Putting them back.** A warm start unpacks the entry into Triton's cache folder, whatever
   it is (`restore_triton_kernels`), before the first kernel runs; Triton then finds every
   kernel there. Triton's group files hold absolute paths to their members, so they are
@@ -51,7 +54,7 @@ logger = logging.getLogger("kiln.compiler")
 
 __all__ = ["TRITON_KERNELS_KIND", "TRITON_KERNELS_FORMAT", "TritonKernelsError", "TritonCompileCount",
            "count_triton_compiles", "capture_triton_kernels", "restore_triton_kernels", "pack_triton_folder",
-           "triton_cache_dir"]
+           "merge_triton_entries", "listener_available", "triton_cache_dir"]
 
 TRITON_KERNELS_FORMAT = "triton-files/1"
 _GROUP_PREFIX = "__grp__"
