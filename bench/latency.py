@@ -22,6 +22,18 @@ import torch
 import bench_common as bc
 
 
+def hf_decode_runs(model: torch.nn.Module, batches: list[int], prompt_len: int, steps: int, vocab: int,
+                   weight_bytes: int) -> dict[str, dict[str, float]]:
+    """`hf_decode` at each batch size, with the weight bandwidth it achieved, printed as it goes."""
+    runs = {}
+    for b in batches:
+        r = hf_decode(model, b, prompt_len, steps, vocab, seed=b)
+        r["achieved_bandwidth_tb_s"] = weight_bytes * r["steps_per_s"] / 1e12
+        runs[str(b)] = r
+        print(f"[hf] batch {b}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+    return runs
+
+
 def kiln_decode(engine: Any, batch: int, prompt_len: int, steps: int, vocab: int, seed: int) -> dict[str, float]:
     from kiln.runtime.sampling_params import SamplingParams
 
@@ -107,12 +119,10 @@ def main() -> None:
 
     if not args.no_baseline:  # first: the KV cache Kiln sizes from free memory would crowd it out
         model = bc.hf_model(config, dtype, device)
-        result["baseline"] = {"name": "transformers eager (sdpa)", "runs": {}}
-        for b in [int(x) for x in (args.hf_batch_sizes or args.batch_sizes).split(",")]:
-            r = hf_decode(model, b, args.prompt_len, args.hf_steps, config.vocab_size, seed=b)
-            r["achieved_bandwidth_tb_s"] = wbytes * r["steps_per_s"] / 1e12
-            result["baseline"]["runs"][str(b)] = r
-            print(f"[hf] batch {b}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+        hf_batches = [int(x) for x in (args.hf_batch_sizes or args.batch_sizes).split(",")]
+        result["baseline"] = {"name": "transformers eager (sdpa)",
+                              "runs": hf_decode_runs(model, hf_batches, args.prompt_len, args.hf_steps,
+                                                     config.vocab_size, wbytes)}
         del model
         bc.free_cuda()
 

@@ -165,25 +165,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         if not args.files:
             p.error("--serve needs the bench/serve.py result files")
-        curves = serve_curves(args.files)
-        try:
-            draw_serve(curves, args.out)
-        except ImportError:
-            print("plot_results: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
-            return 1
-        print(json.dumps(curves, indent=1))
-        return 0
+        return _draw_and_print(draw_serve, serve_curves(args.files), args.out)
     runs = load(args.files or sorted(RESULTS.glob("*.json")))
     if not runs:
         print("plot_results: no latency or throughput results found", file=sys.stderr)
         return 1
-    figs = figures(runs)
+    return _draw_and_print(draw, figures(runs), args.out)
+
+
+def _draw_and_print(draw_fn: Any, data: Any, out: Path) -> int:
+    """Draw `data` into `out` with `draw_fn` and print it as JSON; 1 without matplotlib."""
     try:
-        draw(figs, args.out)
+        draw_fn(data, out)
     except ImportError:
         print("plot_results: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         return 1
-    print(json.dumps(figs, indent=1))
+    print(json.dumps(data, indent=1))
     return 0
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import bench_common as bc
-from latency import hf_decode, kiln_decode
+from latency import hf_decode_runs, kiln_decode
 from throughput import kiln_throughput, workload
 
 
@@ -79,12 +79,9 @@ def main() -> None:
                                              f"({free / 2**30:.0f} GiB free)"}
         else:
             model = bc.hf_model(config, dtype, device)
-            result["baseline"] = {"name": "transformers eager (sdpa), one device", "runs": {}}
-            for b in batches:
-                r = hf_decode(model, b, args.prompt_len, args.hf_steps, config.vocab_size, seed=b)
-                r["achieved_bandwidth_tb_s"] = wbytes * r["steps_per_s"] / 1e12
-                result["baseline"]["runs"][str(b)] = r
-                print(f"[hf] batch {b}: {r['tokens_per_s']:.1f} tokens/s", flush=True)
+            result["baseline"] = {"name": "transformers eager (sdpa), one device",
+                                  "runs": hf_decode_runs(model, batches, args.prompt_len, args.hf_steps,
+                                                         config.vocab_size, wbytes)}
             del model
             bc.free_cuda()
 
