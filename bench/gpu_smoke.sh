@@ -7,7 +7,7 @@
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
-#                                         fp8_profile_throughput
+#                                         fp8_profile_throughput tp_tests allreduce tp70b tp8b
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -105,6 +105,18 @@ for stage in $STAGES; do
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
       run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
         tests/test_kernels_triton.py ;;
+    tp_tests)  # issues 14/15: one-shot all-reduce, TP=2 greedy = TP=1, killed worker, serve -tp 2 (2 GPUs)
+      run_stage tp_tests 400 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_tensor_parallel.py ;;
+    allreduce)  # issue 15: NCCL vs the one-shot all-reduce per message size, eager and in a CUDA graph
+      run_stage allreduce 90 $PY bench/allreduce.py --out "$OUT/allreduce.json" ;;
+    tp70b)  # issue 15: Llama-3-70B shape at TP=2: decode 1/8/64, then the 1,000-request offline workload
+      run_stage tp70b ${TP70B_LIMIT:-330} $PY bench/tp.py --model bench/llama3_70b.json --tensor-parallel-sizes 2 \
+        --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,2,4,8,16,32,64,128,256 --token-buckets 1024,4096,8192 \
+        --no-baseline --out "$OUT/tp70b.json" ;;
+    tp8b)  # issue 15: Llama-3-8B shape, TP=1 vs TP=2 (one-shot) vs TP=2 (NCCL only), decode 1/8/64
+      run_stage tp8b ${TP8B_LIMIT:-200} $PY bench/tp.py --model bench/llama3_8b.json --tensor-parallel-sizes 1,2 --nccl-too \
+        --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,8,64 --token-buckets 1024,8192 --num-requests 0 \
+        --no-baseline --out "$OUT/tp8b.json" ;;
     serve)  # issue 16: the QPS / P99 table (Llama-3-8B shape, dummy weights, SmolLM2 tokenizer); the
             # JSON is rewritten after every rate, so a stage cut at its limit keeps the rates it finished
       run_stage serve 580 $PY bench/serve.py --preset h200-llama3-8b --out "$OUT/serve.json" ;;
@@ -117,7 +129,7 @@ for stage in $STAGES; do
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput)"; status=2 ;;
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput tp_tests allreduce tp70b tp8b)"; status=2 ;;
   esac
 done
 exit $status

@@ -23,6 +23,8 @@ The baseline (transformers eager, one device) runs only where the weights fit on
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from typing import Any
 
@@ -51,6 +53,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the copy that measures bandwidth")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nccl-too", action="store_true",
+                        help="for each TP size > 1, also decode with every all-reduce through NCCL (the one-shot "
+                             "all-reduce off: $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=0), as run '<N>-nccl'")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(x) for x in args.tensor_parallel_sizes.split(",")]
@@ -91,7 +96,19 @@ def main() -> None:
     result["workload"] = {"requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
                           "output_len": args.output_len, "ignore_eos": True, "seed": args.seed}
     result["kiln"] = {}
-    for n in sizes:
+
+    def save_partial() -> None:
+        """What is done so far, in --out: it survives a run cut at its time limit."""
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+
+    runs = [(str(n), n, None) for n in sizes]
+    if args.nccl_too:
+        runs += [(f"{n}-nccl", n, "0") for n in sizes if n > 1]
+    for label, n, one_shot_max in runs:
+        if one_shot_max is not None:  # the workers inherit this process's environment
+            os.environ["KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES"] = one_shot_max
         t0 = time.perf_counter()
         llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                   tensor_parallel_size=n, max_num_seqs=max(args.max_num_seqs, max(batches)),
@@ -103,8 +120,11 @@ def main() -> None:
                                "startup_phases": dict(engine.timings)}
         if engine.executor is not None:
             run["ranks"] = [{"rank": r["rank"], "device": r["device"], "kv_blocks_fit": r["num_blocks"],
-                             "after_weights": r["memory"], "with_kv_cache": r.get("memory_with_kv_cache")}
+                             "after_weights": r["memory"], "with_kv_cache": r.get("memory_with_kv_cache"),
+                             "one_shot_all_reduce_max_bytes": r.get("one_shot_all_reduce_max_bytes"),
+                             "timings": r.get("timings")}
                             for r in engine.executor.reports]
+        result["kiln"][label] = run
         try:
             kiln_decode(engine, 1, args.prompt_len, 4, config.vocab_size, seed=999)  # warm-up
             run["decode"] = {}
@@ -113,17 +133,19 @@ def main() -> None:
                 r["achieved_bandwidth_tb_s"] = wbytes * r["steps_per_s"] / 1e12
                 r["percent_of_limit"] = 100 * wbytes * r["steps_per_s"] / (n * bandwidth)
                 run["decode"][str(b)] = r
-                print(f"[kiln tp={n}] batch {b}: {r['tokens_per_s']:.1f} tokens/s "
+                print(f"[kiln tp={label}] batch {b}: {r['tokens_per_s']:.1f} tokens/s "
                       f"({r['percent_of_limit']:.0f}% of the {n}-device limit)", flush=True)
-            if args.num_requests:
+            save_partial()
+            if args.num_requests and one_shot_max is None:
                 run["offline"] = kiln_throughput(llm, prompts, args.output_len)
-                print(f"[kiln tp={n}] offline: {run['offline']['output_tokens_per_s']:.0f} output tokens/s",
+                print(f"[kiln tp={label}] offline: {run['offline']['output_tokens_per_s']:.0f} output tokens/s",
                       flush=True)
         finally:
             engine.shutdown()
             del llm, engine
             bc.free_cuda()
-        result["kiln"][str(n)] = run
+            os.environ.pop("KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES", None)
+        save_partial()
     base = result.get("baseline", {}).get("runs")
     if base:
         result["speedup_vs_baseline"] = {

@@ -8,8 +8,14 @@ NCCL on CUDA, gloo on CPU. A graph whose collectives are ops is traced, compiled
 like any other (the fake implementations give the shapes; Inductor calls them opaquely).
 
 Both are out of place (a new tensor, the input left alone) so that the graph stays
-functional. On CUDA they are plain NCCL calls on the current stream, which a CUDA graph
-captures (NCCL supports stream capture): a decode step replays with its all-reduces inside.
+functional. On CUDA they run on the current stream, which a CUDA graph captures: a decode
+step replays with its all-reduces inside. An all-reduce is NCCL's, except for small messages
+once a worker has called `enable_one_shot_all_reduce`: then it is one kernel over
+peer-to-peer buffers (PyTorch's symmetric memory, `symm_mem::one_shot_all_reduce_copy`):
+each rank copies its input into its own buffer, the ranks meet at a barrier of signal pads,
+and each reads every peer's buffer over NVLink and sums. NCCL takes ~19 us for a
+decode-sized message even inside a CUDA graph (issue 15's measurement, two H200s); a 70B
+decode step has 160 of them. No NVLink multicast (the one-shot kernel uses plain peer loads).
 A process that never initialised a group gets the identity, so a graph can be run, e.g. in
 a test, without one; a group of one rank still runs the collective (what the CUDA-graph
 capture test on one GPU exercises).
@@ -17,10 +23,88 @@ capture test on one GPU exercises).
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from kiln.kernels.library import kiln_op
+
+
+logger = logging.getLogger("kiln.kernels")
+
+# Messages up to this many bytes take the one-shot path (when enabled): every rank reads
+# every peer's whole message, so the cost grows with size x ranks, and NCCL's ring/tree
+# algorithms win for large messages (prefill chunks). Overridden by
+# $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES; bench/allreduce.py measures both sides of it.
+ONE_SHOT_MAX_BYTES = 4 * 2**20
+
+
+@dataclass
+class OneShotAllReduce:
+    """This process's symmetric buffer for the one-shot all-reduce, rendezvoused over the
+    tensor-parallel group. One per process, like the process group it belongs to."""
+
+    buffer: torch.Tensor  # flat, of the model's activation dtype
+    group_name: str
+    max_bytes: int
+
+    def takes(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        # The kernel loads 16-byte vectors: the message must be made of whole ones.
+        return (x.dtype == self.buffer.dtype and x.device == self.buffer.device and 0 < nbytes <= self.max_bytes
+                and nbytes % 16 == 0)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        symm = self.buffer[: x.numel()].view(x.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(symm, x, "sum", self.group_name)
+
+
+_one_shot: OneShotAllReduce | None = None
+
+
+def enable_one_shot_all_reduce(dtype: torch.dtype, device: torch.device,
+                               max_bytes: int | None = None) -> OneShotAllReduce | None:
+    """Collective over the default group (every rank calls it, with the same arguments):
+    allocate and rendezvous this process's symmetric buffer, so that all-reduces of up to
+    `max_bytes` take the one-shot path. Returns None, leaving NCCL for everything, when
+    symmetric memory is not available here or fails on any rank (the ranks agree on it
+    through an NCCL all-reduce, so no rank takes a path the others do not)."""
+    global _one_shot
+    if max_bytes is None:
+        max_bytes = int(os.environ.get("KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES", ONE_SHOT_MAX_BYTES))
+    if not _in_group() or device.type != "cuda" or max_bytes <= 0:
+        return None
+    state = None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            with warnings.catch_warnings():  # deprecated (a no-op) in newer torch
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(group_name)
+        numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        state = OneShotAllReduce(buffer, group_name, max_bytes)
+    except Exception as e:  # no P2P between these GPUs, an old torch, ...
+        logger.warning("one-shot all-reduce unavailable (%s: %s); all-reduces go through NCCL",
+                       type(e).__name__, e)
+    ok = torch.tensor([1 if state is not None else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    _one_shot = state if int(ok.item()) == 1 else None
+    return _one_shot
+
+
+def disable_one_shot_all_reduce() -> None:
+    """Back to NCCL for every all-reduce (the worker's shutdown)."""
+    global _one_shot
+    _one_shot = None
 
 
 def _in_group() -> bool:
@@ -34,9 +118,13 @@ def _world_size() -> int:
 @kiln_op("kiln::all_reduce")
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The elementwise sum of `x` over the ranks of the tensor-parallel group."""
+    if not _in_group():
+        return x.clone()
+    one_shot = _one_shot
+    if one_shot is not None and one_shot.takes(x):
+        return one_shot.all_reduce(x)
     out = x.clone()
-    if _in_group():
-        dist.all_reduce(out)
+    dist.all_reduce(out)
     return out
 
 

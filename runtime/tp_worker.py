@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from kiln.compiler.graph_inputs import StepInputs
 from kiln.compiler.model_source import resolve_model
+from kiln.kernels.collectives import (OneShotAllReduce, disable_one_shot_all_reduce,
+                                        enable_one_shot_all_reduce)
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import allocate_kv_cache, cuda_graph_sizes, size_kv_cache
 from kiln.runtime.model_loading import load_model, peak_memory
@@ -80,6 +82,13 @@ class RankWorker:
                                download_dir=config.download_dir)
         self.model_config = source.config
         self.dtype = config.resolved_dtype(self.device)
+        self.one_shot: OneShotAllReduce | None = None
+        if self.device.type == "cuda" and spec.world_size > 1:
+            t0 = time.perf_counter()
+            # Small all-reduces (every decode step's) over peer-to-peer buffers, not NCCL:
+            # kiln.kernels.collectives says why. $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=0 turns it off.
+            self.one_shot = enable_one_shot_all_reduce(self.dtype, self.device)
+            self.timings["one-shot all-reduce buffer"] = time.perf_counter() - t0
         self.config = config
         self.model = load_model(config, source, self.dtype, self.device, self.timings, tp_rank=spec.rank)
         self.memory_after_load = peak_memory(self.device)
@@ -92,6 +101,7 @@ class RankWorker:
         return {"rank": self.spec.rank, "num_blocks": self.num_blocks, "device": str(self.device),
                 "activation_peak_bytes": self.activation_peak_bytes, "memory": self.memory_after_load,
                 "timings": dict(self.timings), "startup_report": self.model.prepared.report,
+                "one_shot_all_reduce_max_bytes": self.one_shot.max_bytes if self.one_shot else 0,
                 "pid": os.getpid()}
 
     def allocate_kv_cache(self, num_blocks: int) -> dict[str, Any]:
@@ -119,6 +129,7 @@ class RankWorker:
         return logits.cpu().numpy() if as_numpy else logits
 
     def shutdown(self) -> None:
+        disable_one_shot_all_reduce()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -61,6 +61,51 @@ def test_collectives_captured_in_a_cuda_graph(tmp_path: Path) -> None:
     assert p.exitcode == 0
 
 
+def _one_shot_rank(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from kiln.kernels import collectives
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2, device_id=device)
+    try:
+        one_shot = collectives.enable_one_shot_all_reduce(torch.bfloat16, device, max_bytes=2**20)
+        assert one_shot is not None  # the H200 pairs have peer access: it must come up
+        small = torch.full((4, 4096), float(rank + 1), device=device, dtype=torch.bfloat16)
+        large = torch.full((2**20,), float(rank + 1), device=device, dtype=torch.bfloat16)  # 2 MiB: NCCL
+        assert one_shot.takes(small) and not one_shot.takes(large)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.ops.kiln.all_reduce(small)
+            torch.ops.kiln.all_reduce(large)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # two one-shot calls in a row reuse the one buffer
+            a = torch.ops.kiln.all_reduce(small)
+            b = torch.ops.kiln.all_reduce(small * 2)
+            c = torch.ops.kiln.all_reduce(large)
+        for step in range(3):  # replays read the new inputs
+            small.fill_(float((rank + 1) * (step + 1)))
+            large.fill_(float(rank + step))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(a, torch.full_like(small, 3.0 * (step + 1)))
+            assert torch.equal(b, torch.full_like(small, 6.0 * (step + 1)))
+            assert torch.equal(c, torch.full_like(large, 1.0 + 2 * step))
+    finally:
+        collectives.disable_one_shot_all_reduce()
+        dist.destroy_process_group()
+
+
+@needs_two
+def test_one_shot_all_reduce_two_gpus_in_a_cuda_graph(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_one_shot_rank, args=(str(tmp_path / "init"),), nprocs=2, start_method="spawn")
+
+
 @needs_two
 @pytest.mark.parametrize("arch", ["llama", "llama-kv1", "qwen3", "mixtral"])
 def test_tp2_nccl_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
@@ -79,6 +124,8 @@ def test_tp2_nccl_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
     try:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
         assert [r["device"] for r in llm.engine.executor.reports] == ["cuda:0", "cuda:1"]
+        # Decode steps' all-reduces went through the one-shot kernel, not NCCL alone.
+        assert all(r["one_shot_all_reduce_max_bytes"] > 0 for r in llm.engine.executor.reports)
         assert all(r["memory"]["device_peak_bytes"] > 0 for r in llm.engine.executor.reports)
     finally:
         llm.engine.shutdown()
