@@ -6,7 +6,9 @@ For each TP size in `--tensor-parallel-sizes` (default "1,2"), one engine (`LLM(
 tensor_parallel_size=N)`, one worker per GPU, NCCL) runs:
 - decode: B sequences of `--prompt-len` random tokens, `--steps` decode steps timed once
   every prefill is done (as bench/latency.py); tokens/s and achieved bandwidth = weight bytes
-  x steps/s, summed over the ranks (each GPU reads its 1/N of the weights per step);
+  x steps/s, summed over the ranks (each GPU reads its 1/N of the weights per step); and
+  per rank, the milliseconds per step spent handling the step (inputs in, replay, logits
+  out) and waiting for the engine's next one (`worker_step_stats`);
 - offline: `--num-requests` requests, prompts uniform in [`--min-prompt`, `--max-prompt`],
   `--output-len` tokens each with ignore_eos, all at once (as bench/throughput.py).
 The limit is N x (one GPU's copy bandwidth) / weight bytes: decode at small batch reads every
@@ -128,8 +130,13 @@ def main() -> None:
         try:
             kiln_decode(engine, 1, args.prompt_len, 4, config.vocab_size, seed=999)  # warm-up
             run["decode"] = {}
+            stats = getattr(engine.executor, "step_stats", None)  # the mp backend's per-rank step times
             for b in batches:
+                if stats is not None:
+                    stats()  # reset
                 r = kiln_decode(engine, b, args.prompt_len, args.steps, config.vocab_size, seed=b)
+                if stats is not None:  # the prefill steps of the run included
+                    r["worker_step_stats"] = stats()
                 r["achieved_bandwidth_tb_s"] = wbytes * r["steps_per_s"] / 1e12
                 r["percent_of_limit"] = 100 * wbytes * r["steps_per_s"] / (n * bandwidth)
                 run["decode"][str(b)] = r

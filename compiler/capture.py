@@ -11,6 +11,12 @@ graph. `torch.export` traces token-major inputs
 parameters and buffers to graph inputs, so the graph (and every artifact compiled from
 it) holds no weights.
 
+The parameters are never real during capture: each becomes a fake tensor (shape, dtype and
+device, no memory) as soon as the module registers it, and export traces in that same fake
+mode. Buffers stay real (RoPE's inv_freq is a value the graph keeps). So capturing a model
+costs one parameter's memory at a time, not the model's: the Llama-3-70B shape (141 GB)
+captures on one H200, which a tensor-parallel rank must do before it loads its half.
+
 Every placeholder of the captured graph carries `meta["kiln_input"]`, a string that says
 what the runtime feeds it: `param:<hf name>`, `constant:<name>` (config-derived buffers
 such as RoPE's inv_freq, kept with the graph), `batch:input_ids`, `batch:position_ids`.
@@ -19,8 +25,10 @@ Passes that add inputs tag them the same way.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,12 +277,45 @@ class CapturedModel:
         return graph_input_roles(self.graph_module)
 
 
+def _export_fake_mode() -> Any:
+    """The fake-tensor mode capture builds parameters in and export traces in: export's own
+    settings (a shape environment that tracks the dynamic token count)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv(tracked_fakes=[]), allow_non_fake_inputs=True, export=True)
+
+
+@contextlib.contextmanager
+def _fake_parameters(fake_mode: Any) -> Iterator[None]:
+    """While building a model, every parameter a module registers becomes a fake tensor of
+    `fake_mode` (the real one, just allocated by the module, is dropped at once). Buffers
+    are left real."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    register = torch.nn.Module.register_parameter
+
+    def register_fake(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not isinstance(param, FakeTensor):
+            fake = fake_mode.from_tensor(param.detach(), static_shapes=True)
+            param = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = register_fake  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
             max_num_tokens: int = 8192) -> CapturedModel:
     """Trace the HF model for `config` into a flat graph with parameters as inputs."""
     from torch.export import Dim
 
-    hf = build_hf_model(config, dtype, device)
+    fake_mode = _export_fake_mode()
+    with _fake_parameters(fake_mode):
+        hf = build_hf_model(config, dtype, device)
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -288,7 +329,9 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
     dynamic_shapes = {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}}
     inline = getattr(hf, "_kiln_inline_attention", False)
-    with torch.no_grad():
+    # Export traces in the parameters' fake mode (a tracing context that holds it is where
+    # non-strict export looks for one), so that they need no conversion.
+    with torch.no_grad(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
         try:
             program = torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes,
                                           strict=False)
@@ -339,9 +382,7 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
         _mark_inline_attention(gm, constants, hf)
     _unwrap_single_output(gm)
     gm.recompile()
-    # The HF model sits in reference cycles, so without a collection its parameters (real
-    # memory when capturing on CUDA) outlive capture and the runtime would load the weights
-    # next to them: at Mixtral-8x7B's 93 GB that does not fit an H200 twice.
+    # The HF model sits in reference cycles: collected here, not at some later point.
     del hf, wrapper, program, named_params, named_buffers, aliases
     gc.collect()
     return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants)

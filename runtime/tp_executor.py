@@ -89,6 +89,7 @@ class MultiprocExecutor(TensorParallelExecutor):
         # vocabulary: the LM head's rows, gathered, are exactly that many.
         self._logits = shared_memory.SharedMemory(create=True, size=4 * vocab_size * config.max_num_seqs)
         self._logits_flat = torch.frombuffer(self._logits.buf, dtype=torch.float32)
+        self._device_logits = None
         authkey = secrets.token_bytes(32)
         listener = multiprocessing.connection.Listener(os.path.join(self._scratch, "engine.sock"), "AF_UNIX",
                                                        authkey=authkey)
@@ -100,11 +101,16 @@ class MultiprocExecutor(TensorParallelExecutor):
                     env=env, stdin=subprocess.DEVNULL))
             self._accept(listener)
             init = f"file://{os.path.join(self._scratch, 'rendezvous')}"
+            on_device = config.resolved_device().type == "cuda" and os.environ.get("KILN_TP_DEVICE_LOGITS", "1") != "0"
             for rank, conn in enumerate(self.conns):
                 conn.send(WorkerSpec(config=config, rank=rank, world_size=self.world_size, init_method=init,
                                      max_model_len=max_model_len,
-                                     logits_shm=(self._logits.name, config.max_num_seqs)))
+                                     logits_shm=(self._logits.name, config.max_num_seqs),
+                                     logits_on_device=on_device, vocab_size=vocab_size))
             reports = list(self._gather(list(range(self.world_size)), "ready").values())
+            # Rank 0's logits buffer on its GPU (CUDA IPC): this process samples there.
+            device_logits = [r.pop("device_logits") for r in reports if "device_logits" in r]
+            self._device_logits: torch.Tensor | None = device_logits[0] if device_logits else None
             self.num_kv_blocks = self._combine(reports)
             for conn in self.conns:
                 conn.send(("allocate", self.num_kv_blocks))
@@ -159,12 +165,28 @@ class MultiprocExecutor(TensorParallelExecutor):
         except WorkerFailedError:
             self.shutdown()
             raise
+        if isinstance(logits, tuple) and logits[0] == "cuda":  # ("cuda", slot, rows): on rank 0's GPU
+            _, slot, rows = logits
+            if self._device_logits is None:
+                raise RuntimeError("rank 0 answered with device logits it never shared (a bug in Kiln)")
+            return self._device_logits[slot, :rows]  # two slots: see tp_worker.DeviceLogitsBuffer
         if isinstance(logits, tuple):  # ("shm", rows, vocab): in the shared block
             _, rows, vocab = logits
             # A copy: the next step (launched before this one's draw is read, with async
             # scheduling) overwrites the block.
-            return self._logits_flat[: rows * vocab].view(rows, vocab).clone()
-        return torch.from_numpy(logits)
+            out = self._logits_flat[: rows * vocab].view(rows, vocab).clone()
+        else:
+            out = torch.from_numpy(logits)
+        # Every draw on one device (the sampler's seeded generators are per device).
+        return out.to(self._device_logits.device) if self._device_logits is not None else out
+
+    def step_stats(self) -> dict[str, Any]:
+        """Each worker's StepStats since the last call (and reset them): where a step's time
+        goes, next to this process's own time per step (bench/tp.py reads it)."""
+        for rank, conn in enumerate(self.conns):
+            self._send(rank, conn, ("stats",))
+        return {f"rank{rank}": stats for rank, stats in sorted(self._gather(list(range(self.world_size)),
+                                                                               "stats").items())}
 
     def _send(self, rank: int, conn: Any, message: Any) -> None:
         try:
@@ -222,6 +244,8 @@ class MultiprocExecutor(TensorParallelExecutor):
 
     def shutdown(self) -> None:
         """Stop every worker: ask, wait a little, then kill. Idempotent."""
+        # Let go of rank 0's shared logits first: the memory is the worker's (CUDA IPC).
+        self._device_logits = None
         for conn in self.conns:
             try:
                 conn.send(("shutdown",))

@@ -1,6 +1,7 @@
 """Tensor parallelism on GPUs: the collective ops captured inside a CUDA graph (a one-GPU
-process group), and, where two GPUs exist, TP=2 over NCCL: greedy tokens of TP=1, a killed
-worker failing the engine naming its rank, `kiln serve -tp 2` answering the openai client.
+process group), and, where two GPUs exist, TP=2 over NCCL: the one-shot all-reduce inside a
+CUDA graph, greedy and seeded tokens of TP=1, a killed worker failing the engine naming its
+rank, `kiln serve -tp 2` answering the openai client.
 CPU versions of the TP=2 tests: tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
@@ -116,13 +117,20 @@ def test_tp2_nccl_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
     model = str(_save(arch, tmp_path / arch))
     # float32: bf16 sums in another order (the all-reduce) may flip a near-tie.
     options = dict(OPTIONS, dtype="float32", gpu_memory_utilization=0.3)
+    from kiln.runtime.sampling_params import SamplingParams
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234)
     tp1 = LLM(model, **options)
     expected = _tokens(tp1.generate(PROMPTS, GREEDY))
+    expected_seeded = _tokens(tp1.generate(PROMPTS, seeded))
     del tp1
     torch.cuda.empty_cache()
     llm = LLM(model, tensor_parallel_size=2, **options)
     try:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+        # The engine draws on rank 0's GPU (logits shared by CUDA IPC), as TP=1 draws on its own.
+        assert llm.engine.executor._device_logits is not None
+        assert _tokens(llm.generate(PROMPTS, seeded)) == expected_seeded
         assert [r["device"] for r in llm.engine.executor.reports] == ["cuda:0", "cuda:1"]
         # Decode steps' all-reduces went through the one-shot kernel, not NCCL alone.
         assert all(r["one_shot_all_reduce_max_bytes"] > 0 for r in llm.engine.executor.reports)
