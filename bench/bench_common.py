@@ -213,7 +213,8 @@ def start_kiln_serve(serve_args: list[str], log_prefix: str, timeout: float = 60
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"kiln serve exited with {proc.returncode}; log: {log.name}")
+            tail = "".join(Path(log.name).read_text(errors="replace").splitlines(keepends=True)[-25:])
+            raise SystemExit(f"kiln serve exited with {proc.returncode}; log: {log.name}; its end:\n{tail}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url, Path(log.name)

@@ -27,10 +27,13 @@ PY=${PYTHON:-python3}
 STAGES=${*:-tests latency throughput startup}
 export PYTHONUNBUFFERED=1
 
+# A warm machine keeps /tmp/site and the editable install from an earlier command, but not
+# this variable: without it the wheels' packages (diskcache, ...) are missing there.
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if ! $PY -c "import kiln.kernels" 2>/dev/null; then
   if [ -d .whl ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    [[ ":${PYTHONPATH:-}:" == *":/tmp/site:"* ]] || export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
   $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 fi

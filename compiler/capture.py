@@ -308,44 +308,54 @@ def _fake_parameters(fake_mode: Any) -> Iterator[None]:
         torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def _build_for_export(config: Any, dtype: torch.dtype, device: torch.device | str
+                      ) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+    """(the HF model with fake parameters, its logits-only wrapper, their fake mode)."""
+    fake_mode = _export_fake_mode()
+    with _fake_parameters(fake_mode):
+        hf = build_hf_model(config, dtype, device)
+    return hf, _LogitsOnly(hf), fake_mode
+
+
+def _export(wrapper: torch.nn.Module, fake_mode: Any, args: tuple[torch.Tensor, ...],
+            dynamic_shapes: dict[str, Any]) -> Any:
+    # Export traces in the parameters' fake mode (a tracing context that holds it is where
+    # non-strict export looks for one), so that they need no conversion.
+    with torch.no_grad(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        return torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
+
+
 def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
             max_num_tokens: int = 8192) -> CapturedModel:
     """Trace the HF model for `config` into a flat graph with parameters as inputs."""
     from torch.export import Dim
 
-    fake_mode = _export_fake_mode()
-    with _fake_parameters(fake_mode):
-        hf = build_hf_model(config, dtype, device)
+    example_tokens = 8
+    input_ids = torch.zeros((1, example_tokens), dtype=torch.long, device=device)
+    position_ids = torch.arange(example_tokens, device=device).unsqueeze(0)
+    num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
+    hf, wrapper, fake_mode = _build_for_export(config, dtype, device)
+    inline = getattr(hf, "_kiln_inline_attention", False)
+    try:
+        program = _export(wrapper, fake_mode, (input_ids, position_ids),
+                          {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}})
+    except torch._dynamo.exc.UserError as e:
+        if not inline or e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+        # An inline bias sized by the model's context (MPT slices a max_seq_len-long ALiBi
+        # tensor) bounds the token count. That bias is replaced by the marker below and each
+        # bucket is exported again at its own static shape, so let export narrow the range.
+        # A new model and fake mode: the failed trace left its guards in the old one's shapes.
+        logger.info("capture: %s bounds the token count (%s); tracing with the range export infers",
+                    type(hf).__name__, str(e).splitlines()[1].strip() if "\n" in str(e) else e)
+        hf, wrapper, fake_mode = _build_for_export(config, dtype, device)
+        program = _export(wrapper, fake_mode, (input_ids, position_ids),
+                          {"input_ids": {1: Dim.DYNAMIC}, "position_ids": {1: Dim.DYNAMIC}})
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     tied = _tied_weights(hf, config)
     saved = _checkpoint_names(hf)
-    wrapper = _LogitsOnly(hf)
-
-    example_tokens = 8
-    input_ids = torch.zeros((1, example_tokens), dtype=torch.long, device=device)
-    position_ids = torch.arange(example_tokens, device=device).unsqueeze(0)
-    num_tokens = Dim("num_tokens", min=1, max=max_num_tokens)
-    dynamic_shapes = {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}}
-    inline = getattr(hf, "_kiln_inline_attention", False)
-    # Export traces in the parameters' fake mode (a tracing context that holds it is where
-    # non-strict export looks for one), so that they need no conversion.
-    with torch.no_grad(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        try:
-            program = torch.export.export(wrapper, (input_ids, position_ids), dynamic_shapes=dynamic_shapes,
-                                          strict=False)
-        except torch._dynamo.exc.UserError as e:
-            if not inline or e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
-                raise
-            # An inline bias sized by the model's context (MPT slices a max_seq_len-long ALiBi
-            # tensor) bounds the token count. That bias is replaced by the marker below and each
-            # bucket is exported again at its own static shape, so let export narrow the range.
-            logger.info("capture: %s bounds the token count (%s); tracing with the range export infers",
-                        type(hf).__name__, str(e).splitlines()[1].strip() if "\n" in str(e) else e)
-            program = torch.export.export(wrapper, (input_ids, position_ids), strict=False,
-                                          dynamic_shapes={"input_ids": {1: Dim.DYNAMIC},
-                                                          "position_ids": {1: Dim.DYNAMIC}})
     if not inline and not program.graph_module.graph.find_nodes(
             op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
