@@ -116,8 +116,8 @@ for stage in $STAGES; do
       run_stage tp70b ${TP70B_LIMIT:-330} $PY bench/tp.py --model bench/llama3_70b.json --tensor-parallel-sizes 2 \
         --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,2,4,8,16,32,64,128,256 --token-buckets 1024,4096,8192 \
         --no-baseline --out "$OUT/tp70b.json" ;;
-    tp8b)  # issue 15: Llama-3-8B shape, TP=1 vs TP=2 (one-shot) vs TP=2 (NCCL only), decode 1/8/64
-      run_stage tp8b ${TP8B_LIMIT:-200} $PY bench/tp.py --model bench/llama3_8b.json --tensor-parallel-sizes 1,2 --nccl-too \
+    tp8b)  # issue 15: Llama-3-8B shape, TP=1 vs TP=2 (NCCL) vs TP=2 (one-shot all-reduce), decode 1/8/64
+      run_stage tp8b ${TP8B_LIMIT:-200} $PY bench/tp.py --model bench/llama3_8b.json --tensor-parallel-sizes 1,2 --one-shot-too \
         --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,8,64 --token-buckets 1024,8192 --num-requests 0 \
         --no-baseline --out "$OUT/tp8b.json" ;;
     serve)  # issue 16: the QPS / P99 table (Llama-3-8B shape, dummy weights, SmolLM2 tokenizer); the

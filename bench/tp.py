@@ -55,9 +55,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the copy that measures bandwidth")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--nccl-too", action="store_true",
-                        help="for each TP size > 1, also decode with every all-reduce through NCCL (the one-shot "
-                             "all-reduce off: $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=0), as run '<N>-nccl'")
+    parser.add_argument("--one-shot-too", action="store_true",
+                        help="for each TP size > 1, also decode with the one-shot all-reduce for messages up to "
+                             "4 MiB ($KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=4194304; NCCL alone by default), "
+                             "as run '<N>-one-shot'")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = [int(x) for x in args.tensor_parallel_sizes.split(",")]
@@ -106,8 +107,8 @@ def main() -> None:
                 json.dump(result, f, indent=2, default=str)
 
     runs = [(str(n), n, None) for n in sizes]
-    if args.nccl_too:
-        runs += [(f"{n}-nccl", n, "0") for n in sizes if n > 1]
+    if args.one_shot_too:
+        runs += [(f"{n}-one-shot", n, str(4 * 2**20)) for n in sizes if n > 1]
     for label, n, one_shot_max in runs:
         if one_shot_max is not None:  # the workers inherit this process's environment
             os.environ["KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES"] = one_shot_max

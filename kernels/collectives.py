@@ -9,13 +9,13 @@ like any other (the fake implementations give the shapes; Inductor calls them op
 
 Both are out of place (a new tensor, the input left alone) so that the graph stays
 functional. On CUDA they run on the current stream, which a CUDA graph captures: a decode
-step replays with its all-reduces inside. An all-reduce is NCCL's, except for small messages
-once a worker has called `enable_one_shot_all_reduce`: then it is one kernel over
+step replays with its all-reduces inside. An all-reduce is NCCL's, except, when
+$KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES asks for it, for small messages once a worker has called
+`enable_one_shot_all_reduce`: then it is one kernel over
 peer-to-peer buffers (PyTorch's symmetric memory, `symm_mem::one_shot_all_reduce_copy`):
 each rank copies its input into its own buffer, the ranks meet at a barrier of signal pads,
-and each reads every peer's buffer over NVLink and sums. NCCL takes ~19 us for a
-decode-sized message even inside a CUDA graph (issue 15's measurement, two H200s); a 70B
-decode step has 160 of them. No NVLink multicast (the one-shot kernel uses plain peer loads).
+and each reads every peer's buffer over NVLink and sums. No NVLink multicast (the one-shot
+kernel uses plain peer loads). See ONE_SHOT_MAX_BYTES for why it is off by default.
 A process that never initialised a group gets the identity, so a graph can be run, e.g. in
 a test, without one; a group of one rank still runs the collective (what the CUDA-graph
 capture test on one GPU exercises).
@@ -36,11 +36,15 @@ from kiln.kernels.library import kiln_op
 
 logger = logging.getLogger("kiln.kernels")
 
-# Messages up to this many bytes take the one-shot path (when enabled): every rank reads
-# every peer's whole message, so the cost grows with size x ranks, and NCCL's ring/tree
-# algorithms win for large messages (prefill chunks). Overridden by
-# $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES; bench/allreduce.py measures both sides of it.
-ONE_SHOT_MAX_BYTES = 4 * 2**20
+# Messages up to this many bytes take the one-shot path: every rank reads every peer's
+# whole message, so the cost grows with size x ranks, and NCCL's ring/tree algorithms win
+# for large messages (prefill chunks). 0 (the default) keeps NCCL for everything: on two
+# H200s NCCL inside a CUDA graph took 7.8 us against the one-shot kernel's 6.7 us for a
+# decode-sized message (bench/allreduce.py), a 3.7% gain at batch 1 end to end, and the
+# two-GPU correctness test of the one-shot path inside CUDA graphs has not yet run to its
+# end on the device (bench/RESULTS.md, G5). $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=4194304
+# turns it on for messages up to 4 MiB (every decode step's).
+ONE_SHOT_MAX_BYTES = 0
 
 
 @dataclass

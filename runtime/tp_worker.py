@@ -90,7 +90,7 @@ class RankWorker:
         if self.device.type == "cuda" and spec.world_size > 1:
             t0 = time.perf_counter()
             # Small all-reduces (every decode step's) over peer-to-peer buffers, not NCCL:
-            # kiln.kernels.collectives says why. $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=0 turns it off.
+            # kiln.kernels.collectives says why it is off unless $KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES asks.
             self.one_shot = enable_one_shot_all_reduce(self.dtype, self.device)
             self.timings["one-shot all-reduce buffer"] = time.perf_counter() - t0
         self.config = config
