@@ -17,10 +17,22 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   head, so only those rows are projected and gathered;
 - MoE experts (transformers' stacked `experts.gate_up_proj` [E, 2I, H] and
   `experts.down_proj` [E, H, I]): each expert's intermediate dimension is split like a
-  dense MLP's, the router stays whole, and the experts' sum is all-reduced.
+  dense MLP's, the router stays whole, and the experts' sum is all-reduced;
+- fused checkpoint tensors (`_FUSED`, per model_type): [q; k; v] (Phi-3's qkv_proj, MPT's
+  Wqkv) and [gate; up] (Phi-3, GLM) are read as one range per part, and the slices that
+  split the product move to the rank's offsets (GPT-BigCode's multi-query c_attn: every rank
+  reads the one K/V head); a per-head [q_h; k_h; v_h] layout (GPT-NeoX,
+  Persimmon, Bloom) is one run of rows, the rank's heads;
+- norms over all heads' width (OLMo2's q/k norm, BitNet's sub-norms): the rank keeps its
+  slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
+  count (refused when KV heads are replicated: a head would count once per rank). Any other
+  reduction over a dimension the rank holds part of is refused, naming the node;
+- ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads.
 
-Shapes in the graph's views use -1 for the head count (`[1, T, -1, head_dim]`), so after the
-weights shrink, fake-tensor propagation gives every node its rank's shape, and the KV cache
+Shapes in the graph's views mostly use -1 for the head count (`[1, T, -1, head_dim]`), so
+after the weights shrink, fake-tensor propagation gives every node its rank's shape (a view
+that spells the head count out is rewritten to the rank's, including OPT's, whose -1 on the
+tokens would otherwise silently take the difference), and the KV cache
 (`kv_heads_and_head_dim(config, tp_size)`) holds the rank's KV heads. Each sliced weight gets a `ShardWeight`
 transform; the merge passes that run later concatenate the already-sliced q/k/v and gate/up.
 The graph depends on the rank (the vocabulary offset of its embedding), so the rank and tp
@@ -90,6 +102,7 @@ TP_ARCHITECTURES = {
     "persimmon": "as gpt_neox; q/k LayerNorm per head",
     "bloom": "as gpt_neox; ALiBi slopes sliced to the rank's heads; embedding LayerNorm after the all-reduce",
     "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
+    "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
 # intermediate dimension, evenly). Names of the architectures in TP_ARCHITECTURES: Llama's
@@ -104,6 +117,7 @@ _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2":
 _FUSED = {
     "phi3": {"qkv_proj": "qkv", "gate_up_proj": "gate_up"},
     "mpt": {"Wqkv": "qkv"},
+    "gpt_bigcode": {"c_attn": "qkv"},
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
     "gpt_neox": {"query_key_value": "heads3"},
@@ -421,22 +435,34 @@ class ShardTensorParallelPass(KilnPass):
 
 
 def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
-    """The slices that split a fused projection's output into its parts (Phi-3's
-    `qkv[..., :q_width]`, `qkv[..., q_width:q_width + kv_width]`) cut at full-model offsets:
-    move each to the rank's. A cut at an offset that is no part boundary is an error."""
-    last = linear.meta["val"].dim() - 1
-    for user in list(linear.users):  # (setting a user's args re-registers it in linear.users)
-        if user.target != aten.slice.Tensor or user.args[1] % (last + 1) != last:
-            continue
-        bounds = list(user.args[2:4])
-        for i, b in enumerate(bounds):
-            if b is None or b > max(boundaries, default=0):
-                continue  # an open end (past the whole width): the rank's width ends it
-            if b not in boundaries:
-                raise ValueError(f"shard_tensor_parallel: {user.name} slices the fused {linear.name} at {b}, "
-                                 f"which is no boundary between its parts ({sorted(boundaries)})")
-            bounds[i] = boundaries[b]
-        user.args = (user.args[0], user.args[1], *bounds, *user.args[4:])
+    """The slices and splits that cut a fused projection's output into its parts (Phi-3's
+    `qkv[..., :q_width]`, GPT-BigCode's `split([q_width, kv_width, kv_width])`, seen through
+    an unsqueeze) cut at full-model offsets: move each to the rank's. A cut at an offset
+    that is no part boundary is an error."""
+    width = max(boundaries, default=0)
+
+    def moved(b: int, user: torch.fx.Node) -> int:
+        if b not in boundaries:
+            raise ValueError(f"shard_tensor_parallel: {user.name} cuts the fused {linear.name} at {b}, which is no "
+                             f"boundary between its parts ({sorted(boundaries)})")
+        return boundaries[b]
+
+    frontier = [linear]
+    while frontier:
+        node = frontier.pop()
+        last = node.meta["val"].dim() - 1
+        for user in list(node.users):  # (setting a user's args re-registers it in node.users)
+            if user.target == aten.unsqueeze.default and user.args[1] % (last + 2) != last + 1:
+                frontier.append(user)  # the fused dimension stays last
+            elif user.target == aten.slice.Tensor and user.args[1] % (last + 1) == last:
+                # An open end (past the whole width) stays: the rank's width ends it.
+                bounds = [b if b is None or b > width else moved(b, user) for b in user.args[2:4]]
+                user.args = (user.args[0], user.args[1], *bounds, *user.args[4:])
+            elif (user.target == aten.split_with_sizes.default and len(user.args) > 2
+                  and user.args[2] % (last + 1) == last):
+                cuts = [sum(user.args[1][:i]) for i in range(len(user.args[1]) + 1)]
+                rank_cuts = [moved(c, user) for c in cuts]
+                user.args = (user.args[0], [b - a for a, b in zip(rank_cuts, rank_cuts[1:])], *user.args[2:])
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
