@@ -17,10 +17,22 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   head, so only those rows are projected and gathered;
 - MoE experts (transformers' stacked `experts.gate_up_proj` [E, 2I, H] and
   `experts.down_proj` [E, H, I]): each expert's intermediate dimension is split like a
-  dense MLP's, the router stays whole, and the experts' sum is all-reduced.
+  dense MLP's, the router stays whole, and the experts' sum is all-reduced;
+- fused checkpoint tensors (`_FUSED`, per model_type): [q; k; v] (Phi-3's qkv_proj, MPT's
+  Wqkv) and [gate; up] (Phi-3, GLM) are read as one range per part, and the slices that
+  split the product move to the rank's offsets (GPT-BigCode's multi-query c_attn: every rank
+  reads the one K/V head); a per-head [q_h; k_h; v_h] layout (GPT-NeoX,
+  Persimmon, Bloom) is one run of rows, the rank's heads;
+- norms over all heads' width (OLMo2's q/k norm, BitNet's sub-norms): the rank keeps its
+  slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
+  count (refused when KV heads are replicated: a head would count once per rank). Any other
+  reduction over a dimension the rank holds part of is refused, naming the node;
+- ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads.
 
-Shapes in the graph's views use -1 for the head count (`[1, T, -1, head_dim]`), so after the
-weights shrink, fake-tensor propagation gives every node its rank's shape, and the KV cache
+Shapes in the graph's views mostly use -1 for the head count (`[1, T, -1, head_dim]`), so
+after the weights shrink, fake-tensor propagation gives every node its rank's shape (a view
+that spells the head count out is rewritten to the rank's, including OPT's, whose -1 on the
+tokens would otherwise silently take the difference), and the KV cache
 (`kv_heads_and_head_dim(config, tp_size)`) holds the rank's KV heads. Each sliced weight gets a `ShardWeight`
 transform; the merge passes that run later concatenate the already-sliced q/k/v and gate/up.
 The graph depends on the rank (the vocabulary offset of its embedding), so the rank and tp
@@ -66,15 +78,52 @@ TP_ARCHITECTURES = {
     "phi": "q/k/v, dense, fc1/fc2, parallel block, biases",
     "gptj": "q/k/v, out_proj, fc_in/fc_out, parallel block",
     "stablelm": "as llama; its views spell out the head count (rewritten per rank)",
+    "nemotron": "as llama without gate; LayerNorm1P, squared ReLU",
+    "opt": "q/k/v, out_proj, fc1/fc2, biases; learned positions",
+    "biogpt": "q/k/v, out_proj, fc1/fc2, biases; learned positions",
+    "arcee": "as llama without gate; squared ReLU",
+    "seed_oss": "as llama, with q/k/v biases",
+    "apertus": "as llama without gate; q/k norm per head, xIELU",
+    "hunyuan_v1_dense": "as llama; q/k norm per head",
+    "ernie4_5": "as llama; interleaved RoPE is per head",
+    "ministral": "as llama; sliding window is per head",
+    "ministral3": "as llama; attention-temperature scaling of q is per token",
+    "internlm3": "as llama",
+    "exaone": "as llama",
+    "jais2": "as llama without gate; biases everywhere",
+    "vaultgemma": "as gemma2",
+    "olmo2": "as llama; q/k RMSNorm over all heads: weight sliced, mean of squares all-reduced",
+    "olmo3": "as olmo2",
+    "bitnet": "as llama; sub-norms over the attention output and the intermediate dimension, as olmo2's",
+    "phi3": "fused qkv_proj and gate_up_proj: each rank reads its q, k, v (gate, up) rows of them",
+    "glm": "as llama, fused gate_up_proj",
+    "glm4": "as glm",
+    "gpt_neox": "fused query_key_value per head: the rank's heads are one run of rows; dense_h_to_4h/4h_to_h",
+    "persimmon": "as gpt_neox; q/k LayerNorm per head",
+    "bloom": "as gpt_neox; ALiBi slopes sliced to the rank's heads; embedding LayerNorm after the all-reduce",
+    "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
+    "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
 # intermediate dimension, evenly). Names of the architectures in TP_ARCHITECTURES: Llama's
 # q/k/v/o_proj and gate/up/down_proj, Phi's dense and fc1/fc2, StarCoder2's c_fc/c_proj,
 # GPT-J's out_proj and fc_in/fc_out.
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
-           "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp"}
+           "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
-        "fc_out": "mlp"}
+        "fc_out": "mlp", "dense_4h_to_h": "mlp"}
+# Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's
+# and CodeGen's fused qkv are laid out otherwise): module -> `_Plan.fused` layout.
+_FUSED = {
+    "phi3": {"qkv_proj": "qkv", "gate_up_proj": "gate_up"},
+    "mpt": {"Wqkv": "qkv"},
+    "gpt_bigcode": {"c_attn": "qkv"},
+    "glm": {"gate_up_proj": "gate_up"},
+    "glm4": {"gate_up_proj": "gate_up"},
+    "gpt_neox": {"query_key_value": "heads3"},
+    "persimmon": {"query_key_value": "heads3"},
+    "bloom": {"query_key_value": "heads3"},
+}
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores).
 _REPLICATED = {"gate"}
@@ -115,6 +164,8 @@ class _Plan:
         kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         per = heads // tp
         self.q = (rank * per * self.head_dim, (rank + 1) * per * self.head_dim)
+        self.kv_heads, self.kv_replicated = kv_heads, kv_heads < tp
+        self.full_width = {"q": heads * self.head_dim, "kv": kv_heads * self.head_dim}
         if kv_heads >= tp:
             kv_per = kv_heads // tp
             self.kv = (rank * kv_per * self.head_dim, (rank + 1) * kv_per * self.head_dim)
@@ -136,6 +187,33 @@ class _Plan:
         per = size // self.tp
         return (self.rank * per, (self.rank + 1) * per)
 
+    def fused(self, layout: str, rows: int, what: str) -> tuple[list[tuple[int, int]], dict[int, int]]:
+        """A fused projection's rows of this rank, and where the boundaries between its parts
+        (full model -> rank) move: "qkv" is [q; k; v] (Phi-3's qkv_proj, MPT's Wqkv),
+        "gate_up" is [gate; up], "heads3" is per head [q_h; k_h; v_h] (GPT-NeoX, Bloom,
+        Persimmon: the rank's heads are one run of rows, and the views that split them count
+        heads)."""
+        if layout == "qkv":
+            q_full, kv_full = self.full_width["q"], self.full_width["kv"]
+            if rows != q_full + 2 * kv_full:
+                raise ValueError(f"shard_tensor_parallel: {what} has {rows} rows, not q + k + v = "
+                                 f"{q_full} + 2 x {kv_full}")
+            (q0, q1), (k0, k1) = self.q, self.kv
+            q, k = q1 - q0, k1 - k0
+            return ([(q0, q1), (q_full + k0, q_full + k1), (q_full + kv_full + k0, q_full + kv_full + k1)],
+                    {0: 0, q_full: q, q_full + kv_full: q + k, q_full + 2 * kv_full: q + 2 * k})
+        if layout == "gate_up":
+            inter = rows // 2
+            a, b = self.even(inter, what)
+            return [(a, b), (inter + a, inter + b)], {0: 0, inter: b - a, rows: 2 * (b - a)}
+        if layout == "heads3":
+            if self.kv_replicated or self.full_width["kv"] != self.full_width["q"] or rows != 3 * self.full_width["q"]:
+                raise ValueError(f"shard_tensor_parallel: {what} ({rows} rows) is not one [q; k; v] block per "
+                                 "head of a model whose every head has its own K/V")
+            (q0, q1) = self.q
+            return [(3 * q0, 3 * q1)], {}
+        raise ValueError(f"shard_tensor_parallel: unknown fused layout {layout!r} of {what}")
+
     def vocab(self, size: int) -> tuple[tuple[int, int], int]:
         per = -(-size // self.tp)
         start = min(size, self.rank * per)
@@ -156,6 +234,7 @@ class ShardTensorParallelPass(KilnPass):
             raise ValueError(f"shard_tensor_parallel: rank {rank} is outside [0, {tp})")
         check_tp_size(ctx.config, tp)
         plan = _Plan(ctx.config, tp, rank)
+        model_type = str(getattr(ctx.config, "model_type", ""))
         graph = gm.graph
         shards: dict[str, ShardWeight] = {}
         new_shapes: dict[torch.fx.Node, list[int]] = {}
@@ -205,7 +284,16 @@ class ShardTensorParallelPass(KilnPass):
                 stats["all_gather"] += 1
                 continue
             module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
-            if module in _COLUMN:
+            fused = _FUSED.get(model_type, {}).get(module)
+            if fused is not None:
+                ranges, boundaries = plan.fused(fused, weight.meta["val"].shape[0], name)
+                size = sum(b - a for a, b in ranges)
+                shard(weight, 0, ranges, size)
+                if bias is not None:
+                    shard(bias, 0, ranges, size)
+                _remap_slices(node, boundaries)
+                stats["column_parallel"] += 1
+            elif module in _COLUMN:
                 kind = _COLUMN[module]
                 rows = (plan.q if kind == "q" else plan.kv if kind == "kv"
                         else plan.even(weight.meta["val"].shape[0], name))
@@ -237,7 +325,9 @@ class ShardTensorParallelPass(KilnPass):
             stats["all_reduce"] += 1
         stats["experts_sharded"] = self._shard_experts(gm, plan, shard, all_reduce_after)
         stats["all_reduce"] += stats["experts_sharded"]
-        _reshape_params(gm, new_shapes, plan.size_map(ctx.config))
+        stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
+        stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
+        stats["all_reduce"] += _reshape_params(gm, new_shapes, plan.size_map(ctx.config), plan)
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
@@ -291,21 +381,117 @@ class ShardTensorParallelPass(KilnPass):
         return count
 
 
+    @staticmethod
+    def _slice_alibi_slopes(gm: torch.fx.GraphModule, plan: _Plan) -> int:
+        """ALiBi (Bloom, MPT): one slope per query head, a constant graph input computed at
+        capture for all heads. Each rank's attention gets the slopes of its heads, sliced in
+        the graph (the input stays whole, so its binding does not depend on the rank)."""
+        sliced: dict[torch.fx.Node, torch.fx.Node] = {}
+        h0, h1 = plan.q[0] // plan.head_dim, plan.q[1] // plan.head_dim
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+            slopes = node.args[7] if len(node.args) > 7 else node.kwargs.get("alibi_slopes")
+            if not isinstance(slopes, torch.fx.Node):
+                continue
+            if slopes not in sliced:
+                with gm.graph.inserting_before(node):  # the first attention that reads them
+                    sliced[slopes] = gm.graph.call_function(aten.slice.Tensor, (slopes, 0, h0, h1))
+            if len(node.args) > 7:
+                node.args = (*node.args[:7], sliced[slopes], *node.args[8:])
+            else:
+                node.kwargs = {**node.kwargs, "alibi_slopes": sliced[slopes]}
+        return len(sliced)
+
+    @staticmethod
+    def _shard_wide_norms(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, config: Any) -> int:
+        """Norm weights as wide as all heads (OLMo2's q_norm over num_heads * head_dim,
+        BitNet's sub-norms over the attention output and the MLP's intermediate dimension):
+        the rank keeps the slice its sharded activations meet. Per-head norms ([head_dim])
+        stay whole. The mean of squares they divide by is made global in `_reshape_params`."""
+        count = 0
+        for node in gm.graph.find_nodes(op="placeholder"):
+            name = param_name(node)
+            if name is None or name.count(".") < 1:
+                continue
+            kind = _WIDE_NORMS.get(name.rsplit(".", 2)[-2])
+            val = node.meta.get("val")
+            if kind is None or not isinstance(val, torch.Tensor) or val.dim() != 1:
+                continue
+            if kind == "mlp":
+                if val.shape[0] != getattr(config, "intermediate_size", None):
+                    continue
+                rows = plan.even(val.shape[0], name)
+            else:
+                rows = plan.q if kind == "q" else plan.kv
+                if val.shape[0] != plan.full_width[kind]:
+                    continue  # per head: every rank's heads use the whole weight
+                if kind == "kv" and plan.kv_replicated:
+                    raise ValueError(f"shard_tensor_parallel: {name!r} normalizes over all {plan.kv_heads} KV "
+                                     f"heads at once, and tp={plan.tp} replicates them (a global sum of squares "
+                                     "would count a head once per rank); use a tensor_parallel_size that divides "
+                                     "the KV heads")
+            shard(node, 0, [rows], rows[1] - rows[0])
+            count += 1
+        return count
+
+
+def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
+    """The slices and splits that cut a fused projection's output into its parts (Phi-3's
+    `qkv[..., :q_width]`, GPT-BigCode's `split([q_width, kv_width, kv_width])`, seen through
+    an unsqueeze) cut at full-model offsets: move each to the rank's. A cut at an offset
+    that is no part boundary is an error."""
+    width = max(boundaries, default=0)
+
+    def moved(b: int, user: torch.fx.Node) -> int:
+        if b not in boundaries:
+            raise ValueError(f"shard_tensor_parallel: {user.name} cuts the fused {linear.name} at {b}, which is no "
+                             f"boundary between its parts ({sorted(boundaries)})")
+        return boundaries[b]
+
+    frontier = [linear]
+    while frontier:
+        node = frontier.pop()
+        last = node.meta["val"].dim() - 1
+        for user in list(node.users):  # (setting a user's args re-registers it in node.users)
+            if user.target == aten.unsqueeze.default and user.args[1] % (last + 2) != last + 1:
+                frontier.append(user)  # the fused dimension stays last
+            elif user.target == aten.slice.Tensor and user.args[1] % (last + 1) == last:
+                # An open end (past the whole width) stays: the rank's width ends it.
+                bounds = [b if b is None or b > width else moved(b, user) for b in user.args[2:4]]
+                user.args = (user.args[0], user.args[1], *bounds, *user.args[4:])
+            elif (user.target == aten.split_with_sizes.default and len(user.args) > 2
+                  and user.args[2] % (last + 1) == last):
+                cuts = [sum(user.args[1][:i]) for i in range(len(user.args[1]) + 1)]
+                rank_cuts = [moved(c, user) for c in cuts]
+                user.args = (user.args[0], [b - a for a, b in zip(rank_cuts, rank_cuts[1:])], *user.args[2:])
+
+
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# Norm modules whose weight may span all heads (or the whole intermediate dimension): which
+# rows of it a rank keeps, as for the projections ("q", "kv", "mlp").
+_WIDE_NORMS = {"q_norm": "q", "k_norm": "kv", "attn_sub_norm": "q", "ffn_sub_norm": "mlp"}
+# Reductions a rank cannot compute alone over a sharded dimension; mean is rewritten (a sum,
+# all-reduced, over the full count), these are refused.
+_PARTIAL_REDUCTIONS = {aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction, aten.amax.default,
+                       aten._softmax.default, aten.native_layer_norm.default}
 
 
 def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, list[int]],
-                    size_map: dict[int, int]) -> None:
+                    size_map: dict[int, int], plan: _Plan) -> int:
     """Give the sharded inputs their new fake values and recompute every node's (so that
     later passes see the rank's shapes). A view that spells out a full-model size (StableLM's
-    `view(1, T, num_heads, head_dim)`) gets the rank's, one dimension tried at a time; any
-    other node whose shape arithmetic cannot follow is an error naming it."""
+    `view(1, T, num_heads, head_dim)`) gets the rank's, one dimension tried at a time; a mean
+    over a dimension the rank holds part of (the RMS of a norm over all heads) becomes a sum,
+    `kiln::all_reduce`d, over the full count; any other node whose shape arithmetic cannot
+    follow, or another reduction over a sharded dimension, is an error naming it. Returns the
+    number of all-reduces added."""
     from torch._guards import detect_fake_mode
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     mode = detect_fake_mode([n.meta.get("val") for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)])
     if mode is None:
         raise ValueError("shard_tensor_parallel: the graph's inputs carry no fake values to propagate shapes with")
+    full_vals = {node: node.meta.get("val") for node in gm.graph.nodes}
+    reduced = 0
     with mode:
         for node, shape in new_shapes.items():
             old = node.meta["val"]
@@ -313,18 +499,104 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
+            old = node.meta.get("val")
+            shrunk = _shrunk_reduced_dims(node, full_vals)
+            if shrunk and node.target == aten.mean.dim:
+                _global_mean(gm.graph, node, shrunk, plan)
+                reduced += 1
+            elif shrunk and node.target in _PARTIAL_REDUCTIONS:
+                raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) reduces over a dimension "
+                                 f"each rank holds only part of ({shrunk}); no rule combines it across ranks")
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             try:
                 node.meta["val"] = node.target(*args, **kwargs)
             except Exception as e:
-                if not (node.target in _VIEWS and _fix_view(node, args, size_map)):
+                if not (node.target in _VIEWS and _fix_view(node, args, old, size_map)):
                     raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) cannot take the "
                                      f"sharded shapes: {e}") from e
+                continue
+            # A view that spells out the head count and puts -1 on the tokens (OPT's
+            # `view(1, -1, num_heads, head_dim)`) does not fail on the rank's smaller input:
+            # it silently halves the tokens. Its other dimensions must keep their values.
+            if (node.target in _VIEWS and isinstance(old, torch.Tensor)
+                    and not _keeps_unsharded_dims(old, node.meta["val"], size_map)
+                    and not _fix_view(node, args, old, size_map)):
+                raise ValueError(f"shard_tensor_parallel: view {node.name} {list(node.args[1])} cannot take the "
+                                 f"sharded shapes (it gives {tuple(node.meta['val'].shape)})")
     gm.recompile()
+    return reduced
 
 
-def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], size_map: dict[int, int]) -> bool:
-    """Rewrite one literal dimension of a failing view to the rank's size, if one works."""
+def _shrunk_reduced_dims(node: torch.fx.Node, full_vals: dict[torch.fx.Node, Any]) -> dict[int, int]:
+    """For a reduction (its input, then its dims), the reduced dimensions whose size the
+    sharding changed -> their full-model size. Empty for anything else."""
+    if (node.target not in _PARTIAL_REDUCTIONS and node.target != aten.mean.dim) or not node.args \
+            or not isinstance(node.args[0], torch.fx.Node):
+        return {}
+    x = node.args[0]
+    full, now = full_vals.get(x), x.meta.get("val")
+    if not isinstance(full, torch.Tensor) or not isinstance(now, torch.Tensor) or full.dim() != now.dim():
+        return {}
+    if node.target == aten.native_layer_norm.default:
+        dims: Any = range(full.dim() - len(node.args[1]), full.dim())
+    elif node.target == aten._softmax.default:
+        dims = [node.args[1]]
+    else:
+        dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(full.dim())
+        dims = [dims] if isinstance(dims, int) else dims
+    out = {}
+    for d in dims:
+        d = d % full.dim()
+        if not _same_dim(full.shape[d], now.shape[d]) and isinstance(full.shape[d], int):
+            out[d] = full.shape[d]
+    return out
+
+
+def _global_mean(graph: torch.fx.Graph, node: torch.fx.Node, shrunk: dict[int, int], plan: _Plan) -> None:
+    """mean(x, dims) over a sharded dimension -> all_reduce(sum(x, dims)) / full count: the
+    mean each rank would get from the whole tensor (OLMo2's q/k RMS over all heads). Rewritten
+    in place, so the recomputation that follows gives the new nodes their values."""
+    if any(size == plan.full_width["kv"] and plan.kv_replicated for size in shrunk.values()):
+        raise ValueError(f"shard_tensor_parallel: node {node.name} averages over all KV heads, which tp={plan.tp} "
+                         "replicates (the all-reduced sum would count a head once per rank)")
+    x, dims = node.args[0], node.args[1]
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    rank = x.meta["val"].dim()
+    full_count = 1
+    for d in ([dims] if isinstance(dims, int) else dims):
+        full_count *= shrunk.get(d % rank) or int(x.meta["val"].shape[d % rank])
+    node.target = aten.sum.dim_IntList
+    node.args = (x, dims, keepdim)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
+    with graph.inserting_after(node):
+        summed = graph.call_function(torch.ops.kiln.all_reduce.default, (node,))
+    with graph.inserting_after(summed):
+        mean = graph.call_function(aten.div.Tensor, (summed, full_count))
+    node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not summed)
+
+
+def _same_dim(a: Any, b: Any) -> bool:
+    """Whether two sizes are the same: equal ints, or symbolic sizes of the same expression
+    (compared structurally: `==` on SymInts would add a guard)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return False
+
+
+def _keeps_unsharded_dims(old: torch.Tensor, new: torch.Tensor, size_map: dict[int, int]) -> bool:
+    """Whether `new` (a view's value on the rank's shapes) differs from `old` (on the full
+    model's) only in dimensions that were full-model sizes (head counts, their widths)."""
+    if old.dim() != new.dim():
+        return False
+    return all(_same_dim(a, b) or (isinstance(a, int) and a in size_map and _same_dim(size_map[a], b))
+               for a, b in zip(old.shape, new.shape))
+
+
+def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], old: Any, size_map: dict[int, int]) -> bool:
+    """Rewrite one literal dimension of a view to the rank's size, if one works: the view
+    then runs and (where the full-model value is known) keeps every other dimension."""
     shape = list(node.args[1])
     for i, dim in enumerate(shape):
         if isinstance(dim, int) and dim in size_map:
@@ -334,6 +606,8 @@ def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], size_map: dict[int, in
             try:
                 val = node.target(args[0], fake_trial)
             except Exception:
+                continue
+            if isinstance(old, torch.Tensor) and not _keeps_unsharded_dims(old, val, size_map):
                 continue
             node.args = (node.args[0], trial, *node.args[2:])
             node.meta["val"] = val

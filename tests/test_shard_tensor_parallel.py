@@ -4,6 +4,7 @@ its slices of the same weights, give the logits of the unsharded graph."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import sys
@@ -14,8 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kiln.compiler.pass_testing import capture_through, graph_for_pass, run_graph
-from kiln.passes.manager import op_counts
+from kiln.compiler.capture import capture
+from kiln.compiler.pass_testing import PhaseCapture, graph_for_pass, run_graph
+from kiln.passes.base import PassContext
+from kiln.passes.manager import PassManager, op_counts
+from kiln.passes.registry import PHASES
 from kiln.passes.shard_tensor_parallel import TP_ARCHITECTURES, ShardTensorParallelPass, check_tp_size
 from kiln.passes.weight_transforms import ShardWeight, transforms_from_json, transforms_to_json
 
@@ -77,46 +81,109 @@ def test_refusals_are_clear() -> None:
         check_tp_size(tiny_config("llama"), 3)
 
 
-def test_a_norm_over_all_heads_is_refused_not_miscomputed() -> None:
-    """OLMo2 normalises q over all heads at once: a rank cannot compute that alone, and the
-    shape propagation says so (the pass names the node) rather than producing wrong logits."""
-    before = graph_for_pass(tiny_config("olmo2"), "shard_tensor_parallel")
+def test_a_norm_over_all_heads_gets_a_global_mean_of_squares() -> None:
+    """OLMo2 normalizes q over all heads at once: each rank keeps its slice of the norm
+    weight and all-reduces its partial sum of squares (the two-rank parity below checks the
+    numbers); with KV heads replicated over ranks that sum would count a head twice, so the
+    pass refuses rather than producing wrong logits."""
+    config = tiny_config("olmo2")  # 4 heads, 2 KV heads of 16
+    before = graph_for_pass(config, "shard_tensor_parallel")
     after = before.copy()
-    after.context.tp_size = 2
-    import kiln.passes.shard_tensor_parallel as stp
+    after.context.tp_size, after.context.tp_rank = 2, 1
+    stats = after.run_pass(ShardTensorParallelPass())
+    layers = config.num_hidden_layers
+    assert stats["wide_norms_sharded"] == 2 * layers
+    shards = {t.name: t for t in after.context.weight_transforms}
+    assert shards["model.layers.0.self_attn.q_norm.weight"].ranges == ((32, 64),)
+    assert shards["model.layers.0.self_attn.k_norm.weight"].ranges == ((16, 32),)
+    counts = op_counts(after.graph_module)
+    # o, down and the embedding as for Llama, plus the q and k sums of squares.
+    assert counts["kiln.all_reduce.default"] == 4 * layers + 1
+    # The q and k means became sums; the norms over the (whole) hidden state kept theirs.
+    assert counts["aten.sum.dim_IntList"] == 2 * layers
+    assert counts["aten.mean.dim"] == op_counts(before.graph_module)["aten.mean.dim"] - 2 * layers
 
-    stp.TP_ARCHITECTURES["olmo2"] = "probe: not supported"
-    try:
-        with pytest.raises(ValueError, match="cannot take the sharded shapes"):
-            after.run_pass(ShardTensorParallelPass())
-    finally:
-        del stp.TP_ARCHITECTURES["olmo2"]
+    config.num_key_value_heads = 1
+    replicated = graph_for_pass(config, "shard_tensor_parallel")
+    replicated.context.tp_size = 2
+    with pytest.raises(ValueError, match="k_norm.weight' normalizes over all 1 KV heads"):
+        replicated.run_pass(ShardTensorParallelPass())
+
+
+def _rank1(arch: str) -> tuple[dict[str, ShardWeight], torch.fx.GraphModule]:
+    after = graph_for_pass(tiny_config(arch), "shard_tensor_parallel")
+    after.context.tp_size, after.context.tp_rank = 2, 1
+    after.run_pass(ShardTensorParallelPass())
+    return {t.name: t for t in after.context.weight_transforms}, after.graph_module
+
+
+def test_fused_projections_read_the_ranks_part_of_each() -> None:
+    """Phi-3's [q; k; v] and [gate; up] tensors: rank 1 reads its rows of each part, and the
+    slices that split the product move to the rank's offsets; Bloom's per-head [q_h; k_h; v_h]
+    layout: the rank's heads are one run of rows, and its ALiBi slopes are its heads'."""
+    shards, gm = _rank1("phi3")  # 4 heads, 2 KV heads of 16, intermediate 128
+    assert shards["model.layers.0.self_attn.qkv_proj.weight"].ranges == ((32, 64), (80, 96), (112, 128))
+    assert shards["model.layers.0.mlp.gate_up_proj.weight"].ranges == ((64, 128), (192, 256))
+    qkv = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+    cuts = sorted(tuple(u.args[2:4]) for u in qkv.users if u.target == torch.ops.aten.slice.Tensor)
+    assert cuts == [(0, 32), (32, 48), (48, sys.maxsize)]
+    shards, gm = _rank1("bloom")  # 6 heads of 16, no KV grouping
+    assert shards["transformer.h.0.self_attention.query_key_value.weight"].ranges == ((144, 288),)
+    slopes = [n for n in gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor
+              and n.args[0].op == "placeholder"]
+    assert [n.args[1:] for n in slopes] == [(0, 3, 6)]
+
+
+def _through_logits(captured, config, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
+    """`capture_through(config, "logits", inclusive=True)` of an already captured model (a
+    copy of it): the graph of one rank, or the unsharded one, from one capture."""
+    pm = PassManager.default()
+    limit = PHASES.index("logits") + 1
+    passes = [p for p in pm.passes if PHASES.index(p.phase) < limit]
+    captured = copy.deepcopy(captured)
+    ctx = PassContext(config=config, dtype=torch.float32, tp_size=tp_size, tp_rank=tp_rank)
+    report = PassManager(passes).run(captured.graph_module, ctx)
+    return PhaseCapture(captured=captured, report=report, block_size=16, context=ctx)
 
 
 def _rank_logits(rank: int, world: int, init_file: str, archs: list[str], out_dir: str) -> None:
     """One rank: each architecture's graph of this rank, run on its slices of the seeded
-    weights; logits (or the error) saved per architecture."""
+    weights; logits (or the error) saved per architecture. Each architecture is captured
+    once; the rank whose turn it is also runs the unsharded graph (the expected logits), so
+    the two ranks share that work and the test process captures nothing."""
     import traceback
 
+    # Two ranks on two cores: one thread each (OpenMP threads of both spinning on the same
+    # cores made every op slower).
+    torch.set_num_threads(1)
     # A timeout: a failure on one rank alone must not leave the other waiting for 30 minutes.
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
-        for arch in archs:
+        for i, arch in enumerate(archs):
+            config = config_for(arch)
             try:
-                graph = capture_through(config_for(arch), "logits", inclusive=True, tp_size=world, tp_rank=rank)
+                captured = capture(config, dtype=torch.float32, device="cpu")
+                graph = _through_logits(captured, config, tp_size=world, tp_rank=rank)
                 result: object = run_graph(graph, num_tokens=11, sample_all_rows=True)
             except Exception:
-                result = traceback.format_exc()  # the same on both ranks: no collective is left waiting
+                captured, result = None, traceback.format_exc()  # the same on both ranks: no collective is left waiting
             torch.save(result, os.path.join(out_dir, f"{arch}-rank{rank}.pt"))
+            if i % world == rank:
+                try:
+                    expected: object = run_graph(_through_logits(captured or capture(config), config),
+                                                 num_tokens=11, sample_all_rows=True)
+                except Exception:
+                    expected = traceback.format_exc()
+                torch.save(expected, os.path.join(out_dir, f"{arch}-expected.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_rank_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both ranks' logits for every architecture, from one pair of processes (starting a
-    pair per architecture cost more than the runs)."""
+    """Both ranks' logits and the unsharded graph's for every architecture, from one pair of
+    processes (starting a pair per architecture cost more than the runs)."""
     out = tmp_path_factory.mktemp("tp2")
     mp.start_processes(_rank_logits, args=(2, str(out / "init"), TP_TEST_ARCHS, str(out)), nprocs=2,
                        start_method="spawn")
@@ -125,8 +192,8 @@ def two_rank_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("arch", TP_TEST_ARCHS)
 def test_two_ranks_match_the_unsharded_graph(arch: str, two_rank_logits: Path) -> None:
-    expected = run_graph(capture_through(config_for(arch), "logits", inclusive=True), num_tokens=11,
-                         sample_all_rows=True)
+    expected = torch.load(two_rank_logits / f"{arch}-expected.pt", weights_only=False)
+    assert isinstance(expected, torch.Tensor), f"the unsharded graph failed:\n{expected}"
     for rank in range(2):
         got = torch.load(two_rank_logits / f"{arch}-rank{rank}.pt", weights_only=False)
         assert isinstance(got, torch.Tensor), f"rank {rank} failed:\n{got}"

@@ -3,9 +3,9 @@ through `LLM.generate` and through `kiln serve` with the `openai` client; `kiln 
 fills every rank's cache entries; a killed worker fails the engine naming its rank (503 and
 an unhealthy /health from the server) and leaves no worker process behind.
 
-The architectures (`TP_ARCHS`) are one per construct the sharding pass handles, each as a
-tiny random checkpoint on disk, among them a Llama with one KV head, fewer than the two
-ranks (the head is replicated)."""
+The architectures (`TP_ARCHS` and Llama) are one per construct the sharding pass handles,
+each as a tiny random checkpoint on disk, among them a Llama with one KV head, fewer than
+the two ranks (the head is replicated)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import openai
@@ -36,9 +37,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 OPTIONS = dict(progress=False, max_model_len=128, max_num_seqs=8)
 # Engine-level runs for one architecture of each construct the pass handles (the runtime path
 # is the same for all; tests/test_shard_tensor_parallel.py checks every architecture's graph
-# at two ranks): plain GQA, KV heads replicated, biases, per-head q/k norm, MoE experts, a
-# parallel block with a row-parallel bias, soft-capping, views that spell out head counts.
-TP_ARCHS = ["llama", "llama-kv1", "qwen2", "qwen3", "mixtral", "phi", "gemma2", "stablelm"]
+# at two ranks): plain GQA (Llama, below, with seeded sampling and a killed worker on the same
+# engines), KV heads replicated, biases, q/k norm over all heads (an all-reduced mean of
+# squares), MoE experts, a parallel block with a row-parallel bias, soft-capping, fused
+# q/k/v and gate/up checkpoint tensors, ALiBi with a view that spells out the head count.
+TP_ARCHS = ["llama-kv1", "qwen2", "olmo2", "mixtral", "phi", "gemma2", "phi3", "bloom"]
 
 
 def _save(arch: str, path: Path) -> Path:
@@ -84,28 +87,45 @@ def test_tp2_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
     llm = LLM(model, tensor_parallel_size=2, **OPTIONS)
     try:
         assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
-        # Per-rank memory was measured and reported; every rank got the same KV blocks.
-        reports = llm.engine.executor.reports
-        assert [r["rank"] for r in reports] == [0, 1]
-        assert all(r["memory"]["host_peak_bytes"] > 0 for r in reports)
     finally:
         llm.engine.shutdown()
 
 
-def test_seeded_sampling_matches_tp1(tmp_path: Path) -> None:
-    model = str(_save("llama", tmp_path / "llama"))
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234)
-    expected = _tokens(LLM(model, **OPTIONS).generate(PROMPTS, params))
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234)
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[list[int]]], LLM]]:
+    """TP=1's greedy and seeded tokens for the Llama checkpoint, and one TP=2 engine that the
+    Llama tests share (an engine pair costs more than the checks); the killed-worker test
+    runs last on it."""
+    model = str(_save("llama", tmp_path_factory.mktemp("llama") / "llama"))
+    tp1 = LLM(model, **OPTIONS)
+    expected = {"greedy": _tokens(tp1.generate(PROMPTS, GREEDY)), "seeded": _tokens(tp1.generate(PROMPTS, SEEDED))}
     llm = LLM(model, tensor_parallel_size=2, **OPTIONS)
     try:
-        assert _tokens(llm.generate(PROMPTS, params)) == expected
+        yield expected, llm
     finally:
         llm.engine.shutdown()
 
 
-def test_killed_worker_fails_the_engine_naming_the_rank(tmp_path: Path) -> None:
-    model = str(_save("llama", tmp_path / "llama"))
-    llm = LLM(model, tensor_parallel_size=2, **OPTIONS)
+def test_llama_tp2_greedy_tokens_match_tp1(llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
+    expected, llm = llama_engines
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected["greedy"]
+    # Per-rank memory was measured and reported; every rank got the same KV blocks.
+    reports = llm.engine.executor.reports
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["memory"]["host_peak_bytes"] > 0 for r in reports)
+
+
+def test_seeded_sampling_matches_tp1(llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
+    expected, llm = llama_engines
+    assert _tokens(llm.generate(PROMPTS, SEEDED)) == expected["seeded"]
+
+
+def test_killed_worker_fails_the_engine_naming_the_rank(
+        llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
+    _, llm = llama_engines
     pids = llm.engine.executor.worker_pids
     assert all(_alive(p) for p in pids)
     os.kill(pids[1], signal.SIGKILL)
