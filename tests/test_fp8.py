@@ -99,6 +99,25 @@ def test_quantize_fp8_pass(arch, dtype):
     assert not torch.equal(out, ref)  # it did quantize
 
 
+def test_quantize_fp8_keeps_the_first_and_last_layers():
+    # Meta's FP8 recipe: the first and last decoder layers stay in the compute dtype (the
+    # most sensitive on SmolLM2; a model of fewer than 4 layers, above, quantizes them all).
+    from kiln.passes.quantize_fp8 import in_edge_layer
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 5
+    after = graph_for_pass(config, "quantize_fp8")
+    stats = after.run_pass(QuantizeFP8Pass())
+    assert stats["fp8_linear"] == 4 * 3 and stats["kept_high_precision"] == 4 * 2 + 1
+    quantized = {t.weight for t in after.context.weight_transforms if isinstance(t, QuantizeFP8Weight)}
+    assert {int(n.split(".")[2]) for n in quantized} == {1, 2, 3}
+    assert in_edge_layer("model.layers.29.mlp.down_proj.weight", 30) and not in_edge_layer("model.layers.1.x.weight", 30)
+    assert not in_edge_layer("model.layers.0.mlp.down_proj.weight", 2)
+    plain = graph_for_pass(config, "quantize_fp8").run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    assert plain["fp8_linear"] == 4 * 5
+    assert QuantizeFP8Pass().uuid() != QuantizeFP8Pass(keep_edge_layers=False).uuid()
+
+
 def test_quantize_fp8_is_opt_in_and_enters_the_cache_key():
     from kiln.compiler.startup import CompileOptions, setup_for_engine
 
@@ -303,16 +322,13 @@ def test_default_model_perplexity_fp8():
           + ", ".join(f"{k} {v:.3f} ({v / base - 1:+.2%})" for k, v in results.items()))
     for name, ppl in results.items():
         assert ppl > base * 0.99, name  # FP8 does not make the model better: it ran quantized
-        assert ppl <= base * PERPLEXITY_LIMIT, f"{name}: {ppl:.3f} vs {base:.3f}"
+        assert ppl <= base * PERPLEXITY_LIMITS[name], f"{name}: {ppl:.3f} vs {base:.3f}"
 
 
-# Issue 16 asks for 3%. Measured on CPU (float32): +3.9% with FP8 weights, +4.4% with FP8
-# weights and KV (bfloat16: +3.5% / +3.2%). Of the weights' share, quantizing the weights
-# alone (activations unquantized) costs +1.7%; the merged QKV projection is the most
-# sensitive (leaving it unquantized: +0.7% in all). The limit is set above the measurement,
-# so a regression (a wrong scale, a lost transform) still fails; the 3% target is not met
-# for this 135M model with per-token / per-channel e4m3.
-PERPLEXITY_LIMIT = 1.05
+# Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
+# decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
+# FP8 it was +3.9%). FP8 weights + KV: +4.4% with the cache at scale 1 (below: KV scales).
+PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.05}
 
 
 def test_quantize_fp8_fuses_into_norms_and_activations():
