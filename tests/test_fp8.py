@@ -378,3 +378,58 @@ def test_kiln_compile_of_an_fp8_checkpoint_gives_a_warm_start(tiny_model_dir, tm
     with pytest.raises(Exception, match="kv_cache_dtype"):  # the miss names the factor
         LLM(str(dst), cache_dir=cache, compile="graph", require_cache=True, progress=False, max_num_seqs=2,
             max_num_batched_tokens=32)
+
+
+# ---- FP8 KV cache scales ----------------------------------------------------------------------
+
+def test_kv_cache_scales_from_the_checkpoint(tiny_model_dir, tmp_path):
+    # v_proj scaled up 1000x (o_proj down as much: the same model) makes V overflow e4m3 at
+    # scale 1; the checkpoint's per-layer v_scale / k_scale (as llm-compressor writes them)
+    # bring it back into range, and the engine stays with the unquantized model.
+    src, _ = tiny_model_dir("llama")
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith("v_proj.weight"):
+            tensors[name] = tensors[name] * 1000
+        elif name.endswith("o_proj.weight"):
+            tensors[name] = tensors[name] / 1000
+    plain, scaled = tmp_path / "plain", tmp_path / "scaled"
+    for dst in (plain, scaled):
+        shutil.copytree(src, dst)
+        save_file(tensors, str(dst / "model.safetensors"))
+    layers = tiny_config("llama").num_hidden_layers
+    with_scales = dict(tensors)
+    for i in range(layers):
+        with_scales[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01)
+        with_scales[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(8.0)
+    save_file(with_scales, str(scaled / "model.safetensors"))
+
+    reference = _tokens(LLM(str(plain), compile="eager", progress=False))
+    llm = LLM(str(scaled), compile="eager", progress=False, kv_cache_dtype="fp8")
+    stats = {r["name"]: r["stats"] for r in llm.engine.graph_spec.pass_records}
+    assert stats["kv_cache_scales"] == {"kv_scales_added": layers}
+    roles = llm.engine.graph_spec.input_roles
+    fed = llm.engine.runner._fixed[roles.index("param:model.layers.0.self_attn.kv_cache_scales")]
+    torch.testing.assert_close(fed, torch.tensor([0.01, 8.0]))  # the checkpoint's, as the graph gets them
+    scaled_rate = teacher_forced_agreement(llm, reference)
+    unit_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False, kv_cache_dtype="fp8"),
+                                         reference)
+    print(f"teacher-forced agreement: checkpoint scales {scaled_rate:.1%}, scale 1 (V saturates) {unit_rate:.1%}")
+    assert scaled_rate >= 0.9
+    assert unit_rate < scaled_rate  # at scale 1 the V values saturate at 448: the scale is what fixes it
+
+
+def test_kv_cache_scales_transform():
+    from kiln.passes.weight_transforms import KVCacheScales
+
+    a = "model.layers.0.self_attn"
+    t = KVCacheScales(f"{a}.kv_cache_scales", a)
+    assert transforms_from_json(json.loads(json.dumps(transforms_to_json([t])))) == [t]
+    w = {f"{a}.kv_scale": torch.tensor([0.5])}  # the older single scale serves both
+    t.apply(w)
+    assert torch.equal(w.pop(f"{a}.kv_cache_scales"), torch.tensor([0.5, 0.5])) and not w
+    w = {f"{a}.k_proj.output_scale": torch.tensor(2.0)}
+    t.apply(w)
+    assert torch.equal(w[f"{a}.kv_cache_scales"], torch.tensor([2.0, 1.0]))  # no v scale: 1
+    with pytest.raises(WeightTransformError, match="one positive finite value"):
+        t.apply({f"{a}.v_scale": torch.tensor(-1.0)})
