@@ -327,7 +327,9 @@ def test_default_model_perplexity_fp8():
 
 # Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
 # decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
-# FP8 it was +3.9%). FP8 weights + KV: +4.4% with the cache at scale 1 (below: KV scales).
+# FP8 it was +3.9%). FP8 weights + KV: +4.6% (it was +4.4%), above 3%: the default model
+# has no KV scales and 1.0 leaves 43% of layer 0's V below e4m3's normal range; measured
+# outside the engine, per-layer scales amax / 448 bring it to about +2% (README "FP8").
 PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.05}
 
 
