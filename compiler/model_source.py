@@ -201,6 +201,21 @@ class ModelSource:
                                          config_num_experts(self.config), keep_fp8, shards)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
+    def load_tensors_if_present(self, keys: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors among `keys` that exist, as stored (float32 for scales),
+        by checkpoint name: optional tensors such as an FP8 KV cache's `k_scale` / `v_scale`
+        (kiln.passes.kv_cache_scales), which most checkpoints lack."""
+        if self.weights_dir is None or self.load_format == "dummy" or not keys:
+            return {}
+        from safetensors import safe_open
+
+        wanted, out = set(keys), {}
+        for shard in sorted(self.weights_dir.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                for key in wanted.intersection(f.keys()):
+                    out[key] = f.get_tensor(key).to(device=device)
+        return out
+
     def _shapes(self) -> dict[str, torch.Size]:
         if isinstance(self.config, ConfigSnapshot):
             return self.config.parameter_shapes()

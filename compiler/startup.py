@@ -572,6 +572,8 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
         enable.append("quantize_fp8")
     elif options.quantization is not None and options.quantization != "fp8":
         raise ValueError(f"quantization must be 'fp8' or None, got {options.quantization!r}")
+    if options.kv_cache_dtype == torch.float8_e4m3fn and "kv_cache_scales" not in enable:
+        enable.append("kv_cache_scales")  # per-layer k/v scales as graph inputs
     pm = PassManager.default(enable=enable, disable=options.disable_passes)
     plan = make_bucket_plan(options.max_num_seqs, options.max_num_batched_tokens,
                             options.decode_buckets, options.token_buckets)

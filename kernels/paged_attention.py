@@ -17,6 +17,12 @@ Shapes and meaning (B sequences, T tokens in the step):
   softcap      > 0: logits capped as softcap * tanh(logits / softcap) (Gemma 2); 0 = off.
   alibi_slopes [Hq] float32 or None: ALiBi, slope[h] * (k_pos - q_pos) added to the logits
                (positions within the sequence), as in `kiln.kernels.attention`.
+  kv_scale     [2] float32 or None: the FP8 cache's per-layer scales (k_scale, v_scale). The
+               write stores k / k_scale and v / v_scale in e4m3 (saturating at +-448), the
+               read multiplies by them, so values far from e4m3's range (which is fixed:
+               normal numbers from 2^-6 to 448) are stored near it. None: scale 1. Read from
+               the checkpoint or 1.0 (kiln.passes.kv_cache_scales); a tensor, not a float,
+               so an artifact serves any checkpoint's scales.
 Returns [T, Hq, D]; rows of padded tokens (past query_start_loc[-1]) are zero.
 
 The CPU reference below is plain torch with a Python loop over sequences; the CUDA
@@ -59,27 +65,48 @@ def kv_cache_shape(config: Any, num_blocks: int, block_size: int, tp_size: int =
     return (2, num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size))
 
 
-def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it. An FP8 (e4m3) cache saturates at +-448 instead of turning an
-    outlier into NaN (torch's cast does not saturate; the Triton kernels' does)."""
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x as the cache stores it: for an FP8 (e4m3) cache x / scale (scale: a one-element
+    float32 tensor, None for 1), saturating at +-448 instead of turning an outlier into NaN
+    (torch's cast does not saturate; the Triton kernels' does)."""
     if cache_dtype == torch.float8_e4m3fn:
         limit = torch.finfo(cache_dtype).max
-        return x.float().clamp(-limit, limit).to(cache_dtype)
+        xf = x.float() if scale is None else x.float() / scale.float()
+        return xf.clamp(-limit, limit).to(cache_dtype)
     return x.to(cache_dtype)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter the step's K/V rows into their cache slots (in place)."""
+def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> None:
+    """ValueError unless kv_scale is None or [2] float32 on the cache's device."""
+    if kv_scale is None:
+        return
+    if tuple(kv_scale.shape) != (2,) or kv_scale.dtype != torch.float32 or kv_scale.device != kv_cache.device:
+        raise ValueError(f"paged_attention: kv_scale must be [2] float32 (k_scale, v_scale) on {kv_cache.device}, "
+                         f"got {tuple(kv_scale.shape)} {kv_scale.dtype} on {kv_scale.device}")
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_scale: torch.Tensor | None = None) -> None:
+    """Scatter the step's K/V rows into their cache slots (in place); an FP8 cache stores
+    them divided by `kv_scale` ([2]: k_scale, v_scale; None: 1)."""
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
     if kv_cache.element_size() == 1:
         # index_copy_ has no FP8 kernel: copy the bytes.
+        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         flat = flat.view(torch.uint8)
-        flat[0].index_copy_(0, slot_mapping, to_cache_dtype(k, kv_cache.dtype).view(torch.uint8))
-        flat[1].index_copy_(0, slot_mapping, to_cache_dtype(v, kv_cache.dtype).view(torch.uint8))
+        flat[0].index_copy_(0, slot_mapping, to_cache_dtype(k, kv_cache.dtype, k_scale).view(torch.uint8))
+        flat[1].index_copy_(0, slot_mapping, to_cache_dtype(v, kv_cache.dtype, v_scale).view(torch.uint8))
         return
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def read_kv_cache(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Cached K or V rows in `dtype`; an FP8 cache's values times its scale (None: 1)."""
+    if cache.element_size() == 1 and scale is not None:
+        return (cache.float() * scale.float()).to(dtype)
+    return cache.to(dtype)
 
 
 def paged_attention_reference(
@@ -95,8 +122,10 @@ def paged_attention_reference(
     sliding_window: int,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    write_kv_cache(k, v, kv_cache, slot_mapping)
+    check_kv_scale(kv_scale, kv_cache)
+    write_kv_cache(k, v, kv_cache, slot_mapping, kv_scale)
     block_size = kv_cache.shape[2]
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -108,9 +137,10 @@ def paged_attention_reference(
             continue
         n_blocks = -(-seq_len // block_size)
         blocks = block_tables[i, :n_blocks].long()
-        # An FP8 cache is read back in the query's dtype (its scale is 1: e4m3 holds K/V as they are).
-        keys = kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].to(q.dtype)
-        values = kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len].to(q.dtype)
+        # An FP8 cache is read back in the query's dtype, times its scales.
+        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        keys = read_kv_cache(kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], k_scale, q.dtype)
+        values = read_kv_cache(kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], v_scale, q.dtype)
         positions = torch.arange(seq_len, device=q.device)
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,
@@ -134,14 +164,15 @@ def paged_attention(
     sliding_window: int,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_attention_reference(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-        alibi_slopes,
+        alibi_slopes, kv_scale,
     )
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                          softcap=0.0, alibi_slopes=None):
+                          softcap=0.0, alibi_slopes=None, kv_scale=None):
     return torch.empty_like(q)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
-from kiln.kernels.paged_attention import paged_attention_reference
+from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import max_shared_memory, multiprocessor_count, num_warps_for, pow2_at_least
 from kiln.kernels.triton_rope import rope_triton
@@ -50,10 +50,11 @@ SEQ_CHUNK = 64
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_scale_ptr,
     n_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c_blk, stride_c_off, stride_c_h,
     CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr,
+    KV_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -63,8 +64,14 @@ def _write_kv_kernel(
     dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
     dest_offs = dest + h[:, None] * stride_c_h + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
-    tl.store(k_cache_ptr + dest_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    if KV_SCALE:
+        # An FP8 cache holds k / k_scale and v / v_scale (the scales are loaded, not passed
+        # as floats, so a captured graph serves any checkpoint's scales). The division is in
+        # float32, as the reference's; the cast to e4m3 saturates.
+        k = k.to(tl.float32) / tl.load(kv_scale_ptr)
+        v = v.to(tl.float32) / tl.load(kv_scale_ptr + 1)
+    tl.store(k_cache_ptr + dest_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dest_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,12 +81,12 @@ def _write_kv_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr, kv_scale_ptr,
     scale, num_seqs, sliding_window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
@@ -115,6 +122,12 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if ALIBI:
         slope = tl.load(alibi_slopes_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    # An FP8 cache's scales: k_scale folds into the softmax scale (q . (k_scale * k) =
+    # k_scale * (q . k)), v_scale into the output (a weighted mean of v_scale * v), so the
+    # inner loop reads e4m3 tiles as they are.
+    qk_scale = scale
+    if KV_SCALE:
+        qk_scale = scale * tl.load(kv_scale_ptr)
 
     # Keys this tile can see: up to its last token, from its first token's window start.
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
@@ -137,7 +150,7 @@ def _paged_attention_kernel(
         # .to: an FP8 cache is read back in the query's dtype (a no-op for a bf16/fp16 cache).
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
                     mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
-        qk = tl.dot(q, k, input_precision="ieee") * scale
+        qk = tl.dot(q, k, input_precision="ieee") * qk_scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
             # overflowing to inf gives 1 and underflowing to 0 gives -1, so no NaN.
@@ -159,6 +172,8 @@ def _paged_attention_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_SCALE:
+        out = out * tl.load(kv_scale_ptr + 1)
     store_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -197,18 +212,25 @@ def _combine_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def fp8_cache_scale(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The scales the kernels apply: only an FP8 cache is scaled, as in the reference."""
+    return kv_scale if kv_cache.element_size() == 1 else None
+
+
+def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          kv_scale: torch.Tensor | None = None) -> None:
     t, hkv, d = k.shape
     if t == 0:
         return
+    kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     d_pad = pow2_at_least(d)
     h_pad = pow2_at_least(hkv)
     _write_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, kv_scale if kv_scale is not None else slot_mapping,
         hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad,
+        CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad, KV_SCALE=kv_scale is not None,
         num_warps=num_warps_for(h_pad * d_pad),
     )
 
@@ -274,16 +296,19 @@ def paged_attention_triton(
     tiling: AttentionTiling | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write K/V into the cache and attend; `num_splits` and `tiling` override the heuristics (tests)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                         query_start_loc, scale, sliding_window, softcap, alibi_slopes)
-    write_kv_cache_triton(k, v, kv_cache, slot_mapping)
+                                         query_start_loc, scale, sliding_window, softcap, alibi_slopes, kv_scale)
+    check_kv_scale(kv_scale, kv_cache)
+    kv_scale = fp8_cache_scale(kv_cache, kv_scale)
+    write_kv_cache_triton(k, v, kv_cache, slot_mapping, kv_scale)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling, softcap, alibi_slopes)
+                               num_splits, tiling, softcap, alibi_slopes, kv_scale)
 
 
 def attend_paged_triton(
@@ -298,8 +323,10 @@ def attend_paged_triton(
     tiling: AttentionTiling | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of q over the cache, whose slots for this step's tokens are already written.
+    """Attention of q over the cache, whose slots for this step's tokens are already written
+    (an FP8 cache's values times `kv_scale`, [2] float32 k_scale, v_scale; None: 1).
 
     `num_splits` and `tiling` override the shape-based choices (tests, bench/tune_attention.py)."""
     t, hq, d = q.shape
@@ -309,6 +336,8 @@ def attend_paged_triton(
     if alibi_slopes is not None and (alibi_slopes.shape != (hq,) or alibi_slopes.device != q.device):
         raise ValueError(f"paged_attention: alibi_slopes must be [{hq}] on {q.device}, "
                          f"got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    check_kv_scale(kv_scale, kv_cache)
+    kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
@@ -340,11 +369,12 @@ def attend_paged_triton(
     _paged_attention_kernel[(num_tiles, hkv, num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
+        kv_scale if kv_scale is not None else q,
         float(scale), num_seqs, int(sliding_window), float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
+        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
         NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tiling.num_stages,
     )
@@ -377,25 +407,29 @@ def rope_paged_attention_triton(
     sliding_window: int,
     num_splits: int | None = None,
     softcap: float = 0.0,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE whose kernel writes the rotated k and v into the cache, then attention."""
-    q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps, write_kv=(v, kv_cache, slot_mapping))
+    check_kv_scale(kv_scale, kv_cache)
+    q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps,
+                           write_kv=(v, kv_cache, slot_mapping, kv_scale))
     if kv_cache.stride(-1) != 1:
         raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
     return attend_paged_triton(q_rot, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, softcap=softcap)
+                               num_splits, softcap=softcap, kv_scale=kv_scale)
 
 
 @paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, softcap=0.0, alibi_slopes=None):
+                          sliding_window, softcap=0.0, alibi_slopes=None, kv_scale=None):
     return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                  scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes)
+                                  scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, kv_scale=kv_scale)
 
 
 @rope_paged_attention_op.register_kernel("cuda")
 def _rope_paged_attention_cuda(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
-                               block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0):
+                               block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0,
+                               kv_scale=None):
     return rope_paged_attention_triton(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
                                        block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                       softcap=softcap)
+                                       softcap=softcap, kv_scale=kv_scale)

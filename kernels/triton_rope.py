@@ -105,24 +105,28 @@ def rope_triton(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-    write_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    write_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rotate q and k. With `write_kv=(v, kv_cache, slot_mapping)` the rotated k and v are
-    written into the cache instead of returned (k_out is then None)."""
+    """Rotate q and k. With `write_kv=(v, kv_cache, slot_mapping[, kv_scale])` the rotated k
+    and v are written into the cache instead of returned (k_out is then None)."""
     check_rope_args(q, k, cos, sin)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
     dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
     if q_norm_weight is not None:
         dtypes |= {q_norm_weight.dtype, k_norm_weight.dtype}
+    kv_scale = write_kv[3] if write_kv is not None and len(write_kv) > 3 else None
     if write_kv is not None:
         dtypes |= {write_kv[0].dtype, write_kv[1].dtype}
     if len(dtypes) != 1 or (write_kv is not None and write_kv[1].stride(-1) != 1):
         # Mixed dtypes promote in ways the kernel does not mirror; rare enough to leave to torch.
+        # An FP8 cache is one of them: the rotated k is rounded in its own dtype, then
+        # scaled and cast (write_kv_cache), as the reference does.
         q_out, k_out = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
         if write_kv is None:
             return q_out, k_out
-        write_kv_cache(k_out, write_kv[0], write_kv[1], write_kv[2])
+        write_kv_cache(k_out, write_kv[0], write_kv[1], write_kv[2], kv_scale)
         return q_out, None
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -138,7 +142,7 @@ def rope_triton(
     qw = q_norm_weight.contiguous() if has_norm else q
     kw = k_norm_weight.contiguous() if has_norm else k
     if write_kv is not None:
-        v, kv_cache, slot_mapping = write_kv
+        v, kv_cache, slot_mapping = write_kv[:3]  # a cache of the compute dtype: no scale applies
         v = v if v.stride(-1) == 1 else v.contiguous()
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))

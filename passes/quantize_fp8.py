@@ -11,7 +11,12 @@ their values and scales. Left in the compute dtype, as vLLM leaves them: the LM 
 logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
 to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking picks the
 experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
-as they are.
+as they are. The projections of the first and last decoder layers stay too, as in Meta's FP8
+recipe for Llama 3.1 405B (row-wise weights, per-token activations, first and last layers in
+bf16): they are the most sensitive (on SmolLM2-135M, FP8 in layer 0 alone costs as much
+perplexity as in ten middle layers; README "FP8"). Models of fewer than
+`EDGE_LAYERS_MIN_LAYERS` layers (test models) quantize every layer, or little would be left.
+A pre-quantized checkpoint's FP8 tensors in those layers are dequantized at load.
 
 Phase `logits`, after `prune_logits` (which finds the LM head as an `aten.linear`) and before
 `use_triton_linear` (which would otherwise take the projections into `kiln::linear`). Off
@@ -21,6 +26,8 @@ unless asked for: `quantization="fp8"` enables it (and a pre-quantized checkpoin
 from __future__ import annotations
 
 import operator
+import re
+from typing import Any
 
 import torch
 
@@ -39,16 +46,38 @@ aten = torch.ops.aten
 
 
 
+EDGE_LAYERS_MIN_LAYERS = 4
+# The decoder layer a parameter belongs to, by its Hugging Face name (model.layers.N.…,
+# transformer.h.N.…, …).
+_LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
 def _is_router(name: str) -> bool:
     return name.endswith(".gate.weight")
+
+
+def in_edge_layer(name: str, num_layers: int | None) -> bool:
+    """Whether parameter `name` belongs to the first or last of `num_layers` decoder layers
+    (False for models of fewer than EDGE_LAYERS_MIN_LAYERS layers, or an unknown count)."""
+    if num_layers is None or num_layers < EDGE_LAYERS_MIN_LAYERS:
+        return False
+    match = _LAYER_INDEX.search(name)
+    return match is not None and int(match.group(1)) in (0, num_layers - 1)
 
 
 class QuantizeFP8Pass(KilnPass):
     name = "quantize_fp8"
     phase = "logits"
 
+    def __init__(self, keep_edge_layers: bool = True):
+        self.keep_edge_layers = keep_edge_layers
+
+    def options(self) -> dict[str, Any]:
+        return {"keep_edge_layers": self.keep_edge_layers}
+
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         graph = gm.graph
+        num_layers = getattr(ctx.config, "num_hidden_layers", None) if self.keep_edge_layers else None
         try:
             head = find_lm_head(gm)
         except ValueError:
@@ -62,7 +91,7 @@ class QuantizeFP8Pass(KilnPass):
             name = param_name(weight)
             if name is None:
                 continue  # a product of activations, not a projection of a weight
-            if node is head or weight in embedded or _is_router(name):
+            if node is head or weight in embedded or _is_router(name) or in_edge_layer(name, num_layers):
                 kept += 1
                 continue
             x = node.args[0]

@@ -19,7 +19,7 @@ ENTRY_POINT_GROUP = "kiln.passes"
 
 # Built-in passes that change numerics, not just speed: off unless asked for (an engine
 # option such as quantization="fp8" turns one on, as --enable-pass does).
-OPT_IN_BUILTIN_PASSES = frozenset({"quantize_fp8"})
+OPT_IN_BUILTIN_PASSES = frozenset({"quantize_fp8", "kv_cache_scales"})
 
 # Phases in the order the pass manager runs them.
 PHASES = ("normalize", "attention", "fusion", "logits")
@@ -62,6 +62,10 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.use_triton_linear import UseTritonLinearPass
 
     factories["quantize_fp8"] = QuantizeFP8Pass
+    # kv_cache_scales (opt-in: on with an FP8 KV cache) after the attention fusions.
+    from kiln.passes.kv_cache_scales import KVCacheScalesPass
+
+    factories["kv_cache_scales"] = KVCacheScalesPass
     factories["use_triton_linear"] = UseTritonLinearPass
     return factories
 

@@ -161,9 +161,52 @@ class ShardWeight:
         return out
 
 
-WeightTransform = ConcatWeights | QuantizeFP8Weight | ShardWeight
+@dataclass(frozen=True)
+class KVCacheScales:
+    """`weights[output]` = [k_scale, v_scale] float32, one layer's FP8 KV-cache scales, from
+    the checkpoint tensors of attention module `attention` where it has them (vLLM's and
+    llm-compressor's `k_scale` / `v_scale`, the older single `kv_scale`, or AutoFP8's
+    `k_proj.output_scale` / `v_proj.output_scale`; loaded by `source_names`), else `default`
+    (kiln.passes.kv_cache_scales says which)."""
 
-_KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight, "shard": ShardWeight}
+    output: str
+    attention: str
+    default: float = 1.0
+    kind: str = "kv_cache_scales"
+
+    def source_names(self) -> list[str]:
+        a = self.attention
+        return [f"{a}.k_scale", f"{a}.v_scale", f"{a}.kv_scale", f"{a}.k_proj.output_scale",
+                f"{a}.v_proj.output_scale"]
+
+    def apply(self, weights: dict[str, torch.Tensor]) -> None:
+        found = {name: weights.pop(name) for name in self.source_names() if name in weights}
+        a = self.attention
+        scales = []
+        for which in ("k", "v"):
+            name = next((n for n in (f"{a}.{which}_scale", f"{a}.{which}_proj.output_scale", f"{a}.kv_scale")
+                         if n in found), None)
+            if name is None:
+                scales.append(self.default)
+                continue
+            value = found[name].float().reshape(-1)
+            if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
+                raise WeightTransformError(f"KV-cache scale {name!r} must be one positive finite value, got "
+                                           f"{value.tolist()[:4]} (per-head KV scales are not supported)")
+            scales.append(value.item())
+        device = next((t.device for t in weights.values()), torch.device("cpu"))
+        weights[self.output] = torch.tensor(scales, dtype=torch.float32, device=device)
+
+
+def optional_checkpoint_names(transforms: Iterable[Any]) -> list[str]:
+    """Checkpoint tensors the transforms use where the checkpoint has them (KV-cache scales)."""
+    return [name for t in transforms if isinstance(t, KVCacheScales) for name in t.source_names()]
+
+
+WeightTransform = ConcatWeights | QuantizeFP8Weight | ShardWeight | KVCacheScales
+
+_KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight, "shard": ShardWeight,
+                           "kv_cache_scales": KVCacheScales}
 
 
 def shard_transforms(transforms: Iterable[WeightTransform]) -> dict[str, ShardWeight]:

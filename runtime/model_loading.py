@@ -12,7 +12,8 @@ import torch
 
 from kiln.compiler.model_source import ModelSource
 from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
-from kiln.passes.weight_transforms import apply_weight_transforms, fp8_weight_names, shard_transforms
+from kiln.passes.weight_transforms import (apply_weight_transforms, fp8_weight_names, optional_checkpoint_names,
+                                           shard_transforms)
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.model_runner import ModelRunner
 
@@ -45,6 +46,8 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: torch.dtype, de
         transforms = prepared.spec.weight_transforms
         weights = source.load_weights(prepared.spec.param_aliases, dtype, device, progress=config.progress,
                                       keep_fp8=fp8_weight_names(transforms), shards=shard_transforms(transforms))
+        # Tensors some checkpoints carry and others not (an FP8 KV cache's scales).
+        weights.update(source.load_tensors_if_present(optional_checkpoint_names(transforms), device))
         # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
         weights = apply_weight_transforms(weights, transforms, skip_shards=True)
     return LoadedModel(prepared=prepared, weights=weights, device=device)

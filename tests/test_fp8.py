@@ -99,6 +99,25 @@ def test_quantize_fp8_pass(arch, dtype):
     assert not torch.equal(out, ref)  # it did quantize
 
 
+def test_quantize_fp8_keeps_the_first_and_last_layers():
+    # Meta's FP8 recipe: the first and last decoder layers stay in the compute dtype (the
+    # most sensitive on SmolLM2; a model of fewer than 4 layers, above, quantizes them all).
+    from kiln.passes.quantize_fp8 import in_edge_layer
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 5
+    after = graph_for_pass(config, "quantize_fp8")
+    stats = after.run_pass(QuantizeFP8Pass())
+    assert stats["fp8_linear"] == 4 * 3 and stats["kept_high_precision"] == 4 * 2 + 1
+    quantized = {t.weight for t in after.context.weight_transforms if isinstance(t, QuantizeFP8Weight)}
+    assert {int(n.split(".")[2]) for n in quantized} == {1, 2, 3}
+    assert in_edge_layer("model.layers.29.mlp.down_proj.weight", 30) and not in_edge_layer("model.layers.1.x.weight", 30)
+    assert not in_edge_layer("model.layers.0.mlp.down_proj.weight", 2)
+    plain = graph_for_pass(config, "quantize_fp8").run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    assert plain["fp8_linear"] == 4 * 5
+    assert QuantizeFP8Pass().uuid() != QuantizeFP8Pass(keep_edge_layers=False).uuid()
+
+
 def test_quantize_fp8_is_opt_in_and_enters_the_cache_key():
     from kiln.compiler.startup import CompileOptions, setup_for_engine
 
@@ -303,16 +322,15 @@ def test_default_model_perplexity_fp8():
           + ", ".join(f"{k} {v:.3f} ({v / base - 1:+.2%})" for k, v in results.items()))
     for name, ppl in results.items():
         assert ppl > base * 0.99, name  # FP8 does not make the model better: it ran quantized
-        assert ppl <= base * PERPLEXITY_LIMIT, f"{name}: {ppl:.3f} vs {base:.3f}"
+        assert ppl <= base * PERPLEXITY_LIMITS[name], f"{name}: {ppl:.3f} vs {base:.3f}"
 
 
-# Issue 16 asks for 3%. Measured on CPU (float32): +3.9% with FP8 weights, +4.4% with FP8
-# weights and KV (bfloat16: +3.5% / +3.2%). Of the weights' share, quantizing the weights
-# alone (activations unquantized) costs +1.7%; the merged QKV projection is the most
-# sensitive (leaving it unquantized: +0.7% in all). The limit is set above the measurement,
-# so a regression (a wrong scale, a lost transform) still fails; the 3% target is not met
-# for this 135M model with per-token / per-channel e4m3.
-PERPLEXITY_LIMIT = 1.05
+# Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
+# decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
+# FP8 it was +3.9%). FP8 weights + KV: +4.6% (it was +4.4%), above 3%: the default model
+# has no KV scales and 1.0 leaves 43% of layer 0's V below e4m3's normal range; measured
+# outside the engine, per-layer scales amax / 448 bring it to about +2% (README "FP8").
+PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.05}
 
 
 def test_quantize_fp8_fuses_into_norms_and_activations():
@@ -362,3 +380,58 @@ def test_kiln_compile_of_an_fp8_checkpoint_gives_a_warm_start(tiny_model_dir, tm
     with pytest.raises(Exception, match="kv_cache_dtype"):  # the miss names the factor
         LLM(str(dst), cache_dir=cache, compile="graph", require_cache=True, progress=False, max_num_seqs=2,
             max_num_batched_tokens=32)
+
+
+# ---- FP8 KV cache scales ----------------------------------------------------------------------
+
+def test_kv_cache_scales_from_the_checkpoint(tiny_model_dir, tmp_path):
+    # v_proj scaled up 1000x (o_proj down as much: the same model) makes V overflow e4m3 at
+    # scale 1; the checkpoint's per-layer v_scale / k_scale (as llm-compressor writes them)
+    # bring it back into range, and the engine stays with the unquantized model.
+    src, _ = tiny_model_dir("llama")
+    tensors = load_file(str(src / "model.safetensors"))
+    for name in list(tensors):
+        if name.endswith("v_proj.weight"):
+            tensors[name] = tensors[name] * 1000
+        elif name.endswith("o_proj.weight"):
+            tensors[name] = tensors[name] / 1000
+    plain, scaled = tmp_path / "plain", tmp_path / "scaled"
+    for dst in (plain, scaled):
+        shutil.copytree(src, dst)
+        save_file(tensors, str(dst / "model.safetensors"))
+    layers = tiny_config("llama").num_hidden_layers
+    with_scales = dict(tensors)
+    for i in range(layers):
+        with_scales[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.01)
+        with_scales[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(8.0)
+    save_file(with_scales, str(scaled / "model.safetensors"))
+
+    reference = _tokens(LLM(str(plain), compile="eager", progress=False))
+    llm = LLM(str(scaled), compile="eager", progress=False, kv_cache_dtype="fp8")
+    stats = {r["name"]: r["stats"] for r in llm.engine.graph_spec.pass_records}
+    assert stats["kv_cache_scales"] == {"kv_scales_added": layers}
+    roles = llm.engine.graph_spec.input_roles
+    fed = llm.engine.runner._fixed[roles.index("param:model.layers.0.self_attn.kv_cache_scales")]
+    torch.testing.assert_close(fed, torch.tensor([0.01, 8.0]))  # the checkpoint's, as the graph gets them
+    scaled_rate = teacher_forced_agreement(llm, reference)
+    unit_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False, kv_cache_dtype="fp8"),
+                                         reference)
+    print(f"teacher-forced agreement: checkpoint scales {scaled_rate:.1%}, scale 1 (V saturates) {unit_rate:.1%}")
+    assert scaled_rate >= 0.9
+    assert unit_rate < scaled_rate  # at scale 1 the V values saturate at 448: the scale is what fixes it
+
+
+def test_kv_cache_scales_transform():
+    from kiln.passes.weight_transforms import KVCacheScales
+
+    a = "model.layers.0.self_attn"
+    t = KVCacheScales(f"{a}.kv_cache_scales", a)
+    assert transforms_from_json(json.loads(json.dumps(transforms_to_json([t])))) == [t]
+    w = {f"{a}.kv_scale": torch.tensor([0.5])}  # the older single scale serves both
+    t.apply(w)
+    assert torch.equal(w.pop(f"{a}.kv_cache_scales"), torch.tensor([0.5, 0.5])) and not w
+    w = {f"{a}.k_proj.output_scale": torch.tensor(2.0)}
+    t.apply(w)
+    assert torch.equal(w[f"{a}.kv_cache_scales"], torch.tensor([2.0, 1.0]))  # no v scale: 1
+    with pytest.raises(WeightTransformError, match="one positive finite value"):
+        t.apply({f"{a}.v_scale": torch.tensor(-1.0)})
