@@ -9,6 +9,14 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The tests' own process runs torch on one CPU thread (KILN_TEST_THREADS to change it). Their
+# tiny models' ops are far too small to gain from a second thread, and with two, every op
+# waits at a thread barrier whenever the other core is busy: a `kiln serve` or worker child,
+# .ci/run's background `kiln compile`, anything else on the machine. On a loaded 2-core
+# machine Hugging Face's greedy loop of one parity test took 15 s on two threads, 0.6 s on
+# one. Subprocesses (servers, cache workers, the CLI) keep torch's default.
+torch.set_num_threads(int(os.environ.get("KILN_TEST_THREADS", "1")))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

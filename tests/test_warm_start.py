@@ -5,9 +5,11 @@ compiled" is read from torch's process-wide compile counters and compile-event t
 and because the warm process gets its own, empty TORCHINDUCTOR_CACHE_DIR: had it built a
 single C++ kernel, files would appear there.
 
-With $KILN_CI_CACHE_DIR set (.ci/run compiles the default model into it first, as a user
+With $KILN_CI_CACHE_DIR set (.ci/run compiles the default model into it, as a user
 would), `test_warm_start_from_ci_cache` starts the default model from that cache; without
-it, the same test uses the tiny model this module compiles itself.
+it, the same test uses the tiny model this module compiles itself. .ci/run compiles in the
+background while the tests run, and names in $KILN_CI_COMPILE_STATUS the file where it
+writes the compile's exit status when done: that test waits for it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,20 @@ TINY_PROMPTS = [[5, 6, 7, 8], list(range(1, 24))]
 # Must match the `kiln compile` line of .ci/run.
 CI_SETTINGS = dict(max_num_seqs=1, max_num_batched_tokens=32, decode_buckets=[1], token_buckets=[32])
 CI_PROMPTS = ["The capital of France is", "Here is a short poem about the sea:"]
+
+
+def wait_for_ci_compile(timeout_s: float = 1800.0) -> None:
+    """Block until .ci/run's background `kiln compile` has finished (no-op outside it); fail
+    unless it exited 0."""
+    status = os.environ.get("KILN_CI_COMPILE_STATUS")
+    if not status:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(status):
+        assert time.monotonic() < deadline, f"kiln compile of .ci/run did not finish in {timeout_s:.0f}s"
+        time.sleep(1.0)
+    code = Path(status).read_text().strip()
+    assert code == "0", f"kiln compile of .ci/run exited with {code} (its log: {Path(status).parent / 'compile.log'})"
 
 
 def run_worker(opts: dict, env: dict | None = None, expect_ok: bool = True) -> dict | subprocess.CompletedProcess:
@@ -91,6 +108,7 @@ def test_warm_start_from_ci_cache(tiny_cache, tmp_path):
     """The default model from the cache .ci/run compiled (or the tiny model's, outside CI)."""
     ci_dir = os.environ.get("KILN_CI_CACHE_DIR")
     if ci_dir:
+        wait_for_ci_compile()
         opts = {"model": None, "cache_dir": ci_dir, **CI_SETTINGS, "prompts": CI_PROMPTS, "max_tokens": 8,
                 "check_eager": True}
     else:
