@@ -103,6 +103,8 @@ TP_ARCHITECTURES = {
     "bloom": "as gpt_neox; ALiBi slopes sliced to the rank's heads; embedding LayerNorm after the all-reduce",
     "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
     "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
+    "codegen": "qkv_proj in 4 [q; v; k] blocks: the rank's whole blocks are one run of rows (tp divides 4); parallel block",
+    "gpt2": "Conv1D addmm with [in, out] weights: fused c_attn [q; k; v] by columns, c_fc, row-parallel c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
 # intermediate dimension, evenly). Names of the architectures in TP_ARCHITECTURES: Llama's
@@ -118,12 +120,16 @@ _FUSED = {
     "phi3": {"qkv_proj": "qkv", "gate_up_proj": "gate_up"},
     "mpt": {"Wqkv": "qkv"},
     "gpt_bigcode": {"c_attn": "qkv"},
+    "codegen": {"qkv_proj": "mp4"},
+    "gpt2": {"c_attn": "qkv"},  # along the columns of Conv1D's [in, out] weight
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
     "gpt_neox": {"query_key_value": "heads3"},
     "persimmon": {"query_key_value": "heads3"},
     "bloom": {"query_key_value": "heads3"},
 }
+# CodeGenAttention.mp_num: transformers fixes it at 4 for every CodeGen checkpoint.
+_CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores).
 _REPLICATED = {"gate"}
@@ -212,6 +218,20 @@ class _Plan:
                                  "head of a model whose every head has its own K/V")
             (q0, q1) = self.q
             return [(3 * q0, 3 * q1)], {}
+        if layout == "mp4":
+            # CodeGen: 4 blocks (the model-parallel shards it was trained with), each
+            # [q; v; k] of its quarter of the heads in order, read through
+            # `view(..., -1, 3 * hidden / 4)` and `split(hidden / 4)`. A rank holding whole
+            # blocks reads one run of rows, and those views and splits stay as they are.
+            if self.kv_replicated or self.full_width["kv"] != self.full_width["q"] or rows != 3 * self.full_width["q"]:
+                raise ValueError(f"shard_tensor_parallel: {what} ({rows} rows) is not CodeGen's [q; v; k] blocks of "
+                                 "a model whose every head has its own K/V")
+            if _CODEGEN_MP_NUM % self.tp:
+                raise ValueError(f"shard_tensor_parallel: {what} is laid out in {_CODEGEN_MP_NUM} [q; v; k] blocks, "
+                                 f"which tp={self.tp} does not split into whole blocks per rank; use a "
+                                 f"tensor_parallel_size that divides {_CODEGEN_MP_NUM}")
+            per = rows // self.tp
+            return [(self.rank * per, (self.rank + 1) * per)], {}
         raise ValueError(f"shard_tensor_parallel: unknown fused layout {layout!r} of {what}")
 
     def vocab(self, size: int) -> tuple[tuple[int, int], int]:
@@ -311,6 +331,13 @@ class ShardTensorParallelPass(KilnPass):
                 stats["all_reduce"] += 1
             elif module not in _REPLICATED:
                 unknown.append(name)
+        for node in list(graph.find_nodes(op="call_function", target=aten.addmm.default)):
+            kind = self._shard_conv1d(node, plan, model_type, shard, all_reduce_after)
+            if kind is None:
+                unknown.append(str(param_name(node.args[2])))
+            elif kind:
+                stats[kind] += 1
+                stats["all_reduce"] += kind == "row_parallel"
         if unknown:
             raise ValueError(f"shard_tensor_parallel: no sharding rule for the projection(s) {', '.join(unknown[:4])}"
                              f"{' ...' if len(unknown) > 4 else ''}")
@@ -331,6 +358,53 @@ class ShardTensorParallelPass(KilnPass):
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
+
+    @staticmethod
+    def _shard_conv1d(node: torch.fx.Node, plan: _Plan, model_type: str, shard: Any,
+                      all_reduce_after: Any) -> str | None:
+        """GPT-2's Conv1D: `addmm(bias, x.view(-1, in), W)` with W [in, out], the transpose of
+        a linear's weight, and its output viewed back as `[..., out]`. Column-parallel (c_fc,
+        the fused c_attn) keeps the rank's columns of W and of the bias, and the views that
+        spell out the output width get the rank's; row-parallel (c_proj) keeps the rank's rows
+        of W, becomes `mm` (the bias must be added once, after `kiln::all_reduce`), and the
+        view that flattens its input gets the rank's width. Returns which kind it was, "" for
+        an addmm that reads no parameter weight, None for a weight with no rule."""
+        bias, x, weight = node.args[:3]
+        name = param_name(weight)
+        if name is None:
+            return ""
+        if len(node.args) > 3 or node.kwargs:
+            raise ValueError(f"shard_tensor_parallel: {node.name} scales its addmm ({node.args[3:]}, {node.kwargs}); "
+                             "only Conv1D's plain addmm(bias, x, W) has a sharding rule")
+        if param_name(bias) is None:
+            raise ValueError(f"shard_tensor_parallel: the bias of {name!r}'s addmm ({node.name}) is computed in the "
+                             "graph, not a weight the rank can read a slice of")
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        in_full, out_full = (int(d) for d in weight.meta["val"].shape)
+        fused = _FUSED.get(model_type, {}).get(module)
+        if fused is not None or module in _COLUMN:
+            if fused is not None:
+                ranges, boundaries = plan.fused(fused, out_full, name)
+            else:
+                kind = _COLUMN[module]
+                cols = plan.q if kind == "q" else plan.kv if kind == "kv" else plan.even(out_full, name)
+                ranges, boundaries = [cols], {0: 0, out_full: cols[1] - cols[0]}
+            size = sum(b - a for a, b in ranges)
+            shard(weight, 1, ranges, size)  # W is [in, out]: the output features are its columns
+            shard(bias, 0, ranges, size)
+            _remap_slices(node, boundaries)
+            return "column_parallel"
+        if module in _ROW:
+            rows = plan.q if _ROW[module] == "q" else plan.even(in_full, name)
+            shard(weight, 0, [rows], rows[1] - rows[0])
+            if x.target in _VIEWS and x.args[1][-1] == in_full:
+                # `x.view(-1, in)`: the rank's input is only its part of the in features.
+                x.args = (x.args[0], [*x.args[1][:-1], rows[1] - rows[0]], *x.args[2:])
+                x.meta[_RESIZED] = True
+            node.target, node.args = aten.mm.default, (x, weight)
+            all_reduce_after(node, bias)
+            return "row_parallel"
+        return None if module not in _REPLICATED else ""
 
     @staticmethod
     def _mask_embedding(graph: torch.fx.Graph, node: torch.fx.Node, start: int, stop: int) -> torch.fx.Node:
@@ -458,6 +532,24 @@ def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
                 # An open end (past the whole width) stays: the rank's width ends it.
                 bounds = [b if b is None or b > width else moved(b, user) for b in user.args[2:4]]
                 user.args = (user.args[0], user.args[1], *bounds, *user.args[4:])
+            elif user.target in _VIEWS and user.args[1][-1] in (width, -1) \
+                    and user.meta["val"].shape[-1] == width == node.meta["val"].shape[-1]:
+                # Conv1D's `view(out, [..., out_width])`: only the leading dimensions change.
+                if user.args[1][-1] == width:
+                    user.args = (user.args[0], [*user.args[1][:-1], boundaries[width]], *user.args[2:])
+                    user.meta[_RESIZED] = True
+                frontier.append(user)
+            elif (user.target == aten.split.Tensor
+                  and (user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)) % (last + 1) == last):
+                # GPT-2's `split(hidden, dim=2)`: equal parts, which on the rank may still be equal.
+                step = user.args[1]
+                cuts = [*range(0, width, step), width]
+                rank_cuts = [moved(c, user) for c in cuts]
+                sizes = [b - a for a, b in zip(rank_cuts, rank_cuts[1:])]
+                if len(set(sizes)) == 1:
+                    user.args = (user.args[0], sizes[0], *user.args[2:])
+                else:
+                    user.target, user.args = aten.split_with_sizes.default, (user.args[0], sizes, *user.args[2:])
             elif (user.target == aten.split_with_sizes.default and len(user.args) > 2
                   and user.args[2] % (last + 1) == last):
                 cuts = [sum(user.args[1][:i]) for i in range(len(user.args[1]) + 1)]
@@ -466,6 +558,9 @@ def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# Marks a view whose last dimension the pass has set to the rank's width itself (Conv1D's):
+# the check that a view changed only head counts and their widths does not apply to it.
+_RESIZED = "tp_resized_view"
 # Norm modules whose weight may span all heads (or the whole intermediate dimension): which
 # rows of it a rank keeps, as for the projections ("q", "kv", "mlp").
 _WIDE_NORMS = {"q_norm": "q", "k_norm": "kv", "attn_sub_norm": "q", "ffn_sub_norm": "mlp"}
@@ -518,7 +613,7 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
             # A view that spells out the head count and puts -1 on the tokens (OPT's
             # `view(1, -1, num_heads, head_dim)`) does not fail on the rank's smaller input:
             # it silently halves the tokens. Its other dimensions must keep their values.
-            if (node.target in _VIEWS and isinstance(old, torch.Tensor)
+            if (node.target in _VIEWS and isinstance(old, torch.Tensor) and not node.meta.pop(_RESIZED, False)
                     and not _keeps_unsharded_dims(old, node.meta["val"], size_map)
                     and not _fix_view(node, args, old, size_map)):
                 raise ValueError(f"shard_tensor_parallel: view {node.name} {list(node.args[1])} cannot take the "
