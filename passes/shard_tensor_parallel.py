@@ -104,6 +104,8 @@ TP_ARCHITECTURES = {
     "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
     "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
     "codegen": "qkv_proj in 4 [q; v; k] blocks: the rank's whole blocks are one run of rows (tp divides 4); parallel block",
+    "falcon": "FalconLinear matmul(x, W.T): query_key_value multi-query (one K/V head, replicated) or per head; "
+              "dense, dense_h_to_4h/4h_to_h; ALiBi slopes sliced (Falcon-RW). Not new_decoder_architecture",
     "gpt2": "Conv1D addmm with [in, out] weights: fused c_attn [q; k; v] by columns, c_fc, row-parallel c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
@@ -128,6 +130,8 @@ _FUSED = {
     "persimmon": {"query_key_value": "heads3"},
     "bloom": {"query_key_value": "heads3"},
 }
+# Architectures whose projections are `matmul(x, W.T)` (Falcon's FalconLinear), not linear.
+_TRANSPOSED_MATMUL = {"falcon"}
 # CodeGenAttention.mp_num: transformers fixes it at 4 for every CodeGen checkpoint.
 _CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
@@ -148,6 +152,12 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     if model_type not in TP_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard {model_type!r} models yet (it shards "
                          f"{', '.join(sorted(TP_ARCHITECTURES))}); run it with tensor_parallel_size=1")
+    if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
+        # Its query_key_value holds [q heads; k; v] per KV group, and the graph broadcasts K/V
+        # to every query head with a shape that spells out the group count: no rule yet.
+        raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard Falcon models with "
+                         "new_decoder_architecture (grouped query_key_value, as Falcon-40B/180B) yet; run it with "
+                         "tensor_parallel_size=1")
     heads = int(config.num_attention_heads)
     kv_heads, _ = kv_heads_and_head_dim(config)
     if heads % tp_size:
@@ -338,6 +348,14 @@ class ShardTensorParallelPass(KilnPass):
             elif kind:
                 stats[kind] += 1
                 stats["all_reduce"] += kind == "row_parallel"
+        if model_type in _TRANSPOSED_MATMUL:
+            for node in list(graph.find_nodes(op="call_function", target=aten.matmul.default)):
+                kind = self._shard_transposed_matmul(node, plan, ctx.config, shard, all_reduce_after)
+                if kind is None:
+                    unknown.append(str(param_name(node.args[1].args[0])))
+                elif kind:
+                    stats[kind] += 1
+                    stats["all_reduce"] += kind == "row_parallel"
         if unknown:
             raise ValueError(f"shard_tensor_parallel: no sharding rule for the projection(s) {', '.join(unknown[:4])}"
                              f"{' ...' if len(unknown) > 4 else ''}")
@@ -403,6 +421,55 @@ class ShardTensorParallelPass(KilnPass):
                 x.meta[_RESIZED] = True
             node.target, node.args = aten.mm.default, (x, weight)
             all_reduce_after(node, bias)
+            return "row_parallel"
+        return None if module not in _REPLICATED else ""
+
+    @staticmethod
+    def _shard_transposed_matmul(node: torch.fx.Node, plan: _Plan, config: Any, shard: Any,
+                                 all_reduce_after: Any) -> str | None:
+        """Falcon's FalconLinear: `matmul(x, W.T)` (W [out, in], as a linear's), then
+        `+ bias` as a separate add. Column-parallel keeps the rank's rows of W and of the
+        bias; query_key_value's layout depends on the config (`_falcon_qkv_layout`), and a
+        view that splits its output into `[..., heads + 2, head_dim]` (multi-query) gets the
+        rank's head count. Row-parallel keeps the rank's columns and all-reduces the matmul,
+        so the add that follows adds the bias once. Returns which kind it was, "" for a
+        matmul that reads no transposed parameter, None for a weight with no rule."""
+        t = node.args[1]
+        if not (isinstance(t, torch.fx.Node) and t.target in (aten.numpy_T.default, aten.t.default)):
+            return ""
+        weight = t.args[0]
+        name = param_name(weight)
+        if name is None or weight.meta["val"].dim() != 2:
+            return ""
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        out_full = int(weight.meta["val"].shape[0])
+        users = list(node.users)
+        bias_add = users[0] if (len(users) == 1 and users[0].target == aten.add.Tensor
+                                and users[0].args[0] is node and isinstance(users[0].args[1], torch.fx.Node)
+                                and param_name(users[0].args[1]) is not None) else None
+        if module == "query_key_value" or module in _COLUMN:
+            if module == "query_key_value":
+                ranges, _ = plan.fused(_falcon_qkv_layout(config), out_full, name)
+            else:
+                kind = _COLUMN[module]
+                ranges = [plan.q if kind == "q" else plan.kv if kind == "kv" else plan.even(out_full, name)]
+            size = sum(b - a for a, b in ranges)
+            shard(weight, 0, ranges, size)
+            if bias_add is not None:
+                shard(bias_add.args[1], 0, ranges, size)
+            out = bias_add or node
+            for view in [u for u in out.users if u.target in _VIEWS]:
+                shape = list(view.args[1])
+                if (len(shape) >= 2 and shape[-1] == plan.head_dim and isinstance(shape[-2], int)
+                        and shape[-2] * plan.head_dim == out_full):
+                    # `view(..., heads + 2, head_dim)`: a head count that no -1 stands for.
+                    view.args = (view.args[0], [*shape[:-2], size // plan.head_dim, shape[-1]], *view.args[2:])
+                    view.meta[_RESIZED] = True
+            return "column_parallel"
+        if module in _ROW:
+            cols = plan.q if _ROW[module] == "q" else plan.even(int(weight.meta["val"].shape[1]), name)
+            shard(weight, 1, [cols], cols[1] - cols[0])
+            all_reduce_after(node)  # before the bias add, which now reads the sum: added once
             return "row_parallel"
         return None if module not in _REPLICATED else ""
 
@@ -506,6 +573,14 @@ class ShardTensorParallelPass(KilnPass):
             shard(node, 0, [rows], rows[1] - rows[0])
             count += 1
         return count
+
+
+def _falcon_qkv_layout(config: Any) -> str:
+    """Falcon's query_key_value layout (FalconAttention._split_heads): multi-query is
+    [q; k; v] with one K/V head (replicated on every rank), otherwise per head
+    [q_h; k_h; v_h]. The grouped layout (new_decoder_architecture) is refused in
+    check_tp_size."""
+    return "qkv" if getattr(config, "multi_query", False) else "heads3"
 
 
 def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:

@@ -76,8 +76,10 @@ def test_rank_graph_is_sharded() -> None:
 
 
 def test_refusals_are_clear() -> None:
-    with pytest.raises(ValueError, match="does not shard 'falcon'"):
-        check_tp_size(tiny_config("falcon"), 2)
+    unsupported = tiny_config("llama")
+    unsupported.model_type = "made_up"
+    with pytest.raises(ValueError, match="does not shard 'made_up'"):
+        check_tp_size(unsupported, 2)
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         check_tp_size(tiny_config("llama"), 3)
 
@@ -169,6 +171,40 @@ def test_codegen_reads_whole_mp_blocks() -> None:
     config.n_head = config.num_attention_heads = 8
     with pytest.raises(ValueError, match="tensor_parallel_size that divides 4"):
         shard_tp._Plan(config, 8, 0).fused("mp4", 192, "qkv_proj.weight")
+
+
+def test_falcon_transposed_matmul_by_layout() -> None:
+    """Falcon's projections are matmul(x, W.T) with the bias added after: multi-query
+    query_key_value is [q; k; v] with one K/V head (every rank reads it) and a view that
+    counts heads + 2 gets the rank's count; Falcon-RW's is per head [q_h; k_h; v_h], its
+    bias sliced alike, its row-parallel bias added after the all-reduce. The grouped layout
+    (new_decoder_architecture) is refused."""
+    config = tiny_config("falcon")  # 4 heads of 16, multi-query, parallel block
+    shards, gm = _rank1("falcon")
+    attn = "transformer.h.0.self_attention."
+    assert shards[attn + "query_key_value.weight"].ranges == ((32, 64), (64, 80), (80, 96))
+    assert (shards[attn + "dense.weight"].dim, shards[attn + "dense.weight"].ranges) == (1, ((32, 64),))
+    assert shards["transformer.h.0.mlp.dense_4h_to_h.weight"].dim == 1
+    views = [n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default
+             and n.args[0].target == torch.ops.aten.matmul.default]
+    assert [list(n.args[1])[2:] for n in views] == [[4, 16]] * config.num_hidden_layers  # 2 query heads + k + v
+    # Attention and MLP of each layer, and the embedding.
+    assert op_counts(gm)["kiln.all_reduce.default"] == 2 * config.num_hidden_layers + 1
+
+    shards, gm = _rank1("falcon_rw")  # per head, biases, ALiBi
+    assert shards[attn + "query_key_value.weight"].ranges == ((96, 192),)
+    assert shards[attn + "query_key_value.bias"].ranges == ((96, 192),)
+    assert attn + "dense.bias" not in shards
+    dense = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.matmul.default
+                 and "dense_weight" in n.args[1].args[0].name)
+    (reduced,) = dense.users
+    assert reduced.target == torch.ops.kiln.all_reduce.default
+    assert next(iter(reduced.users)).target == torch.ops.aten.add.Tensor  # the bias, once
+
+    grouped = tiny_config("falcon")
+    grouped.new_decoder_architecture, grouped.num_kv_heads = True, 2
+    with pytest.raises(ValueError, match="new_decoder_architecture"):
+        check_tp_size(grouped, 2)
 
 
 def _through_logits(captured, config, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
