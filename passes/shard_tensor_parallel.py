@@ -22,7 +22,15 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   Wqkv) and [gate; up] (Phi-3, GLM) are read as one range per part, and the slices that
   split the product move to the rank's offsets (GPT-BigCode's multi-query c_attn: every rank
   reads the one K/V head); a per-head [q_h; k_h; v_h] layout (GPT-NeoX,
-  Persimmon, Bloom) is one run of rows, the rank's heads;
+  Persimmon, Bloom, Falcon-RW) is one run of rows, the rank's heads; CodeGen's qkv_proj
+  (4 blocks of [q; v; k], a quarter of the heads each) is one run of whole blocks, so tp
+  must divide 4;
+- projections that are no `aten.linear`: GPT-2's Conv1D, `addmm(bias, x, W)` with W
+  [in, out] (column-parallel keeps W's columns, row-parallel its rows and becomes `mm`, the
+  bias added after the all-reduce; the views that spell out the widths get the rank's), and
+  Falcon's `matmul(x, W.T)` followed by a separate bias add (its multi-query
+  query_key_value viewed as [..., heads + 2, head_dim] gets the rank's count; the grouped
+  new_decoder_architecture layout is refused);
 - norms over all heads' width (OLMo2's q/k norm, BitNet's sub-norms): the rank keeps its
   slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
   count (refused when KV heads are replicated: a head would count once per rank). Any other
