@@ -166,6 +166,11 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard Falcon models with "
                          "new_decoder_architecture (grouped query_key_value, as Falcon-40B/180B) yet; run it with "
                          "tensor_parallel_size=1")
+    if model_type == "codegen" and _CODEGEN_MP_NUM % tp_size:
+        # Each rank must hold whole [q; v; k] blocks of qkv_proj (_Plan.fused's "mp4").
+        raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
+                         f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
+                         f"that divides {_CODEGEN_MP_NUM}")
     heads = int(config.num_attention_heads)
     kv_heads, _ = kv_heads_and_head_dim(config)
     if heads % tp_size:

@@ -169,6 +169,8 @@ def test_codegen_reads_whole_mp_blocks() -> None:
     assert shards["transformer.h.0.attn.qkv_proj.weight"].ranges == ((96, 192),)
     config = tiny_config("codegen")
     config.n_head = config.num_attention_heads = 8
+    with pytest.raises(ValueError, match="tensor_parallel_size=8: CodeGen's qkv_proj .* divides 4"):
+        check_tp_size(config, 8)
     with pytest.raises(ValueError, match="tensor_parallel_size that divides 4"):
         shard_tp._Plan(config, 8, 0).fused("mp4", 192, "qkv_proj.weight")
 
