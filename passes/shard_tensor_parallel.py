@@ -22,7 +22,15 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   Wqkv) and [gate; up] (Phi-3, GLM) are read as one range per part, and the slices that
   split the product move to the rank's offsets (GPT-BigCode's multi-query c_attn: every rank
   reads the one K/V head); a per-head [q_h; k_h; v_h] layout (GPT-NeoX,
-  Persimmon, Bloom) is one run of rows, the rank's heads;
+  Persimmon, Bloom, Falcon-RW) is one run of rows, the rank's heads; CodeGen's qkv_proj
+  (4 blocks of [q; v; k], a quarter of the heads each) is one run of whole blocks, so tp
+  must divide 4;
+- projections that are no `aten.linear`: GPT-2's Conv1D, `addmm(bias, x, W)` with W
+  [in, out] (column-parallel keeps W's columns, row-parallel its rows and becomes `mm`, the
+  bias added after the all-reduce; the views that spell out the widths get the rank's), and
+  Falcon's `matmul(x, W.T)` followed by a separate bias add (its multi-query
+  query_key_value viewed as [..., heads + 2, head_dim] gets the rank's count; the grouped
+  new_decoder_architecture layout is refused);
 - norms over all heads' width (OLMo2's q/k norm, BitNet's sub-norms): the rank keeps its
   slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
   count (refused when KV heads are replicated: a head would count once per rank). Any other
@@ -103,6 +111,10 @@ TP_ARCHITECTURES = {
     "bloom": "as gpt_neox; ALiBi slopes sliced to the rank's heads; embedding LayerNorm after the all-reduce",
     "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
     "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
+    "codegen": "qkv_proj in 4 [q; v; k] blocks: the rank's whole blocks are one run of rows (tp divides 4); parallel block",
+    "falcon": "FalconLinear matmul(x, W.T): query_key_value multi-query (one K/V head, replicated) or per head; "
+              "dense, dense_h_to_4h/4h_to_h; ALiBi slopes sliced (Falcon-RW). Not new_decoder_architecture",
+    "gpt2": "Conv1D addmm with [in, out] weights: fused c_attn [q; k; v] by columns, c_fc, row-parallel c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
 # intermediate dimension, evenly). Names of the architectures in TP_ARCHITECTURES: Llama's
@@ -118,12 +130,18 @@ _FUSED = {
     "phi3": {"qkv_proj": "qkv", "gate_up_proj": "gate_up"},
     "mpt": {"Wqkv": "qkv"},
     "gpt_bigcode": {"c_attn": "qkv"},
+    "codegen": {"qkv_proj": "mp4"},
+    "gpt2": {"c_attn": "qkv"},  # along the columns of Conv1D's [in, out] weight
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
     "gpt_neox": {"query_key_value": "heads3"},
     "persimmon": {"query_key_value": "heads3"},
     "bloom": {"query_key_value": "heads3"},
 }
+# Architectures whose projections are `matmul(x, W.T)` (Falcon's FalconLinear), not linear.
+_TRANSPOSED_MATMUL = {"falcon"}
+# CodeGenAttention.mp_num: transformers fixes it at 4 for every CodeGen checkpoint.
+_CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores).
 _REPLICATED = {"gate"}
@@ -142,6 +160,17 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     if model_type not in TP_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard {model_type!r} models yet (it shards "
                          f"{', '.join(sorted(TP_ARCHITECTURES))}); run it with tensor_parallel_size=1")
+    if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
+        # Its query_key_value holds [q heads; k; v] per KV group, and the graph broadcasts K/V
+        # to every query head with a shape that spells out the group count: no rule yet.
+        raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard Falcon models with "
+                         "new_decoder_architecture (grouped query_key_value, as Falcon-40B/180B) yet; run it with "
+                         "tensor_parallel_size=1")
+    if model_type == "codegen" and _CODEGEN_MP_NUM % tp_size:
+        # Each rank must hold whole [q; v; k] blocks of qkv_proj (_Plan.fused's "mp4").
+        raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
+                         f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
+                         f"that divides {_CODEGEN_MP_NUM}")
     heads = int(config.num_attention_heads)
     kv_heads, _ = kv_heads_and_head_dim(config)
     if heads % tp_size:
@@ -212,6 +241,20 @@ class _Plan:
                                  "head of a model whose every head has its own K/V")
             (q0, q1) = self.q
             return [(3 * q0, 3 * q1)], {}
+        if layout == "mp4":
+            # CodeGen: 4 blocks (the model-parallel shards it was trained with), each
+            # [q; v; k] of its quarter of the heads in order, read through
+            # `view(..., -1, 3 * hidden / 4)` and `split(hidden / 4)`. A rank holding whole
+            # blocks reads one run of rows, and those views and splits stay as they are.
+            if self.kv_replicated or self.full_width["kv"] != self.full_width["q"] or rows != 3 * self.full_width["q"]:
+                raise ValueError(f"shard_tensor_parallel: {what} ({rows} rows) is not CodeGen's [q; v; k] blocks of "
+                                 "a model whose every head has its own K/V")
+            if _CODEGEN_MP_NUM % self.tp:
+                raise ValueError(f"shard_tensor_parallel: {what} is laid out in {_CODEGEN_MP_NUM} [q; v; k] blocks, "
+                                 f"which tp={self.tp} does not split into whole blocks per rank; use a "
+                                 f"tensor_parallel_size that divides {_CODEGEN_MP_NUM}")
+            per = rows // self.tp
+            return [(self.rank * per, (self.rank + 1) * per)], {}
         raise ValueError(f"shard_tensor_parallel: unknown fused layout {layout!r} of {what}")
 
     def vocab(self, size: int) -> tuple[tuple[int, int], int]:
@@ -311,6 +354,21 @@ class ShardTensorParallelPass(KilnPass):
                 stats["all_reduce"] += 1
             elif module not in _REPLICATED:
                 unknown.append(name)
+        for node in list(graph.find_nodes(op="call_function", target=aten.addmm.default)):
+            kind = self._shard_conv1d(node, plan, model_type, shard, all_reduce_after)
+            if kind is None:
+                unknown.append(str(param_name(node.args[2])))
+            elif kind:
+                stats[kind] += 1
+                stats["all_reduce"] += kind == "row_parallel"
+        if model_type in _TRANSPOSED_MATMUL:
+            for node in list(graph.find_nodes(op="call_function", target=aten.matmul.default)):
+                kind = self._shard_transposed_matmul(node, plan, ctx.config, shard, all_reduce_after)
+                if kind is None:
+                    unknown.append(str(param_name(node.args[1].args[0])))
+                elif kind:
+                    stats[kind] += 1
+                    stats["all_reduce"] += kind == "row_parallel"
         if unknown:
             raise ValueError(f"shard_tensor_parallel: no sharding rule for the projection(s) {', '.join(unknown[:4])}"
                              f"{' ...' if len(unknown) > 4 else ''}")
@@ -331,6 +389,102 @@ class ShardTensorParallelPass(KilnPass):
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
+
+    @staticmethod
+    def _shard_conv1d(node: torch.fx.Node, plan: _Plan, model_type: str, shard: Any,
+                      all_reduce_after: Any) -> str | None:
+        """GPT-2's Conv1D: `addmm(bias, x.view(-1, in), W)` with W [in, out], the transpose of
+        a linear's weight, and its output viewed back as `[..., out]`. Column-parallel (c_fc,
+        the fused c_attn) keeps the rank's columns of W and of the bias, and the views that
+        spell out the output width get the rank's; row-parallel (c_proj) keeps the rank's rows
+        of W, becomes `mm` (the bias must be added once, after `kiln::all_reduce`), and the
+        view that flattens its input gets the rank's width. Returns which kind it was, "" for
+        an addmm that reads no parameter weight, None for a weight with no rule."""
+        bias, x, weight = node.args[:3]
+        name = param_name(weight)
+        if name is None:
+            return ""
+        if len(node.args) > 3 or node.kwargs:
+            raise ValueError(f"shard_tensor_parallel: {node.name} scales its addmm ({node.args[3:]}, {node.kwargs}); "
+                             "only Conv1D's plain addmm(bias, x, W) has a sharding rule")
+        if param_name(bias) is None:
+            raise ValueError(f"shard_tensor_parallel: the bias of {name!r}'s addmm ({node.name}) is computed in the "
+                             "graph, not a weight the rank can read a slice of")
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        in_full, out_full = (int(d) for d in weight.meta["val"].shape)
+        fused = _FUSED.get(model_type, {}).get(module)
+        if fused is not None or module in _COLUMN:
+            if fused is not None:
+                ranges, boundaries = plan.fused(fused, out_full, name)
+            else:
+                kind = _COLUMN[module]
+                cols = plan.q if kind == "q" else plan.kv if kind == "kv" else plan.even(out_full, name)
+                ranges, boundaries = [cols], {0: 0, out_full: cols[1] - cols[0]}
+            size = sum(b - a for a, b in ranges)
+            shard(weight, 1, ranges, size)  # W is [in, out]: the output features are its columns
+            shard(bias, 0, ranges, size)
+            _remap_slices(node, boundaries)
+            return "column_parallel"
+        if module in _ROW:
+            rows = plan.q if _ROW[module] == "q" else plan.even(in_full, name)
+            shard(weight, 0, [rows], rows[1] - rows[0])
+            if x.target in _VIEWS and x.args[1][-1] == in_full:
+                # `x.view(-1, in)`: the rank's input is only its part of the in features.
+                x.args = (x.args[0], [*x.args[1][:-1], rows[1] - rows[0]], *x.args[2:])
+                x.meta[_RESIZED] = True
+            node.target, node.args = aten.mm.default, (x, weight)
+            all_reduce_after(node, bias)
+            return "row_parallel"
+        return None if module not in _REPLICATED else ""
+
+    @staticmethod
+    def _shard_transposed_matmul(node: torch.fx.Node, plan: _Plan, config: Any, shard: Any,
+                                 all_reduce_after: Any) -> str | None:
+        """Falcon's FalconLinear: `matmul(x, W.T)` (W [out, in], as a linear's), then
+        `+ bias` as a separate add. Column-parallel keeps the rank's rows of W and of the
+        bias; query_key_value's layout depends on the config (`_falcon_qkv_layout`), and a
+        view that splits its output into `[..., heads + 2, head_dim]` (multi-query) gets the
+        rank's head count. Row-parallel keeps the rank's columns and all-reduces the matmul,
+        so the add that follows adds the bias once. Returns which kind it was, "" for a
+        matmul that reads no transposed parameter, None for a weight with no rule."""
+        t = node.args[1]
+        if not (isinstance(t, torch.fx.Node) and t.target in (aten.numpy_T.default, aten.t.default)):
+            return ""
+        weight = t.args[0]
+        name = param_name(weight)
+        if name is None or weight.meta["val"].dim() != 2:
+            return ""
+        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        out_full = int(weight.meta["val"].shape[0])
+        users = list(node.users)
+        bias_add = users[0] if (len(users) == 1 and users[0].target == aten.add.Tensor
+                                and users[0].args[0] is node and isinstance(users[0].args[1], torch.fx.Node)
+                                and param_name(users[0].args[1]) is not None) else None
+        if module == "query_key_value" or module in _COLUMN:
+            if module == "query_key_value":
+                ranges, _ = plan.fused(_falcon_qkv_layout(config), out_full, name)
+            else:
+                kind = _COLUMN[module]
+                ranges = [plan.q if kind == "q" else plan.kv if kind == "kv" else plan.even(out_full, name)]
+            size = sum(b - a for a, b in ranges)
+            shard(weight, 0, ranges, size)
+            if bias_add is not None:
+                shard(bias_add.args[1], 0, ranges, size)
+            out = bias_add or node
+            for view in [u for u in out.users if u.target in _VIEWS]:
+                shape = list(view.args[1])
+                if (len(shape) >= 2 and shape[-1] == plan.head_dim and isinstance(shape[-2], int)
+                        and shape[-2] * plan.head_dim == out_full):
+                    # `view(..., heads + 2, head_dim)`: a head count that no -1 stands for.
+                    view.args = (view.args[0], [*shape[:-2], size // plan.head_dim, shape[-1]], *view.args[2:])
+                    view.meta[_RESIZED] = True
+            return "column_parallel"
+        if module in _ROW:
+            cols = plan.q if _ROW[module] == "q" else plan.even(int(weight.meta["val"].shape[1]), name)
+            shard(weight, 1, [cols], cols[1] - cols[0])
+            all_reduce_after(node)  # before the bias add, which now reads the sum: added once
+            return "row_parallel"
+        return None if module not in _REPLICATED else ""
 
     @staticmethod
     def _mask_embedding(graph: torch.fx.Graph, node: torch.fx.Node, start: int, stop: int) -> torch.fx.Node:
@@ -434,6 +588,14 @@ class ShardTensorParallelPass(KilnPass):
         return count
 
 
+def _falcon_qkv_layout(config: Any) -> str:
+    """Falcon's query_key_value layout (FalconAttention._split_heads): multi-query is
+    [q; k; v] with one K/V head (replicated on every rank), otherwise per head
+    [q_h; k_h; v_h]. The grouped layout (new_decoder_architecture) is refused in
+    check_tp_size."""
+    return "qkv" if getattr(config, "multi_query", False) else "heads3"
+
+
 def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
     """The slices and splits that cut a fused projection's output into its parts (Phi-3's
     `qkv[..., :q_width]`, GPT-BigCode's `split([q_width, kv_width, kv_width])`, seen through
@@ -458,6 +620,24 @@ def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
                 # An open end (past the whole width) stays: the rank's width ends it.
                 bounds = [b if b is None or b > width else moved(b, user) for b in user.args[2:4]]
                 user.args = (user.args[0], user.args[1], *bounds, *user.args[4:])
+            elif user.target in _VIEWS and user.args[1][-1] in (width, -1) \
+                    and user.meta["val"].shape[-1] == width == node.meta["val"].shape[-1]:
+                # Conv1D's `view(out, [..., out_width])`: only the leading dimensions change.
+                if user.args[1][-1] == width:
+                    user.args = (user.args[0], [*user.args[1][:-1], boundaries[width]], *user.args[2:])
+                    user.meta[_RESIZED] = True
+                frontier.append(user)
+            elif (user.target == aten.split.Tensor
+                  and (user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)) % (last + 1) == last):
+                # GPT-2's `split(hidden, dim=2)`: equal parts, which on the rank may still be equal.
+                step = user.args[1]
+                cuts = [*range(0, width, step), width]
+                rank_cuts = [moved(c, user) for c in cuts]
+                sizes = [b - a for a, b in zip(rank_cuts, rank_cuts[1:])]
+                if len(set(sizes)) == 1:
+                    user.args = (user.args[0], sizes[0], *user.args[2:])
+                else:
+                    user.target, user.args = aten.split_with_sizes.default, (user.args[0], sizes, *user.args[2:])
             elif (user.target == aten.split_with_sizes.default and len(user.args) > 2
                   and user.args[2] % (last + 1) == last):
                 cuts = [sum(user.args[1][:i]) for i in range(len(user.args[1]) + 1)]
@@ -466,6 +646,9 @@ def _remap_slices(linear: torch.fx.Node, boundaries: dict[int, int]) -> None:
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+# Marks a view whose last dimension the pass has set to the rank's width itself (Conv1D's):
+# the check that a view changed only head counts and their widths does not apply to it.
+_RESIZED = "tp_resized_view"
 # Norm modules whose weight may span all heads (or the whole intermediate dimension): which
 # rows of it a rank keeps, as for the projections ("q", "kv", "mlp").
 _WIDE_NORMS = {"q_norm": "q", "k_norm": "kv", "attn_sub_norm": "q", "ffn_sub_norm": "mlp"}
@@ -518,7 +701,7 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
             # A view that spells out the head count and puts -1 on the tokens (OPT's
             # `view(1, -1, num_heads, head_dim)`) does not fail on the rank's smaller input:
             # it silently halves the tokens. Its other dimensions must keep their values.
-            if (node.target in _VIEWS and isinstance(old, torch.Tensor)
+            if (node.target in _VIEWS and isinstance(old, torch.Tensor) and not node.meta.pop(_RESIZED, False)
                     and not _keeps_unsharded_dims(old, node.meta["val"], size_map)
                     and not _fix_view(node, args, old, size_map)):
                 raise ValueError(f"shard_tensor_parallel: view {node.name} {list(node.args[1])} cannot take the "

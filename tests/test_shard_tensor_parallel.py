@@ -20,6 +20,7 @@ from kiln.compiler.pass_testing import PhaseCapture, graph_for_pass, run_graph
 from kiln.passes.base import PassContext
 from kiln.passes.manager import PassManager, op_counts
 from kiln.passes.registry import PHASES
+from kiln.passes import shard_tensor_parallel as shard_tp
 from kiln.passes.shard_tensor_parallel import TP_ARCHITECTURES, ShardTensorParallelPass, check_tp_size
 from kiln.passes.weight_transforms import ShardWeight, transforms_from_json, transforms_to_json
 
@@ -75,8 +76,10 @@ def test_rank_graph_is_sharded() -> None:
 
 
 def test_refusals_are_clear() -> None:
-    with pytest.raises(ValueError, match="does not shard 'gpt2'"):
-        check_tp_size(tiny_config("gpt2"), 2)
+    unsupported = tiny_config("llama")
+    unsupported.model_type = "made_up"
+    with pytest.raises(ValueError, match="does not shard 'made_up'"):
+        check_tp_size(unsupported, 2)
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         check_tp_size(tiny_config("llama"), 3)
 
@@ -132,6 +135,78 @@ def test_fused_projections_read_the_ranks_part_of_each() -> None:
     slopes = [n for n in gm.graph.nodes if n.target == torch.ops.aten.slice.Tensor
               and n.args[0].op == "placeholder"]
     assert [n.args[1:] for n in slopes] == [(0, 3, 6)]
+
+
+def test_gpt2_conv1d_shards_columns_and_rows() -> None:
+    """GPT-2's Conv1D weights are [in, out], read by addmm: column-parallel c_attn (fused
+    [q; k; v]) and c_fc keep the rank's columns, and the views and the split of their output
+    take the rank's width; row-parallel c_proj keeps the rank's rows and becomes mm, with its
+    bias added once after the all-reduce."""
+    config = tiny_config("gpt2")  # 4 heads of 16, MLP width 256
+    shards, gm = _rank1("gpt2")
+    attn = "transformer.h.0.attn."
+    assert shards[attn + "c_attn.weight"] == ShardWeight(attn + "c_attn.weight", 1, ((32, 64), (96, 128), (160, 192)), 96)
+    assert shards[attn + "c_attn.bias"].ranges == ((32, 64), (96, 128), (160, 192))
+    assert (shards[attn + "c_proj.weight"].dim, shards[attn + "c_proj.weight"].ranges) == (0, ((32, 64),))
+    assert attn + "c_proj.bias" not in shards  # whole, added after the all-reduce
+    mlp = "transformer.h.0.mlp."
+    assert (shards[mlp + "c_fc.weight"].dim, shards[mlp + "c_fc.weight"].ranges) == (1, ((128, 256),))
+    assert (shards[mlp + "c_proj.weight"].dim, shards[mlp + "c_proj.weight"].ranges) == (0, ((128, 256),))
+    counts = op_counts(gm)
+    layers = config.num_hidden_layers
+    assert counts["aten.addmm.default"] == 2 * layers and counts["aten.mm.default"] == 2 * layers
+    # Two row-parallel projections per layer, and the token and position embeddings.
+    assert counts["kiln.all_reduce.default"] == 2 * layers + 2
+    splits = [n for n in gm.graph.nodes if n.target == torch.ops.aten.split.Tensor]
+    assert [n.args[1] for n in splits] == [32] * layers  # q, k, v of the rank: 32 wide each
+
+
+def test_codegen_reads_whole_mp_blocks() -> None:
+    """CodeGen's qkv_proj is 4 blocks of [q; v; k], a quarter of the heads each: at tp=2 a
+    rank reads two whole blocks (one run of rows); a tp that does not divide 4 would split a
+    block, and is refused."""
+    shards, _ = _rank1("codegen")  # 4 heads of 16: one head per block
+    assert shards["transformer.h.0.attn.qkv_proj.weight"].ranges == ((96, 192),)
+    config = tiny_config("codegen")
+    config.n_head = config.num_attention_heads = 8
+    with pytest.raises(ValueError, match="tensor_parallel_size=8: CodeGen's qkv_proj .* divides 4"):
+        check_tp_size(config, 8)
+    with pytest.raises(ValueError, match="tensor_parallel_size that divides 4"):
+        shard_tp._Plan(config, 8, 0).fused("mp4", 192, "qkv_proj.weight")
+
+
+def test_falcon_transposed_matmul_by_layout() -> None:
+    """Falcon's projections are matmul(x, W.T) with the bias added after: multi-query
+    query_key_value is [q; k; v] with one K/V head (every rank reads it) and a view that
+    counts heads + 2 gets the rank's count; Falcon-RW's is per head [q_h; k_h; v_h], its
+    bias sliced alike, its row-parallel bias added after the all-reduce. The grouped layout
+    (new_decoder_architecture) is refused."""
+    config = tiny_config("falcon")  # 4 heads of 16, multi-query, parallel block
+    shards, gm = _rank1("falcon")
+    attn = "transformer.h.0.self_attention."
+    assert shards[attn + "query_key_value.weight"].ranges == ((32, 64), (64, 80), (80, 96))
+    assert (shards[attn + "dense.weight"].dim, shards[attn + "dense.weight"].ranges) == (1, ((32, 64),))
+    assert shards["transformer.h.0.mlp.dense_4h_to_h.weight"].dim == 1
+    views = [n for n in gm.graph.nodes if n.target == torch.ops.aten.view.default
+             and n.args[0].target == torch.ops.aten.matmul.default]
+    assert [list(n.args[1])[2:] for n in views] == [[4, 16]] * config.num_hidden_layers  # 2 query heads + k + v
+    # Attention and MLP of each layer, and the embedding.
+    assert op_counts(gm)["kiln.all_reduce.default"] == 2 * config.num_hidden_layers + 1
+
+    shards, gm = _rank1("falcon_rw")  # per head, biases, ALiBi
+    assert shards[attn + "query_key_value.weight"].ranges == ((96, 192),)
+    assert shards[attn + "query_key_value.bias"].ranges == ((96, 192),)
+    assert attn + "dense.bias" not in shards
+    dense = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.matmul.default
+                 and "dense_weight" in n.args[1].args[0].name)
+    (reduced,) = dense.users
+    assert reduced.target == torch.ops.kiln.all_reduce.default
+    assert next(iter(reduced.users)).target == torch.ops.aten.add.Tensor  # the bias, once
+
+    grouped = tiny_config("falcon")
+    grouped.new_decoder_architecture, grouped.num_kv_heads = True, 2
+    with pytest.raises(ValueError, match="new_decoder_architecture"):
+        check_tp_size(grouped, 2)
 
 
 def _through_logits(captured, config, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:

@@ -40,8 +40,9 @@ OPTIONS = dict(progress=False, max_model_len=128, max_num_seqs=8)
 # at two ranks): plain GQA (Llama, below, with seeded sampling and a killed worker on the same
 # engines), KV heads replicated, biases, q/k norm over all heads (an all-reduced mean of
 # squares), MoE experts, a parallel block with a row-parallel bias, soft-capping, fused
-# q/k/v and gate/up checkpoint tensors, ALiBi with a view that spells out the head count.
-TP_ARCHS = ["llama-kv1", "qwen2", "olmo2", "mixtral", "phi", "gemma2", "phi3", "bloom"]
+# q/k/v and gate/up checkpoint tensors, ALiBi with a view that spells out the head count,
+# GPT-2's Conv1D (addmm over [in, out] weights, the checkpoint sliced by columns and rows).
+TP_ARCHS = ["llama-kv1", "qwen2", "olmo2", "mixtral", "phi", "gemma2", "phi3", "bloom", "gpt2"]
 
 
 def _save(arch: str, path: Path) -> Path:
