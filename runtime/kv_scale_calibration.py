@@ -1,0 +1,137 @@
+"""KV-scale calibration at start-up: per-layer FP8 KV-cache scales when the checkpoint has none.
+
+An FP8 (e4m3) KV cache stores K / k_scale and V / v_scale (kiln.passes.kv_cache_scales). A
+checkpoint calibrated by llm-compressor ships the scales; others get 1.0, which keeps values
+up to 448 but loses the small ones: e4m3's normal range starts at 2^-6, and on SmolLM2 43% of
+layer 0's V values fall below it. As vLLM's `calculate_kv_scales`, the engine then measures
+them: one prefill of a fixed calibration input, recording each layer's amax(|K|) and amax(|V|)
+as the cache write sees them (kiln.kernels.paged_attention.recording_kv_amax), and sets
+scale = max(amax * margin / 448, floor).
+
+The scales are graph inputs (one float32 [2] per layer), so they are overwritten in place:
+the compiled artifacts and CUDA graphs, which read those tensors, stay valid as they are.
+
+The input is a fixed English text built in here (not the perplexity test's), tokenized
+with the model's tokenizer: K/V maxima come from outlier channels and from the first
+positions, which natural text exercises as prompts do; uniformly random ids are not
+text, and the maxima they give differ from a prompt's (they are the fallback when there
+is no tokenizer). vLLM calibrates on the first real batch instead, which makes the scales
+depend on whatever request comes first; a fixed input makes start-up reproducible.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from kiln.compiler.graph_inputs import InputRole, RoleKind, single_prefill_step
+from kiln.kernels.paged_attention import recording_kv_amax
+from kiln.passes.kv_cache_scales import SCALES_SUFFIX
+
+logger = logging.getLogger("kiln.runtime")
+
+FP8_E4M3_MAX = 448.0
+# Calibration maxima map to margin * ... of e4m3's top: 1.0 (amax -> 448, as llm-compressor
+# writes them). A larger margin would leave room for prompts beyond the calibration text's
+# maxima (which saturate at 448 instead) but push as many more small values below 2^-6.
+DEFAULT_MARGIN = 1.0
+# No scale below this: a layer whose K or V is all zero (amax 0) would otherwise divide by
+# zero; real amaxes are orders of magnitude above it.
+MIN_KV_SCALE = 1e-6
+# Tokens the calibration prefill runs (at most; fewer when the step budget or the cache is smaller).
+CALIBRATION_TOKENS = 256
+
+CALIBRATION_TEXT = (
+    "The river town woke slowly. Fishermen carried their nets down to the water while the baker "
+    "opened her shutters and set out loaves of rye and barley. Children ran between the market "
+    "stalls, where traders argued over the price of apples, copper pots, wool and salt. In 1872 a "
+    "railway reached the valley, and within ten years the population had doubled: warehouses "
+    "replaced the old orchards, a school and a library were built, and the mayor ordered a clock "
+    "tower for the square.\n\n"
+    "Photosynthesis converts light energy into chemical energy. Inside the chloroplast, water is "
+    "split, oxygen is released, and the energy captured is stored as ATP and NADPH, which the "
+    "Calvin cycle then uses to fix carbon dioxide into sugars.\n\n"
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "Q: What is the capital of France?\nA: Paris. It lies on the Seine and has about two million "
+    "inhabitants; the wider region has more than twelve million.\n\n"
+    "Dear Ms. Alvarez, thank you for your letter of 3 March. We have reviewed the invoice (No. "
+    "4471-B) and agree that the second delivery was short by fourteen crates. A credit note will "
+    "follow this week. Kind regards, the accounts team.\n\n"
+    "Mountains rise where plates collide; the Himalaya still grow by a few millimetres each year, "
+    "and earthquakes along the fault lines release the strain that builds between them."
+)
+
+
+def calibration_ids(tokenize: Callable[[str], list[int]] | None, vocab_size: int, num_tokens: int) -> list[int]:
+    """`num_tokens` ids of the calibration text (repeated if short), or, without a tokenizer,
+    seeded random ids below `vocab_size` (reproducible: the same scales every start)."""
+    if num_tokens < 1:
+        raise ValueError(f"calibration needs at least one token, got {num_tokens}")
+    ids = list(tokenize(CALIBRATION_TEXT)) if tokenize is not None else []
+    if not ids:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab_size, (num_tokens,), generator=g).tolist()
+    while len(ids) < num_tokens:
+        ids = ids + ids
+    return ids[:num_tokens]
+
+
+def kv_scale_inputs(input_roles: list[str]) -> list[tuple[int, str]]:
+    """(argument index, parameter name) of every FP8 KV-cache scales input of a graph."""
+    out = []
+    for i, tag in enumerate(input_roles):
+        role = InputRole.parse(tag)
+        if role.kind is RoleKind.PARAM and role.name.endswith(f".{SCALES_SUFFIX}"):
+            out.append((i, role.name))
+    return out
+
+
+def scales_from_amax(amax: torch.Tensor, margin: float = DEFAULT_MARGIN) -> torch.Tensor:
+    """float32 [2] (k_scale, v_scale) = max(amax * margin / 448, MIN_KV_SCALE)."""
+    if margin <= 0:
+        raise ValueError(f"margin must be positive, got {margin}")
+    return (amax.float() * margin / FP8_E4M3_MAX).clamp_min(MIN_KV_SCALE)
+
+
+@torch.inference_mode()
+def calibrate_kv_scales(runner: Any, names: list[str], input_ids: list[int], block_size: int,
+                        margin: float = DEFAULT_MARGIN) -> dict[str, torch.Tensor]:
+    """Run `input_ids` as one prefill on `runner` (a ModelRunner over the engine's FP8 KV
+    cache, which must hold len(input_ids) tokens past the null block) and set the scales
+    inputs named `names` to amax / 448 of the K and V each layer wrote, in place.
+
+    Returns the new scales by name. The prefill writes into blocks 1.. of the cache, which no
+    sequence owns yet (the engine calibrates before its block manager exists)."""
+    slots = {name: i for i, name in kv_scale_inputs(runner.input_roles)}
+    absent = [n for n in names if n not in slots]
+    if absent:
+        raise ValueError(f"calibrate_kv_scales: the graph has no input for {absent[:3]}")
+    # Measured at scale 1 (the uncalibrated default): the maxima are recorded before the
+    # write divides, so no scale is needed to see them; 1 also keeps a second calibration of
+    # the same runner from depending on the first.
+    for name in names:
+        runner._fixed[slots[name]].fill_(1.0)
+    n = len(input_ids)
+    step = single_prefill_step(n, block_size, input_ids=torch.tensor(input_ids, dtype=torch.long))
+    with recording_kv_amax() as seen:
+        runner.execute(step)
+    out = {}
+    for name in names:
+        scales = runner._fixed[slots[name]]
+        amax = seen.get(scales.data_ptr())
+        if amax is None:
+            raise RuntimeError(f"KV-scale calibration: no cache write of {name!r} was observed (its attention "
+                               "op does not record K/V maxima on this device); start with calculate_kv_scales=False")
+        scales.copy_(scales_from_amax(amax.to(scales.device), margin))
+        out[name] = scales.detach().cpu().clone()
+    return out
+
+
+def describe_scales(scales: dict[str, torch.Tensor]) -> str:
+    """One line for the log: the range of the k and v scales over the layers."""
+    stacked = torch.stack(list(scales.values()))
+    k, v = stacked[:, 0], stacked[:, 1]
+    return (f"{len(scales)} layers, k_scale {k.min().item():.3g}..{k.max().item():.3g}, "
+            f"v_scale {v.min().item():.3g}..{v.max().item():.3g}")
