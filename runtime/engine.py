@@ -208,8 +208,7 @@ class LLMEngine:
         # One prefill of real blocks (1..; block 0 is the null block) within the step budget.
         room = min(config.max_num_batched_tokens, self.max_model_len, (self.num_kv_blocks - 1) * config.block_size)
         num_tokens = min(CALIBRATION_TOKENS, room)
-        ids = calibration_ids(self.tokenize if self.tokenizer is not None else None,
-                              int(self.model_config.vocab_size), num_tokens)
+        ids = calibration_ids(int(self.model_config.vocab_size), num_tokens)
         with timed(self.timings, "calibrate KV scales"):
             scales = calibrate_kv_scales(self.runner, names, ids, config.block_size)
         logger.info("FP8 KV cache: no scales in the checkpoint; calibrated on %d tokens: %s", num_tokens,

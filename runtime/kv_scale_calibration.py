@@ -11,18 +11,22 @@ scale = max(amax * margin / 448, floor).
 The scales are graph inputs (one float32 [2] per layer), so they are overwritten in place:
 the compiled artifacts and CUDA graphs, which read those tensors, stay valid as they are.
 
-The input is a fixed English text built in here (not the perplexity test's), tokenized
-with the model's tokenizer: K/V maxima come from outlier channels and from the first
-positions, which natural text exercises as prompts do; uniformly random ids are not
-text, and the maxima they give differ from a prompt's (they are the fallback when there
-is no tokenizer). vLLM calibrates on the first real batch instead, which makes the scales
-depend on whatever request comes first; a fixed input makes start-up reproducible.
+The input is 256 seeded random token ids (uniform below the vocabulary size, the same every
+start): tokenizer-independent (any model, with or without a tokenizer), reproducible, and
+never the text a test evaluates. It also measured better than text on SmolLM2-135M (FP8
+weights + FP8 KV, perplexity over tests/data/perplexity_text.txt, unquantized 13.266):
+random ids +1.6% (seed 0; seeds 1 and 2: +1.5%, +2.7%), a built-in English paragraph
++3.8%, the evaluated text itself +4.6%, scale 1.0 +4.6%. Text gives larger maxima (a few
+outlier tokens) and so larger scales, which push more of the bulk of the values below e4m3's
+normal range; the outliers random ids miss saturate at 448, which costs less. vLLM
+calibrates on the first real batch instead, which makes the scales depend on whichever
+request comes first.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,9 +37,10 @@ from kiln.passes.kv_cache_scales import SCALES_SUFFIX
 logger = logging.getLogger("kiln.runtime")
 
 FP8_E4M3_MAX = 448.0
-# Calibration maxima map to margin * ... of e4m3's top: 1.0 (amax -> 448, as llm-compressor
-# writes them). A larger margin would leave room for prompts beyond the calibration text's
-# maxima (which saturate at 448 instead) but push as many more small values below 2^-6.
+# amax * margin maps to e4m3's top (448). 1.0, as llm-compressor writes them: a larger margin
+# leaves room for prompts beyond the calibration maxima but pushes more small values below
+# 2^-6 (SmolLM2, text calibration: margin 2 +4.3% perplexity vs 1 +3.8%; 0.5, saturating
+# the largest values, +7.9%).
 DEFAULT_MARGIN = 1.0
 # No scale below this: a layer whose K or V is all zero (amax 0) would otherwise divide by
 # zero; real amaxes are orders of magnitude above it.
@@ -43,39 +48,16 @@ MIN_KV_SCALE = 1e-6
 # Tokens the calibration prefill runs (at most; fewer when the step budget or the cache is smaller).
 CALIBRATION_TOKENS = 256
 
-CALIBRATION_TEXT = (
-    "The river town woke slowly. Fishermen carried their nets down to the water while the baker "
-    "opened her shutters and set out loaves of rye and barley. Children ran between the market "
-    "stalls, where traders argued over the price of apples, copper pots, wool and salt. In 1872 a "
-    "railway reached the valley, and within ten years the population had doubled: warehouses "
-    "replaced the old orchards, a school and a library were built, and the mayor ordered a clock "
-    "tower for the square.\n\n"
-    "Photosynthesis converts light energy into chemical energy. Inside the chloroplast, water is "
-    "split, oxygen is released, and the energy captured is stored as ATP and NADPH, which the "
-    "Calvin cycle then uses to fix carbon dioxide into sugars.\n\n"
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
-    "Q: What is the capital of France?\nA: Paris. It lies on the Seine and has about two million "
-    "inhabitants; the wider region has more than twelve million.\n\n"
-    "Dear Ms. Alvarez, thank you for your letter of 3 March. We have reviewed the invoice (No. "
-    "4471-B) and agree that the second delivery was short by fourteen crates. A credit note will "
-    "follow this week. Kind regards, the accounts team.\n\n"
-    "Mountains rise where plates collide; the Himalaya still grow by a few millimetres each year, "
-    "and earthquakes along the fault lines release the strain that builds between them."
-)
+CALIBRATION_SEED = 0
 
 
-def calibration_ids(tokenize: Callable[[str], list[int]] | None, vocab_size: int, num_tokens: int) -> list[int]:
-    """`num_tokens` ids of the calibration text (repeated if short), or, without a tokenizer,
-    seeded random ids below `vocab_size` (reproducible: the same scales every start)."""
-    if num_tokens < 1:
-        raise ValueError(f"calibration needs at least one token, got {num_tokens}")
-    ids = list(tokenize(CALIBRATION_TEXT)) if tokenize is not None else []
-    if not ids:
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, vocab_size, (num_tokens,), generator=g).tolist()
-    while len(ids) < num_tokens:
-        ids = ids + ids
-    return ids[:num_tokens]
+def calibration_ids(vocab_size: int, num_tokens: int, seed: int = CALIBRATION_SEED) -> list[int]:
+    """`num_tokens` seeded random ids below `vocab_size` (the same every start, so the same scales)."""
+    if num_tokens < 1 or vocab_size < 1:
+        raise ValueError(f"calibration needs at least one token of a non-empty vocabulary, got {num_tokens} "
+                         f"tokens, vocab_size {vocab_size}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (num_tokens,), generator=g).tolist()
 
 
 def kv_scale_inputs(input_roles: list[str]) -> list[tuple[int, str]]:
