@@ -327,10 +327,11 @@ def test_default_model_perplexity_fp8():
 
 # Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
 # decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
-# FP8 it was +3.9%). FP8 weights + KV: +4.6% (it was +4.4%), above 3%: the default model
-# has no KV scales and 1.0 leaves 43% of layer 0's V below e4m3's normal range; measured
-# outside the engine, per-layer scales amax / 448 bring it to about +2% (README "FP8").
-PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.05}
+# FP8 it was +3.9%). FP8 weights + KV: +1.6% with the scales calibrated at start-up
+# (kiln.runtime.kv_scale_calibration: amax / 448 over 256 seeded random ids); +4.6% at scale
+# 1.0 (calculate_kv_scales=False), which leaves 43% of layer 0's V below e4m3's normal range.
+# The figure depends on the calibration input: other seeds gave +1.5% and +2.7%, text +3.8%.
+PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.03}
 
 
 def test_quantize_fp8_fuses_into_norms_and_activations():
