@@ -518,7 +518,8 @@ def test_kv_scale_helpers():
     with pytest.raises(ValueError, match="at least one token"):
         calibration_ids(100, 0)
     cache = torch.zeros(2, 3, 4, 1, 2, dtype=FP8_DTYPE)
-    k, v, scale = torch.tensor([[[9.0, 1.0]], [[2.0, -3.0]]]), torch.tensor([[[0.5, 0.0]], [[0.0, -0.25]]]), torch.ones(2)
+    k, v = torch.tensor([[[9.0, 1.0]], [[2.0, -3.0]]]), torch.tensor([[[0.5, 0.0]], [[0.0, -0.25]]])
+    scale = torch.ones(2)
     with recording_kv_amax() as seen:
         write_kv_cache(k, v, cache, torch.tensor([0, 5]), scale)  # slot 0: the null block's padding, left out
     torch.testing.assert_close(seen[scale.data_ptr()], torch.tensor([3.0, 0.25]))
