@@ -32,7 +32,8 @@ Triton and a GPU are present.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -85,10 +86,53 @@ def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> Non
                          f"got {tuple(kv_scale.shape)} {kv_scale.dtype} on {kv_scale.device}")
 
 
+# KV-scale calibration (kiln.runtime.kv_scale_calibration): while a recorder is active, every
+# cache write of a scaled (FP8) cache records its K and V absolute maxima before they are
+# divided and cast, keyed by the data pointer of the layer's `kv_scale` tensor (the graph
+# input the calibration then overwrites in place). A module-level hook rather than an op
+# argument: the compiled artifacts stay the ones every run uses, and the CPU reference and
+# the Triton writer (which both call `record_kv_amax`) see the K the op writes (after RoPE
+# and any K norm in rope_paged_attention).
+_amax_recorder: dict[int, torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def recording_kv_amax() -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, cache writes that carry a `kv_scale` record amax(|K|), amax(|V|)
+    (float32 [2], running maxima) by `kv_scale.data_ptr()` into the dict yielded."""
+    global _amax_recorder
+    if _amax_recorder is not None:
+        raise RuntimeError("recording_kv_amax: a recording is already active")
+    _amax_recorder = {}
+    try:
+        yield _amax_recorder
+    finally:
+        _amax_recorder = None
+
+
+def record_kv_amax(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
+                   block_size: int) -> None:
+    """Record this write's K/V maxima if a recording is active (a no-op otherwise, and for
+    an unscaled cache: only FP8 caches have scales to calibrate). Rows bound for the null
+    block (slots below `block_size`: a bucket's padding, token 0 at position 0) are left
+    out: they are not the calibration text's."""
+    if _amax_recorder is None or kv_scale is None:
+        return
+    real = slot_mapping[: k.shape[0]] >= block_size
+    if not bool(real.any()):
+        return
+    amax = torch.stack([k.detach()[real].abs().amax().float(), v.detach()[real].abs().amax().float()])
+    key = kv_scale.data_ptr()
+    seen = _amax_recorder.get(key)
+    _amax_recorder[key] = amax if seen is None else torch.maximum(seen, amax)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                    kv_scale: torch.Tensor | None = None) -> None:
     """Scatter the step's K/V rows into their cache slots (in place); an FP8 cache stores
     them divided by `kv_scale` ([2]: k_scale, v_scale; None: 1)."""
+    if kv_cache.element_size() == 1:
+        record_kv_amax(k, v, kv_scale, slot_mapping, kv_cache.shape[2])
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
     if kv_cache.element_size() == 1:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
-from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference
+from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import max_shared_memory, multiprocessor_count, num_warps_for, pow2_at_least
 from kiln.kernels.triton_rope import rope_triton
@@ -223,6 +223,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
     if t == 0:
         return
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
+    record_kv_amax(k, v, kv_scale, slot_mapping, kv_cache.shape[2])  # start-up KV-scale calibration only (else a no-op)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     d_pad = pow2_at_least(d)
     h_pad = pow2_at_least(hkv)

@@ -82,6 +82,11 @@ class EngineConfig:
                                            "quantized at load unless the checkpoint is FP8 already)")
     kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES,
                                  help="auto: the model's dtype; fp8: e4m3 KV cache (half the bytes of bf16)")
+    # An FP8 KV cache's per-layer scales, when the checkpoint ships none: measured at start-up
+    # from one prefill of a built-in text (kiln.runtime.kv_scale_calibration), instead of 1.0.
+    calculate_kv_scales: bool = option(True, flag="--no-calculate-kv-scales",
+                                       help="with --kv-cache-dtype fp8 and a checkpoint without KV scales: keep "
+                                            "scale 1.0 instead of calibrating per-layer scales at start-up")
     # Tensor parallelism (issue 14; runtime/README.md, "Tensor parallelism"): one worker
     # process per rank, each running its shard of the graph (kiln.passes.shard_tensor_parallel).
     tensor_parallel_size: int = option(1, short="-tp", help="GPUs (CPU: processes) to shard the model over, one "

@@ -26,7 +26,9 @@ from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_ke
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
-from kiln.runtime.model_loading import load_model
+from kiln.runtime.kv_scale_calibration import (CALIBRATION_TOKENS, calibrate_kv_scales, calibration_ids,
+                                               describe_scales, kv_scale_inputs)
+from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.tp_executor import TensorParallelExecutor, start_executor
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
@@ -121,6 +123,8 @@ class LLMEngine:
         self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)
 
         self.executor: TensorParallelExecutor | None = None
+        # FP8 KV-cache scales calibrated at start-up, by parameter name (_calibrate_kv_scales).
+        self.kv_scales: dict[str, torch.Tensor] = {}
         if config.tensor_parallel_size > 1:
             self._start_workers(config)
             self._choose_max_model_len(config, model_context)
@@ -176,6 +180,7 @@ class LLMEngine:
             self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
             self._choose_max_model_len(config, model_context)
             self.runner: ModelRunner | TensorParallelExecutor = model.make_runner(kv.layers)
+            self.kv_scales = self._calibrate_kv_scales(config, model)
             if run_every_bucket:
                 with timed(self.timings, "run every token bucket"):
                     run_token_buckets(self.runner, model.prepared.plan, config.block_size, self.max_model_len)
@@ -184,6 +189,31 @@ class LLMEngine:
                     self.runner.capture_decode_graphs(cuda_graph_sizes(model.prepared.plan),
                                                       -(-self.max_model_len // config.block_size))
         self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
+
+    def _calibrate_kv_scales(self, config: EngineConfig, model: LoadedModel) -> dict[str, torch.Tensor]:
+        """An FP8 KV cache without checkpoint scales: per-layer scales from one calibration
+        prefill (kiln.runtime.kv_scale_calibration), set in place in the graph's scales
+        inputs before any request (and before CUDA graphs are captured). Returns them by
+        parameter name ({} when nothing was calibrated)."""
+        names = [name for _, name in kv_scale_inputs(self.graph_spec.input_roles)]
+        if not names:
+            return {}
+        if model.checkpoint_kv_scales:
+            logger.info("FP8 KV cache: %d scales from the checkpoint (%s, ...)", len(model.checkpoint_kv_scales),
+                        model.checkpoint_kv_scales[0])
+            return {}
+        if not config.calculate_kv_scales:
+            logger.info("FP8 KV cache: no scales in the checkpoint, calculate_kv_scales=False: scale 1.0")
+            return {}
+        # One prefill of real blocks (1..; block 0 is the null block) within the step budget.
+        room = min(config.max_num_batched_tokens, self.max_model_len, (self.num_kv_blocks - 1) * config.block_size)
+        num_tokens = min(CALIBRATION_TOKENS, room)
+        ids = calibration_ids(int(self.model_config.vocab_size), num_tokens)
+        with timed(self.timings, "calibrate KV scales"):
+            scales = calibrate_kv_scales(self.runner, names, ids, config.block_size)
+        logger.info("FP8 KV cache: no scales in the checkpoint; calibrated on %d tokens: %s", num_tokens,
+                    describe_scales(scales))
+        return scales
 
     def _choose_max_model_len(self, config: EngineConfig, model_context: int | None) -> None:
         # Block 0 is the null block: one sequence can use the others.

@@ -23,6 +23,9 @@ class LoadedModel:
     prepared: PreparedModel
     weights: dict[str, torch.Tensor]
     device: torch.device
+    # The FP8 KV-cache scales the checkpoint ships (k_scale, v_scale, ...; by checkpoint
+    # name): when there are any, they are used and start-up calibrates none.
+    checkpoint_kv_scales: list[str] = dataclasses.field(default_factory=list)
 
     def make_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
         spec = self.prepared.spec
@@ -47,10 +50,11 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: torch.dtype, de
         weights = source.load_weights(prepared.spec.param_aliases, dtype, device, progress=config.progress,
                                       keep_fp8=fp8_weight_names(transforms), shards=shard_transforms(transforms))
         # Tensors some checkpoints carry and others not (an FP8 KV cache's scales).
-        weights.update(source.load_tensors_if_present(optional_checkpoint_names(transforms), device))
+        optional = source.load_tensors_if_present(optional_checkpoint_names(transforms), device)
+        weights.update(optional)
         # Layout passes (merged QKV / gate-up) declared how to build the tensors they take.
         weights = apply_weight_transforms(weights, transforms, skip_shards=True)
-    return LoadedModel(prepared=prepared, weights=weights, device=device)
+    return LoadedModel(prepared=prepared, weights=weights, device=device, checkpoint_kv_scales=sorted(optional))
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:

@@ -327,10 +327,11 @@ def test_default_model_perplexity_fp8():
 
 # Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
 # decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
-# FP8 it was +3.9%). FP8 weights + KV: +4.6% (it was +4.4%), above 3%: the default model
-# has no KV scales and 1.0 leaves 43% of layer 0's V below e4m3's normal range; measured
-# outside the engine, per-layer scales amax / 448 bring it to about +2% (README "FP8").
-PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.05}
+# FP8 it was +3.9%). FP8 weights + KV: +1.6% with the scales calibrated at start-up
+# (kiln.runtime.kv_scale_calibration: amax / 448 over 256 seeded random ids); +4.6% at scale
+# 1.0 (calculate_kv_scales=False), which leaves 43% of layer 0's V below e4m3's normal range.
+# The figure depends on the calibration input: other seeds gave +1.5% and +2.7%, text +3.8%.
+PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.03}
 
 
 def test_quantize_fp8_fuses_into_norms_and_activations():
@@ -414,10 +415,14 @@ def test_kv_cache_scales_from_the_checkpoint(tiny_model_dir, tmp_path):
     fed = llm.engine.runner._fixed[roles.index("param:model.layers.0.self_attn.kv_cache_scales")]
     torch.testing.assert_close(fed, torch.tensor([0.01, 8.0]))  # the checkpoint's, as the graph gets them
     scaled_rate = teacher_forced_agreement(llm, reference)
-    unit_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False, kv_cache_dtype="fp8"),
-                                         reference)
-    print(f"teacher-forced agreement: checkpoint scales {scaled_rate:.1%}, scale 1 (V saturates) {unit_rate:.1%}")
-    assert scaled_rate >= 0.9
+    unit_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False, kv_cache_dtype="fp8",
+                                             calculate_kv_scales=False), reference)
+    # Without checkpoint scales the engine calibrates its own (amax / 448): they fix it too.
+    calibrated_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False,
+                                                   kv_cache_dtype="fp8"), reference)
+    print(f"teacher-forced agreement: checkpoint scales {scaled_rate:.1%}, calibrated {calibrated_rate:.1%}, "
+          f"scale 1 (V saturates) {unit_rate:.1%}")
+    assert scaled_rate >= 0.9 and calibrated_rate >= 0.9
     assert unit_rate < scaled_rate  # at scale 1 the V values saturate at 448: the scale is what fixes it
 
 
@@ -435,3 +440,88 @@ def test_kv_cache_scales_transform():
     assert torch.equal(w[f"{a}.kv_cache_scales"], torch.tensor([2.0, 1.0]))  # no v scale: 1
     with pytest.raises(WeightTransformError, match="one positive finite value"):
         t.apply({f"{a}.v_scale": torch.tensor(-1.0)})
+
+
+# ---- KV-scale calibration at start-up (kiln.runtime.kv_scale_calibration) ----------------------------
+
+def _fed_kv_scales(llm: LLM) -> dict[str, torch.Tensor]:
+    """The scales the graph gets, by parameter name, as the runner feeds them."""
+    from kiln.runtime.kv_scale_calibration import kv_scale_inputs
+
+    runner = llm.engine.runner
+    return {name: runner._fixed[i].clone() for i, name in kv_scale_inputs(runner.input_roles)}
+
+
+def test_kv_scales_are_calibrated_when_the_checkpoint_has_none(tiny_model_dir):
+    from kiln.runtime.kv_scale_calibration import CALIBRATION_TOKENS, calibration_ids
+
+    path, hf = tiny_model_dir("llama")
+    layers = tiny_config("llama").num_hidden_layers
+    llm = LLM(str(path), compile="eager", progress=False, kv_cache_dtype="fp8")
+    fed = _fed_kv_scales(llm)
+    assert len(fed) == layers and fed.keys() == llm.engine.kv_scales.keys()
+    for name, scales in fed.items():
+        torch.testing.assert_close(scales, llm.engine.kv_scales[name])
+        assert (scales != 1.0).all() and (scales > 0).all()
+    # Layer 0's V is v_proj of the normed embeddings (no FP8 layer before it): the calibrated
+    # v_scale is exactly amax(|V|) / 448 of the calibration ids, as the HF model computes V.
+    ids = calibration_ids(int(hf.config.vocab_size), CALIBRATION_TOKENS)
+    seen = []
+    hook = hf.model.layers[0].self_attn.v_proj.register_forward_hook(lambda m, i, o: seen.append(o))
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    hook.remove()
+    expected = seen[0].abs().amax().float() / FP8_MAX
+    torch.testing.assert_close(fed["model.layers.0.self_attn.kv_cache_scales"][1], expected, rtol=1e-4, atol=0)
+    # Turned off: the uncalibrated default, 1.0.
+    off = LLM(str(path), compile="eager", progress=False, kv_cache_dtype="fp8", calculate_kv_scales=False)
+    assert off.engine.kv_scales == {} and all(torch.equal(s, torch.ones(2)) for s in _fed_kv_scales(off).values())
+    # Calibrated scales stay at least as close to the unquantized model as scale 1.
+    reference = _tokens(LLM(str(path), compile="eager", progress=False))
+    assert teacher_forced_agreement(llm, reference) >= 0.75
+
+
+def test_checkpoint_kv_scales_win_over_calibration(tiny_model_dir, tmp_path):
+    src, _ = tiny_model_dir("llama")
+    dst = tmp_path / "with-scales"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    for i in range(tiny_config("llama").num_hidden_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.25)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5)
+    save_file(tensors, str(dst / "model.safetensors"))
+    llm = LLM(str(dst), compile="eager", progress=False, kv_cache_dtype="fp8")  # calculate_kv_scales on
+    assert llm.engine.kv_scales == {}
+    assert all(torch.equal(s, torch.tensor([0.25, 0.5])) for s in _fed_kv_scales(llm).values())
+
+
+def test_kv_scale_calibration_with_compiled_artifacts(tiny_model_dir, tmp_path):
+    # The scales are inputs of the compiled artifacts: calibration sets them in place and the
+    # artifacts read them (one calibration step of 32 tokens, the step budget, in both modes).
+    path, _ = tiny_model_dir("llama")
+    limits = {"max_num_seqs": 2, "max_num_batched_tokens": 32}
+    eager = LLM(str(path), compile="eager", progress=False, kv_cache_dtype="fp8", **limits)
+    compiled = LLM(str(path), compile="graph", cache_dir=str(tmp_path / "cache"), progress=False,
+                   kv_cache_dtype="fp8", **limits)
+    assert compiled.engine.kv_scales.keys() == eager.engine.kv_scales.keys() != set()
+    for name, scales in _fed_kv_scales(compiled).items():
+        torch.testing.assert_close(scales, eager.engine.kv_scales[name], rtol=1e-3, atol=0)
+    assert _tokens(compiled) == _tokens(eager)
+
+
+def test_kv_scale_helpers():
+    from kiln.kernels.paged_attention import recording_kv_amax, write_kv_cache
+    from kiln.runtime.kv_scale_calibration import MIN_KV_SCALE, calibration_ids, scales_from_amax
+
+    assert calibration_ids(100, 8) == calibration_ids(100, 8) and max(calibration_ids(100, 64)) < 100
+    torch.testing.assert_close(scales_from_amax(torch.tensor([448.0, 0.0])), torch.tensor([1.0, MIN_KV_SCALE]))
+    with pytest.raises(ValueError, match="at least one token"):
+        calibration_ids(100, 0)
+    cache = torch.zeros(2, 3, 4, 1, 2, dtype=FP8_DTYPE)
+    k, v = torch.tensor([[[9.0, 1.0]], [[2.0, -3.0]]]), torch.tensor([[[0.5, 0.0]], [[0.0, -0.25]]])
+    scale = torch.ones(2)
+    with recording_kv_amax() as seen:
+        write_kv_cache(k, v, cache, torch.tensor([0, 5]), scale)  # slot 0: the null block's padding, left out
+    torch.testing.assert_close(seen[scale.data_ptr()], torch.tensor([3.0, 0.25]))
+    write_kv_cache(k, v, cache, torch.tensor([4, 5]), scale)  # no recording active: nothing kept
+    assert seen[scale.data_ptr()].tolist() == [3.0, 0.25]
