@@ -89,7 +89,7 @@ class MultiprocExecutor(TensorParallelExecutor):
         # vocabulary: the LM head's rows, gathered, are exactly that many.
         self._logits = shared_memory.SharedMemory(create=True, size=4 * vocab_size * config.max_num_seqs)
         self._logits_flat = torch.frombuffer(self._logits.buf, dtype=torch.float32)
-        self._device_logits = None
+        self._device_logits: torch.Tensor | None = None  # rank 0's, on CUDA (set once it reports)
         authkey = secrets.token_bytes(32)
         listener = multiprocessing.connection.Listener(os.path.join(self._scratch, "engine.sock"), "AF_UNIX",
                                                        authkey=authkey)
@@ -110,7 +110,7 @@ class MultiprocExecutor(TensorParallelExecutor):
             reports = list(self._gather(list(range(self.world_size)), "ready").values())
             # Rank 0's logits buffer on its GPU (CUDA IPC): this process samples there.
             device_logits = [r.pop("device_logits") for r in reports if "device_logits" in r]
-            self._device_logits: torch.Tensor | None = device_logits[0] if device_logits else None
+            self._device_logits = device_logits[0] if device_logits else None
             self.num_kv_blocks = self._combine(reports)
             for conn in self.conns:
                 conn.send(("allocate", self.num_kv_blocks))
@@ -181,8 +181,8 @@ class MultiprocExecutor(TensorParallelExecutor):
         return out.to(self._device_logits.device) if self._device_logits is not None else out
 
     def step_stats(self) -> dict[str, Any]:
-        """Each worker's StepStats since the last call (and reset them): where a step's time
-        goes, next to this process's own time per step (bench/tp.py reads it)."""
+        """Each worker's StepStats since the last call (and reset them): how much of a step
+        each rank spends handling it and how much waiting for the next (bench/tp.py)."""
         for rank, conn in enumerate(self.conns):
             self._send(rank, conn, ("stats",))
         return {f"rank{rank}": stats for rank, stats in sorted(self._gather(list(range(self.world_size)),
