@@ -169,7 +169,7 @@ def test_tp2_one_shot_all_reduce_greedy_tokens_match_tp1(tmp_path: Path, monkeyp
 
 @needs_two
 def test_tp2_nccl_killed_worker(tmp_path: Path) -> None:
-    from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _alive, _save
+    from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _all_exit, _save
 
     from kiln.runtime.llm import LLM
     from kiln.runtime.tp_worker import WorkerFailedError
@@ -181,10 +181,7 @@ def test_tp2_nccl_killed_worker(tmp_path: Path) -> None:
     with pytest.raises(WorkerFailedError, match="rank 1"):
         llm.generate(PROMPTS, GREEDY)
     assert time.monotonic() - t0 < 60
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_exit(pids, within_s=15)
 
 
 @needs_two

@@ -77,6 +77,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _all_exit(pids: list[int], within_s: float) -> bool:
+    """Whether every process in `pids` has exited (or is a zombie) within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(p) for p in pids)
+
+
 def _tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -136,10 +144,7 @@ def test_killed_worker_fails_the_engine_naming_the_rank(
     assert time.monotonic() - t0 < 30  # failed, not hung
     with pytest.raises(WorkerFailedError, match="rank 1"):  # and stays failed
         llm.generate(PROMPTS, GREEDY)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert _all_exit(pids, within_s=10)
 
 
 def test_workers_exit_with_a_killed_engine(tmp_path: Path) -> None:
@@ -156,10 +161,7 @@ def test_workers_exit_with_a_killed_engine(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_exit(pids, within_s=15)
 
 
 def test_compile_tp2_fills_every_rank_and_explain_names_tp(tmp_path: Path) -> None:
@@ -210,7 +212,4 @@ def test_serve_tp2_openai_client_and_killed_worker(tmp_path_factory: pytest.Temp
         assert again.value.status_code == 503
     finally:
         server.stop()
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_exit(pids, within_s=15)

@@ -19,7 +19,7 @@ from kiln.runtime.llm import LLM  # noqa: E402
 from kiln.runtime.tp_worker import WorkerFailedError  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _alive, _save, _tokens  # noqa: E402
+from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _all_exit, _save, _tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,4 @@ def test_ray_tp2_across_two_nodes(two_node_cluster, tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 60
     finally:
         llm.engine.shutdown()
-    deadline = time.monotonic() + 20
-    while any(_alive(p) for p in executor.worker_pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in executor.worker_pids)
+    assert _all_exit(executor.worker_pids, within_s=20)
