@@ -7,7 +7,7 @@
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
-#                                         fp8_profile_throughput tp_tests allreduce tp70b tp8b
+#                                         fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -110,6 +110,9 @@ for stage in $STAGES; do
         tests/test_kernels_triton.py ;;
     tp_tests)  # issues 14/15: one-shot all-reduce, TP=2 greedy = TP=1, killed worker, serve -tp 2 (2 GPUs)
       run_stage tp_tests 400 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_tensor_parallel.py ;;
+    tp1_before_after)  # issue 14: TP=1 decode 1/8/64 before tensor parallelism (.before/SHA.tar) and at this tree, one run
+      run_stage tp1_before_after 400 bash bench/compare_commits.sh bench/latency.py --batch-sizes 1,8,64 --steps 128 \
+        --no-baseline --prompt-len 128 ;;
     allreduce)  # issue 15: NCCL vs the one-shot all-reduce per message size, eager and in a CUDA graph
       run_stage allreduce 90 $PY bench/allreduce.py --out "$OUT/allreduce.json" ;;
     tp70b)  # issue 15: Llama-3-70B shape at TP=2: decode 1/8/64, then the 1,000-request offline workload
@@ -132,7 +135,7 @@ for stage in $STAGES; do
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput tp_tests allreduce tp70b tp8b)"; status=2 ;;
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac
 done
 exit $status
