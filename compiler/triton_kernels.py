@@ -282,8 +282,9 @@ def capture_triton_kernels(scratch_root: Path) -> Iterator[TritonCapture]:
 # Triton's driver builds its utility module (`cuda_utils`) and each kernel signature's
 # launcher with the C compiler on first use, and keeps them in the cache folder of that
 # moment: when this process ran Triton kernels before a capture began (Inductor's compile of
-# a bucket does), they are in the outer folder, not the private one, and a server starting
-# from the entry would build them again. Those this process built are added.
+# a bucket does), they are in the outer folder or Inductor's own, not the private one, and a
+# server starting from the entry would build them again. The loaded driver module and the
+# launchers this process built are added.
 _DRIVER_MODULES = ("cuda_utils*.so", "hip_utils*.so", "__triton_launcher*.so")
 
 
@@ -294,7 +295,34 @@ def _process_start_time() -> float:
         return time.time()  # unknown: add none
 
 
+def _loaded_driver_module() -> Path | None:
+    """The file of the driver's utility module this process loaded, wherever it was built.
+
+    Inductor compiles a bucket with Triton's cache pointed at a folder of its own, so the
+    module can be in neither the outer nor the private folder. Its functions are the
+    module's own builtins, whose `__self__` is the loaded module (with its `__file__`)."""
+    try:
+        from triton.runtime.driver import driver
+
+        utils = driver.active.utils
+    except Exception:  # no GPU driver (CPU, TRITON_INTERPRET): no module to carry
+        return None
+    for name in ("load_binary", "get_device_properties"):
+        module_file = getattr(getattr(getattr(utils, name, None), "__self__", None), "__file__", None)
+        if module_file and Path(module_file).is_file():
+            return Path(module_file)
+    return None
+
+
 def _add_driver_modules(outer: Path, folder: Path) -> None:
+    loaded = _loaded_driver_module()
+    if loaded is not None:
+        # Stored as `<its key folder>/<file>`: Triton's key for the module is the same in any
+        # cache folder, so a warm start finds it where it looks.
+        target = folder / loaded.parent.name / loaded.name
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(loaded, target)
     since = _process_start_time() - 1.0
     for pattern in _DRIVER_MODULES:
         for path in outer.glob(f"*/{pattern}") if outer.is_dir() else []:

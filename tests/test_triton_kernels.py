@@ -17,6 +17,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.cache.store import ArtifactStore
 from kiln.compiler.startup import StartupReport, TritonKernelsEntry, triton_kernels_at_startup
@@ -184,6 +185,34 @@ def test_driver_module_built_before_a_capture_joins_the_entry(tmp_path: Path, mo
     restored = tmp_path / "restored"
     restore_triton_kernels(capture.data, restored)
     assert (restored / ("a" * 64) / "cuda_utils.cpython-312-x86_64-linux-gnu.so").is_file()
+
+
+def test_loaded_driver_module_joins_the_entry_wherever_it_was_built(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor builds the driver module inside its own Triton folder (neither the outer nor
+    the private one): the module this process loaded is taken from its own file."""
+    from kiln.compiler import triton_kernels
+    from kiln.compiler.triton_kernels import capture_triton_kernels
+
+    inductors = tmp_path / "inductor-triton" / ("e" * 64)
+    inductors.mkdir(parents=True)
+    module = inductors / "cuda_utils.cpython-312-x86_64-linux-gnu.so"
+    module.write_bytes(b"so")
+    monkeypatch.setattr(triton_kernels, "_loaded_driver_module", lambda: module)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "outer"))
+    with capture_triton_kernels(tmp_path / "scratch") as capture:
+        compile_in_triton("b" * 64, "_rms_norm_kernel")
+    restored = tmp_path / "restored"
+    restore_triton_kernels(capture.data, restored)
+    assert (restored / ("e" * 64) / module.name).read_bytes() == b"so"
+
+
+def test_no_driver_module_without_a_gpu_driver() -> None:
+    from kiln.compiler.triton_kernels import _loaded_driver_module
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU driver is loaded here")
+    assert _loaded_driver_module() is None
 
 
 def test_merged_entries_hold_the_kernels_of_both(tmp_path: Path) -> None:
