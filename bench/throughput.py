@@ -81,7 +81,16 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", default="auto",
+                        help="the engine's compile mode; a comma list (e.g. graph,inductor) runs each in turn in this "
+                             "process, the first as 'kiln', the others as 'kiln_<mode>' (inductor compiles its buckets "
+                             "into --cache-dir first when missing; bound it with --decode-buckets/--token-buckets)")
+    parser.add_argument("--cache-dir", default=None, help="Kiln cache directory for --compile graph/inductor")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
+    bad = sorted(set(modes) - {"auto", "eager", "graph", "inductor"})
+    if bad or not modes:
+        parser.error(f"--compile: unknown mode(s) {bad or args.compile!r}; choose from auto, eager, graph, inductor")
     if not torch.cuda.is_available():
         parser.error("throughput.py measures GPU throughput; no CUDA device is available")
     device = torch.device("cuda")
@@ -105,16 +114,19 @@ def main() -> None:
 
     from kiln.runtime.llm import LLM
 
-    for key, options in bc.precision_variants(args):  # unquantized first, then --quantization / --kv-cache-dtype
+    variants = [(key if i == 0 else f"{key}_{mode}", mode, options)
+                for i, mode in enumerate(modes) for key, options in bc.precision_variants(args)]
+    for key, mode, options in variants:  # per mode: unquantized first, then --quantization / --kv-cache-dtype
         t0 = time.perf_counter()
         llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device="cuda",
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=1024 + args.output_len + 16, progress=False, **bc.bucket_options(args), **options)
+                  max_model_len=1024 + args.output_len + 16, progress=False, compile=mode, cache_dir=args.cache_dir,
+                  **bc.bucket_options(args), **options)
         startup = time.perf_counter() - t0
         kiln_throughput(llm, prompts[:8], 8)  # warm-up
-        result[key] = {**kiln_throughput(llm, prompts, args.output_len), "options": options, "startup_s": startup,
-                       "num_kv_blocks": llm.engine.num_kv_blocks}
-        print(f"[{key}] {options or ''} {result[key]['output_tokens_per_s']:.0f} output tokens/s", flush=True)
+        result[key] = {**kiln_throughput(llm, prompts, args.output_len), "options": options, "compile": mode,
+                       "startup_s": startup, "num_kv_blocks": llm.engine.num_kv_blocks}
+        print(f"[{key}] {mode} {options or ''} {result[key]['output_tokens_per_s']:.0f} output tokens/s", flush=True)
         if key == "kiln":
             result["kiln_startup_s"] = startup
             result["kiln_config"] = {"max_num_seqs": args.max_num_seqs,
@@ -122,6 +134,9 @@ def main() -> None:
                                      "num_kv_blocks": llm.engine.num_kv_blocks}
         del llm
         bc.free_cuda()
+    for key, mode, _ in variants[len(bc.precision_variants(args)):]:
+        base = key[:-len(f"_{mode}")]
+        result[f"{key}_vs_{base}"] = result[key]["output_tokens_per_s"] / result[base]["output_tokens_per_s"]
     if "baseline" in result:
         result["speedup_vs_baseline"] = result["kiln"]["output_tokens_per_s"] / result["baseline"]["output_tokens_per_s"]
     if "kiln_quantized" in result:
