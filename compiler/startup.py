@@ -598,6 +598,13 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
         if not root.is_dir():
             raise CacheMissError(f"--require-cache is set but the cache directory {root} does not exist (it is not "
                                  "created); fill it with `kiln compile --cache-dir DIR` with the same settings first")
+    early_triton = None
+    if device.type == "cuda" and mode == CompileMode.INDUCTOR:
+        # Loading Inductor artifacts starts Triton's driver, which builds its utility module
+        # on first use: the cached kernels (that module among them) go into Triton's folder
+        # before the artifacts load, or a warm start would build it.
+        early_triton = _look_up_triton_kernels(setup, options.cache_dir, require_cache=False, write=True)
+        restore_triton_entry(early_triton)
     if mode == CompileMode.WARM_OR_EAGER:
         prepared = _prepare_warm_or_eager(setup, options.cache_dir, options.progress)
     elif mode == CompileMode.EAGER:
@@ -614,8 +621,9 @@ def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.
                  ", ".join(f"{k} {v:.2f}s" for k, v in prepared.report.timings.items()))
     if device.type == "cuda" and prepared.report.mode != CompileMode.EAGER.value:
         # A cache is in use: the Triton kernels are part of it (kiln.compiler.triton_kernels).
-        prepared.triton_kernels = _look_up_triton_kernels(setup, options.cache_dir, options.require_cache,
-                                                          write=mode != WARM_OR_EAGER)
+        prepared.triton_kernels = (early_triton if early_triton is not None and early_triton.data is not None else
+                                   _look_up_triton_kernels(setup, options.cache_dir, options.require_cache,
+                                                           write=mode != WARM_OR_EAGER))
     if not prepared.report.captured:
         # No pass ran (the spec came from the cache): log what they did when it was built,
         # as the pass manager logs a capture's passes (kiln.passes, INFO: `-v`).
@@ -670,6 +678,23 @@ class TritonKernelsEntry:
     model: str
     write: bool  # take and store the kernels when the entry is missing
     data: bytes | None = None
+    restored: tuple[int, float] | None = None  # (files, seconds) once unpacked into Triton's folder
+
+
+def restore_triton_entry(entry: TritonKernelsEntry) -> None:
+    """Unpack a cached entry into Triton's folder once (`entry.restored`); a damaged one is
+    dropped from the store (`entry.data` becomes None) and the kernels are taken again."""
+    if entry.data is None or entry.restored is not None:
+        return
+    t0 = time.perf_counter()
+    try:
+        files = restore_triton_kernels(entry.data)
+    except TritonKernelsError as e:
+        with ArtifactStore(entry.cache_dir) as store:
+            store.drop(entry.key, str(e))
+        entry.data = None
+    else:
+        entry.restored = (files, time.perf_counter() - t0)
 
 
 def _look_up_triton_kernels(setup: ModelSetup, cache_dir: str | None, require_cache: bool,
@@ -699,25 +724,17 @@ def triton_kernels_at_startup(entry: TritonKernelsEntry | None, report: StartupR
     if entry is None:
         yield False
         return
-    if entry.data is not None:
-        t0 = time.perf_counter()
-        try:
-            restored = restore_triton_kernels(entry.data)
-        except TritonKernelsError as e:
-            with ArtifactStore(entry.cache_dir) as store:
-                store.drop(entry.key, str(e))
-            entry.data = None
-        else:
-            report.timings["restore Triton kernels"] = time.perf_counter() - t0
-            with count_triton_compiles() as count:
-                yield False
-            report.triton = (f"Triton kernels from the cache ({restored} files restored), "
-                             f"{count.total_compiles} compiled")
-            if count.total_compiles:
-                logger.warning("kiln cache: %d Triton kernel(s) and %d launcher module(s) were compiled although the "
-                               "cache holds this setup's kernels (%s): Triton's own hash differs (another ptxas or "
-                               "Triton build?)", count.compiled, count.modules_built, ", ".join(count.names[:5]))
-            return
+    restore_triton_entry(entry)  # a no-op when start-up restored it before loading Inductor artifacts
+    if entry.data is not None and entry.restored is not None:
+        restored, report.timings["restore Triton kernels"] = entry.restored
+        with count_triton_compiles() as count:
+            yield False
+        report.triton = f"Triton kernels from the cache ({restored} files restored), {count.total_compiles} compiled"
+        if count.total_compiles:
+            logger.warning("kiln cache: %d Triton kernel(s) and %d launcher module(s) were compiled although the "
+                           "cache holds this setup's kernels (%s): Triton's own hash differs (another ptxas or "
+                           "Triton build?)", count.compiled, count.modules_built, ", ".join(count.names[:5]))
+        return
     if not entry.write:
         with count_triton_compiles() as count:
             yield False
