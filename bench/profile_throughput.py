@@ -5,6 +5,8 @@ Runs the workload of `throughput.py` (same seeded requests, same engine settings
 around `ModelRunner.execute` (no synchronisation is added, so async scheduling and the
 overlap it buys are unchanged). Steps are grouped by kind:
   decode-graph - a decode-only step replayed from a captured CUDA graph;
+  decode       - a decode-only step of more sequences than the largest decode graph, run
+                 through the FX graph (padded to a token bucket);
   mixed        - decodes and prefill chunks in one step, run through the FX graph;
   prefill      - prefill chunks only.
 Per kind: steps, tokens, device milliseconds (from one step's start event to the next
@@ -80,9 +82,9 @@ def main() -> None:
         t, b, s = inputs.input_ids.shape[1], inputs.seq_lens.shape[0], inputs.logits_indices.shape[0]
         qsl = inputs.query_start_loc.tolist()  # CPU tensors here: no device sync
         chunk = [qsl[i + 1] - qsl[i] for i in range(b)]
-        decodes = sum(1 for n in chunk if n == 1)
+        decodes, real = sum(1 for n in chunk if n == 1), sum(1 for n in chunk if n > 0)
         kind = "decode-graph" if t == b == s and b <= max(runner._decode_graph_sizes) else (
-            "prefill" if decodes == 0 else "mixed")
+            "decode" if decodes == real else "prefill" if decodes == 0 else "mixed")
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = execute(inputs, input_ids)
