@@ -110,6 +110,11 @@ def recording_kv_amax() -> Iterator[dict[int, torch.Tensor]]:
         _amax_recorder = None
 
 
+def kv_amax_recording() -> bool:
+    """Whether start-up's KV-scale calibration is recording (`recording_kv_amax`)."""
+    return _amax_recorder is not None
+
+
 def record_kv_amax(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, slot_mapping: torch.Tensor,
                    block_size: int) -> None:
     """Record this write's K/V maxima if a recording is active (a no-op otherwise, and for

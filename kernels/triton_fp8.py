@@ -144,34 +144,68 @@ def add_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weigh
 
 @triton.jit
 def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
-                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per row: a first pass over the columns finds max|silu(g) * u| (each product
-    # rounded to the activation dtype, as kiln::silu_and_mul's output is), a second recomputes
-    # the products (gate and up mostly from L2 by then) and writes them as e4m3.
+                               FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
+                               ONE_PASS: tl.constexpr):
+    # One program per row. Each product silu(g) * u is rounded to the activation dtype, as
+    # kiln::silu_and_mul's output is, before its row's max|.| sets the scale.
     row = tl.program_id(0).to(tl.int64)
     dt = gate_ptr.dtype.element_ty
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # The whole row in one block (BLOCK >= n_cols): one load of gate and up, the products
+        # kept in registers for the quantization.
+        cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
         y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(y))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, n_cols, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX_C, MIN_SCALE_C)
+        tl.store(scale_ptr + row, scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
         tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
+    else:
+        # A first pass over the columns finds the row's max, a second recomputes the products
+        # (gate and up mostly from L2 by then) and writes them as e4m3.
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+            y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+            y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+            tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+# At a few rows (decode) the grid is a few programs on a 132-SM GPU, so each row's time is
+# its latency: the two-pass loop over 14,336 columns in blocks of 1,024 took 17.5 µs a row on
+# the H200 (run H1), ~10x what its bytes need. Rows up to this many are done in one pass with
+# the whole row in one block (up to ONE_PASS_MAX_COLS columns); more rows keep the two-pass
+# loop, whose small blocks leave room for many programs per SM.
+ONE_PASS_MAX_ROWS = 64
+ONE_PASS_MAX_COLS = 32768
+
+
+def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024) -> tuple[bool, int, int]:
+    """(one pass, BLOCK, num_warps) for `rows` rows of `n_cols` products; from shapes only,
+    so a launch can be captured in a CUDA graph."""
+    whole = triton.next_power_of_2(n_cols)
+    if rows <= ONE_PASS_MAX_ROWS and whole <= ONE_PASS_MAX_COLS:
+        return True, whole, 16 if whole >= 8192 else 8 if whole >= 2048 else 4
+    return False, min(block, whole), 4
+
+
+def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024,
+                                  one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 silu(gate) * up with one scale per row; `one_pass` overrides the plan (tests)."""
     if gate.shape != up.shape:
         raise ValueError(f"silu_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype:
@@ -182,9 +216,13 @@ def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: i
     if xq.numel() == 0:
         return xq, scale
     g2, u2 = _rows(gate), _rows(up)
+    planned, block_size, num_warps = silu_and_mul_quant_plan(g2.shape[0], n, block)
+    if one_pass is not None and one_pass != planned:
+        planned, block_size, num_warps = (True, triton.next_power_of_2(n), 4) if one_pass else (
+            False, min(block, triton.next_power_of_2(n)), 4)
     _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
                                                FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                               BLOCK=min(block, triton.next_power_of_2(n)), num_warps=4)
+                                               BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps)
     return xq, scale
 
 

@@ -146,18 +146,19 @@ import itertools, json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_rope import COMPILE_OPTIONS, _rope_kernel as fn
-scalar_types = {"slot_ptr": "*i64", "n_q_heads": "i32", "n_k_heads": "i32", "eps": "fp32"}
 found = {}
-for has_norm, write_kv in itertools.product([False, True], [False, True]):
+for has_norm, write_kv, fp8 in [(n, w, f) for n, w, f in itertools.product([False, True], repeat=3) if w or not f]:
+    scalar_types = {"slot_ptr": "*i64", "kv_scale_ptr": "*fp32", "n_q_heads": "i32", "n_k_heads": "i32",
+                    "eps": "fp32", **({"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {})}
     consts = dict(HEAD_DIM=128, D_PAD=128, HQ_PAD=32, HK_PAD=8, HAS_NORM=has_norm, WRITE_KV=write_kv,
-                  CACHE_BLOCK=16)
+                  CACHE_BLOCK=16, KV_SCALE=fp8)
     signature = {name: "constexpr" if name in consts else
                  scalar_types.get(name, "*bf16" if name.endswith("_ptr") else "i64") for name in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **COMPILE_OPTIONS}).asm["ptx"]
     ops = {line.split()[0] for line in ptx.splitlines() if line.strip()[:4] in ("fma.", "mul.", "add.", "cvt.")}
-    found[f"norm={has_norm},write_kv={write_kv}"] = sorted(ops)
+    found[f"norm={has_norm},write_kv={write_kv},fp8_cache={fp8}"] = sorted(ops)
 print(json.dumps(found))
 """
 
@@ -537,23 +538,29 @@ def _fp8_cache(batch: dict) -> dict:
     return {**batch, "kv_cache": to_cache_dtype(batch["kv_cache"], FP8)}
 
 
-@pytest.mark.parametrize("splits,rope", [(1, False), (2, False), (2, True)])
-def test_paged_attention_fp8_kv_cache(splits, rope):
+@pytest.mark.parametrize("splits,rope,scaled", [(1, False, False), (2, False, False), (2, True, False),
+                                                (1, True, True)])
+def test_paged_attention_fp8_kv_cache(splits, rope, scaled):
     # The step's K/V go into an e4m3 cache and every read converts back: the Triton kernels
-    # (write, RoPE's fused write, attention with and without splits) against the reference.
+    # (write, RoPE's fused write with and without per-layer scales, attention with and
+    # without splits) against the reference.
     batch = _fp8_cache(make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=41 + splits,
                                         dtype=HALF))
     ref_batch = {k: v.clone() for k, v in batch.items()}
     meta = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+    # Scales far from 1 (k / 0.05 uses e4m3's upper range, v / 4 its lower one), so a write or
+    # a read that ignored them would be far off.
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if scaled else None
     if rope:
         t = batch["q"].shape[0]
         cos, sin = _cos_sin(t, 16, seed=42)
         cos, sin = cos.to(HALF), sin.to(HALF)
         out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, None, None, 1e-6,
-                                          batch["kv_cache"], *(batch[m] for m in meta), 0.25, 0, num_splits=splits)
+                                          batch["kv_cache"], *(batch[m] for m in meta), 0.25, 0, num_splits=splits,
+                                          kv_scale=kv_scale)
         q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, None, None, 1e-6)
         ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"],
-                                        *(ref_batch[m] for m in meta), 0.25, 0)
+                                        *(ref_batch[m] for m in meta), 0.25, 0, kv_scale=kv_scale)
     else:
         out = paged_attention_triton(**batch, scale=0.25, sliding_window=0, num_splits=splits)
         ref = paged_attention_reference(**ref_batch, scale=0.25, sliding_window=0)
@@ -569,7 +576,7 @@ def test_paged_attention_fp8_kv_cache(splits, rope):
 
     q = q_rot if rope else ref_batch["q"]
     read = attend_paged_triton(q, ref_batch["kv_cache"], *(ref_batch[m] for m in meta[1:]), 0.25, 0,
-                               num_splits=splits)
+                               num_splits=splits, kv_scale=kv_scale)
     assert_attention_close(read, ref, batch, atol=2e-3, rtol=2e-3)
     if DEVICE != "cpu":  # the fused write, too (the interpreter's cast: assert_fp8_close)
         assert_attention_close(out, ref, batch, atol=2e-3, rtol=2e-3)
@@ -618,16 +625,26 @@ def test_rms_norm_quant_fp8(residual):
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
 
 
-def test_silu_and_mul_quant_fp8():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_silu_and_mul_quant_fp8(one_pass):
     from kiln.kernels.fp8 import silu_and_mul_quant_fp8
     from kiln.kernels.triton_fp8 import silu_and_mul_quant_fp8_triton
 
     gate_up = randn(7, 2 * 80, seed=64, dtype=HALF) * 3
     gate, up = gate_up[:, :80], gate_up[:, 80:]  # the halves of a merged projection, read in place
-    xq, scale = silu_and_mul_quant_fp8_triton(gate, up, block=32)
+    xq, scale = silu_and_mul_quant_fp8_triton(gate, up, block=32, one_pass=one_pass)
     ref_q, ref_scale = silu_and_mul_quant_fp8(gate.cpu(), up.cpu())
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
+
+
+def test_silu_and_mul_quant_plan():
+    from kiln.kernels.triton_fp8 import silu_and_mul_quant_plan
+
+    assert silu_and_mul_quant_plan(1, 14336) == (True, 16384, 16)  # decode: the whole row at once
+    assert silu_and_mul_quant_plan(64, 80) == (True, 128, 4)
+    assert silu_and_mul_quant_plan(65, 14336) == (False, 1024, 4)  # prefill-sized: two passes
+    assert silu_and_mul_quant_plan(1, 65536)[0] is False  # a row too wide for one block
 
 
 @pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True), (16, False)])
