@@ -5,6 +5,7 @@
 #                                         load_weights throughput startup profile
 #                                         profile_throughput tune_attention moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
+#                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
 #                                         fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b
@@ -103,6 +104,11 @@ for stage in $STAGES; do
       run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline --out "$OUT/moe_mixtral_decode.json" ;;
     moe_mixtral_offline)
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode --out "$OUT/moe_mixtral_offline.json" ;;
+    moe_profile_throughput)  # where the Mixtral offline run's time goes (kernels of 6 mixed steps)
+      run_stage moe_profile_throughput 560 $PY bench/profile_throughput.py --model bench/mixtral_8x7b.json \
+        --out "$OUT/moe_profile_throughput.json" ;;
+    tune_moe)  # fused_moe's tilings at the Mixtral and Qwen3-MoE shapes, decode and prefill step sizes
+      run_stage tune_moe 560 $PY bench/tune_moe.py --out "$OUT/tune_moe.json" ;;
     moe_qwen3)
       run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
@@ -134,7 +140,7 @@ for stage in $STAGES; do
         --out "$OUT/serve.png" ;;
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
-           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 arch_tests serve serve_fp8 serve_plot" \
+           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac
 done

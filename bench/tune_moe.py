@@ -1,0 +1,116 @@
+"""`kiln::fused_moe`'s Triton kernels per tiling, at the MoE shapes of bench/moe.py.
+
+For each shape (Mixtral-8x7B: 8 experts, hidden 4,096, intermediate 14,336, top-2;
+Qwen3-MoE-30B-A3B: 128 experts, hidden 2,048, intermediate 768, top-8) and each token count
+of `--tokens` (decode batches and prefill-sized steps), one layer's `fused_moe_triton` is
+timed (CUDA events, median of `--repeats`; routing and grouping included, as a step runs
+them) with the tiling `choose_tiling` picks and with every tiling of a sweep: decode-sized
+steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, prefill-sized ones wide
+row and column tiles. Each result carries TFLOP/s (2 x pairs x 3 x hidden x intermediate)
+and the weight bytes' TB/s, and the best tiling per shape, so the table in
+`kernels/triton_moe.py` (`choose_tiling`, "not yet swept on the H200") can be set from it.
+
+    python bench/tune_moe.py --out tune-moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from typing import Any
+
+import torch
+
+import bench_common as bc
+
+SHAPES = {  # experts, hidden, intermediate, top_k, renormalize
+    "mixtral-8x7b": (8, 4096, 14336, 2, True),
+    "qwen3-moe-30b-a3b": (128, 2048, 768, 8, True),
+}
+
+
+def sweep(decode: bool) -> list[Any]:
+    from kiln.kernels.triton_moe import MoETiling
+
+    if decode:
+        grid = itertools.product((16, 32, 64), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
+    else:
+        grid = itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))
+    return [MoETiling(*t) for t in grid]
+
+
+def time_ms(fn: Any, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default="1,8,64,256,2048,16384")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
+    from kiln.kernels.triton_moe import choose_tiling, fused_moe_triton
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    result: dict[str, Any] = {"benchmark": "tune_moe", "env": bc.environment(), "shapes": {}}
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
+        experts, hidden, inter, top_k, renorm = SHAPES[name]
+        w_gate_up = torch.randn((experts, 2 * inter, hidden), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        w_down = torch.randn((experts, hidden, inter), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+        weight_bytes = (w_gate_up.numel() + w_down.numel()) * 2
+        rows: dict[str, Any] = {}
+        for t in (int(x) for x in args.tokens.split(",")):
+            x = torch.randn((t, hidden), device=device, dtype=torch.bfloat16, generator=gen)
+            logits = torch.randn((t, experts), device=device, dtype=torch.float32, generator=gen)
+            pairs = t * top_k
+            touched = min(experts, pairs)  # at most: the bytes a step must read
+            flops = 2 * pairs * 3 * hidden * inter
+
+            def run(tiling: Any = None) -> Any:
+                return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling)
+
+            default = choose_tiling(pairs, experts, inter, hidden)
+            default_ms = time_ms(run, args.repeats)
+            timings = []
+            for tiling in sweep(decode=default.block_m <= 64):
+                try:
+                    timings.append((time_ms(lambda: run(tiling), args.repeats), tiling))
+                except Exception as e:  # a tiling that does not fit (shared memory): skipped, named
+                    print(f"[{name} T={t}] {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            best_ms, best = min(timings, key=lambda r: r[0])
+
+            def figures(ms: float) -> dict[str, float]:
+                return {"ms": ms, "tflop_s": flops / ms / 1e9,
+                        "weight_tb_s": weight_bytes * touched / experts / ms / 1e9}
+
+            rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
+                            "best": {"tiling": vars(best), **figures(best_ms)},
+                            "speedup_of_best": default_ms / best_ms,
+                            "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])]}
+            print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
+                  f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x)", flush=True)
+        result["shapes"][name] = rows
+        del w_gate_up, w_down
+        bc.free_cuda()
+    bc.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
