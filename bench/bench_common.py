@@ -234,3 +234,19 @@ def stop_kiln_serve(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def median_cuda_ms(fn: Any, repeats: int) -> float:
+    """The median of `repeats` timed calls of `fn` on the current CUDA stream (CUDA events,
+    each call synchronised), after three untimed ones (compiles, allocations)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

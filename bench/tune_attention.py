@@ -51,20 +51,6 @@ def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, g
     }
 
 
-def time_call(fn: Any, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode-seqs", type=int, default=256)
@@ -102,7 +88,7 @@ def main() -> None:
                 attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
                                     step["query_start_loc"], D ** -0.5, 0, tiling=tiling)
             try:
-                ms = time_call(call, args.repeats)
+                ms = bc.median_cuda_ms(call, args.repeats)
             except Exception as e:  # a tiling the compiler rejects (shared memory): skip it
                 rows.append({"tiling": repr(tiling), "error": str(e)[:120]})
                 continue

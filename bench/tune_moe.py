@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from typing import Any
 
 import torch
@@ -38,20 +37,6 @@ def sweep(decode: bool) -> list[Any]:
     else:
         grid = itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))
     return [MoETiling(*t) for t in grid]
-
-
-def time_ms(fn: Any, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -87,11 +72,11 @@ def main() -> None:
                 return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling)
 
             default = choose_tiling(pairs, experts, inter, hidden)
-            default_ms = time_ms(run, args.repeats)
+            default_ms = bc.median_cuda_ms(run, args.repeats)
             timings = []
             for tiling in sweep(decode=default.block_m <= 64):
                 try:
-                    timings.append((time_ms(lambda: run(tiling), args.repeats), tiling))
+                    timings.append((bc.median_cuda_ms(lambda: run(tiling), args.repeats), tiling))
                 except Exception as e:  # a tiling that does not fit (shared memory): skipped, named
                     print(f"[{name} T={t}] {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best_ms, best = min(timings, key=lambda r: r[0])

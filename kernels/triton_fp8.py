@@ -143,21 +143,27 @@ def add_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weigh
 
 
 @triton.jit
+def _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask):
+    """silu(g) * u for the columns `cols` of a row, in float32, each product rounded to the
+    activation dtype as kiln::silu_and_mul's output is."""
+    dt = gate_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    return ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
                                FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
                                ONE_PASS: tl.constexpr):
-    # One program per row. Each product silu(g) * u is rounded to the activation dtype, as
-    # kiln::silu_and_mul's output is, before its row's max|.| sets the scale.
+    # One program per row; the row's max|silu(g) * u| sets its scale.
     row = tl.program_id(0).to(tl.int64)
-    dt = gate_ptr.dtype.element_ty
     if ONE_PASS:
         # The whole row in one block (BLOCK >= n_cols): one load of gate and up, the products
         # kept in registers for the quantization.
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
         q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
@@ -168,19 +174,14 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-            y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, cols < n_cols)
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-            y = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
             q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
             tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
