@@ -18,8 +18,8 @@ the engine that built the entry warmed every bucket up.
   (`merge_triton_entries`); the driver's module and launchers this process built before
   the capture began are taken from the outer folder.
 - **Putting them back.** A warm start unpacks the entry into Triton's cache folder, whatever
-  it is (`restore_triton_kernels`), before the first kernel runs; Triton then finds every
-  kernel there. Triton's group files hold absolute paths to their members, so they are
+  it is (`restore_triton_kernels`), before the first kernel runs (with Inductor artifacts,
+  before they load: loading one starts Triton's driver); Triton then finds every kernel there. Triton's group files hold absolute paths to their members, so they are
   stored with names relative to the cache folder and written back with the new folder's.
 - **Counting compiles.** `count_triton_compiles` installs Triton's compilation listener
   (`triton.knobs.compilation.listener`, which reports every `compile()` call and whether it
