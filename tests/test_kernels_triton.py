@@ -538,9 +538,10 @@ def _fp8_cache(batch: dict) -> dict:
     return {**batch, "kv_cache": to_cache_dtype(batch["kv_cache"], FP8)}
 
 
-@pytest.mark.parametrize("splits,rope,scaled", [(1, False, False), (2, False, False), (2, True, False),
-                                                (1, True, True)])
-def test_paged_attention_fp8_kv_cache(splits, rope, scaled):
+@pytest.mark.parametrize("splits,rope,scaled,norm", [(1, False, False, False), (2, False, False, False),
+                                                     (2, True, False, False), (1, True, True, False),
+                                                     (2, True, True, True)])
+def test_paged_attention_fp8_kv_cache(splits, rope, scaled, norm):
     # The step's K/V go into an e4m3 cache and every read converts back: the Triton kernels
     # (write, RoPE's fused write with and without per-layer scales, attention with and
     # without splits) against the reference.
@@ -555,10 +556,12 @@ def test_paged_attention_fp8_kv_cache(splits, rope, scaled):
         t = batch["q"].shape[0]
         cos, sin = _cos_sin(t, 16, seed=42)
         cos, sin = cos.to(HALF), sin.to(HALF)
-        out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, None, None, 1e-6,
+        # Qwen3's q/k norms, in the model dtype like the rest (mixed dtypes take torch's path).
+        norms = (randn(16, seed=43, dtype=HALF), randn(16, seed=44, dtype=HALF)) if norm else (None, None)
+        out = rope_paged_attention_triton(batch["q"], batch["k"], batch["v"], cos, sin, *norms, 1e-6,
                                           batch["kv_cache"], *(batch[m] for m in meta), 0.25, 0, num_splits=splits,
                                           kv_scale=kv_scale)
-        q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, None, None, 1e-6)
+        q_rot, k_rot = rope_reference(ref_batch["q"], ref_batch["k"], cos, sin, *norms, 1e-6)
         ref = paged_attention_reference(q_rot, k_rot, ref_batch["v"], ref_batch["kv_cache"],
                                         *(ref_batch[m] for m in meta), 0.25, 0, kv_scale=kv_scale)
     else:
