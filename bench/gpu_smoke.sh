@@ -8,7 +8,7 @@
 #                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
-#                                         fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b
+#                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         (default: tests latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
@@ -97,6 +97,8 @@ for stage in $STAGES; do
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
+    overlap)  # issue 16: does a ~1,000-sequence decode step gain from two nano-batches on two streams?
+      run_stage overlap 200 $PY bench/overlap.py --out "$OUT/overlap.json" ;;
     fp8_profile)
       run_stage fp8_profile 300 $PY bench/profile_decode.py --batch-sizes 1,8 --steps 30 --quantization fp8 \
         --kv-cache-dtype fp8 --out "$OUT/fp8_profile.json" ;;
@@ -146,7 +148,7 @@ for stage in $STAGES; do
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac
 done
 exit $status
