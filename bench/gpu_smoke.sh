@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
 #                                         load_weights throughput startup profile
-#                                         profile_throughput tune_attention moe_tests
+#                                         profile_throughput tune_attention tune_gemv moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
@@ -85,6 +85,8 @@ for stage in $STAGES; do
       run_stage profile 300 $PY bench/profile_decode.py --batch-sizes 1,8,32 --steps 30 --out "$OUT/profile.json" ;;
     profile_throughput)
       run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
+    tune_gemv)  # kiln::linear's GEMV tilings at the Llama-3-8B projections, 1 and 8 rows, weights past L2
+      run_stage tune_gemv 400 $PY bench/tune_gemv.py --out "$OUT/tune_gemv.json" ;;
     tune_attention)
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
     fp8_tests)  # issue 16: the FP8 kernels at real shapes, the FP8 engine under CUDA graphs
@@ -146,7 +148,7 @@ for stage in $STAGES; do
       run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
         --out "$OUT/serve.png" ;;
     *)
-      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention" \
+      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac

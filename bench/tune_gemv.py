@@ -1,0 +1,128 @@
+"""`kiln::linear`'s Triton GEMVs per tiling, at the Llama-3-8B projections (decode rows).
+
+For each projection (QKV 6144 x 4096, O 4096 x 4096, gate/up 28672 x 4096, down 4096 x
+14336, LM head 128256 x 4096) and each row count of `--rows`, the GEMV is timed inside a CUDA
+graph with the tiling `choose_config` picks (`kernels/triton_linear.py`'s tables), with every
+tiling of a sweep, and as cuBLAS (`F.linear`). A decode step reads each weight once, from
+HBM: so each call here reads another of enough weight copies that together they exceed the
+L2 cache (O's 33.5 MB alone would fit in the H200's 50 MB). Results: microseconds, achieved
+weight TB/s, the best tiling per projection and row count, and its gain over the table's.
+At batch 1 the H200 profiles (bench/RESULTS.md, H2/H5) put QKV at 2.85 TB/s and O at 1.96
+against ~4 for the wide projections: this says whether a tiling closes that gap.
+
+    python bench/tune_gemv.py --out tune-gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import bench_common as bc
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
+
+
+def time_us(fns: list[Callable[[], Any]], replays: int = 20) -> float:
+    """Microseconds per call: `fns` called in turn inside one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()  # compiles, allocations
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * len(fns))
+
+
+def sweep(m: int) -> list[Any]:
+    from kiln.kernels.triton_linear import GemvConfig
+
+    if m == 1:
+        grid = itertools.product((8, 16, 32, 64), (128, 256, 512, 1024), (4, 8), (2, 3, 4))
+    else:
+        grid = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4))
+    return [GemvConfig(*t) for t in grid]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("tune_gemv.py times the CUDA kernels; no CUDA device is available")
+    from kiln.kernels.triton_linear import choose_config, linear_triton
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    result: dict[str, Any] = {"benchmark": "tune_gemv", "env": bc.environment(), "shapes": {}}
+    for name in args.shapes.split(","):
+        if name not in SHAPES:
+            parser.error(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
+        n, k = SHAPES[name]
+        weight_bytes = n * k * 2
+        copies = max(1, -(-L2_BYTES // weight_bytes))
+        weights = [torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+                   for _ in range(copies)]
+        rows_out: dict[str, Any] = {}
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn((m, k), device=device, dtype=torch.bfloat16, generator=gen)
+
+            def timed(config: Any) -> float:
+                if config == "cublas":
+                    return time_us([lambda w=w: F.linear(x, w) for w in weights])
+                return time_us([lambda w=w: linear_triton(x, w, config=config) for w in weights])
+
+            default = choose_config(n, k, m)
+            candidates = [("cublas", timed("cublas"))]
+            if default is not None:
+                candidates.append((default, timed(default)))
+            for config in sweep(m):
+                if k % config.block_k:
+                    continue  # the kernel's K loop has no mask (choose_config refuses these too)
+                try:
+                    candidates.append((config, timed(config)))
+                except Exception as e:  # a tiling the compiler rejects (shared memory): skipped, named
+                    print(f"[{name} m={m}] {config}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            best, best_us = min(candidates, key=lambda c: c[1])
+            default_us = next(us for c, us in candidates if c == (default if default is not None else "cublas"))
+
+            def describe(config: Any) -> Any:
+                return config if config == "cublas" else vars(config)
+
+            rows_out[str(m)] = {
+                "default": {"config": describe(default if default is not None else "cublas"), "us": default_us,
+                            "tb_s": weight_bytes / default_us / 1e6},
+                "best": {"config": describe(best), "us": best_us, "tb_s": weight_bytes / best_us / 1e6},
+                "gain_of_best": default_us / best_us,
+                "all": [{"config": describe(c), "us": us} for c, us in sorted(candidates, key=lambda c: c[1])],
+            }
+            print(f"[{name} m={m}] table {default_us:.1f} us ({weight_bytes / default_us / 1e6:.2f} TB/s) {default}; "
+                  f"best {best_us:.1f} us ({weight_bytes / best_us / 1e6:.2f} TB/s) {best}", flush=True)
+        result["shapes"][name] = rows_out
+        del weights
+        bc.free_cuda()
+    bc.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
