@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,29 +27,6 @@ import bench_common as bc
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
 L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
-
-
-def time_us(fns: list[Callable[[], Any]], replays: int = 20) -> float:
-    """Microseconds per call: `fns` called in turn inside one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()  # compiles, allocations
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(fns))
 
 
 def sweep(m: int) -> list[Any]:
@@ -89,8 +66,8 @@ def main() -> None:
 
             def timed(config: Any) -> float:
                 if config == "cublas":
-                    return time_us([lambda w=w: F.linear(x, w) for w in weights])
-                return time_us([lambda w=w: linear_triton(x, w, config=config) for w in weights])
+                    return bc.graph_time_us([lambda w=w: F.linear(x, w) for w in weights])
+                return bc.graph_time_us([lambda w=w: linear_triton(x, w, config=config) for w in weights])
 
             default = choose_config(n, k, m)
             candidates = [("cublas", timed("cublas"))]
