@@ -195,11 +195,14 @@ ONE_PASS_MAX_ROWS = 64
 ONE_PASS_MAX_COLS = 32768
 
 
-def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024) -> tuple[bool, int, int]:
+def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024,
+                            one_pass: bool | None = None) -> tuple[bool, int, int]:
     """(one pass, BLOCK, num_warps) for `rows` rows of `n_cols` products; from shapes only,
-    so a launch can be captured in a CUDA graph."""
+    so a launch can be captured in a CUDA graph. `one_pass` forces the kind (tests)."""
     whole = triton.next_power_of_2(n_cols)
-    if rows <= ONE_PASS_MAX_ROWS and whole <= ONE_PASS_MAX_COLS:
+    if one_pass is None:
+        one_pass = rows <= ONE_PASS_MAX_ROWS and whole <= ONE_PASS_MAX_COLS
+    if one_pass:
         return True, whole, 16 if whole >= 8192 else 8 if whole >= 2048 else 4
     return False, min(block, whole), 4
 
@@ -217,10 +220,7 @@ def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: i
     if xq.numel() == 0:
         return xq, scale
     g2, u2 = _rows(gate), _rows(up)
-    planned, block_size, num_warps = silu_and_mul_quant_plan(g2.shape[0], n, block)
-    if one_pass is not None and one_pass != planned:
-        planned, block_size, num_warps = (True, triton.next_power_of_2(n), 4) if one_pass else (
-            False, min(block, triton.next_power_of_2(n)), 4)
+    planned, block_size, num_warps = silu_and_mul_quant_plan(g2.shape[0], n, block, one_pass)
     _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
                                                FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
                                                BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps)
