@@ -84,22 +84,21 @@ def calibrate_kv_scales(runner: Any, names: list[str], input_ids: list[int], blo
 
     Returns the new scales by name. The prefill writes into blocks 1.. of the cache, which no
     sequence owns yet (the engine calibrates before its block manager exists)."""
-    slots = {name: i for i, name in kv_scale_inputs(runner.input_roles)}
-    absent = [n for n in names if n not in slots]
+    absent = [n for n in names if f"param:{n}" not in runner.input_roles]
     if absent:
         raise ValueError(f"calibrate_kv_scales: the graph has no input for {absent[:3]}")
     # Measured at scale 1 (the uncalibrated default): the maxima are recorded before the
     # write divides, so no scale is needed to see them; 1 also keeps a second calibration of
     # the same runner from depending on the first.
     for name in names:
-        runner._fixed[slots[name]].fill_(1.0)
+        runner.param_input(name).fill_(1.0)
     n = len(input_ids)
     step = single_prefill_step(n, block_size, input_ids=torch.tensor(input_ids, dtype=torch.long))
     with recording_kv_amax() as seen:
         runner.execute(step)
     out = {}
     for name in names:
-        scales = runner._fixed[slots[name]]
+        scales = runner.param_input(name)
         amax = seen.get(scales.data_ptr())
         if amax is None:
             raise RuntimeError(f"KV-scale calibration: no cache write of {name!r} was observed (its attention "

@@ -200,6 +200,16 @@ class ModelRunner:
             input_roles, params=params, constants=lambda name: constants[name].to(device), kv_caches=kv_caches)
         self._batch_slots = batch_slots(input_roles)
 
+    def param_input(self, name: str) -> torch.Tensor:
+        """The tensor bound to the graph input `param:<name>`, as every step reads it (e.g. a
+        layer's FP8 KV-cache scales, which start-up calibration sets in place)."""
+        role = f"param:{name}"
+        if role not in self.input_roles:
+            raise KeyError(f"the graph has no input {role!r}")
+        tensor = self._fixed[self.input_roles.index(role)]
+        assert tensor is not None  # bind() fills every param: input
+        return tensor
+
     def twin(
         self,
         graph_fn: Callable[..., Any] | None = None,

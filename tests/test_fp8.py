@@ -411,8 +411,7 @@ def test_kv_cache_scales_from_the_checkpoint(tiny_model_dir, tmp_path):
     llm = LLM(str(scaled), compile="eager", progress=False, kv_cache_dtype="fp8")
     stats = {r["name"]: r["stats"] for r in llm.engine.graph_spec.pass_records}
     assert stats["kv_cache_scales"] == {"kv_scales_added": layers}
-    roles = llm.engine.graph_spec.input_roles
-    fed = llm.engine.runner._fixed[roles.index("param:model.layers.0.self_attn.kv_cache_scales")]
+    fed = llm.engine.runner.param_input("model.layers.0.self_attn.kv_cache_scales")
     torch.testing.assert_close(fed, torch.tensor([0.01, 8.0]))  # the checkpoint's, as the graph gets them
     scaled_rate = teacher_forced_agreement(llm, reference)
     unit_rate = teacher_forced_agreement(LLM(str(plain), compile="eager", progress=False, kv_cache_dtype="fp8",
@@ -449,7 +448,7 @@ def _fed_kv_scales(llm: LLM) -> dict[str, torch.Tensor]:
     from kiln.runtime.kv_scale_calibration import kv_scale_inputs
 
     runner = llm.engine.runner
-    return {name: runner._fixed[i].clone() for i, name in kv_scale_inputs(runner.input_roles)}
+    return {name: runner.param_input(name).clone() for _, name in kv_scale_inputs(runner.input_roles)}
 
 
 def test_kv_scales_are_calibrated_when_the_checkpoint_has_none(tiny_model_dir):
