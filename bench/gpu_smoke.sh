@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
 #                                         load_weights throughput startup profile
-#                                         profile_throughput tune_attention tune_gemv moe_tests
+#                                         profile_throughput tune_attention tune_attention_fp8 tune_gemv moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
@@ -89,6 +89,8 @@ for stage in $STAGES; do
       run_stage tune_gemv 400 $PY bench/tune_gemv.py --out "$OUT/tune_gemv.json" ;;
     tune_attention)
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
+    tune_attention_fp8)  # issue 16: the same over an e4m3 cache (f16 dots; 256-key decode tiles too)
+      run_stage tune_attention_fp8 360 $PY bench/tune_attention.py --kv-cache-dtype fp8 --out "$OUT/tune_attention_fp8.json" ;;
     fp8_tests)  # issue 16: the FP8 kernels at real shapes, the FP8 engine under CUDA graphs
       run_stage fp8_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -s -m gpu tests/test_gpu_fp8.py ;;
     fp8_gemm)  # _scaled_mm vs the Triton FP8 GEMV vs bf16, Llama-3-8B projections
@@ -148,7 +150,7 @@ for stage in $STAGES; do
       run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
         --out "$OUT/serve.png" ;;
     *)
-      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_gemv" \
+      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac

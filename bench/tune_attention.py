@@ -8,9 +8,11 @@ Three step shapes of the offline-throughput run (Llama-3-8B heads: 32 query, 8 K
 (decode + prefill, each at its best tiling, is what splitting a mixed step's launch in two
 would cost). Each is timed (CUDA events, median of `--repeats`) for every tiling in the
 sweep and for the default choice, with the KV bytes read (decode) and FLOPs (prefill)
-turned into TB/s and TFLOP/s.
+turned into TB/s and TFLOP/s. `--kv-cache-dtype fp8` runs them over an e4m3 cache (with
+k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile).
 
     python bench/tune_attention.py --out tune-attention.json
+    python bench/tune_attention.py --kv-cache-dtype fp8 --out tune-attention-fp8.json
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import bench_common as bc
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 
-def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, gen: torch.Generator) -> dict[str, Any]:
+def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, gen: torch.Generator,
+              cache_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Inputs of one attention call: decodes first, then whole-prompt prefills (as scheduled)."""
     new = [1] * len(decode_ctx) + prompts
     ctx = decode_ctx + prompts
@@ -41,12 +44,12 @@ def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, g
         at += n
     qsl = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
     t = int(qsl[-1])
-    kv = torch.randn((2, total_blocks, BLOCK, HKV, D), generator=gen).to(torch.bfloat16)
+    kv = torch.randn((2, total_blocks, BLOCK, HKV, D), generator=gen).to(cache_dtype)
     return {
         "q": torch.randn((t, HQ, D), generator=gen).to(torch.bfloat16).to(device),
         "kv_cache": kv.to(device), "block_tables": tables.to(device),
         "seq_lens": torch.tensor(ctx, dtype=torch.int32, device=device), "query_start_loc": qsl.to(device),
-        "kv_bytes": sum(ctx) * HKV * D * 2 * 2,
+        "kv_bytes": sum(ctx) * HKV * D * 2 * kv.element_size(),
         "flops": sum(4 * n * (c - n + (n + 1) / 2) * HQ * D for n, c in zip(new, ctx) if n > 1),
     }
 
@@ -56,6 +59,8 @@ def main() -> None:
     parser.add_argument("--decode-seqs", type=int, default=256)
     parser.add_argument("--prefill-tokens", type=int, default=8000)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="the cache's dtype: bf16 (auto) or e4m3 with k/v scales (fp8)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -68,25 +73,30 @@ def main() -> None:
     prompts: list[int] = []
     while sum(prompts) < args.prefill_tokens:
         prompts.append(int(torch.randint(128, 1025, (1,), generator=gen)))
+    fp8 = args.kv_cache_dtype == "fp8"
+    cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    kv_scale = torch.tensor([0.5, 0.25], device=device) if fp8 else None
     steps = {
-        "decode": make_step(decode_ctx, [], device, gen),
-        "prefill": make_step([], prompts, device, gen),
-        "mixed": make_step(decode_ctx, prompts, device, gen),
+        "decode": make_step(decode_ctx, [], device, gen, cache_dtype),
+        "prefill": make_step([], prompts, device, gen, cache_dtype),
+        "mixed": make_step(decode_ctx, prompts, device, gen, cache_dtype),
     }
     # Decode-shaped steps use one-token tiles whatever the row count: sweep their inner loop.
     decode_tilings = [AttentionTiling(16, bn, warps, stages)
-                      for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4))]
+                      for bn, warps, stages in itertools.product((32, 64, 128) + ((256,) if fp8 else ()), (2, 4, 8),
+                                                                 (2, 3, 4))]
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages)
                        for rows, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
     result: dict[str, Any] = {"benchmark": "tune_attention", "env": bc.environment(),
                               "shapes": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK,
-                                         "decode_seqs": args.decode_seqs, "prefill_prompts": prompts}}
+                                         "decode_seqs": args.decode_seqs, "prefill_prompts": prompts,
+                                         "kv_cache_dtype": str(cache_dtype)}}
     for name, step in steps.items():
         rows = []
         for tiling in [None] + (decode_tilings if name == "decode" else prefill_tilings):
             def call(tiling: AttentionTiling | None = tiling) -> None:
                 attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
-                                    step["query_start_loc"], D ** -0.5, 0, tiling=tiling)
+                                    step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)
             try:
                 ms = bc.median_cuda_ms(call, args.repeats)
             except Exception as e:  # a tiling the compiler rejects (shared memory): skip it

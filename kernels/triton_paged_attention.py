@@ -88,7 +88,7 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,9 +125,20 @@ def _paged_attention_kernel(
     # An FP8 cache's scales: k_scale folds into the softmax scale (q . (k_scale * k) =
     # k_scale * (q . k)), v_scale into the output (a weighted mean of v_scale * v), so the
     # inner loop reads e4m3 tiles as they are.
-    qk_scale = scale
-    if KV_SCALE:
-        qk_scale = scale * tl.load(kv_scale_ptr)
+    qk_scale = scale * tl.load(kv_scale_ptr) if KV_SCALE else scale
+    if FP8_CACHE:
+        # The dots run in f16, not the query's bf16: an e4m3 pair widens to f16 in one
+        # instruction (cvt.rn.f16x2.e4m3x2), to bf16 only by way of f16 (256 more conversions
+        # per thread and tile at the decode tiling, for sm_90). e4m3 keys and values, and
+        # the probabilities, are exact or finer in f16; so is a bf16 query once it is inside
+        # f16's range (65,504): it is first multiplied by the power of two nearest below the
+        # softmax scale (exact), which qk_scale gives back (exact too), so the logits are
+        # those of the bf16 dots.
+        shift = tl.exp2(tl.floor(tl.log2(scale)))
+        q_dot = (q.to(tl.float32) * shift).to(tl.float16)
+        qk_scale = qk_scale / shift
+    else:
+        q_dot = q
 
     # Keys this tile can see: up to its last token, from its first token's window start.
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
@@ -147,10 +158,10 @@ def _paged_attention_kernel(
         block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
         kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
         # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
-        # .to: an FP8 cache is read back in the query's dtype (a no-op for a bf16/fp16 cache).
+        # .to: an FP8 cache is read back in the dots' dtype, f16 (a no-op for a bf16/fp16 cache).
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
-        qk = tl.dot(q, k, input_precision="ieee") * qk_scale
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q_dot.dtype)
+        qk = tl.dot(q_dot, k, input_precision="ieee") * qk_scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
             # overflowing to inf gives 1 and underflowing to 0 gives -1, so no NaN.
@@ -166,7 +177,7 @@ def _paged_attention_kernel(
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q_dot.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -377,7 +388,8 @@ def attend_paged_triton(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
-        NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=tiling.num_stages,
+        NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1, num_warps=num_warps,
+        num_stages=tiling.num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(t, hq)](

@@ -717,3 +717,70 @@ def test_paged_attention_fp8_kv_cache_scales(splits, rope):
     with pytest.raises(ValueError, match="kv_scale must be"):
         paged_attention_reference(q, k, ref_batch["v"], ref_batch["kv_cache"], *(ref_batch[m] for m in meta),
                                   0.01, 0, kv_scale=kv_scale[:1])
+
+
+def test_paged_attention_fp8_cache_query_beyond_f16_range():
+    # With an e4m3 cache the dots run in f16 (kernels/triton_paged_attention.py): a bf16 query
+    # past f16's 65,504 must come through scaled (by a power of two), not as inf and NaN.
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=57,
+                             dtype=torch.bfloat16)
+    batch["q"] = batch["q"] * 2e5
+    assert batch["q"].float().abs().max() > 65504
+    batch["kv_cache"] = batch["kv_cache"].float().nan_to_num(0).to(FP8)
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    from kiln.kernels.triton_paged_attention import attend_paged_triton
+
+    meta = ("block_tables", "seq_lens", "query_start_loc")
+    paged_attention_triton(**batch, scale=1e-5, sliding_window=0)  # writes this step's K and V
+    ref = paged_attention_reference(**ref_batch, scale=1e-5, sliding_window=0)
+    out = attend_paged_triton(batch["q"], ref_batch["kv_cache"], *(ref_batch[m] for m in meta), 1e-5, 0)
+    assert out.isfinite().all()
+    assert_attention_close(out.float(), ref.float(), batch, atol=2e-2, rtol=2e-2)
+
+
+# Compiles `_paged_attention_kernel` for an H100/H200 (sm_90) at the decode tiling, as the
+# launcher would for a bf16 query over a bf16 and an e4m3 cache, and counts the PTX's MMAs and
+# conversions (a fresh process: the kernel must be defined without the interpreter).
+_ATTENTION_PTX_SCRIPT = """
+import collections, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels.triton_paged_attention import _paged_attention_kernel as fn
+found = {}
+for fp8 in (False, True):
+    consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
+                  BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8)
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
+             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+             "scale": "fp32", "softcap": "fp32"}
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    found["fp8" if fp8 else "bf16"] = collections.Counter(
+        line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("cvt.", "mma.")))
+print(json.dumps(found))
+"""
+
+
+def test_fp8_attention_dots_run_in_f16():
+    """Over an e4m3 cache the kernel's MMAs are f16 ones, so each key and value pair widens in
+    one instruction (cvt.rn.f16x2.e4m3x2). Before, the tiles went e4m3 -> f16 -> bf16 for bf16
+    MMAs: 256 more `cvt.bf16.f16` per thread and tile, the likely limit of the FP8 kernel's
+    1.86 TB/s against bf16's 3.8 (bench/RESULTS.md)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _ATTENTION_PTX_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    bf16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    f16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    assert found["bf16"].get(bf16_mma, 0) > 0 and f16_mma not in found["bf16"], found["bf16"]
+    assert found["fp8"].get(f16_mma, 0) == found["bf16"][bf16_mma] and bf16_mma not in found["fp8"], found["fp8"]
+    assert found["fp8"].get("cvt.rn.f16x2.e4m3x2", 0) > 0, found["fp8"]
+    assert "cvt.bf16.f16" not in found["fp8"], found["fp8"]
