@@ -30,7 +30,7 @@ from kiln.runtime.kv_scale_calibration import (CALIBRATION_TOKENS, calibrate_kv_
                                                describe_scales, kv_scale_inputs)
 from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
-from kiln.runtime.tp_executor import TensorParallelExecutor, start_executor
+from kiln.runtime.tp_executor import PendingLogits, TensorParallelExecutor, start_executor
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
 from kiln.runtime.hardware_defaults import FALLBACK_CONTEXT, choose_max_model_len, model_context_length
@@ -62,7 +62,11 @@ class _LaunchedStep:
 
     scheduled: list[ScheduledSequence]
     sampling: list[Sequence]  # the rows of `pending`, in order
-    pending: PendingSample | None  # None: no sequence samples (prefill chunks only)
+    # The step's logits until its draw is queued (`LLMEngine._start_draw`): a tensor, or a
+    # tensor-parallel step's PendingLogits (read from rank 0 when called); None afterwards.
+    logits: torch.Tensor | PendingLogits | None
+    prompt_rows: list[tuple[Sequence, int]]  # rows after the sampled ones: prompt logprobs
+    pending: PendingSample | None = None  # None: not drawn yet, or no sequence samples (prefill chunks only)
 
     @property
     def ended(self) -> bool:
@@ -224,7 +228,8 @@ class LLMEngine:
 
     def _start_workers(self, config: EngineConfig) -> None:
         """Tensor parallelism: one worker per rank holds the model (kiln.runtime.tp_executor);
-        this process schedules and samples, on the host, from rank 0's gathered logits."""
+        this process schedules and samples from rank 0's gathered logits (on rank 0's GPU
+        when there is one, else on the host)."""
         self.worker_device = self.device
         self.device = torch.device("cpu")
         with timed(self.timings, "start workers"):
@@ -240,6 +245,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do for a single-device engine)."""
         if self.executor is not None:
+            self._in_flight = None  # may hold a view of rank 0's logits buffer (CUDA IPC)
             self.executor.shutdown()
 
     def kv_bytes_per_token(self) -> int:
@@ -425,21 +431,29 @@ class LLMEngine:
         then are the first one's tokens read back and processed while the device computes.
         A sequence that turns out to end with the token read back (EOS, a stop string, an
         abort) is dropped when the next step is read back: its extra token is discarded.
+
+        With tensor parallelism the continuation is only sent to the ranks; its logits are
+        read, and its draw queued, at the start of the next call, so that the ranks run it
+        while this call processes the tokens before it.
         """
         launched, self._in_flight = self._in_flight, None
-        if launched is not None and launched.ended:
-            launched = None  # nothing to read back
+        if launched is not None:
+            self._start_draw(launched)  # drawn in any case: the unseeded generator advances as at TP=1
+            if launched.ended:
+                launched = None  # nothing to read back
         if launched is None:
             sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
             launched = self._launch(sched.scheduled)
+            self._start_draw(launched)
         if self.config.async_scheduling:
             self._in_flight = self._launch_continuation(launched)
         return self._collect(launched)
 
     def _launch(self, scheduled: list[ScheduledSequence], input_ids: torch.Tensor | None = None) -> _LaunchedStep:
-        """Run `scheduled` on the device and queue its draw; nothing is read back."""
+        """Run `scheduled` on the device (tensor parallelism: send it to the ranks); nothing
+        is read back, and its draw is queued by `_start_draw`."""
         now = time.monotonic()
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
@@ -450,26 +464,37 @@ class LLMEngine:
         # sampled rows (prepare_step_inputs): which, in the same order.
         prompt_rows = [(item.seq, p) for item in scheduled
                        for p in prompt_logprob_positions(item.seq, item.seq.num_computed_tokens, item.num_new_tokens)]
-        logits = self.runner.execute(inputs, input_ids)
-        if prompt_rows:
-            num_sampled = logits.shape[0] - len(prompt_rows)
-            self._record_prompt_logprobs(logits[num_sampled:], prompt_rows)
-            logits = logits[:num_sampled]
+        if self.executor is not None:
+            logits: torch.Tensor | PendingLogits = self.executor.submit(inputs, input_ids)
+        else:
+            logits = self.runner.execute(inputs, input_ids)
         sampling: list[Sequence] = []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             if item.samples:
                 sampling.append(item.seq)
-        pending = None
-        if sampling:
-            self.grammar_masker.apply(logits, sampling)  # the logits processor: guided rows only
-            pending = self.sampler.launch(logits, sampling)
-        for seq in sampling:
+        return _LaunchedStep(scheduled, sampling, logits, prompt_rows)
+
+    def _start_draw(self, step: _LaunchedStep) -> None:
+        """Queue `step`'s draw on its logits (a tensor-parallel step's are read from rank 0
+        here); nothing is read back. Once per step: later calls do nothing."""
+        if step.logits is None:
+            return
+        logits = step.logits() if isinstance(step.logits, PendingLogits) else step.logits
+        step.logits = None
+        if step.prompt_rows:
+            num_sampled = logits.shape[0] - len(step.prompt_rows)
+            self._record_prompt_logprobs(logits[num_sampled:], step.prompt_rows)
+            logits = logits[:num_sampled]
+        if step.sampling:
+            self.grammar_masker.apply(logits, step.sampling)  # the logits processor: guided rows only
+            step.pending = self.sampler.launch(logits, step.sampling)
+        for seq in step.sampling:
             seq.num_inflight_tokens += 1
-        return _LaunchedStep(scheduled, sampling, pending)
 
     def _launch_continuation(self, prev: _LaunchedStep) -> _LaunchedStep | None:
-        """Launch the decode step after `prev` before `prev`'s tokens are read, if it is one."""
+        """Launch the decode step after `prev` before `prev`'s tokens are read, if it is one
+        (its draw queued too, except with tensor parallelism: see `step`)."""
         if prev.pending is None:
             return None
         for seq in prev.sampling:
@@ -482,7 +507,10 @@ class LLMEngine:
         items = self.scheduler.schedule_continuation(prev.scheduled)
         if items is None:
             return None
-        return self._launch(items, input_ids=prev.pending.tokens)
+        step = self._launch(items, input_ids=prev.pending.tokens)
+        if self.executor is None:
+            self._start_draw(step)
+        return step
 
     def _collect(self, step: _LaunchedStep) -> list[RequestOutput]:
         """Read `step`'s tokens back (waits for the device) and process them."""

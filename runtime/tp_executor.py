@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 from multiprocessing import shared_memory
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,16 +45,41 @@ WORKER_COMMAND = "import sys; from kiln.runtime.tp_worker import main; main(sys.
 SHUTDOWN_GRACE_S = 5.0
 
 
+class PendingLogits:
+    """A step sent to the ranks: calling it waits for rank 0's logits and returns them (the
+    first call reads them, later calls return the same tensor)."""
+
+    def __init__(self, read: Callable[[], torch.Tensor]):
+        self._read: Callable[[], torch.Tensor] | None = read
+        self._logits: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self._read is not None:
+            read, self._read = self._read, None
+            self._logits = read()
+        if self._logits is None:
+            raise RuntimeError("a tensor-parallel step's logits were lost: reading them failed earlier")
+        return self._logits
+
+
 class TensorParallelExecutor:
     """What the engine calls in place of a ModelRunner when tensor_parallel_size > 1:
-    `execute(inputs, input_ids) -> logits`, plus `shutdown()`."""
+    `submit(inputs, input_ids) -> PendingLogits` (the step goes to every rank; the logits are
+    read when the pending step is called), `execute` (both at once), plus `shutdown()`.
+
+    Submitting returns at once so that the engine's host work overlaps the ranks' step: with
+    async scheduling the engine sends decode step N+1, then processes step N's tokens, and
+    reads N+1's logits only when it draws from them (LLMEngine.step)."""
 
     bucket_fns = None  # prompt_logprobs checks (LLMEngine.validate_request): see rank 0's mode
     num_kv_blocks: int
     reports: list[dict[str, Any]]
 
-    def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def submit(self, inputs: Any, input_ids: torch.Tensor | None = None) -> PendingLogits:
         raise NotImplementedError
+
+    def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.submit(inputs, input_ids)()
 
     def shutdown(self) -> None:
         raise NotImplementedError
@@ -90,6 +115,7 @@ class MultiprocExecutor(TensorParallelExecutor):
         self._logits = shared_memory.SharedMemory(create=True, size=4 * vocab_size * config.max_num_seqs)
         self._logits_flat = torch.frombuffer(self._logits.buf, dtype=torch.float32)
         self._device_logits: torch.Tensor | None = None  # rank 0's, on CUDA (set once it reports)
+        self._unread: PendingLogits | None = None  # the step submitted last, until its logits are read
         authkey = secrets.token_bytes(32)
         listener = multiprocessing.connection.Listener(os.path.join(self._scratch, "engine.sock"), "AF_UNIX",
                                                        authkey=authkey)
@@ -149,11 +175,12 @@ class MultiprocExecutor(TensorParallelExecutor):
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def submit(self, inputs: Any, input_ids: torch.Tensor | None = None) -> PendingLogits:
         if self._failure is not None:
             raise self._failure
         if not self.conns:
             raise RuntimeError("the engine's tensor-parallel workers have been shut down (LLMEngine.shutdown)")
+        self._read_unread()  # rank 0 answers in order: an earlier step's logits come first
         # Sent as numpy arrays, pickled by value: torch's own pickling of CPU tensors passes
         # shared-memory file descriptors, a round trip per tensor that needs the sender's key.
         message = ("step", {name: t.numpy() for name, t in inputs.items()},
@@ -161,6 +188,20 @@ class MultiprocExecutor(TensorParallelExecutor):
         try:
             for rank, conn in enumerate(self.conns):
                 self._send(rank, conn, message)
+        except WorkerFailedError:
+            self.shutdown()
+            raise
+        self._unread = PendingLogits(self._read_logits)
+        return self._unread
+
+    def _read_unread(self) -> None:
+        """Read the last submitted step's logits if nobody has yet (they stay in its PendingLogits)."""
+        if self._unread is not None:
+            self._unread()
+
+    def _read_logits(self) -> torch.Tensor:
+        self._unread = None
+        try:
             logits = self._receive(0, "logits")
         except WorkerFailedError:
             self.shutdown()
@@ -172,7 +213,7 @@ class MultiprocExecutor(TensorParallelExecutor):
             return self._device_logits[slot, :rows]  # two slots: see tp_worker.DeviceLogitsBuffer
         if isinstance(logits, tuple):  # ("shm", rows, vocab): in the shared block
             _, rows, vocab = logits
-            # A copy: the next step (launched before this one's draw is read, with async
+            # A copy: the next step (sent before this one's draw is read back, with async
             # scheduling) overwrites the block.
             out = self._logits_flat[: rows * vocab].view(rows, vocab).clone()
         else:
@@ -183,6 +224,7 @@ class MultiprocExecutor(TensorParallelExecutor):
     def step_stats(self) -> dict[str, Any]:
         """Each worker's StepStats since the last call (and reset them): how much of a step
         each rank spends handling it and how much waiting for the next (bench/tp.py)."""
+        self._read_unread()
         for rank, conn in enumerate(self.conns):
             self._send(rank, conn, ("stats",))
         return {f"rank{rank}": stats for rank, stats in sorted(self._gather(list(range(self.world_size)),

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.tp_executor import LIVENESS_POLL_S, TensorParallelExecutor
+from kiln.runtime.tp_executor import LIVENESS_POLL_S, PendingLogits, TensorParallelExecutor
 from kiln.runtime.tp_worker import RankWorker, WorkerFailedError, WorkerSpec
 
 logger = logging.getLogger("kiln.runtime")
@@ -135,19 +135,25 @@ class RayExecutor(TensorParallelExecutor):
         logger.error("%s", self._failure)
         raise self._failure
 
-    def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def submit(self, inputs: Any, input_ids: torch.Tensor | None = None) -> PendingLogits:
         if self._failure is not None:
             raise self._failure
         if not self.actors:
             raise RuntimeError("the engine's tensor-parallel workers have been shut down (LLMEngine.shutdown)")
         arrays = {name: t.numpy() for name, t in inputs.items()}
         ids = None if input_ids is None else input_ids.cpu().numpy()
-        try:
-            results = self._gather([a.execute.remote(arrays, ids) for a in self.actors])
-        except WorkerFailedError:
-            self.shutdown()
-            raise
-        return torch.from_numpy(results[0].copy())  # Ray hands back a read-only view of its object store
+        # An actor runs its calls in order, so this step queues behind any still running.
+        refs = [a.execute.remote(arrays, ids) for a in self.actors]
+
+        def read() -> torch.Tensor:
+            try:
+                results = self._gather(refs)
+            except WorkerFailedError:
+                self.shutdown()
+                raise
+            return torch.from_numpy(results[0].copy())  # Ray hands back a read-only view of its object store
+
+        return PendingLogits(read)
 
     def shutdown(self) -> None:
         ray = self._ray

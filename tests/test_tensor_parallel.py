@@ -132,6 +132,62 @@ def test_seeded_sampling_matches_tp1(llama_engines: tuple[dict[str, list[list[in
     assert _tokens(llm.generate(PROMPTS, SEEDED)) == expected["seeded"]
 
 
+def test_ranks_run_a_decode_step_while_the_engine_processes_the_last(
+        llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
+    """Async scheduling with tensor parallelism: decode step N+1 goes to the ranks before the
+    engine processes step N's tokens (`_collect`), and N+1's logits are read only after that,
+    so the ranks compute while the engine works. The calls are recorded on the real engine."""
+    expected, llm = llama_engines
+    engine, executor = llm.engine, llm.engine.executor
+    events: list[tuple[str, int]] = []
+    submit, collect = executor.submit, engine._collect
+
+    def recording_submit(inputs, input_ids=None):
+        n = sum(1 for kind, _ in events if kind == "submit")
+        events.append(("submit", n))
+        pending = submit(inputs, input_ids)
+        read = pending._read
+
+        def recording_read():
+            events.append(("read", n))
+            return read()
+
+        pending._read = recording_read
+        return pending
+
+    def recording_collect(step):
+        events.append(("collect", -1))
+        return collect(step)
+
+    executor.submit, engine._collect = recording_submit, recording_collect
+    try:
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected["greedy"]
+        stats = executor.step_stats()  # a step may still be in flight: its logits are read first
+    finally:
+        del executor.submit, engine._collect
+    assert stats["rank0"]["steps"] > 0
+    overlapped = [n for kind, n in events if kind == "submit"
+                  if ("collect", -1) in events[events.index(("submit", n)):events.index(("read", n))]]
+    # 6 tokens a prompt: the prefill step draws the first, then five decode steps, of which
+    # every one after the first is sent before its predecessor's tokens are processed.
+    assert len(overlapped) >= 4, events
+    # ... and still gives the same tokens afterwards (the in-flight step was read in order).
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected["greedy"]
+
+
+def test_unseeded_sampling_with_an_engine_seed_matches_tp1(tmp_path: Path) -> None:
+    """`seed=` makes unseeded draws repeatable; TP=2 draws them in TP=1's order (its deferred
+    draws included), so the tokens are TP=1's."""
+    model = str(_save("llama", tmp_path / "llama"))
+    unseeded = SamplingParams(temperature=1.0, max_tokens=8)
+    expected = _tokens(LLM(model, seed=7, **OPTIONS).generate(PROMPTS, unseeded))
+    llm = LLM(model, tensor_parallel_size=2, seed=7, **OPTIONS)
+    try:
+        assert _tokens(llm.generate(PROMPTS, unseeded)) == expected
+    finally:
+        llm.engine.shutdown()
+
+
 def test_killed_worker_fails_the_engine_naming_the_rank(
         llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
     _, llm = llama_engines
