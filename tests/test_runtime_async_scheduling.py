@@ -149,3 +149,27 @@ def test_generate_reports_only_finished_requests(model_dir):
             seen[out.request_id].append(len(out.outputs[0].token_ids))
     assert seen["chatty"] == [1, 2, 3, 4, 5, 6]
     assert seen["quiet"] == [6]
+
+
+def test_async_scheduling_is_invisible_with_tensor_parallelism(model_dir):
+    """TP=2 (gloo, two worker processes) sends a continuation to the ranks and reads its
+    logits a step later (LLMEngine.step): the same outputs as a synchronous TP=1 engine, with
+    the mixed requests above (stops mid-flight, seeds, n=2, penalties, logprobs, min_tokens,
+    the prefix cache) and aborts while a step is in flight."""
+    probe = run(make_engine(model_dir, False), mixed_requests({}))
+    stops = {"stop": probe["stop"][0][0][4], "min_tokens": probe["min_tokens"][0][0][2]}
+    want = run(make_engine(model_dir, False), mixed_requests(stops))
+    aborts = [(f"r{i}", [i + 1] * (10 + i), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+              for i in range(4)]
+    want_aborts = run(make_engine(model_dir, False), aborts)
+    engine = make_engine(model_dir, True, tensor_parallel_size=2)
+    try:
+        assert run(engine, mixed_requests(stops)) == want
+        assert engine.scheduler.stats.num_continuation_steps > 5
+        got = run(engine, aborts, abort_after={"r1": 5, "r3": 9})
+        assert got["r0"] == want_aborts["r0"] and got["r2"] == want_aborts["r2"]
+        for rid in ("r1", "r3"):
+            tokens, reason = got[rid][0]
+            assert reason == "abort" and tokens == want_aborts[rid][0][0][: len(tokens)]
+    finally:
+        engine.shutdown()
