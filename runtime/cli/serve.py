@@ -46,7 +46,7 @@ def add_subcommands(sub: Any) -> None:
                    help="accept a chat template from clients (chat_template, or chat_template_kwargs.chat_template), "
                         "rendered in a sandboxed child process with a time limit (default: refused with 400)")
     g.add_argument("--chat-template-timeout", type=float, default=DEFAULT_CHAT_TEMPLATE_TIMEOUT_S,
-                   help="seconds a client's chat template may take to render (default "
+                   help="CPU seconds a client's chat template may take to render (default "
                         f"{DEFAULT_CHAT_TEMPLATE_TIMEOUT_S:g})")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 30)")

@@ -36,7 +36,7 @@ from kiln.runtime.serving.async_engine import (AsyncLLMEngine, EngineStepError, 
                                        RequestStream)
 from kiln.runtime.serving.chat_prompt import (client_chat_template, continue_final, conversation_chars,
                                              render_chat_prompt, template_inputs)
-from kiln.runtime.serving.template_sandbox import render_in_sandbox
+from kiln.runtime.serving.template_sandbox import HOST_BUSY_TIMEOUT_S, render_in_sandbox
 from kiln.runtime.guided_decoding import GrammarError, ToolSchema
 from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
@@ -662,9 +662,13 @@ class OpenAIServing:
         timeout = self.limits.chat_template_timeout
         result = await render_in_sandbox(template, inputs.messages, inputs.tools, inputs.add_generation_prompt,
                                          {**special, **inputs.variables}, timeout, self.max_prompt_chars)
+        if result.host_busy:
+            raise OpenAIError(f"{param}: the template renderer got too little CPU in {HOST_BUSY_TIMEOUT_S:g} s (the "
+                              "server is overloaded); retry later", 503, "server_busy", param, "renderer_busy",
+                              {"Retry-After": str(RETRY_AFTER_S)})
         if result.timed_out:
-            raise bad_request(f"{param}: rendering the template took longer than {timeout:g} s, the limit "
-                              "(--chat-template-timeout); simplify it", param, "chat_template_timeout")
+            raise bad_request(f"{param}: rendering the template took longer than {timeout:g} s of CPU "
+                              "time, the limit (--chat-template-timeout); simplify it", param, "chat_template_timeout")
         if result.error is not None or result.text is None:
             raise bad_request(f"{param}: the template failed: {result.error}", param)
         text = continue_final(result.text, inputs, "continue_final_message")

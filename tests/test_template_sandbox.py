@@ -1,0 +1,74 @@
+"""The client chat-template sandbox: its time limit is the template's CPU time, not the host's load.
+
+The child runs at nice 19; on a loaded server it may get no CPU for seconds. These tests stop
+it with SIGSTOP (no CPU, wall clock running) to stand for that, deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from kiln.runtime.serving import template_sandbox
+from kiln.runtime.serving.template_sandbox import SandboxResult, render_in_sandbox
+
+MESSAGES = [{"role": "user", "content": "one two three"}]
+SIMPLE = "{% for m in messages %}{{ m.content }}{% endfor %}"
+SPIN = ("{% for i in range(100000) %}{% for j in range(100000) %}{% if i == j %}.{% endif %}"
+        "{% endfor %}{% endfor %}")
+
+
+def render(template: str, timeout: float, **kw: Any) -> SandboxResult:
+    return asyncio.run(render_in_sandbox(template, MESSAGES, None, True, {}, timeout, 10_000, **kw))
+
+
+@pytest.fixture
+def stopped_children(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every child the sandbox spawns is stopped (SIGSTOP) at once and continued 1.5 s later."""
+    pids: list[int] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def spawn_stopped(*argv: Any, **kw: Any) -> asyncio.subprocess.Process:
+        proc = await spawn(*argv, **kw)
+        os.kill(proc.pid, signal.SIGSTOP)
+        asyncio.get_running_loop().call_later(1.5, lambda: proc.returncode is None and os.kill(proc.pid, signal.SIGCONT))
+        pids.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(template_sandbox.asyncio, "create_subprocess_exec", spawn_stopped)
+    return pids
+
+
+def test_simple_template_renders() -> None:
+    assert render(SIMPLE, 2.0) == SandboxResult(text="one two three")
+
+
+def test_a_starved_child_is_not_the_templates_fault(stopped_children: list[int]) -> None:
+    # 1.5 s without CPU against a 0.5 s limit: a wall-clock limit refused this template.
+    t0 = time.monotonic()
+    result = render(SIMPLE, 0.5)
+    assert time.monotonic() - t0 >= 1.5 and len(stopped_children) == 1
+    assert result == SandboxResult(text="one two three")
+
+
+def test_a_child_starved_past_the_host_limit_is_a_busy_host(stopped_children: list[int]) -> None:
+    result = render(SIMPLE, 0.5, host_busy_timeout=0.5)
+    assert result == SandboxResult(host_busy=True)
+    assert not os.path.exists(f"/proc/{stopped_children[0]}")  # killed and reaped
+
+
+def test_a_spinning_template_is_cut_at_its_cpu_limit() -> None:
+    t0 = time.monotonic()
+    result = render(SPIN, 0.5)
+    assert result == SandboxResult(timed_out=True)
+    assert time.monotonic() - t0 < 30
+
+
+def test_template_errors_come_back() -> None:
+    result = render("{{ raise_exception('no system role') }}", 2.0)
+    assert result.error is not None and "no system role" in result.error
