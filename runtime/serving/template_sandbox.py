@@ -10,14 +10,14 @@ the server kills it when its time limit passes. Nothing of the server's state is
 process, and a crash or a kill there costs one request its answer (a 400), nothing else.
 
 The time limit (`--chat-template-timeout`) is the template's own CPU time, not wall clock
-since the spawn. The child runs at nice 19, below the server, so on a busy server (an
-engine thread, tokenizers, a compile) it gets a sliver of a core: its start-up alone took
-seconds of wall clock there, and a wall-clock limit of 2 s refused a template that renders
-in a millisecond. So the clock starts when the child says it is ready (interpreter up,
-jinja2 imported, limits set), and the parent kills it once its CPU time since then (from
-/proc) passes the limit. A host so loaded that the child gets no CPU at all has a separate,
-generous wall-clock limit (HOST_BUSY_TIMEOUT_S, start-up and render each): past it the
-request gets a 503 to retry, not a 400 blaming the template.
+since the spawn. The child runs below the server's priority (CHILD_NICE), so on a busy
+server (an engine thread, tokenizers, a compile) it gets a slice of a core: at nice 19 its
+start-up alone took seconds of wall clock on the 2-core CI machine, and a wall-clock limit
+of 2 s refused a template that renders in a millisecond. So the clock starts when the child
+says it is ready (interpreter up, jinja2 imported, limits set), and the parent kills it once
+its CPU time since then (from /proc) passes the limit. A host so loaded that the child gets
+next to no CPU has a separate, generous wall-clock limit (HOST_BUSY_TIMEOUT_S, start-up and
+render each): past it the request gets a 503 to retry, not a 400 blaming the template.
 
 The protocol: argv carries the limits (memory bytes, CPU seconds); the child writes READY
 on stdout, then reads one JSON object on stdin and writes one on stdout:
@@ -45,6 +45,10 @@ from typing import Any
 
 SCRIPT = Path(__file__).resolve()
 DEFAULT_MEMORY_BYTES = 1 << 30  # address space of the child: plenty for a chat prompt
+# Nice 10 weighs about 1/9 of the server's nice-0 threads: they win every contested slice
+# (/health stays fast while a template spins), and the child still gets ~10% of a saturated
+# core (nice 19 weighs 1/70: ~1.4%, too little for a 2 s CPU limit to pass within a minute).
+CHILD_NICE = 10
 HOST_BUSY_TIMEOUT_S = 60.0  # wall clock for start-up, and for the render: only a host starving the child hits it
 READY = b"ready\n"
 
@@ -76,10 +80,10 @@ async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools
                           "add_generation_prompt": add_generation_prompt, "variables": variables,
                           "max_chars": max_chars}, ensure_ascii=True).encode()
     # Started through nice(1) where there is one, so that even the interpreter's start-up runs
-    # below the server's priority (the child lowers itself too, in case there is none).
+    # below the server's priority (the child sets its own priority too, in case there is none).
     nice = shutil.which("nice")
     # RLIMIT_CPU (whole seconds, start-up included) is the child's own backstop, a second past ours.
-    argv = [*([nice, "-n", "19"] if nice else []), sys.executable, "-I", str(SCRIPT),
+    argv = [*([nice, "-n", str(CHILD_NICE)] if nice else []), sys.executable, "-I", str(SCRIPT),
             str(memory_bytes), str(math.ceil(timeout) + 1)]
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -175,8 +179,8 @@ def main() -> int:
 
     memory_bytes, cpu_seconds = int(sys.argv[1]), int(sys.argv[2])
     # Lower priority than the server: on a busy machine its event loop gets the CPU first.
-    with contextlib.suppress(OSError):
-        os.nice(19)
+    with contextlib.suppress(OSError):  # never above the server's priority (a nice server: keep its own)
+        os.setpriority(os.PRIO_PROCESS, 0, max(CHILD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
     env = _environment()  # jinja2 imported before READY: its start-up is not the template's time
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
