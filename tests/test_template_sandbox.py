@@ -56,6 +56,26 @@ def test_a_starved_child_is_not_the_templates_fault(stopped_children: list[int])
     assert result == SandboxResult(text="one two three")
 
 
+def test_a_child_starved_while_it_renders_is_not_the_templates_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stopped when it says it is ready (the parent's first look at its CPU time), continued
+    # 1.5 s later: the template's own time is still ~0 against a 0.5 s limit.
+    cpu_seconds = template_sandbox._cpu_seconds
+    looks: list[int] = []
+
+    def stop_at_first_look(pid: int) -> float | None:
+        if not looks:
+            os.kill(pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(1.5, lambda: os.kill(pid, signal.SIGCONT))
+        looks.append(pid)
+        return cpu_seconds(pid)
+
+    monkeypatch.setattr(template_sandbox, "_cpu_seconds", stop_at_first_look)
+    t0 = time.monotonic()
+    result = render(SIMPLE, 0.5)
+    assert time.monotonic() - t0 >= 1.5 and len(looks) >= 3  # it looked while the child was stopped
+    assert result == SandboxResult(text="one two three")
+
+
 def test_a_child_starved_past_the_host_limit_is_a_busy_host(stopped_children: list[int]) -> None:
     result = render(SIMPLE, 0.5, host_busy_timeout=0.5)
     assert result == SandboxResult(host_busy=True)

@@ -103,9 +103,12 @@ async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools
         rendering = asyncio.ensure_future(proc.communicate(request))
         while True:
             cpu_now = _cpu_seconds(proc.pid)
-            # Without /proc, wall clock stands in for CPU time.
-            used = (cpu_now - cpu_at_ready if cpu_now is not None and cpu_at_ready is not None
-                    else loop.time() - started)
+            if cpu_at_ready is None:  # no /proc here: wall clock stands in for CPU time
+                used = loop.time() - started
+            elif cpu_now is None:  # exited and reaped already: its answer is on the way
+                used = 0.0
+            else:
+                used = cpu_now - cpu_at_ready
             if used >= timeout:
                 return SandboxResult(timed_out=True)
             if loop.time() - started >= host_busy_timeout:
