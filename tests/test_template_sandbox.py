@@ -13,9 +13,15 @@ import time
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
+from kiln.runtime.config import EngineConfig
+from kiln.runtime.engine import LLMEngine
 from kiln.runtime.serving import template_sandbox
+from kiln.runtime.serving.app import ServerConfig, build_app
 from kiln.runtime.serving.template_sandbox import SandboxResult, render_in_sandbox
+
+from runtime_text_model import text_model_dir
 
 MESSAGES = [{"role": "user", "content": "one two three"}]
 SIMPLE = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -92,3 +98,24 @@ def test_a_spinning_template_is_cut_at_its_cpu_limit() -> None:
 def test_template_errors_come_back() -> None:
     result = render("{{ raise_exception('no system role') }}", 2.0)
     assert result.error is not None and "no system role" in result.error
+
+
+def test_the_server_answers_a_starved_renderer_with_a_503_to_retry(
+        stopped_children: list[int], monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Through the real app, on a tiny model with a tokenizer: the client's template is not
+    blamed (no 400); the client is told to retry; the next request is served."""
+    monkeypatch.setattr(template_sandbox, "HOST_BUSY_TIMEOUT_S", 0.5)
+    engine = LLMEngine(EngineConfig(model=str(text_model_dir(tmp_path_factory)), device="cpu", max_model_len=64,
+                                    max_num_seqs=2, progress=False))
+    app = build_app(engine, ServerConfig(served_model_names=["tiny"], allow_client_chat_template=True))
+    body = {"model": "tiny", "messages": MESSAGES, "chat_template": SIMPLE, "max_tokens": 1}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+        err = r.json()["error"]
+        assert err["code"] == "renderer_busy" and err["param"] == "chat_template" and "overloaded" in err["message"]
+        monkeypatch.setattr(template_sandbox, "HOST_BUSY_TIMEOUT_S", 60.0)
+        ok = client.post("/v1/chat/completions", json=body)  # stopped for 1.5 s this time too, and served
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] > 0
+    assert len(stopped_children) == 2

@@ -74,8 +74,12 @@ def _cpu_seconds(pid: int) -> float | None:
 async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                             add_generation_prompt: bool, variables: dict[str, Any], timeout: float,
                             max_chars: int, memory_bytes: int = DEFAULT_MEMORY_BYTES,
-                            host_busy_timeout: float = HOST_BUSY_TIMEOUT_S) -> SandboxResult:
-    """Render `template` in a child process; kill it once it has used `timeout` CPU seconds."""
+                            host_busy_timeout: float | None = None) -> SandboxResult:
+    """Render `template` in a child process; kill it once it has used `timeout` CPU seconds
+    (and give up on it after `host_busy_timeout`, default HOST_BUSY_TIMEOUT_S, of wall clock
+    with too little CPU to finish)."""
+    if host_busy_timeout is None:
+        host_busy_timeout = HOST_BUSY_TIMEOUT_S
     request = json.dumps({"template": template, "messages": messages, "tools": tools,
                           "add_generation_prompt": add_generation_prompt, "variables": variables,
                           "max_chars": max_chars}, ensure_ascii=True).encode()
