@@ -1,7 +1,8 @@
 """The client chat-template sandbox: its time limit is the template's CPU time, not the host's load.
 
-The child runs at nice 19; on a loaded server it may get no CPU for seconds. These tests stop
-it with SIGSTOP (no CPU, wall clock running) to stand for that, deterministically.
+The child runs below the server's priority (nice 10); on a loaded server it may get no CPU for
+seconds. These tests stop it with SIGSTOP (no CPU, wall clock running) to stand for that,
+deterministically.
 """
 
 from __future__ import annotations
