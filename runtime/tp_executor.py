@@ -65,7 +65,7 @@ class PendingLogits:
 class TensorParallelExecutor:
     """What the engine calls in place of a ModelRunner when tensor_parallel_size > 1:
     `submit(inputs, input_ids) -> PendingLogits` (the step goes to every rank; the logits are
-    read when the pending step is called), `execute` (both at once), plus `shutdown()`.
+    read when the pending step is called), plus `shutdown()`.
 
     Submitting returns at once so that the engine's host work overlaps the ranks' step: with
     async scheduling the engine sends decode step N+1, then processes step N's tokens, and
@@ -77,9 +77,6 @@ class TensorParallelExecutor:
 
     def submit(self, inputs: Any, input_ids: torch.Tensor | None = None) -> PendingLogits:
         raise NotImplementedError
-
-    def execute(self, inputs: Any, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.submit(inputs, input_ids)()
 
     def shutdown(self) -> None:
         raise NotImplementedError
