@@ -71,6 +71,11 @@ def _cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _tail(stderr: bytes) -> str:
+    """The end of the child's stderr, for an error message."""
+    return stderr.decode(errors="replace").strip()[-300:]
+
+
 async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                             add_generation_prompt: bool, variables: dict[str, Any], timeout: float,
                             max_chars: int, memory_bytes: int = DEFAULT_MEMORY_BYTES,
@@ -99,7 +104,7 @@ async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools
         except asyncio.TimeoutError:
             return SandboxResult(host_busy=True)
         if ready != READY:
-            err = (await stderr.read()).decode(errors="replace").strip()[-300:] if stderr else ""
+            err = _tail(await stderr.read()) if stderr else ""
             return SandboxResult(error=f"the renderer did not start ({err or 'no message'})")
         cpu_at_ready = _cpu_seconds(proc.pid)
         loop = asyncio.get_running_loop()
@@ -133,7 +138,7 @@ async def render_in_sandbox(template: str, messages: list[dict[str, Any]], tools
         answer = json.loads(out)
     except ValueError:
         # Out of memory (or killed otherwise) before it could answer.
-        why = f"exit status {proc.returncode}" + (f": {err.decode(errors='replace').strip()[-300:]}" if err else "")
+        why = f"exit status {proc.returncode}" + (f": {_tail(err)}" if err else "")
         return SandboxResult(error=f"the renderer stopped ({why})")
     if "error" in answer:
         return SandboxResult(error=str(answer["error"]))
