@@ -236,6 +236,19 @@ def stop_kiln_serve(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def warm_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for `seconds` (bf16 matmuls) so that its clocks have ramped up from
+    idle before the first timing: a sweep's first candidate (the default, in the tune
+    scripts) otherwise ran at idle clocks and looked up to 25% slower than the same tiling
+    timed later (H200, 2026-12-01)."""
+    a = torch.randn((4096, 4096), device="cuda", dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def median_cuda_ms(fn: Any, repeats: int) -> float:
     """The median of `repeats` timed calls of `fn` on the current CUDA stream (CUDA events,
     each call synchronised), after three untimed ones (compiles, allocations)."""

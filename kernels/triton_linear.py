@@ -34,6 +34,9 @@ from kiln.kernels.linear import linear as linear_op
 GEMV_MAX_ROWS = 16
 # tl.dot's smallest row tile; rows M..15 of it are masked.
 DOT_BLOCK_M = 16
+# The smallest K tile a table's tile is halved to when it does not divide K (the tables'
+# smallest tile before the long-K rows was 256).
+MIN_HALVED_BLOCK_K = 256
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -46,14 +49,18 @@ class GemvConfig:
 
 
 # Heuristic tables: (largest N, largest K, config); the first row that fits wins. Seeded with
-# the best configs of the H200 sweep at the Llama-3-8B shapes (bf16; the dot table was swept
-# at M = 8 and serves 2..16). Narrow outputs get large K tiles and 8 warps (few programs,
-# each must keep many bytes in flight); wide ones (gate/up, the LM head: several waves of
-# programs) do better with smaller tiles, more programs resident per SM.
+# the best configs of the H200 sweeps at the Llama-3-8B shapes (bench/tune_gemv.py, bf16; the
+# dot table was swept at M = 8 and serves 2..16). One row (2026-12-01 sweep, weights past L2):
+# narrow column tiles with long K tiles stream fastest at every projection but QKV (o 10.7
+# against 11.7 us with the earlier 16 x 512 tiles, down 29.6 against 31.5, gate/up 54.8
+# against 55.8, the LM head 228.6 against 231.9); QKV keeps 16 x 512 (14.7 us, no tiling
+# faster). Several rows: narrow outputs get large K tiles (few programs, each must keep many
+# bytes in flight); wide ones do better with smaller tiles, more programs resident per SM.
 ROW_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
-    (4096, 4096, GemvConfig(16, 512, 8, 3)),          # o_proj 4096 x 4096
-    (8192, math.inf, GemvConfig(16, 512, 8, 4)),      # qkv 6144 x 4096, down 4096 x 14336
-    (math.inf, math.inf, GemvConfig(16, 256, 4, 4)),  # gate_up 28672 x 4096, LM head
+    (4096, 4096, GemvConfig(4, 1024, 4, 4)),          # o_proj 4096 x 4096
+    (4096, math.inf, GemvConfig(8, 1024, 4, 4)),      # down 4096 x 14336
+    (8192, math.inf, GemvConfig(16, 512, 8, 4)),      # qkv 6144 x 4096
+    (math.inf, math.inf, GemvConfig(4, 2048, 8, 4)),  # gate_up 28672 x 4096, LM head
 )
 # None: cuBLAS. At 2-16 rows cuBLAS's GEMM already streams the gate/up weight at ~4.1 TB/s
 # (this GEMV was 0-2% slower there); the LM head, wider still, gains ~4%.
@@ -77,8 +84,15 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2) -> GemvConfig |
         # The tables are for 2-byte weights; keep each tile's bytes: float32 tiles at the
         # bf16 BLOCK_K overflowed shared memory on the H200 (288 KiB for 227 KiB).
         config = dataclasses.replace(config, block_k=max(16, config.block_k * 2 // element_size))
-    # The K loop has no mask (so every weight load is a full-width vector load).
-    return config if k % config.block_k == 0 else None
+    # The K loop has no mask (so every weight load is a full-width vector load): a K the tile
+    # does not divide (5,120, 11,008) takes the largest halving of it that does, down to
+    # MIN_HALVED_BLOCK_K; below that, cuBLAS.
+    block_k = config.block_k
+    while k % block_k and block_k // 2 >= min(MIN_HALVED_BLOCK_K, config.block_k):
+        block_k //= 2
+    if k % block_k:
+        return None
+    return config if block_k == config.block_k else dataclasses.replace(config, block_k=block_k)
 
 
 @triton.jit

@@ -87,9 +87,12 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
             block_n //= 2
         tiling = MoETiling(block_m, block_n, 128 if block_m <= 32 else 64, 4, 4 if block_m <= 32 else 3)
     else:
-        # Prefill: reuse each weight tile over many rows. BLOCK_N stays 64: the gate/up kernel
-        # holds two [BLOCK_M, BLOCK_N] float32 accumulators.
-        tiling = MoETiling(128, 64, 64, 8, 3)
+        # Prefill: reuse each weight tile over many rows. 128 x 128 tiles on 8 warps, 4 stages
+        # (the gate/up kernel holds two such float32 accumulators): in the H200 sweep
+        # (bench/tune_moe.py, 2026-12-01) one layer's MoE took 3.53 ms against 4.44 with 128 x 64
+        # tiles at Mixtral's shape and 2,048 tokens, 25.2 against 32.7 at 16,384 (the best,
+        # 64 x 256, 24.2), and 1.16 / 4.41 against 1.61 / 4.66 ms at Qwen3-MoE's.
+        tiling = MoETiling(128, 128, 64, 8, 4)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = MoETiling(tiling.block_m, tiling.block_n, max(16, tiling.block_k * 2 // element_size),
                            tiling.num_warps, tiling.num_stages)

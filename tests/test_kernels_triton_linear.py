@@ -95,17 +95,22 @@ def test_strided_rows_and_leading_dims():
 
 def test_heuristic_table_holds_the_h200_configs():
     llama = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-    row = {"qkv": (16, 512, 8, 4), "o": (16, 512, 8, 3), "gate_up": (16, 256, 4, 4), "down": (16, 512, 8, 4)}
+    row = {"qkv": (16, 512, 8, 4), "o": (4, 1024, 4, 4), "gate_up": (4, 2048, 8, 4), "down": (8, 1024, 4, 4)}
     dot = {"qkv": (64, 256, 4, 4), "o": (32, 512, 4, 4), "gate_up": None, "down": (32, 512, 4, 4),
            "lm_head": (64, 128, 4, 3)}
-    llama["lm_head"], row["lm_head"] = (128256, 4096), (16, 256, 4, 4)
+    llama["lm_head"], row["lm_head"] = (128256, 4096), (4, 2048, 8, 4)
     for name, (n, k) in llama.items():
         assert choose_config(n, k, 1) == GemvConfig(*row[name])
         for m in (2, 8, GEMV_MAX_ROWS):  # gate/up keeps cuBLAS above one row
             assert choose_config(n, k, m) == (GemvConfig(*dot[name]) if dot[name] else None)
     assert choose_config(4096, 4096, GEMV_MAX_ROWS + 1) is None  # cuBLAS from 17 rows
     assert choose_config(4096, 4096, 0) is None
-    assert choose_config(4096, 4000, 1) is None  # K not a multiple of BLOCK_K
+    assert choose_config(4096, 4000, 1) is None  # K not a multiple of BLOCK_K, nor of its halvings to 256
+    # A K the table's tile does not divide takes the largest halving that does: 5,120 (Qwen,
+    # Mistral-Small hidden sizes), 11,008 (Llama-2-7B's MLP).
+    assert choose_config(28672, 5120, 1) == GemvConfig(4, 1024, 8, 4)
+    assert choose_config(4096, 11008, 1) == GemvConfig(8, 256, 4, 4)
+    assert choose_config(4096, 11008 + 128, 1) is None
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
