@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
 #                                         load_weights throughput startup profile
-#                                         profile_throughput tune_attention tune_attention_fp8 tune_gemv moe_tests
+#                                         profile_throughput tune_attention tune_attention_fp8 tune_gemv tune_gemv_fp8 moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
@@ -87,6 +87,8 @@ for stage in $STAGES; do
       run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
     tune_gemv)  # kiln::linear's GEMV tilings at the Llama-3-8B projections, 1 and 8 rows, weights past L2
       run_stage tune_gemv 400 $PY bench/tune_gemv.py --out "$OUT/tune_gemv.json" ;;
+    tune_gemv_fp8)  # kiln::fp8_linear's FP8 GEMV tilings at the same projections (the LM head stays bf16)
+      run_stage tune_gemv_fp8 400 $PY bench/tune_gemv.py --fp8 --shapes qkv,o,gate_up,down --out "$OUT/tune_gemv_fp8.json" ;;
     tune_attention)
       run_stage tune_attention 300 $PY bench/tune_attention.py --out "$OUT/tune_attention.json" ;;
     tune_attention_fp8)  # issue 16: the same over an e4m3 cache (f16 dots; 256-key decode tiles too)
@@ -114,7 +116,7 @@ for stage in $STAGES; do
     moe_mixtral_decode)
       run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline --out "$OUT/moe_mixtral_decode.json" ;;
     moe_mixtral_offline)
-      run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode --out "$OUT/moe_mixtral_offline.json" ;;
+      run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode ${MOE_ARGS:-} --out "$OUT/moe_mixtral_offline.json" ;;
     moe_profile_throughput)  # where the Mixtral offline run's time goes (kernels of 6 mixed steps)
       run_stage moe_profile_throughput 560 $PY bench/profile_throughput.py --model bench/mixtral_8x7b.json \
         --out "$OUT/moe_profile_throughput.json" ;;

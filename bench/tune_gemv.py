@@ -10,7 +10,12 @@ weight TB/s, the best tiling per projection and row count, and its gain over the
 At batch 1 the H200 profiles (bench/RESULTS.md, H2/H5) put QKV at 2.85 TB/s and O at 1.96
 against ~4 for the wide projections: this says whether a tiling closes that gap.
 
+With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
+scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
+row kernel's K tiles are twice the bf16 sweep's (one-byte weights, the same bytes a tile).
+
     python bench/tune_gemv.py --out tune-gemv.json
+    python bench/tune_gemv.py --fp8 --out tune-gemv-fp8.json
 """
 
 from __future__ import annotations
@@ -29,13 +34,14 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
 
 
-def sweep(m: int) -> list[Any]:
+def sweep(m: int, fp8: bool = False) -> list[Any]:
     from kiln.kernels.triton_linear import GemvConfig
 
     if m == 1:
         # Narrow tiles and long K tiles too: QKV and O (few programs) sat at 2.0-2.9 TB/s
         # with the last sweep's best.
-        grid = itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8, 16), (3, 4))
+        k_tiles = (512, 1024, 2048, 4096) if fp8 else (256, 512, 1024, 2048)
+        grid = itertools.product((4, 8, 16, 32), k_tiles, (4, 8, 16), (3, 4))
     else:
         grid = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4))
     return [GemvConfig(*t) for t in grid]
@@ -45,39 +51,55 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--fp8", action="store_true", help="kiln::fp8_linear's FP8 GEMVs against torch._scaled_mm")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("tune_gemv.py times the CUDA kernels; no CUDA device is available")
+    import kiln.kernels  # noqa: F401  (registers the CUDA kernels)
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.triton_fp8 import fp8_gemv_config, fp8_linear_triton
     from kiln.kernels.triton_linear import choose_config, linear_triton
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    result: dict[str, Any] = {"benchmark": "tune_gemv", "env": bc.environment(), "shapes": {}}
+    result: dict[str, Any] = {"benchmark": "tune_gemv", "env": bc.environment(), "fp8": args.fp8, "shapes": {}}
+    baseline = "scaled_mm" if args.fp8 else "cublas"
     for name in args.shapes.split(","):
         if name not in SHAPES:
             parser.error(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
         n, k = SHAPES[name]
-        weight_bytes = n * k * 2
+        weight_bytes = n * k * (1 if args.fp8 else 2)
         copies = max(1, -(-L2_BYTES // weight_bytes))
         weights = [torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
                    for _ in range(copies)]
+        if args.fp8:
+            weights = [quantize_fp8_rowwise(w) for w in weights]  # (e4m3 [n, k], float32 [n])
         rows_out: dict[str, Any] = {}
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn((m, k), device=device, dtype=torch.bfloat16, generator=gen)
+            xq, xs = quantize_fp8_rows(x) if args.fp8 else (None, None)
 
             def timed(config: Any) -> float:
-                if config == "cublas":
+                if args.fp8:
+                    if config == baseline:
+                        calls = [lambda w=w: fp8_linear_reference(xq, xs, w[0], w[1], None, torch.bfloat16)
+                                 for w in weights]
+                    else:
+                        calls = [lambda w=w: fp8_linear_triton(xq, xs, w[0], w[1], None, torch.bfloat16, config=config)
+                                 for w in weights]
+                    return bc.graph_time_us(calls)
+                if config == baseline:
                     return bc.graph_time_us([lambda w=w: F.linear(x, w) for w in weights])
                 return bc.graph_time_us([lambda w=w: linear_triton(x, w, config=config) for w in weights])
 
-            bc.warm_gpu()  # cuBLAS and the table's tiling are timed first: not at idle clocks
-            default = choose_config(n, k, m)
-            table = default if default is not None else "cublas"  # what kiln::linear runs at this shape
-            candidates = [("cublas", timed("cublas"))]
+            bc.warm_gpu()  # the baseline and the table's tiling are timed first: not at idle clocks
+            default = fp8_gemv_config(n, k, m) if args.fp8 else choose_config(n, k, m)
+            table = default if default is not None else baseline  # what the op runs at this shape
+            candidates = [(baseline, timed(baseline))]
             if default is not None:
                 candidates.append((default, timed(default)))
-            for config in sweep(m):
+            for config in sweep(m, args.fp8):
                 if k % config.block_k:
                     continue  # the kernel's K loop has no mask (choose_config refuses these too)
                 try:
@@ -88,7 +110,7 @@ def main() -> None:
             default_us = next(us for c, us in candidates if c == table)
 
             def describe(config: Any) -> Any:
-                return config if config == "cublas" else vars(config)
+                return config if config == baseline else vars(config)
 
             rows_out[str(m)] = {
                 "default": {"config": describe(table), "us": default_us,

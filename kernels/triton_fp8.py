@@ -298,7 +298,7 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 
 def fp8_gemv_config(n: int, k: int, m: int):
     """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
-    from kiln.kernels.triton_linear import choose_config
+    from kiln.kernels.triton_linear import MIN_HALVED_BLOCK_K, choose_config, fit_block_k
 
     if not 1 <= m <= FP8_GEMV_MAX_ROWS:
         return None
@@ -310,7 +310,7 @@ def fp8_gemv_config(n: int, k: int, m: int):
         # kernel keeps the bf16 K: its tiles are converted to float16 for the MMA, and twice
         # the K would double the shared memory of the bf16 GEMV's (sized near the limit).
         config = dataclasses.replace(config, block_k=config.block_k * 2)
-    return config if k % config.block_k == 0 else None
+    return fit_block_k(config, k, 2 * MIN_HALVED_BLOCK_K if m == 1 else MIN_HALVED_BLOCK_K)
 
 
 def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

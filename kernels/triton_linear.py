@@ -84,11 +84,16 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2) -> GemvConfig |
         # The tables are for 2-byte weights; keep each tile's bytes: float32 tiles at the
         # bf16 BLOCK_K overflowed shared memory on the H200 (288 KiB for 227 KiB).
         config = dataclasses.replace(config, block_k=max(16, config.block_k * 2 // element_size))
-    # The K loop has no mask (so every weight load is a full-width vector load): a K the tile
-    # does not divide (5,120, 11,008) takes the largest halving of it that does, down to
-    # MIN_HALVED_BLOCK_K; below that, cuBLAS.
+    return fit_block_k(config, k)
+
+
+def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> GemvConfig | None:
+    """`config` with a K tile that divides `k`, or None. The K loop has no mask (so every
+    weight load is a full-width vector load): a K the tile does not divide (5,120, 11,008)
+    takes the largest halving of it that does, down to `floor` (never below the tile itself
+    when that is smaller); below that, None (cuBLAS)."""
     block_k = config.block_k
-    while k % block_k and block_k // 2 >= min(MIN_HALVED_BLOCK_K, config.block_k):
+    while k % block_k and block_k // 2 >= min(floor, config.block_k):
         block_k //= 2
     if k % block_k:
         return None

@@ -111,6 +111,12 @@ def test_heuristic_table_holds_the_h200_configs():
     assert choose_config(28672, 5120, 1) == GemvConfig(4, 1024, 8, 4)
     assert choose_config(4096, 11008, 1) == GemvConfig(8, 256, 4, 4)
     assert choose_config(4096, 11008 + 128, 1) is None
+    # The FP8 GEMV (one-byte weights) doubles the bf16 row kernel's K tile, then fits it the same way.
+    from kiln.kernels.triton_fp8 import fp8_gemv_config
+
+    assert fp8_gemv_config(4096, 14336, 1) == GemvConfig(8, 2048, 4, 4)
+    assert fp8_gemv_config(28672, 5120, 1) == GemvConfig(4, 1024, 8, 4)
+    assert fp8_gemv_config(4096, 4096, 8) == GemvConfig(32, 512, 4, 4)
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
