@@ -11,7 +11,7 @@ read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._scale
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 
 import torch
@@ -29,7 +29,7 @@ from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
 from kiln.kernels.triton_common import num_warps_for, pow2_at_least
-from kiln.kernels.triton_linear import DOT_BLOCK_M
+from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k
 from kiln.kernels.triton_norm import _rows_view
 
 
@@ -296,21 +296,31 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_gemv_config(n: int, k: int, m: int):
-    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
-    from kiln.kernels.triton_linear import MIN_HALVED_BLOCK_K, choose_config, fit_block_k
+# FP8 GEMV tilings, (largest N, largest K, config) as kiln.kernels.triton_linear's tables;
+# the first row that fits wins. From the H200 sweep of 2026-12-01 (bench/tune_gemv.py --fp8,
+# Llama-3-8B projections, e4m3 weights past L2), against the bf16 tables with twice the K
+# tile that served until then: one row, qkv 9.8 against 12.1 us, o 7.3 against 8.9, gate/up
+# 34.3 against 61.4, down 17.9 against 21.4; 2-16 rows (swept at 8), qkv 10.7 against 12.7
+# and gate/up 32.6 against _scaled_mm's 48.5 (o and down keep the bf16 dot tiles).
+FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
+    (4096, math.inf, GemvConfig(8, 1024, 8, 4)),      # o 4096 x 4096, down 4096 x 14336
+    (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
+    (math.inf, math.inf, GemvConfig(8, 512, 4, 4)),   # gate_up 28672 x 4096
+)
+FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
+    (4096, math.inf, GemvConfig(32, 512, 4, 4)),      # o, down
+    (8192, math.inf, GemvConfig(64, 512, 4, 4)),      # qkv
+    (math.inf, math.inf, GemvConfig(128, 256, 4, 3)), # gate_up
+)
 
-    if not 1 <= m <= FP8_GEMV_MAX_ROWS:
+
+def fp8_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
+    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
+    if not (1 <= m <= FP8_GEMV_MAX_ROWS and n >= 1 and k >= 1):
         return None
-    config = choose_config(n, k, m)  # the bf16 tables
-    if config is None:
-        return None
-    if m == 1:
-        # One-byte elements: twice the K per tile for the same bytes in flight. The 2-16-row
-        # kernel keeps the bf16 K: its tiles are converted to float16 for the MMA, and twice
-        # the K would double the shared memory of the bf16 GEMV's (sized near the limit).
-        config = dataclasses.replace(config, block_k=config.block_k * 2)
-    return fit_block_k(config, k, 2 * MIN_HALVED_BLOCK_K if m == 1 else MIN_HALVED_BLOCK_K)
+    table = FP8_ROW_TABLE if m == 1 else FP8_DOT_TABLE
+    config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
+    return fit_block_k(config, k)
 
 
 def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -111,12 +111,17 @@ def test_heuristic_table_holds_the_h200_configs():
     assert choose_config(28672, 5120, 1) == GemvConfig(4, 1024, 8, 4)
     assert choose_config(4096, 11008, 1) == GemvConfig(8, 256, 4, 4)
     assert choose_config(4096, 11008 + 128, 1) is None
-    # The FP8 GEMV (one-byte weights) doubles the bf16 row kernel's K tile, then fits it the same way.
+    # The FP8 GEMV (one-byte weights) has its own tables (the same sweep), fitted to K the same way.
     from kiln.kernels.triton_fp8 import fp8_gemv_config
 
-    assert fp8_gemv_config(4096, 14336, 1) == GemvConfig(8, 2048, 4, 4)
-    assert fp8_gemv_config(28672, 5120, 1) == GemvConfig(4, 1024, 8, 4)
-    assert fp8_gemv_config(4096, 4096, 8) == GemvConfig(32, 512, 4, 4)
+    fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 4), "gate_up": (8, 512, 4, 4), "down": (8, 1024, 8, 4)}
+    fp8_dot = {"qkv": (64, 512, 4, 4), "o": (32, 512, 4, 4), "gate_up": (128, 256, 4, 3), "down": (32, 512, 4, 4)}
+    for name, (n, k) in llama.items():
+        if name != "lm_head":  # stays bf16 under quantization="fp8"
+            assert fp8_gemv_config(n, k, 1) == GemvConfig(*fp8_row[name])
+            assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name])
+    assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 4)  # 4,608 = 9 x 512
+    assert fp8_gemv_config(4096, 4096, 17) is None  # _scaled_mm
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
