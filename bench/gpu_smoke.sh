@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
-#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests latency latency_graph latency_inductor
+#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests tests_a tests_b latency latency_graph latency_inductor
 #                                         load_weights throughput startup profile
 #                                         profile_throughput tune_attention tune_attention_fp8 tune_gemv tune_gemv_fp8 moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
@@ -9,7 +9,7 @@
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
-#                                         (default: tests latency throughput startup)
+#                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
 # ./gpu-out). Stage times on the H200 (2026-11-30): tests ~5 min (the GPU-marked tests;
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${*:-tests latency throughput startup}
+STAGES=${*:-tests_a tests_b latency throughput startup}
 export PYTHONUNBUFFERED=1
 
 # A warm machine keeps /tmp/site and the editable install from an earlier command, but not
@@ -44,6 +44,11 @@ if ! $PY -c "import kiln_example_pass" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-build-isolation -e passes/examples/kiln-example-pass || exit 1
 fi
 
+# The GPU suite's part A (stage tests_a); part B (tests_b) is every other file under tests/.
+SUITE_A=(tests/test_gpu_architectures.py tests/test_gpu_kernels.py tests/test_kernels_triton.py
+         tests/test_kernels_triton_linear.py tests/test_moe.py tests/test_moe_triton.py
+         tests/test_runtime_engine_batching.py tests/test_runtime_sampler.py tests/test_gpu_tensor_parallel.py)
+
 status=0
 run_stage() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
@@ -58,8 +63,13 @@ run_stage() {  # name, timeout seconds, command...
 
 for stage in $STAGES; do
   case $stage in
-    tests)  # the whole GPU suite, one process (~440 s on one H200 at 7b519ff: runs H3, H4)
+    tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
+            # of 157 tests in ~515 s); run tests_a and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
+    tests_a)  # the GPU suite, part A (~175 s, H3): architectures, kernels, MoE, runtime, TP, the plugin
+      run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu "${SUITE_A[@]}" passes/examples ;;
+    tests_b)  # part B (~265 s, H4): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
+      run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
         --prompt-len 128 --out "$OUT/latency.json" ;;
