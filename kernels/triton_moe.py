@@ -45,6 +45,7 @@ import triton.language as tl
 
 from kiln.kernels.moe import check_fused_moe_args, fused_moe_reference, route
 from kiln.kernels.moe import fused_moe as fused_moe_op
+from kiln.kernels.triton_common import max_shared_memory
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -70,10 +71,13 @@ def pair_per_block(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= max(2, num_experts // 2)
 
 
-def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size: int = 2) -> MoETiling:
+def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size: int = 2,
+                  shared_memory: int = 0) -> MoETiling:
     """Tiles for a grouped GEMM of `num_pairs` rows spread over `num_experts` experts, each an
     [n, k] weight (n: output columns; for gate/up, the columns of each half). BLOCK_M depends
-    on the pairs and experts only, so both GEMMs of a step agree on the row blocks."""
+    on the pairs and experts only, so both GEMMs of a step agree on the row blocks.
+    `shared_memory`: bytes a program may use on the device (0: no limit, as on the H200 the
+    tables were swept on and under Triton's interpreter)."""
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     # Row blocks big enough that most experts' rows fit in one (routing is uneven: 1.5x the
     # mean), so each expert's weights are read once per step; 16 is tl.dot's smallest tile.
@@ -93,10 +97,21 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
         # tiles at Mixtral's shape and 2,048 tokens, 25.2 against 32.7 at 16,384 (the best,
         # 64 x 256, 24.2), and 1.16 / 4.41 against 1.61 / 4.66 ms at Qwen3-MoE's.
         tiling = MoETiling(128, 128, 64, 8, 4)
+        if shared_memory and _staged_bytes(tiling, element_size) > shared_memory:
+            # ~192 KB of staged tiles: more than an A100 (164 KB) or an L4 holds. The earlier
+            # 128 x 64 tiles on 3 stages stage 96 KB.
+            tiling = MoETiling(128, 64, 64, 8, 3)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = MoETiling(tiling.block_m, tiling.block_n, max(16, tiling.block_k * 2 // element_size),
                            tiling.num_warps, tiling.num_stages)
     return _fit(tiling, n, k)
+
+
+def _staged_bytes(tiling: MoETiling, element_size: int) -> int:
+    """Shared memory the gate/up kernel's pipeline stages (the larger of the two kernels): per
+    stage one [BLOCK_M, BLOCK_K] row tile and two [BLOCK_K, BLOCK_N] weight tiles, at 2 bytes
+    (wider dtypes halve BLOCK_K, so the bytes stay)."""
+    return tiling.num_stages * (tiling.block_m * tiling.block_k + 2 * tiling.block_k * tiling.block_n) * min(2, element_size)
 
 
 def _fit(tiling: MoETiling, n: int, k: int) -> MoETiling:
@@ -252,9 +267,9 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     if t == 0:
         return torch.empty_like(hidden)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
-    elem = hidden.element_size()
-    gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem)
-    down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem)
+    elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
+    gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem, smem)
+    down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem, smem)
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
     if per_pair:
