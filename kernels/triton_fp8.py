@@ -28,8 +28,8 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import num_warps_for, pow2_at_least
-from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k
+from kiln.kernels.triton_common import max_shared_memory, num_warps_for, pow2_at_least
+from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
 
@@ -314,12 +314,15 @@ FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
 )
 
 
-def fp8_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
-    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm)."""
+def fp8_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
+    """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm).
+    `shared_memory`: as for kiln.kernels.triton_linear.choose_config."""
     if not (1 <= m <= FP8_GEMV_MAX_ROWS and n >= 1 and k >= 1):
         return None
     table = FP8_ROW_TABLE if m == 1 else FP8_DOT_TABLE
     config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
+    if m > 1:
+        config = fit_shared_memory(config, 1, shared_memory)
     return fit_block_k(config, k)
 
 
@@ -330,7 +333,7 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
     n, k = weight.shape
     m = xq.numel() // k if k else 0
-    config = config or fp8_gemv_config(n, k, m)
+    config = config or fp8_gemv_config(n, k, m, max_shared_memory(xq.device))
     if (config is None or not 1 <= m <= DOT_BLOCK_M or k % config.block_k or not weight.is_contiguous()
             or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kiln.kernels.linear import check_linear_args
 from kiln.kernels.linear import linear as linear_op
+from kiln.kernels.triton_common import max_shared_memory
 
 # Above this many rows the weight is reused enough for cuBLAS's GEMM tiles to win.
 GEMV_MAX_ROWS = 16
@@ -72,8 +73,9 @@ DOT_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
 )
 
 
-def choose_config(n: int, k: int, m: int, element_size: int = 2) -> GemvConfig | None:
-    """The GEMV config for an [m, k] x [n, k]^T product, or None: use cuBLAS."""
+def choose_config(n: int, k: int, m: int, element_size: int = 2, shared_memory: int = 0) -> GemvConfig | None:
+    """The GEMV config for an [m, k] x [n, k]^T product, or None: use cuBLAS. `shared_memory`:
+    bytes a program may use on the device (0: no limit; the tables fit an H100/H200)."""
     if not (1 <= m <= GEMV_MAX_ROWS and n >= 1 and k >= 1):
         return None
     table = ROW_TABLE if m == 1 else DOT_TABLE
@@ -84,7 +86,25 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2) -> GemvConfig |
         # The tables are for 2-byte weights; keep each tile's bytes: float32 tiles at the
         # bf16 BLOCK_K overflowed shared memory on the H200 (288 KiB for 227 KiB).
         config = dataclasses.replace(config, block_k=max(16, config.block_k * 2 // element_size))
+    if m > 1:
+        config = fit_shared_memory(config, element_size, shared_memory)
     return fit_block_k(config, k)
+
+
+def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int) -> GemvConfig:
+    """The 2-16-row kernel's config with its staged tiles within `shared_memory` bytes (0: no
+    limit). Triton stages num_stages - 1 buffers of the [16, BLOCK_K] row tile and the
+    [BLOCK_N, BLOCK_K] weight tile (the sizes its out-of-resources errors report on the
+    H200); the tables' (32, 512, 4 stages) needs 144 KB, more than an L4's 99 KB. Fewer
+    stages first, then shorter K tiles. The one-row kernel stages nothing."""
+    def staged(c: GemvConfig) -> int:
+        return (c.num_stages - 1) * (DOT_BLOCK_M + c.block_n) * c.block_k * element_size
+
+    while shared_memory and staged(config) > shared_memory and config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    while shared_memory and staged(config) > shared_memory and config.block_k > 32:
+        config = dataclasses.replace(config, block_k=config.block_k // 2)
+    return config
 
 
 def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> GemvConfig | None:
@@ -154,7 +174,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     check_linear_args(x, weight, bias)
     n, k = weight.shape
     m = x.numel() // k if k else 0
-    config = config or choose_config(n, k, m, weight.element_size())
+    config = config or choose_config(n, k, m, weight.element_size(), max_shared_memory(x.device))
     if not _gemv_applies(x, weight, bias, m, config):
         return F.linear(x, weight, bias)
     x2 = x.reshape(m, k)  # a view whenever the leading dimensions allow one

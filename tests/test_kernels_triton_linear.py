@@ -122,6 +122,16 @@ def test_heuristic_table_holds_the_h200_configs():
             assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name])
     assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 4)  # 4,608 = 9 x 512
     assert fp8_gemv_config(4096, 4096, 17) is None  # _scaled_mm
+    # 2-16 rows on a GPU of less shared memory (an L4's 99 KB): fewer stages, then shorter K
+    # tiles; the H200's 227 KB holds the tables as they are.
+    l4_smem, h200_smem = 101376, 232448
+    assert choose_config(4096, 4096, 8, shared_memory=h200_smem) == GemvConfig(32, 512, 4, 4)
+    assert choose_config(4096, 4096, 8, shared_memory=l4_smem) == GemvConfig(32, 512, 4, 3)
+    assert choose_config(6144, 4096, 8, shared_memory=l4_smem) == GemvConfig(64, 256, 4, 3)
+    assert choose_config(4096, 4096, 1, shared_memory=l4_smem) == GemvConfig(4, 1024, 4, 4)  # one row: nothing staged
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 256, 4, 3)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 256, 4, 2)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 128, 4, 2)
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
