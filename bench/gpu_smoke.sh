@@ -11,9 +11,9 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         (default: tests_a tests_b latency throughput startup)
 #
-# Each stage writes STAGE.log and STAGE.json (tests: tests.log) under $OUT (default
-# ./gpu-out). Stage times on the H200 (2026-11-30): tests ~5 min (the GPU-marked tests;
-# the CUDA AOTInductor smoke alone takes a minute), latency ~2 min (Hugging Face baseline
+# Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
+# ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-01 for the tests): tests_a ~3 min,
+# tests_b ~4.5 min (the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
 # included), throughput ~1.5 min (the 1,000 requests; baseline on 64), startup ~1 min,
 # profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may
 # run 10 minutes: split the stages over calls.
