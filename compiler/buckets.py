@@ -4,10 +4,13 @@ A step is `T` packed tokens from `B` sequences. Compiling one artifact per exact
 would never end, so steps are padded up to a bucket:
 
 - **decode buckets** (`decode-N`): steps in which every sequence brings one token
-  (T == B). N sequences; the default sizes are 1, 2, 4, 8, every 16 up to 256, then every
-  64 up to 512 (or `max_num_seqs` if smaller). Each is an artifact and, on CUDA, a captured
-  graph, so their number is bounded whatever `max_num_seqs` is (1,024 on a large GPU): as
-  vLLM, which captures up to 512, decodes of more sequences run in a token bucket.
+  (T == B). N sequences; the default sizes are 1, 2, 4, 8, every 16 up to 256, every 64 up
+  to 512, then every 128 up to 1,024 (or `max_num_seqs` if smaller). Each is an artifact
+  and, on CUDA, a captured graph, so their number is bounded (28) whatever `max_num_seqs`
+  is; decodes of more sequences run in a token bucket. vLLM captures up to 512; Kiln goes
+  to 1,024, the default `max_num_seqs` of a large GPU, because a decode step of ~1,000
+  sequences run eagerly is bound by the host's launches when its kernels are short (FP8:
+  bench/RESULTS.md, J1).
 - **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
   decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
   the powers of two from 16 up to `max_num_batched_tokens` (which is always included).
@@ -26,10 +29,11 @@ from typing import Iterable
 DECODE = "decode"
 TOKENS = "tokens"
 SMALLEST_TOKEN_BUCKET = 16
-# Default decode buckets: every 16 sequences up to DENSE_DECODE_LIMIT, every 64 beyond, none
-# above MAX_DEFAULT_DECODE_BUCKET (24 buckets at the most).
+# Default decode buckets: every 16 sequences up to DENSE_DECODE_LIMIT, every 64 up to
+# MEDIUM_DECODE_LIMIT, every 128 beyond, none above MAX_DEFAULT_DECODE_BUCKET (28 at the most).
 DENSE_DECODE_LIMIT = 256
-MAX_DEFAULT_DECODE_BUCKET = 512
+MEDIUM_DECODE_LIMIT = 512
+MAX_DEFAULT_DECODE_BUCKET = 1024
 
 
 class BucketPlanError(ValueError):
@@ -75,7 +79,8 @@ def default_decode_sizes(max_num_seqs: int) -> list[int]:
     largest = min(max_num_seqs, MAX_DEFAULT_DECODE_BUCKET)
     sizes = [n for n in (1, 2, 4, 8) if n <= largest]
     sizes += list(range(16, min(largest, DENSE_DECODE_LIMIT) + 1, 16))
-    sizes += list(range(DENSE_DECODE_LIMIT + 64, largest + 1, 64))
+    sizes += list(range(DENSE_DECODE_LIMIT + 64, min(largest, MEDIUM_DECODE_LIMIT) + 1, 64))
+    sizes += list(range(MEDIUM_DECODE_LIMIT + 128, largest + 1, 128))
     if largest not in sizes:
         sizes.append(largest)
     return sorted(set(sizes))

@@ -62,10 +62,14 @@ def test_engine_config_resolves_unset_limits_only():
 def test_decode_buckets_stay_bounded_at_large_gpu_defaults():
     plan = make_bucket_plan(1024, 16384)
     decode = [b.num_seqs for b in plan.decode]
-    assert len(decode) <= 24 and max(decode) == MAX_DEFAULT_DECODE_BUCKET
+    assert len(decode) <= 28 and max(decode) == MAX_DEFAULT_DECODE_BUCKET == 1024
+    assert decode[-5:] == [512, 640, 768, 896, 1024]  # every 128 beyond 512
     assert len(plan.tokens) == 11  # 16 .. 16384
+    # The offline workload's ~1,000-sequence decodes replay a CUDA graph (bench/RESULTS.md, J1).
+    assert plan.bucket_for(1000, 1000).name == "decode-1024"
     # A decode of more sequences than the largest decode bucket runs in a token bucket.
-    assert plan.bucket_for(1000, 1000).name == "tokens-1024"
+    big = make_bucket_plan(2048, 16384)
+    assert max(b.num_seqs for b in big.decode) == 1024 and big.bucket_for(1500, 1500).name == "tokens-2048"
     # Smaller limits keep the plan they always had.
     assert [b.num_seqs for b in make_bucket_plan(64, 2048).decode] == [1, 2, 4, 8, 16, 32, 48, 64]
 
