@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: bf16 (auto) or e4m3 with k/v scales (fp8)")
+    parser.add_argument("--kinds", default="decode,prefill,mixed", help="which steps to sweep (comma list)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -83,28 +84,39 @@ def main() -> None:
     }
     # Decode-shaped steps use one-token tiles whatever the row count: sweep their inner loop.
     decode_tilings = [AttentionTiling(16, bn, warps, stages)
-                      for bn, warps, stages in itertools.product((32, 64, 128) + ((256,) if fp8 else ()), (2, 4, 8),
-                                                                 (2, 3, 4))]
-    prefill_tilings = [AttentionTiling(rows, bn, warps, stages)
-                       for rows, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+                      for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
+    if fp8:  # and the ways of widening e4m3 tiles: by inline assembly, V loaded as [D, N] and transposed
+        decode_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=asm, v_trans=vt)
+                          for bn, warps, stages, asm, vt in itertools.product(
+                              (64, 128), (4, 8), (1, 2, 3, 4), (False, True), (False, True))]
+    prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
+                       for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
+                                                                            (False, True) if fp8 else (False,))]
     result: dict[str, Any] = {"benchmark": "tune_attention", "env": bc.environment(),
                               "shapes": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK,
                                          "decode_seqs": args.decode_seqs, "prefill_prompts": prompts,
                                          "kv_cache_dtype": str(cache_dtype)}}
     for name, step in steps.items():
+        if name not in args.kinds.split(","):
+            continue
         rows = []
+        reference = None  # the default tiling's output: every tiling's error is measured against it
         bc.warm_gpu()  # the default is timed first: not at idle clocks
         for tiling in [None] + (decode_tilings if name == "decode" else prefill_tilings):
-            def call(tiling: AttentionTiling | None = tiling) -> None:
-                attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
-                                    step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)
+            def call(tiling: AttentionTiling | None = tiling) -> torch.Tensor:
+                return attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
+                                           step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)
             try:
                 ms = bc.median_cuda_ms(call, args.repeats)
+                out = call().float()
             except Exception as e:  # a tiling the compiler rejects (shared memory): skip it
                 rows.append({"tiling": repr(tiling), "error": str(e)[:120]})
                 continue
+            reference = out if reference is None else reference
+            rel_err = ((out - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
             rows.append({"tiling": "default" if tiling is None else tiling.__dict__, "ms": ms,
-                         "kv_tb_s": step["kv_bytes"] / ms / 1e9, "tflop_s": step["flops"] / ms / 1e9})
+                         "kv_tb_s": step["kv_bytes"] / ms / 1e9, "tflop_s": step["flops"] / ms / 1e9,
+                         "max_rel_err_vs_default": rel_err})
         ok = [r for r in rows if "ms" in r]
         best = min(ok, key=lambda r: r["ms"])
         default = next(r for r in ok if r["tiling"] == "default")

@@ -88,7 +88,7 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-    CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,8 +159,8 @@ def _paged_attention_kernel(
         kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
         # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
         # .to: an FP8 cache is read back in the dots' dtype, f16 (a no-op for a bf16/fp16 cache).
-        k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None],
-                    mask=n_ok[None, :] & d_ok[:, None], other=0.0).to(q_dot.dtype)
+        k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        k = _e4m3_to_f16(k) if WIDEN_ASM else k.to(q_dot.dtype)
         qk = tl.dot(q_dot, k, input_precision="ieee") * qk_scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
@@ -176,8 +176,12 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(q_dot.dtype)
+        if V_TRANS:
+            v = tl.load(v_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.trans(_e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype))
+        else:
+            v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = _e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -194,6 +198,17 @@ def _paged_attention_kernel(
     else:
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> f16, four values per instruction pair (cvt.rn.f16x2.e4m3x2), in the layout the
+    values were loaded in. As inline assembly the widening stays where it is written: a cast
+    (`.to`) is moved past the layout change into the dots' operand layout, which then moves
+    single bytes through shared memory (128 byte loads per thread and tile of V on sm_90)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -256,6 +271,8 @@ class AttentionTiling:
     block_n: int
     num_warps: int = 0
     num_stages: int = 2
+    widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`_e4m3_to_f16`)
+    v_trans: bool = False  # load V tiles as [D, N], as K, and transpose them for the dot
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool) -> AttentionTiling:
@@ -388,7 +405,8 @@ def attend_paged_triton(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
-        NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1, num_warps=num_warps,
+        NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
+        WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans, num_warps=num_warps,
         num_stages=tiling.num_stages,
     )
     if num_splits > 1:
