@@ -202,10 +202,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _e4m3_to_f16(x):
-    """e4m3 -> f16, four values per instruction pair (cvt.rn.f16x2.e4m3x2), in the layout the
-    values were loaded in. As inline assembly the widening stays where it is written: a cast
-    (`.to`) is moved past the layout change into the dots' operand layout, which then moves
-    single bytes through shared memory (128 byte loads per thread and tile of V on sm_90)."""
+    """e4m3 -> f16, four values a call (two cvt.rn.f16x2.e4m3x2). With V loaded as [D, N]
+    (V_TRANS) the V tiles then change layout as f16, instead of being cast after the layout
+    change, which moves single bytes through shared memory (128 byte loads per thread and
+    tile on sm_90). Inline assembly: CUDA only, not interpreted."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
@@ -271,11 +271,12 @@ class AttentionTiling:
     block_n: int
     num_warps: int = 0
     num_stages: int = 2
-    widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`_e4m3_to_f16`)
+    widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`_e4m3_to_f16`; not interpreted)
     v_trans: bool = False  # load V tiles as [D, N], as K, and transpose them for the dot
 
 
-def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool) -> AttentionTiling:
+def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
+                  fp8_cache: bool = False, widen_asm: bool = False) -> AttentionTiling:
     """Decode-shaped steps (one token per sequence) get short tiles, prefills tall ones.
 
     Measured on an H200 (bench/tune_attention.py, Llama-3-8B heads, the throughput
@@ -286,7 +287,16 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     on a mixed step of 256 decodes and 8,000 prompt tokens). Small-batch decode, whose grid
     does not fill the GPU (`fills_gpu` False) and is split over the KV length instead,
     keeps the 64-key tiles its split sizes were tuned with.
+
+    Over an FP8 cache (`fp8_cache`) a GPU-filling decode loads 128 keys per iteration straight
+    into registers (one stage), V as [D, N] like K, and widens e4m3 by inline assembly
+    (`widen_asm`, CUDA only) before the tiles change layout: 0.819 ms against 0.973 for the
+    bf16 tiling at 1,024 sequences (bench/RESULTS.md, J5; same output bit for bit). The
+    e4m3 tiles then take no byte-wide shared-memory traffic.
     """
+    if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
+        return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
+                               v_trans=True)
     if num_tokens <= num_seqs:
         kv_tile_bytes = 2 * 128 * d_pad * 2  # K and V, 128 keys, 16-bit
         if fills_gpu and d_pad <= 128 and shared_memory >= 3 * kv_tile_bytes:
@@ -375,7 +385,8 @@ def attend_paged_triton(
     group_pad = pow2_at_least(group, 1)  # MHA keeps 1: the block shape is BLOCK_M = block_t * group_pad
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
-    tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms)
+    tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms,
+                                     fp8_cache=kv_cache.element_size() == 1, widen_asm=q.is_cuda)
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad
     block_n = tiling.block_n

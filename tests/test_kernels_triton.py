@@ -23,8 +23,9 @@ from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # 
 from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import (AttentionTiling, choose_num_splits, choose_tiling,  # noqa: E402
-                                                 paged_attention_triton, rope_paged_attention_triton)
+from kiln.kernels.triton_paged_attention import (AttentionTiling, attend_paged_triton, choose_num_splits,  # noqa: E402
+                                                 choose_tiling, paged_attention_triton,
+                                                 rope_paged_attention_triton)
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -474,6 +475,11 @@ def test_attention_tiling_choice():
     assert choose_tiling(256, 256, 256, h200_smem, fills_gpu=True).block_n == 32
     # Prefill and mixed steps: 64-row tiles on 4 warps.
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(64, 64, 4, 2)
+    # Over an FP8 cache a GPU-filling decode loads its tiles in one stage, V as [D, N] (J5).
+    fp8 = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True)
+    assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True)
+    assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True).block_n == 64
+    assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True) == AttentionTiling(64, 64, 4, 2)
 
 
 def test_paged_attention_more_sequences_than_one_search_chunk():
@@ -536,6 +542,20 @@ def _fp8_cache(batch: dict) -> dict:
     from kiln.kernels.paged_attention import to_cache_dtype
 
     return {**batch, "kv_cache": to_cache_dtype(batch["kv_cache"], FP8)}
+
+
+def test_paged_attention_fp8_decode_tiling_matches_the_default():
+    # The FP8 decode tiling (V tiles loaded as [D, N] and transposed; on a GPU also widened by
+    # inline assembly) reads the same e4m3 values: the same output as the bf16-shaped tiling.
+    batch = _fp8_cache(make_paged_batch(new_tokens=[1] * 6, cached=[40, 3, 17, 64, 1, 29], hq=8, hkv=2, d=32,
+                                        block_size=16, num_blocks=24, seed=61, dtype=HALF))
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
+    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0)
+    fp8_tiling = AttentionTiling(16, 32, 4, 1, widen_asm=DEVICE == "cuda", v_trans=True)
+    out = attend_paged_triton(*args, num_splits=1, tiling=fp8_tiling, kv_scale=kv_scale)
+    ref = attend_paged_triton(*args, num_splits=1, tiling=AttentionTiling(16, 32, 4, 2), kv_scale=kv_scale)
+    assert out.abs().max() > 0
+    torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("splits,rope,scaled,norm", [(1, False, False, False), (2, False, False, False),
@@ -785,3 +805,49 @@ def test_fp8_attention_dots_run_in_f16():
     assert found["fp8"].get(f16_mma, 0) == found["bf16"][bf16_mma] and bf16_mma not in found["fp8"], found["fp8"]
     assert found["fp8"].get("cvt.rn.f16x2.e4m3x2", 0) > 0, found["fp8"]
     assert "cvt.bf16.f16" not in found["fp8"], found["fp8"]
+
+
+_FP8_DECODE_PTX_SCRIPT = """
+import collections, json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels.triton_paged_attention import _paged_attention_kernel as fn
+found = {}
+for name, asm, v_trans, stages in (("cast", False, False, 3), ("fp8_decode", True, True, 1)):
+    consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=True, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
+                  BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=True,
+                  WIDEN_ASM=asm, V_TRANS=v_trans)
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
+             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+             "scale": "fp32", "softcap": "fp32"}
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # As at a real launch: pointers and strides that are multiples of 16 are specialized so.
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    ops = [line.strip().split(None, 1)[-1] if line.strip().startswith("@") else line.strip() for line in ptx.splitlines()]
+    found[name] = collections.Counter(op.split()[0] for op in ops if op.startswith(("ld.shared", "ldmatrix", "mma.")))
+print(json.dumps(found))
+"""
+
+
+def test_fp8_decode_tiling_moves_no_single_bytes_through_shared_memory():
+    """The FP8 decode tiling (J5), compiled here for sm_90: its V tiles, widened to f16 before
+    their layout change, take no byte-wide shared-memory loads; the cast after the layout
+    change loads V byte by byte (128 loads per thread and tile)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _FP8_DECODE_PTX_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["cast"].get("ld.shared.b8", 0) >= 128, found["cast"]
+    assert "ld.shared.b8" not in found["fp8_decode"], found["fp8_decode"]
+    f16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+    assert found["fp8_decode"].get(f16_mma) == found["cast"].get(f16_mma) == 64
