@@ -10,7 +10,7 @@ would never end, so steps are padded up to a bucket:
   is; decodes of more sequences run in a token bucket. vLLM captures up to 512; Kiln goes
   to 1,024, the default `max_num_seqs` of a large GPU, because a decode step of ~1,000
   sequences run eagerly is bound by the host's launches when its kernels are short (FP8:
-  bench/RESULTS.md, J1).
+  bench/RESULTS.md, J1-J2).
 - **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
   decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
   the powers of two from 16 up to `max_num_batched_tokens` (which is always included).

@@ -291,7 +291,7 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     Over an FP8 cache (`fp8_cache`) a GPU-filling decode loads 128 keys per iteration straight
     into registers (one stage), V as [D, N] like K, and widens e4m3 by inline assembly
     (`widen_asm`, CUDA only) before the tiles change layout: 0.819 ms against 0.973 for the
-    bf16 tiling at 1,024 sequences (bench/RESULTS.md, J5; same output bit for bit). The
+    bf16 tiling at 1,024 sequences (bench/RESULTS.md, J4; same output bit for bit). The
     e4m3 tiles then take no byte-wide shared-memory traffic.
     """
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:

@@ -65,7 +65,7 @@ def test_decode_buckets_stay_bounded_at_large_gpu_defaults():
     assert len(decode) <= 28 and max(decode) == MAX_DEFAULT_DECODE_BUCKET == 1024
     assert decode[-5:] == [512, 640, 768, 896, 1024]  # every 128 beyond 512
     assert len(plan.tokens) == 11  # 16 .. 16384
-    # The offline workload's ~1,000-sequence decodes replay a CUDA graph (bench/RESULTS.md, J1).
+    # The offline workload's ~1,000-sequence decodes replay a CUDA graph (bench/RESULTS.md, J2).
     assert plan.bucket_for(1000, 1000).name == "decode-1024"
     # A decode of more sequences than the largest decode bucket runs in a token bucket.
     big = make_bucket_plan(2048, 16384)

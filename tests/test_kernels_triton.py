@@ -475,7 +475,7 @@ def test_attention_tiling_choice():
     assert choose_tiling(256, 256, 256, h200_smem, fills_gpu=True).block_n == 32
     # Prefill and mixed steps: 64-row tiles on 4 warps.
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(64, 64, 4, 2)
-    # Over an FP8 cache a GPU-filling decode loads its tiles in one stage, V as [D, N] (J5).
+    # Over an FP8 cache a GPU-filling decode loads its tiles in one stage, V as [D, N] (J4).
     fp8 = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True)
     assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True)
     assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True).block_n == 64
@@ -835,7 +835,7 @@ print(json.dumps(found))
 
 
 def test_fp8_decode_tiling_moves_no_single_bytes_through_shared_memory():
-    """The FP8 decode tiling (J5), compiled here for sm_90: its V tiles, widened to f16 before
+    """The FP8 decode tiling (J4), compiled here for sm_90: its V tiles, widened to f16 before
     their layout change, take no byte-wide shared-memory loads; the cast after the layout
     change loads V byte by byte (128 loads per thread and tile)."""
     import json
