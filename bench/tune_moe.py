@@ -6,7 +6,10 @@ of `--tokens` (decode batches and prefill-sized steps), one layer's `fused_moe_t
 timed (CUDA events, median of `--repeats`; routing and grouping included, as a step runs
 them) with the tiling `choose_tiling` picks and with every tiling of a sweep: decode-sized
 steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, prefill-sized ones wide
-row and column tiles. Each result carries TFLOP/s (2 x pairs x 3 x hidden x intermediate)
+row and column tiles. By default every timing is of the op replayed inside a CUDA graph, as a
+decode step runs it (`--timing events` times eager calls instead: in I3 the routing's launches
+made the same decode tiling differ by up to 25% from one eager timing to the next). Each
+result carries TFLOP/s (2 x pairs x 3 x hidden x intermediate)
 and the weight bytes' TB/s, and the best tiling per shape, so the table in
 `kernels/triton_moe.py` (`choose_tiling`, "not yet swept on the H200") can be set from it.
 
@@ -42,8 +45,11 @@ def sweep(decode: bool) -> list[Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--tokens", default="1,8,64,256,2048,16384")
+    # 320: the decode batch of the Mixtral offline run, which its KV cache bounds (J1).
+    parser.add_argument("--tokens", default="1,8,64,256,320,2048,16384")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--timing", choices=("graph", "events"), default="graph",
+                        help="graph: replays of a CUDA graph of the op (default); events: eager calls")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -52,7 +58,7 @@ def main() -> None:
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    result: dict[str, Any] = {"benchmark": "tune_moe", "env": bc.environment(), "shapes": {}}
+    result: dict[str, Any] = {"benchmark": "tune_moe", "env": bc.environment(), "timing": args.timing, "shapes": {}}
     for name in args.shapes.split(","):
         if name not in SHAPES:
             parser.error(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
@@ -71,13 +77,18 @@ def main() -> None:
             def run(tiling: Any = None) -> Any:
                 return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling)
 
+            def time_ms(tiling: Any = None) -> float:
+                if args.timing == "graph":
+                    return bc.graph_time_us([lambda: run(tiling)], replays=args.repeats) / 1e3
+                return bc.median_cuda_ms(lambda: run(tiling), args.repeats)
+
             default = choose_tiling(pairs, experts, inter, hidden)
             bc.warm_gpu()  # the default is timed first: not at idle clocks
-            default_ms = bc.median_cuda_ms(run, args.repeats)
+            default_ms = time_ms()
             timings = [(default_ms, default)]  # the default competes too
             for tiling in sweep(decode=default.block_m <= 64):
                 try:
-                    timings.append((bc.median_cuda_ms(lambda: run(tiling), args.repeats), tiling))
+                    timings.append((time_ms(tiling), tiling))
                 except Exception as e:  # a tiling that does not fit (shared memory): skipped, named
                     print(f"[{name} T={t}] {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best_ms, best = min(timings, key=lambda r: r[0])
