@@ -260,3 +260,35 @@ def test_random_workload_exercises_preemption_prefix_hits_and_forks(caching):
     else:  # with the cache, siblings find their prompt there; without it they fork
         assert sched.stats.num_forked_tokens > 0 and bm.prefix_stats.hits == 0
     assert bm.num_used_blocks == 0 and not sched.live_sequences()
+
+
+def test_step_inputs_slots_and_tables_follow_the_block_tables():
+    # prepare_step_inputs gathers slots from the padded block-table tensor in one op: they
+    # must be what the block manager's own mapping says, for prefill chunks that start
+    # mid-block, single decode tokens, and sequences whose tables differ in length.
+    import torch
+
+    from kiln.runtime.model_runner import prepare_step_inputs
+    from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
+
+    bm = BlockManager(num_blocks=64, block_size=4)
+    params = SamplingParams(max_tokens=8)
+    plan = [(list(range(1, 11)), 0, 10), (list(range(20, 27)), 6, 1), (list(range(30, 43)), 5, 6), ([7], 0, 1)]
+    items = []
+    for i, (prompt, computed, n) in enumerate(plan):
+        seq = Sequence(i, str(i), prompt, params)
+        bm.admit(seq, [], computed + n, from_cache=False)
+        seq.num_computed_tokens = computed
+        items.append(ScheduledSequence(seq, n, samples=computed + n == len(prompt)))
+    # Interleave the allocations so that tables are not in block order.
+    bm.allocate(items[0].seq, 3)
+    inputs = prepare_step_inputs(SchedulerOutput(scheduled=items), bm, "cpu")
+    expected = [bm.slot(item.seq, p) for item in items
+                for p in range(item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_new_tokens)]
+    assert inputs["slot_mapping"].tolist() == expected
+    assert inputs["position_ids"][0].tolist() == [p for item in items for p in range(
+        item.seq.num_computed_tokens, item.seq.num_computed_tokens + item.num_new_tokens)]
+    width = max(len(item.seq.block_table) for item in items)
+    assert inputs["block_tables"].tolist() == [item.seq.block_table + [0] * (width - len(item.seq.block_table))
+                                               for item in items]
+    assert inputs["block_tables"].dtype == torch.int32 and inputs["slot_mapping"].dtype == torch.long
