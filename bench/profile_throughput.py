@@ -11,7 +11,11 @@ overlap it buys are unchanged). Steps are grouped by kind:
   prefill      - prefill chunks only.
 Per kind: steps, tokens, device milliseconds (from one step's start event to the next
 one's, so device idle time waiting for the host counts too) and the forward's own share.
-Then `--profile-steps` steps from the steady state (after `--profile-after` mixed steps) run
+Host side, per `engine.step()` call (grouped by the kind of the first step it launches):
+seconds in scheduling, building step inputs, `ModelRunner.execute` (launching the graph or
+replaying it), the sampler's launch, reading the draw back (waiting for the device) and the
+rest of processing the step's tokens, so that the host time a mixed step waits through
+(J2: ~40 ms) can be split. Then `--profile-steps` steps from the steady state (after `--profile-after` mixed steps) run
 under torch.profiler and their kernels are summed by family (GEMM, attention,
 norm/RoPE/activation, other); decode steps replayed from a CUDA graph show no kernels there.
 
@@ -93,6 +97,46 @@ def main() -> None:
         return out
 
     runner.execute = timed_execute
+
+    # Host phases: wrap what engine.step() calls (wall seconds; the draw's read-back includes
+    # the wait for the device).
+    import kiln.runtime.engine as engine_module
+
+    host: dict[str, float] = defaultdict(float)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                host[name] += time.perf_counter() - t
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.schedule_continuation = timed("schedule", engine.scheduler.schedule_continuation)
+    engine_module.prepare_step_inputs = timed("prepare_inputs", engine_module.prepare_step_inputs)
+    runner.execute = timed("execute", runner.execute)
+    engine.sampler.launch = timed("sampler_launch", engine.sampler.launch)
+    engine.sampler.collect = timed("read_back", engine.sampler.collect)
+    host_by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    engine_step = engine.step
+
+    def timed_step() -> Any:
+        host.clear()
+        first = len(steps)
+        t = time.perf_counter()
+        out = engine_step()
+        total = time.perf_counter() - t
+        row = host_by_kind[steps[first]["kind"] if len(steps) > first else "none"]
+        row["calls"] += 1
+        row["step"] += total
+        for name, sec in host.items():
+            row[name] += sec
+        row["other"] += total - sum(host.values())
+        return out
+
+    engine.step = timed_step
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params, every_step=False)
@@ -153,6 +197,9 @@ def main() -> None:
                    "preemptions": engine.scheduler.stats.num_preemptions},
         "wall_s": wall, "output_tokens_per_s": args.num_requests * args.output_len / wall,
         "steps_by_kind": {k: dict(v) for k, v in by_kind.items()},
+        "host_ms_per_call_by_kind": {k: {(f"{n}_ms" if n != "calls" else n): (v / row["calls"] * 1e3 if n != "calls"
+                                                                             else v) for n, v in row.items()}
+                                     for k, row in host_by_kind.items()},
         "profiled_window": profiled,
     }
     bc.emit(result, args.out)
