@@ -32,6 +32,20 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 @functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def converts_e4m3_in_hardware(device: torch.device) -> bool:
+    """Whether the device widens e4m3 pairs in one instruction (cvt.rn.f16x2.e4m3x2: sm_89 and
+    newer); False for CPU tensors (the interpreter runs no inline assembly)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
+@functools.cache
 def _max_shared_memory(device_index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
 

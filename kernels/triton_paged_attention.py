@@ -36,7 +36,8 @@ import triton.language as tl
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
-from kiln.kernels.triton_common import max_shared_memory, multiprocessor_count, num_warps_for, pow2_at_least
+from kiln.kernels.triton_common import (converts_e4m3_in_hardware, max_shared_memory, multiprocessor_count,
+                                        num_warps_for, pow2_at_least)
 from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
@@ -386,7 +387,8 @@ def attend_paged_triton(
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
     tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms,
-                                     fp8_cache=kv_cache.element_size() == 1, widen_asm=q.is_cuda)
+                                     fp8_cache=kv_cache.element_size() == 1,
+                                     widen_asm=converts_e4m3_in_hardware(q.device))
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad
     block_n = tiling.block_n

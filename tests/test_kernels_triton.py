@@ -22,6 +22,7 @@ from kiln.kernels.paged_attention import paged_attention_reference  # noqa: E402
 from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
 from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
+from kiln.kernels.triton_common import converts_e4m3_in_hardware  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from kiln.kernels.triton_paged_attention import (AttentionTiling, attend_paged_triton, choose_num_splits,  # noqa: E402
                                                  choose_tiling, paged_attention_triton,
@@ -551,7 +552,8 @@ def test_paged_attention_fp8_decode_tiling_matches_the_default():
                                         block_size=16, num_blocks=24, seed=61, dtype=HALF))
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
     args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0)
-    fp8_tiling = AttentionTiling(16, 32, 4, 1, widen_asm=DEVICE == "cuda", v_trans=True)
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE))
+    fp8_tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, v_trans=True)
     out = attend_paged_triton(*args, num_splits=1, tiling=fp8_tiling, kv_scale=kv_scale)
     ref = attend_paged_triton(*args, num_splits=1, tiling=AttentionTiling(16, 32, 4, 2), kv_scale=kv_scale)
     assert out.abs().max() > 0
