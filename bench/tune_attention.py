@@ -89,6 +89,9 @@ def main() -> None:
         decode_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=asm, v_trans=vt)
                           for bn, warps, stages, asm, vt in itertools.product(
                               (64, 128), (4, 8), (1, 2, 3, 4), (False, True), (False, True))]
+    # and decode without MMAs (float32 products on the CUDA cores, one token of 4 heads a tile)
+    decode_tilings += [AttentionTiling(4, bn, warps, stages, widen_asm=fp8, no_dot=True)
+                       for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2))]
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
                        for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                             (False, True) if fp8 else (False,))]
