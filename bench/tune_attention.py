@@ -83,12 +83,13 @@ def main() -> None:
         "mixed": make_step(decode_ctx, prompts, device, gen, cache_dtype),
     }
     # Decode-shaped steps use one-token tiles whatever the row count: sweep their inner loop.
-    decode_tilings = [AttentionTiling(16, bn, warps, stages)
-                      for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
-    if fp8:  # and the ways of widening e4m3 tiles: by inline assembly, V loaded as [D, N] and transposed
+    if fp8:  # with the ways of widening e4m3 tiles: by inline assembly, V loaded as [D, N] and transposed
         decode_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=asm, v_trans=vt)
                           for bn, warps, stages, asm, vt in itertools.product(
                               (64, 128), (4, 8), (1, 2, 3, 4), (False, True), (False, True))]
+    else:
+        decode_tilings = [AttentionTiling(16, bn, warps, stages)
+                          for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
     # and decode without MMAs (float32 products on the CUDA cores, one token of 4 heads a tile)
     decode_tilings += [AttentionTiling(4, bn, warps, stages, widen_asm=fp8, no_dot=True)
                        for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2))]

@@ -18,6 +18,11 @@ def pow2_at_least(n: int, minimum: int = 2) -> int:
     return max(int(minimum), triton.next_power_of_2(max(int(n), 1)))
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; "cuda" alone means the current one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -27,8 +32,7 @@ def multiprocessor_count(device: torch.device) -> int:
     """SMs of a CUDA device; for CPU tensors (the Triton interpreter in tests) a small stand-in."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return _sm_count(_cuda_index(device))
 
 
 @functools.cache
@@ -41,8 +45,7 @@ def converts_e4m3_in_hardware(device: torch.device) -> bool:
     newer); False for CPU tensors (the interpreter runs no inline assembly)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
+    return _capability(_cuda_index(device)) >= (8, 9)
 
 
 @functools.cache
@@ -55,8 +58,7 @@ def max_shared_memory(device: torch.device) -> int:
     interpreter, where launch shapes only need to be valid)."""
     if device.type != "cuda":
         return 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _max_shared_memory(index)
+    return _max_shared_memory(_cuda_index(device))
 
 
 def num_warps_for(block_elements: int) -> int:

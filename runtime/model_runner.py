@@ -36,7 +36,6 @@ def prompt_logprob_positions(seq: Any, begin: int, num_new_tokens: int) -> range
 def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, device: torch.device | str) -> StepInputs:
     tokens: list[int] = []
     positions: list[int] = []
-    counts: list[int] = []
     seq_lens: list[int] = []
     starts = [0]
     sample_rows: list[int] = []
@@ -50,7 +49,6 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         # id is a placeholder here, and the runner takes the real one from the device.
         tokens.extend(ids if len(ids) == n else ids + [0] * (n - len(ids)))
         positions.extend(range(begin, begin + n))
-        counts.append(n)
         seq_lens.append(begin + n)
         starts.append(starts[-1] + n)
         if item.samples:
@@ -67,7 +65,8 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     block_tables[torch.arange(width) < torch.tensor(lengths)[:, None]] = torch.tensor(
         list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
     position_ids = torch.tensor(positions, dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(counts))
+    query_start_loc = torch.tensor(starts, dtype=torch.int32)
+    rows = torch.repeat_interleave(torch.arange(len(tables)), query_start_loc.diff())
     bs = block_manager.block_size
     slot_mapping = block_tables[rows, position_ids // bs].long() * bs + position_ids % bs
 
@@ -80,7 +79,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         slot_mapping=slot_mapping,
         block_tables=block_tables,
         seq_lens=t(seq_lens, torch.int32),
-        query_start_loc=t(starts, torch.int32),
+        query_start_loc=query_start_loc,
         # Sampled rows first (the sampler takes the first len(sample_rows)), then prompt rows.
         logits_indices=t(sample_rows + prompt_rows, torch.long),
     )

@@ -777,31 +777,49 @@ def test_paged_attention_fp8_cache_query_beyond_f16_range():
     assert_attention_close(out.float(), ref.float(), batch, atol=2e-2, rtol=2e-2)
 
 
-# Compiles `_paged_attention_kernel` for an H100/H200 (sm_90) at the decode tiling, as the
-# launcher would for a bf16 query over a bf16 and an e4m3 cache, and counts the PTX's MMAs and
-# conversions (a fresh process: the kernel must be defined without the interpreter).
+# Compiles `_paged_attention_kernel` for an H100/H200 (sm_90) at a decode tiling, as the
+# launcher would for a bf16 query (a fresh process: the kernel must be defined without the
+# interpreter), and counts the PTX's MMAs, conversions and shared-memory loads per variant.
+# A variant: name, e4m3 cache, WIDEN_ASM, V_TRANS, stages, and whether pointers and strides
+# are specialized as multiples of 16 (as at a real launch with such strides).
 _ATTENTION_PTX_SCRIPT = """
-import collections, json, triton
+import collections, json, sys, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_paged_attention import _paged_attention_kernel as fn
 found = {}
-for fp8 in (False, True):
+for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
                   BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8,
-                  WIDEN_ASM=False, V_TRANS=False, NO_DOT=False)
+                  WIDEN_ASM=asm, V_TRANS=v_trans, NO_DOT=False)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
              "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
              "scale": "fp32", "softcap": "fp32"}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    found["fp8" if fp8 else "bf16"] = collections.Counter(
-        line.split()[0] for line in ptx.splitlines() if line.strip().startswith(("cvt.", "mma.")))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if divisible and (n.endswith("_ptr") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    ops = [line.strip().split(None, 1)[-1] if line.strip().startswith("@") else line.strip() for line in ptx.splitlines()]
+    found[name] = collections.Counter(op.split()[0] for op in ops if op.startswith(("cvt.", "mma.", "ld.shared", "ldmatrix")))
 print(json.dumps(found))
 """
+
+
+def _attention_ptx_counts(variants: list[tuple]) -> dict:
+    """Per variant of `_ATTENTION_PTX_SCRIPT`, how often each counted PTX instruction occurs."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _ATTENTION_PTX_SCRIPT, json.dumps(variants)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_fp8_attention_dots_run_in_f16():
@@ -809,15 +827,7 @@ def test_fp8_attention_dots_run_in_f16():
     one instruction (cvt.rn.f16x2.e4m3x2). Before, the tiles went e4m3 -> f16 -> bf16 for bf16
     MMAs: 256 more `cvt.bf16.f16` per thread and tile, the likely limit of the FP8 kernel's
     1.86 TB/s against bf16's 3.8 (bench/RESULTS.md)."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _ATTENTION_PTX_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = _attention_ptx_counts([("bf16", False, False, False, 3, False), ("fp8", True, False, False, 3, False)])
     bf16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     f16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
     assert found["bf16"].get(bf16_mma, 0) > 0 and f16_mma not in found["bf16"], found["bf16"]
@@ -826,46 +836,11 @@ def test_fp8_attention_dots_run_in_f16():
     assert "cvt.bf16.f16" not in found["fp8"], found["fp8"]
 
 
-_FP8_DECODE_PTX_SCRIPT = """
-import collections, json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kiln.kernels.triton_paged_attention import _paged_attention_kernel as fn
-found = {}
-for name, asm, v_trans, stages in (("cast", False, False, 3), ("fp8_decode", True, True, 1)):
-    consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=True, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
-                  BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=True,
-                  WIDEN_ASM=asm, V_TRANS=v_trans, NO_DOT=False)
-    types = {"q_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": "*bf16",
-             "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
-             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-             "scale": "fp32", "softcap": "fp32"}
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # As at a real launch: pointers and strides that are multiples of 16 are specialized so.
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if n.endswith("_ptr") or n.startswith("stride")}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
-    ops = [line.strip().split(None, 1)[-1] if line.strip().startswith("@") else line.strip() for line in ptx.splitlines()]
-    found[name] = collections.Counter(op.split()[0] for op in ops if op.startswith(("ld.shared", "ldmatrix", "mma.")))
-print(json.dumps(found))
-"""
-
-
 def test_fp8_decode_tiling_moves_no_single_bytes_through_shared_memory():
     """The FP8 decode tiling (J4), compiled here for sm_90: its V tiles, widened to f16 before
     their layout change, take no byte-wide shared-memory loads; the cast after the layout
     change loads V byte by byte (128 loads per thread and tile)."""
-    import json
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _FP8_DECODE_PTX_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = _attention_ptx_counts([("cast", True, False, False, 3, True), ("fp8_decode", True, True, True, 1, True)])
     assert found["cast"].get("ld.shared.b8", 0) >= 128, found["cast"]
     assert "ld.shared.b8" not in found["fp8_decode"], found["fp8_decode"]
     f16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
