@@ -68,7 +68,7 @@ for stage in $STAGES; do
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
     tests_a)  # the GPU suite, part A (~175 s, H3): architectures, kernels, MoE, runtime, TP, the plugin
       run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu "${SUITE_A[@]}" passes/examples ;;
-    tests_b)  # part B (~265 s, H4): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
+    tests_b)  # part B (~265 s in H4, 305 s in J6): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
       run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
