@@ -131,7 +131,7 @@ for stage in $STAGES; do
       run_stage moe_profile_throughput 560 $PY bench/profile_throughput.py --model bench/mixtral_8x7b.json \
         --out "$OUT/moe_profile_throughput.json" ;;
     tune_moe)  # fused_moe's tilings at the Mixtral and Qwen3-MoE shapes, decode and prefill step sizes
-      run_stage tune_moe 560 $PY bench/tune_moe.py --out "$OUT/tune_moe.json" ;;
+      run_stage tune_moe 560 $PY bench/tune_moe.py ${TUNE_MOE_ARGS:-} --out "$OUT/tune_moe.json" ;;
     moe_qwen3)
       run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs

@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: bf16 (auto) or e4m3 with k/v scales (fp8)")
     parser.add_argument("--kinds", default="decode,prefill,mixed", help="which steps to sweep (comma list)")
+    parser.add_argument("--decode-sweep", choices=("all", "no_dot"), default="all",
+                        help="no_dot: decode tilings without MMAs only (next to the default), to fit a device command")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -91,8 +93,9 @@ def main() -> None:
         decode_tilings = [AttentionTiling(16, bn, warps, stages)
                           for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
     # and decode without MMAs (float32 products on the CUDA cores, one token of 4 heads a tile)
-    decode_tilings += [AttentionTiling(4, bn, warps, stages, widen_asm=fp8, no_dot=True)
-                       for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2))]
+    no_dot_tilings = [AttentionTiling(4, bn, warps, stages, widen_asm=fp8, no_dot=True)
+                      for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2))]
+    decode_tilings = no_dot_tilings if args.decode_sweep == "no_dot" else decode_tilings + no_dot_tilings
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
                        for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                             (False, True) if fp8 else (False,))]

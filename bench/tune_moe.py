@@ -6,7 +6,7 @@ of `--tokens` (decode batches and prefill-sized steps), one layer's `fused_moe_t
 timed (CUDA events, median of `--repeats`; routing and grouping included, as a step runs
 them) with the tiling `choose_tiling` picks and with every tiling of a sweep: decode-sized
 steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, prefill-sized ones wide
-row and column tiles. By default every timing is of the op replayed inside a CUDA graph, as a
+row and column tiles and the programs' order (`MoETiling.group_m`). By default every timing is of the op replayed inside a CUDA graph, as a
 decode step runs it (`--timing events` times eager calls instead: in I3 the routing's launches
 made the same decode tiling differ by up to 25% from one eager timing to the next). Each
 result carries TFLOP/s (2 x pairs x 3 x hidden x intermediate)
@@ -37,9 +37,14 @@ def sweep(decode: bool) -> list[Any]:
 
     if decode:
         grid = itertools.product((16, 32, 64), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
-    else:
-        grid = itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))
-    return [MoETiling(*t) for t in grid]
+        return [MoETiling(*t) for t in grid]
+    # Prefill-sized steps: the program order (`group_m`: 0, or G row blocks across every column
+    # tile first) over the tilings that led the I3 sweep, and the rest of that sweep in order 0.
+    leaders = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4),
+               (128, 256, 64, 8, 3)]
+    grid = [MoETiling(*t, group_m=g) for t in leaders for g in (0, 8, 16, 32)]
+    rest = itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4))
+    return grid + [MoETiling(*t) for t in rest if t not in leaders]
 
 
 def main() -> None:
@@ -47,6 +52,8 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     # 320: the decode batch of the Mixtral offline run, which its KV cache bounds (J1).
     parser.add_argument("--tokens", default="1,8,64,256,320,2048,16384")
+    parser.add_argument("--max-tilings", type=int, default=0,
+                        help="time only the first N tilings of each sweep (0: all), to fit a device command")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timing", choices=("graph", "events"), default="graph",
                         help="graph: replays of a CUDA graph of the op (default); events: eager calls")
@@ -86,7 +93,8 @@ def main() -> None:
             bc.warm_gpu()  # the default is timed first: not at idle clocks
             default_ms = time_ms()
             timings = [(default_ms, default)]  # the default competes too
-            for tiling in sweep(decode=default.block_m <= 64):
+            tilings = sweep(decode=default.block_m <= 64)
+            for tiling in tilings[:args.max_tilings or len(tilings)]:
                 try:
                     timings.append((time_ms(tiling), tiling))
                 except Exception as e:  # a tiling that does not fit (shared memory): skipped, named

@@ -102,6 +102,8 @@ CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair
     (3, 32, 32, 6, 3, False, False, None, False),
     (40, 32, 48, 4, 2, False, True, MoETiling(32, 32, 16, 4, 2), False),   # many rows per expert, K loop
     (17, 64, 16, 8, 1, True, False, MoETiling(16, 16, 32, 4, 2), False),
+    (40, 32, 48, 4, 2, False, True, MoETiling(16, 16, 16, 4, 2, group_m=4), False),  # grouped order: 9 blocks, groups 4, 4, 1
+    (30, 48, 40, 3, 2, True, True, MoETiling(16, 32, 16, 4, 2, group_m=2), False),  # 7 blocks
     (1, 48, 40, 8, 2, True, True, None, None),                        # batch-1 decode: a block per pair
     (2, 32, 24, 16, 4, True, False, None, None),
     (6, 32, 24, 4, 2, False, True, None, True),                       # per pair with shared experts
