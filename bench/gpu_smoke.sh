@@ -124,7 +124,7 @@ for stage in $STAGES; do
     moe_tests)  # issue 17: fused_moe's Triton kernel at real shapes, MoE parity through the CUDA pipeline
       run_stage moe_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_moe_triton.py tests/test_moe.py ;;
     moe_mixtral_decode)
-      run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline --out "$OUT/moe_mixtral_decode.json" ;;
+      run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline ${MOE_ARGS:-} --out "$OUT/moe_mixtral_decode.json" ;;
     moe_mixtral_offline)
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode ${MOE_ARGS:-} --out "$OUT/moe_mixtral_offline.json" ;;
     moe_profile_throughput)  # where the Mixtral offline run's time goes (kernels of 6 mixed steps)

@@ -62,8 +62,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: bf16 (auto) or e4m3 with k/v scales (fp8)")
     parser.add_argument("--kinds", default="decode,prefill,mixed", help="which steps to sweep (comma list)")
-    parser.add_argument("--decode-sweep", choices=("all", "no_dot"), default="all",
-                        help="no_dot: decode tilings without MMAs only (next to the default), to fit a device command")
+    parser.add_argument("--decode-sweep", choices=("all", "wide"), default="all",
+                        help="wide: only decode tiles of 32 and 64 rows (next to the default; 64 rows take Hopper's "
+                             "wgmma, which reads its B tiles from shared memory), to fit a device command")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -92,10 +93,12 @@ def main() -> None:
     else:
         decode_tilings = [AttentionTiling(16, bn, warps, stages)
                           for bn, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
-    # and decode without MMAs (float32 products on the CUDA cores, one token of 4 heads a tile)
-    no_dot_tilings = [AttentionTiling(4, bn, warps, stages, widen_asm=fp8, no_dot=True)
-                      for bn, warps, stages in itertools.product((16, 32, 64), (2, 4, 8), (1, 2))]
-    decode_tilings = no_dot_tilings if args.decode_sweep == "no_dot" else decode_tilings + no_dot_tilings
+    # and taller tiles, although a decode fills 4 of their rows: on sm_90, 64 rows on 4 warps
+    # take wgmma, whose B operand (K, V) is read from shared memory as it was stored.
+    wide_tilings = [AttentionTiling(rows, bn, 4, stages, widen_asm=fp8, v_trans=vt)
+                    for rows, bn, stages, vt in itertools.product((32, 64), (64, 128), (1, 2, 3),
+                                                                  (False, True) if fp8 else (False,))]
+    decode_tilings = wide_tilings if args.decode_sweep == "wide" else decode_tilings + wide_tilings
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
                        for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                             (False, True) if fp8 else (False,))]

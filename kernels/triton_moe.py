@@ -25,8 +25,11 @@ smallest tensor-core tile); decode takes BLOCK_N narrowed until the blocks in us
 times the column tiles fill the GPU (the work is streaming weights); prefill (many rows per
 expert) takes larger row tiles that reuse each weight tile over more rows. With few pairs for
 many experts (batch-1 decode; `pair_per_block`) each pair is its own block, taken straight
-from the router's expert ids, and the grouping ops are skipped. The table is a starting
-point, not yet swept on the H200.
+from the router's expert ids, and the grouping ops are skipped. Prefill steps with several
+row blocks per expert order the programs so that groups of row blocks cross every column
+tile together (`MoETiling.group_m`): their rows stay in L2 instead of being re-read from
+HBM for each column tile. The prefill tiles were swept on the H200 (bench/tune_moe.py); the
+decode table is a starting point.
 
 Rounding follows the unfused graph: gate/up and the down projection are rounded to the
 model dtype like the bmm outputs, silu's output is rounded before the multiply (as
@@ -97,16 +100,22 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
             block_n //= 2
         tiling = MoETiling(block_m, block_n, 128 if block_m <= 32 else 64, 4, 4 if block_m <= 32 else 3)
     else:
-        # Prefill: reuse each weight tile over many rows. 128 x 128 tiles on 8 warps, 4 stages
-        # (the gate/up kernel holds two such float32 accumulators): in the H200 sweep
-        # (bench/tune_moe.py, 2026-12-01) one layer's MoE took 3.53 ms against 4.44 with 128 x 64
-        # tiles at Mixtral's shape and 2,048 tokens, 25.2 against 32.7 at 16,384 (the best,
-        # 64 x 256, 24.2), and 1.16 / 4.41 against 1.61 / 4.66 ms at Qwen3-MoE's.
-        tiling = MoETiling(128, 128, 64, 8, 4)
+        # Prefill: reuse each weight tile over many rows. 128 x 128 tiles on 8 warps (the gate/up
+        # kernel holds two such float32 accumulators): in the H200 sweep (bench/tune_moe.py,
+        # 2026-12-01, I3) one layer's MoE took 3.53 ms against 4.44 with 128 x 64 tiles at
+        # Mixtral's shape and 2,048 tokens, 25.2 against 32.7 at 16,384, and 1.16 / 4.41 against
+        # 1.61 / 4.66 ms at Qwen3-MoE's. With several row blocks per expert, 16 row blocks cross
+        # every column tile before the next 16 (`group_m`) on 3 stages: 21.4 ms against 24.8 at
+        # 16,384 tokens, 2.98 against 3.03 at 2,048 (K1). One block per expert (Mixtral's 320-token
+        # decode) keeps 4 stages in the plain order: 0.861 ms against 0.873.
+        if rows_per_expert > 128:
+            tiling = MoETiling(128, 128, 64, 8, 3, group_m=16)
+        else:
+            tiling = MoETiling(128, 128, 64, 8, 4)
         if shared_memory and _staged_bytes(tiling, element_size) > shared_memory:
-            # ~192 KB of staged tiles: more than an A100 (164 KB) or an L4 holds. The earlier
-            # 128 x 64 tiles on 3 stages stage 96 KB.
-            tiling = MoETiling(128, 64, 64, 8, 3)
+            # ~144-192 KB of staged tiles: more than an A100 (164 KB) or an L4 holds at 4
+            # stages. The earlier 128 x 64 tiles on 3 stages stage 96 KB.
+            tiling = MoETiling(128, 64, 64, 8, 3, group_m=tiling.group_m)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = replace(tiling, block_k=max(16, tiling.block_k * 2 // element_size))
     return _fit(tiling, n, k)

@@ -90,7 +90,6 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
-    NO_DOT: tl.constexpr,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,10 +162,7 @@ def _paged_attention_kernel(
         # .to: an FP8 cache is read back in the dots' dtype, f16 (a no-op for a bf16/fp16 cache).
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         k = _e4m3_to_f16(k) if WIDEN_ASM else k.to(q_dot.dtype)
-        if NO_DOT:  # float32 products summed over D on the CUDA cores (see AttentionTiling.no_dot)
-            qk = tl.sum(q_dot.to(tl.float32)[:, :, None] * k.to(tl.float32)[None, :, :], axis=1) * qk_scale
-        else:
-            qk = tl.dot(q_dot, k, input_precision="ieee") * qk_scale
+        qk = tl.dot(q_dot, k, input_precision="ieee") * qk_scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
             # overflowing to inf gives 1 and underflowing to 0 gives -1, so no NaN.
@@ -187,10 +183,7 @@ def _paged_attention_kernel(
         else:
             v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = _e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype)
-        if NO_DOT:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -281,11 +274,6 @@ class AttentionTiling:
     num_stages: int = 2
     widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`_e4m3_to_f16`; not interpreted)
     v_trans: bool = False  # load V tiles as [D, N], as K, and transpose them for the dot
-    # Experimental (bench/tune_attention.py): no MMA, float32 products summed on the CUDA cores,
-    # for decode tiles of one token (tile_rows = the query heads of one KV head, padded to a
-    # power of two). An MMA pads a GQA group of 4 heads to 16 rows and needs its operands in
-    # its own layout; here each thread widens what it loaded, where it loaded it.
-    no_dot: bool = False
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
@@ -431,7 +419,7 @@ def attend_paged_triton(
         SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
         NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
-        WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans, NO_DOT=tiling.no_dot,
+        WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
         num_warps=num_warps,
         num_stages=tiling.num_stages,
     )

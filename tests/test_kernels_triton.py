@@ -545,23 +545,6 @@ def _fp8_cache(batch: dict) -> dict:
     return {**batch, "kv_cache": to_cache_dtype(batch["kv_cache"], FP8)}
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_paged_attention_decode_without_mma_matches_the_default(fp8):
-    # The experimental no-MMA decode tiling (one token of 4 grouped heads a tile, float32
-    # products summed on the CUDA cores) computes what the MMA tiling computes.
-    batch = make_paged_batch(new_tokens=[1] * 5, cached=[40, 3, 17, 64, 29], hq=8, hkv=2, d=32, block_size=16,
-                             num_blocks=24, seed=63, dtype=HALF)
-    batch = _fp8_cache(batch) if fp8 else batch
-    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if fp8 else None
-    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0)
-    widen = fp8 and converts_e4m3_in_hardware(torch.device(DEVICE))
-    out = attend_paged_triton(*args, num_splits=1, kv_scale=kv_scale,
-                              tiling=AttentionTiling(4, 16, 4, 1, widen_asm=widen, no_dot=True))
-    ref = attend_paged_triton(*args, num_splits=1, tiling=AttentionTiling(16, 32, 4, 2), kv_scale=kv_scale)
-    assert out.abs().max() > 0
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
-
-
 def test_paged_attention_fp8_decode_tiling_matches_the_default():
     # The FP8 decode tiling (V tiles loaded as [D, N] and transposed; on a GPU also widened by
     # inline assembly) reads the same e4m3 values: the same output as the bf16-shaped tiling.
@@ -791,7 +774,7 @@ found = {}
 for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
                   BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8,
-                  WIDEN_ASM=asm, V_TRANS=v_trans, NO_DOT=False)
+                  WIDEN_ASM=asm, V_TRANS=v_trans)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",

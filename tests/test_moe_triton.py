@@ -89,12 +89,16 @@ def test_tiling_follows_rows_per_expert() -> None:
     assert choose_tiling(64 * 2, 8, 14336, 4096).block_m == 32  # Mixtral batch 64: 16 rows per expert
     assert choose_tiling(4096, 4, 24, 40).block_n == 32  # never wider than the (rounded) shape
     assert pair_per_block(2, 8) and pair_per_block(8, 128) and not pair_per_block(128, 8)
-    # Prefill: 128 x 128 tiles, 4 stages where shared memory holds them (the H200's 227 KB);
-    # an A100's 163 KB gets 128 x 64 on 3 stages.
-    h200_smem, a100_smem = 232448, 166912
-    assert choose_tiling(8192 * 2, 8, 14336, 4096, 2, h200_smem) == MoETiling(128, 128, 64, 8, 4)
-    assert choose_tiling(8192 * 2, 8, 14336, 4096, 2, a100_smem) == MoETiling(128, 64, 64, 8, 3)
-    assert choose_tiling(8192 * 2, 8, 14336, 4096, 4, a100_smem) == MoETiling(128, 64, 32, 8, 3)
+    # Prefill with several row blocks per expert: 128 x 128 tiles on 3 stages, 16 row blocks
+    # across every column tile at a time. One block per expert (Mixtral's 320-token decode):
+    # 4 stages where shared memory holds them (the H200's 227 KB), else 128 x 64 on 3.
+    h200_smem, a100_smem, l4_smem = 232448, 166912, 101376
+    assert choose_tiling(8192 * 2, 8, 14336, 4096, 2, h200_smem) == MoETiling(128, 128, 64, 8, 3, group_m=16)
+    assert choose_tiling(8192 * 2, 8, 14336, 4096, 2, a100_smem) == MoETiling(128, 128, 64, 8, 3, group_m=16)
+    assert choose_tiling(8192 * 2, 8, 14336, 4096, 2, l4_smem) == MoETiling(128, 64, 64, 8, 3, group_m=16)
+    assert choose_tiling(320 * 2, 8, 14336, 4096, 2, h200_smem) == MoETiling(128, 128, 64, 8, 4)
+    assert choose_tiling(320 * 2, 8, 14336, 4096, 2, a100_smem) == MoETiling(128, 64, 64, 8, 3)
+    assert choose_tiling(320 * 2, 8, 14336, 4096, 4, a100_smem) == MoETiling(128, 64, 32, 8, 3)
 
 
 CASES = [  # t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair
