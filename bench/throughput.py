@@ -59,6 +59,8 @@ def kiln_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> dict
     from kiln.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    stats = llm.engine.scheduler.stats
+    preemptions, continuations = stats.num_preemptions, stats.num_continuation_steps
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -67,7 +69,12 @@ def kiln_throughput(llm: Any, prompts: list[list[int]], output_len: int) -> dict
         raise RuntimeError(f"expected {len(prompts) * output_len} output tokens (ignore_eos), got {total_out}")
     return {"requests": len(prompts), "output_tokens": total_out, "seconds": elapsed,
             "output_tokens_per_s": total_out / elapsed,
-            "total_tokens_per_s": (total_out + sum(map(len, prompts))) / elapsed}
+            "total_tokens_per_s": (total_out + sum(map(len, prompts))) / elapsed,
+            # The run's preemptions, and its decode steps launched before the previous step's
+            # tokens were read (async scheduling's continuations).
+            "preemptions": stats.num_preemptions - preemptions,
+            "continuation_steps": stats.num_continuation_steps - continuations,
+            "num_kv_blocks": llm.engine.num_kv_blocks}
 
 
 def main() -> None:

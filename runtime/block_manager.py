@@ -141,10 +141,12 @@ class BlockManager:
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:
         """Whether `seq` (holding no blocks) fits with `shared` blocks plus `num_new_tokens`."""
         total = len(shared) * self.block_size + num_new_tokens
-        need = -(-total // self.block_size) - len(shared)
-        # Shared blocks that are cached but unowned stop being available once taken.
-        reclaimed = sum(1 for b in shared if self.ref_counts[b] == 0)
-        return need <= self.num_available_blocks - reclaimed
+        return -(-total // self.block_size) - len(shared) <= self.room_after(shared)
+
+    def room_after(self, shared: list[int]) -> int:
+        """Blocks a waiting sequence can take beyond `shared`: the available ones, less the
+        shared blocks that are cached but unowned (they stop being available once taken)."""
+        return self.num_available_blocks - sum(1 for b in shared if self.ref_counts[b] == 0)
 
     def admit(self, seq: Sequence, shared: list[int], num_new_tokens: int, from_cache: bool) -> None:
         """Give a waiting `seq` the `shared` blocks (its leading full blocks, already computed:

@@ -72,6 +72,12 @@ class EngineConfig:
     num_kv_blocks: int | None = option(None, help="KV-cache blocks (default: sized from memory)")
     enable_prefix_caching: bool = option(True, flag="--no-prefix-caching",
                                          help="disable reuse of cached prompt prefixes")
+    # Admission keeps KV blocks free for the running sequences' next tokens, so that a full
+    # cache rarely preempts (kiln.runtime.scheduler; SGLang's new_token_ratio).
+    kv_reserve_ratio: float = option(0.5, help="admit a request only if the KV cache keeps room for this share of "
+                                               "the tokens running requests may still generate (all of it for "
+                                               "requests only max_tokens can end), learned down as requests "
+                                               "finish early; 0: admit whatever fits and preempt when full, as vLLM")
     enable_passes: list[str] = option(default_factory=list, flag="--enable-pass",
                                       help="turn on an optional pass (repeatable)")
     disable_passes: list[str] = option(default_factory=list, flag="--disable-pass", help="turn off a pass (repeatable)")
@@ -132,6 +138,8 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
+        if not 0 <= self.kv_reserve_ratio <= 1:
+            raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

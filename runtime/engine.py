@@ -136,7 +136,8 @@ class LLMEngine:
             self._load_model(config, model_context)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   reserve_ratio=config.kv_reserve_ratio)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)
         # Guided decoding: grammars compiled against the tokenizer (lazily), and the logits

@@ -14,15 +14,36 @@ When KV blocks run out, the newest running sequence is preempted: its blocks are
 it goes back to the front of the waiting queue, to be recomputed from its prompt and the
 tokens it had already generated, so it loses nothing (and with prefix caching its freed
 blocks are usually still cached when it comes back).
+
+Preemption is the fallback; admission tries to make it rare (as SGLang's scheduler does).
+With `reserve_ratio` > 0, a waiting sequence is admitted only if, beside its whole prompt,
+the free blocks hold room for the tokens the running sequences and itself are still
+expected to generate: what each may still generate (max_tokens less what it has, clipped
+to RESERVE_CLIP_TOKENS), all of it for a sequence that only its length can end (EOS
+ignored, no stop strings, tokens or grammar: benchmarks), else `reserve_ratio` x
+`used_fraction` of it. `used_fraction` learns from finished sequences how much of that they
+used (1 while none has finished), so the reservation follows the workload. The engine's
+default ratio is 0.5 (SGLang starts its `new_token_ratio` at 0.7): in the simulation of
+bench/simulate_scheduler.py it costs at most 0.5% on workloads that stop early, where 0.7
+and 1.0 cost up to 2% and 4% by holding back admissions. Without it, a KV-bound run admits every prompt that fits and then preempts a
+third of its sequences as they grow, recomputing each (the Mixtral offline run: 218
+preemptions, ~16% more prefill tokens; bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.sequence import Sequence, SequenceStatus
+
+# The most tokens admission keeps room for a sequence: a request allowed thousands of tokens
+# (max_tokens up to the context length) does not hold back admissions by itself.
+RESERVE_CLIP_TOKENS = 1024
+# The weight of each finished sequence in `Scheduler.used_fraction` (a running mean).
+USED_FRACTION_WEIGHT = 0.05
 
 
 @dataclass
@@ -59,15 +80,29 @@ class SchedulerStats:
     num_continuation_steps: int = 0
 
 
+def ends_by_length_only(seq: Sequence) -> bool:
+    """Whether nothing but max_tokens (or the context length) can end `seq`: EOS ignored, no
+    stop strings or tokens, no grammar to complete."""
+    p = seq.params
+    return p.ignore_eos and not p.stop and not p.stop_token_ids and p.structured_outputs is None
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 reserve_ratio: float = 0.0):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        if not 0.0 <= reserve_ratio <= 1.0:
+            raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {reserve_ratio}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.reserve_ratio = reserve_ratio
+        # How much of what they could generate finished sequences generated (see the module
+        # docstring): a running mean, 1 until a sequence finishes.
+        self.used_fraction = 1.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -117,8 +152,9 @@ class Scheduler:
         scheduling): each of `prev`'s sequences gets one token, the one `prev` is sampling.
 
         Only when that is exactly what `schedule()` would do once those tokens land: `prev`
-        sampled every running sequence, in the running order, nobody is waiting for a slot
-        that is free, and the blocks fit without preempting anyone. Otherwise None, and the
+        sampled every running sequence, in the running order, the head of the waiting queue
+        could not be admitted (no slot, or no room for it in the KV cache), and the blocks
+        fit without preempting anyone. Otherwise None, and the
         caller reads `prev`'s tokens first and schedules normally. Sequences that turn out
         to finish with `prev`'s token are dropped from the result when it is read back.
         """
@@ -126,11 +162,13 @@ class Scheduler:
         if (not prev or not all(item.samples for item in prev) or len(seqs) != len(self.running)
                 or any(a is not b for a, b in zip(seqs, self.running))):
             return None
-        if self.waiting and len(self.running) < self.max_num_seqs:
-            return None  # an admission may be possible: let schedule() decide it
         bm = self.block_manager
-        if sum(bm.blocks_needed(seq, 1) for seq in seqs) > bm.num_available_blocks:
+        needed = sum(bm.blocks_needed(seq, 1) for seq in seqs)
+        if needed > bm.num_available_blocks:
             return None  # schedule() would preempt
+        if (self.waiting and len(self.running) < self.max_num_seqs
+                and self._head_admissible(self.max_num_batched_tokens - len(seqs), taken=needed)):
+            return None  # schedule() would admit the head of the queue
         for seq in seqs:
             bm.allocate(seq, 1)
         self.stats.num_steps += 1
@@ -140,6 +178,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
+        reserved = self._running_reserve()
         held: list[Sequence] = []  # siblings waiting for their first completion's prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -148,7 +187,7 @@ class Scheduler:
                 held.append(self.waiting.popleft())
                 continue
             n = min(seq.num_tokens - len(shared) * bm.block_size, budget)
-            if not bm.can_admit(seq, shared, n):
+            if not self._admissible(seq, shared, n, reserved):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             if not from_cache:
@@ -157,10 +196,55 @@ class Scheduler:
             bm.admit(seq, shared, n, from_cache=from_cache)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            reserved += self._reserved_blocks(seq)
             out.scheduled.append(ScheduledSequence(seq, n, samples=n == seq.num_pending_tokens))
             budget -= n
         self.waiting.extendleft(reversed(held))
         return budget
+
+    # ---- admission's reservation (see the module docstring) ---------------------------------
+    def reserved_tokens(self, seq: Sequence) -> int:
+        """Tokens beyond `seq`'s own (in flight included) that admission keeps room for."""
+        if not self.reserve_ratio:
+            return 0
+        remaining = min(seq.params.max_tokens - seq.num_sampled_tokens, RESERVE_CLIP_TOKENS)
+        share = 1.0 if ends_by_length_only(seq) else self.reserve_ratio * self.used_fraction
+        return math.ceil(max(0, remaining) * share)
+
+    def _reserved_blocks(self, seq: Sequence) -> int:
+        """Blocks a running `seq` is expected to take beyond its block table: the rest of its
+        prompt (chunked prefill) and its reserved tokens."""
+        total = seq.num_tokens + seq.num_inflight_tokens + self.reserved_tokens(seq)
+        return max(0, -(-total // self.block_manager.block_size) - len(seq.block_table))
+
+    def _running_reserve(self) -> int:
+        return sum(self._reserved_blocks(seq) for seq in self.running) if self.reserve_ratio else 0
+
+    def _admissible(self, seq: Sequence, shared: list[int], n: int, reserved: int, taken: int = 0) -> bool:
+        """Whether waiting `seq`, starting from `shared` blocks with a first chunk of `n` tokens,
+        is admitted while the running sequences reserve `reserved` blocks (`taken`: blocks a
+        step being scheduled takes first). A sequence that finds nothing running is admitted
+        whenever its chunk fits, so a prompt with a reservation larger than the cache still runs."""
+        bm = self.block_manager
+        room = bm.room_after(shared) - taken
+        bs = bm.block_size
+        if -(-(len(shared) * bs + n) // bs) - len(shared) > room:
+            return False
+        if not self.reserve_ratio or not self.running:
+            return True
+        whole = -(-(seq.num_tokens + self.reserved_tokens(seq)) // bs) - len(shared)
+        return whole + reserved <= room
+
+    def _head_admissible(self, budget: int, taken: int) -> bool:
+        """Whether `schedule()` would admit the head of the waiting queue with `budget` tokens
+        left, once a step taking `taken` blocks is scheduled (a sibling waiting on its first
+        completion's prompt counts as admissible: `schedule()` decides it)."""
+        seq = self.waiting[0]
+        shared, _ = self._shared_prefix(seq)
+        if shared is None:
+            return True
+        n = min(seq.num_tokens - len(shared) * self.block_manager.block_size, budget)
+        return n > 0 and self._admissible(seq, shared, n, self._running_reserve(), taken)
 
     def _shared_prefix(self, seq: Sequence) -> tuple[list[int] | None, bool]:
         """Blocks `seq` can start from, and whether they came from the prefix cache.
@@ -197,3 +281,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if reason in ("stop", "length") and not ends_by_length_only(seq):  # aborts tell nothing
+            could = min(seq.params.max_tokens, RESERVE_CLIP_TOKENS)
+            used = min(1.0, seq.num_output_tokens / could)
+            self.used_fraction += USED_FRACTION_WEIGHT * (used - self.used_fraction)

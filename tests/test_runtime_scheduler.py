@@ -184,3 +184,98 @@ def test_siblings_start_alone_when_the_first_completion_finished_early():
     sched.finish(parent, "stop")
     out = sched.schedule()
     assert out.scheduled[0].seq is sib and out.scheduled[0].num_new_tokens == 9
+
+
+# ---- admission's KV reservation (kv_reserve_ratio) -----------------------------------------
+
+def _length_only(num_tokens: int, max_tokens: int, first: int = 1, stop: bool = False) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=not stop, stop_token_ids=[3] if stop else [])
+    return Sequence(seq_id=next(_ids), request_id=f"r{next(_ids)}", prompt_token_ids=list(range(first, first + num_tokens)),
+                    params=params)
+
+
+def _run_to_end(sched: Scheduler, seqs: list[Sequence], lengths: dict[int, int] | None = None) -> int:
+    """Step until every sequence has its output (its max_tokens, or `lengths[seq_id]`, ended by
+    a stop); returns the steps taken. Block invariants hold after every step."""
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.scheduled, "nothing scheduled: admission is stuck"
+        advance(sched, out, token=5)
+        for item in out.scheduled:
+            s = item.seq
+            want = (lengths or {}).get(s.seq_id, s.params.max_tokens)
+            if item.samples and s.num_output_tokens >= want:
+                sched.finish(s, "length" if want == s.params.max_tokens else "stop")
+        sched.block_manager.check_invariants(sched.live_sequences())
+        steps += 1
+    return steps
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+def test_reservation_admits_only_what_can_grow_to_its_end(ratio):
+    # 10 sequences of 12 prompt + 20 output tokens (8 blocks of 4 each at the end) in 40
+    # blocks: all prompts fit at once (3 blocks each), their outputs do not. Admitting them all
+    # preempts as they grow; reserving what ignore_eos sequences will generate never does.
+    sched = Scheduler(BlockManager(41, 4, enable_prefix_caching=False), max_num_seqs=16,
+                      max_num_batched_tokens=256, reserve_ratio=ratio)
+    seqs = [_length_only(12, 20, first=100 * i + 1) for i in range(10)]
+    _run_to_end(sched, seqs)
+    assert all(s.num_output_tokens == 20 for s in seqs)
+    if ratio == 0.0:
+        assert sched.stats.num_preemptions > 0
+    else:
+        assert sched.stats.num_preemptions == 0
+        assert sched.stats.num_scheduled_tokens == 10 * (12 + 20 - 1)  # nothing recomputed
+
+
+def test_a_sequence_larger_than_its_reservation_room_runs_alone():
+    # Its prompt fits, prompt + reservation do not: with nothing running it is admitted anyway.
+    sched = Scheduler(BlockManager(9, 4, enable_prefix_caching=False), max_num_seqs=4,
+                      max_num_batched_tokens=64, reserve_ratio=1.0)
+    big, small = _length_only(16, 40), _length_only(4, 4, first=50)
+    sched.add(big)
+    sched.add(small)
+    out = sched.schedule()
+    assert [i.seq for i in out.scheduled] == [big]  # small would eat big's reserved room
+    assert sched.reserved_tokens(big) == 40
+
+
+def test_reservation_learns_from_sequences_that_stop_early():
+    sched = Scheduler(BlockManager(400, 4, enable_prefix_caching=False), max_num_seqs=16,
+                      max_num_batched_tokens=256, reserve_ratio=0.5)
+    seqs = [_length_only(8, 40, first=10 * i + 1, stop=True) for i in range(40)]
+    probe = _length_only(8, 40, first=999, stop=True)
+    assert sched.reserved_tokens(probe) == 20  # 0.5 x 40 while nothing has finished
+    _run_to_end(sched, seqs, lengths={s.seq_id: 10 for s in seqs})  # each stops at a quarter
+    assert sched.used_fraction < 0.6
+    assert sched.reserved_tokens(probe) < 12
+    # Sequences only their length can end reserve all they will generate, whatever was learned.
+    assert sched.reserved_tokens(_length_only(8, 40)) == 40
+
+
+def test_a_decode_continues_before_read_back_while_the_queue_head_cannot_be_admitted():
+    # The cache is full: the waiting head cannot be admitted, so the next decode step is
+    # scheduled as a continuation (before the tokens are known) instead of waiting for them.
+    sched = Scheduler(BlockManager(13, 4, enable_prefix_caching=False), max_num_seqs=8,
+                      max_num_batched_tokens=64, reserve_ratio=0.0)
+    running = [_length_only(11, 30, first=1), _length_only(11, 30, first=40)]
+    for s in running:
+        sched.add(s)
+    advance(sched, out := sched.schedule())
+    assert len(out.scheduled) == 2
+    waiting = _length_only(28, 4, first=80)  # 7 blocks: 6 are free
+    sched.add(waiting)
+    assert sched.schedule_continuation(out.scheduled) is not None
+    assert sched.stats.num_continuation_steps == 1
+    # With 9 blocks free the head is admissible, and schedule() must decide.
+    sched.finish(running[1], "length")
+    sched2_prev = [item for item in out.scheduled if item.seq is running[0]]
+    assert sched.schedule_continuation(sched2_prev) is None
+
+
+def test_kv_reserve_ratio_is_checked():
+    with pytest.raises(ValueError, match="kv_reserve_ratio"):
+        Scheduler(BlockManager(8, 4), max_num_seqs=2, max_num_batched_tokens=8, reserve_ratio=1.5)
