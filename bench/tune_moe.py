@@ -6,12 +6,13 @@ of `--tokens` (decode batches and prefill-sized steps), one layer's `fused_moe_t
 timed (CUDA events, median of `--repeats`; routing and grouping included, as a step runs
 them) with the tiling `choose_tiling` picks and with every tiling of a sweep: decode-sized
 steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, prefill-sized ones wide
-row and column tiles and the programs' order (`MoETiling.group_m`). By default every timing is of the op replayed inside a CUDA graph, as a
-decode step runs it (`--timing events` times eager calls instead: in I3 the routing's launches
-made the same decode tiling differ by up to 25% from one eager timing to the next). Each
-result carries TFLOP/s (2 x pairs x 3 x hidden x intermediate)
-and the weight bytes' TB/s, and the best tiling per shape, so the table in
-`kernels/triton_moe.py` (`choose_tiling`, "not yet swept on the H200") can be set from it.
+row and column tiles and the programs' order (`MoETiling.group_m`). By default every timing
+is of the op replayed inside a CUDA graph, as a decode step runs it (`--timing events` times
+eager calls instead: in I3 the routing's launches made the same decode tiling differ by up
+to 25% from one eager timing to the next). Each result carries TFLOP/s (2 x pairs x 3 x
+hidden x intermediate) and the weight bytes' TB/s, and the best tiling per shape, so the
+table in `kernels/triton_moe.py` (`choose_tiling`) can be set from it (`--max-tilings` cuts
+each sweep short to fit a device command).
 
     python bench/tune_moe.py --out tune-moe.json
 """

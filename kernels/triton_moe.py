@@ -113,8 +113,8 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
         else:
             tiling = MoETiling(128, 128, 64, 8, 4)
         if shared_memory and _staged_bytes(tiling, element_size) > shared_memory:
-            # ~144-192 KB of staged tiles: more than an A100 (164 KB) or an L4 holds at 4
-            # stages. The earlier 128 x 64 tiles on 3 stages stage 96 KB.
+            # 192 KB (4 stages) or 144 KB (3) of staged tiles: 4 stages are more than an A100
+            # (164 KB) holds, either more than an L4 (99 KB). 128 x 64 tiles on 3 stages: 96 KB.
             tiling = MoETiling(128, 64, 64, 8, 3, group_m=tiling.group_m)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = replace(tiling, block_k=max(16, tiling.block_k * 2 // element_size))

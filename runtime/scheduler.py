@@ -25,9 +25,10 @@ ignored, no stop strings, tokens or grammar: benchmarks), else `reserve_ratio` x
 used (1 while none has finished), so the reservation follows the workload. The engine's
 default ratio is 0.5 (SGLang starts its `new_token_ratio` at 0.7): in the simulation of
 bench/simulate_scheduler.py it costs at most 0.6% on workloads that stop early, where 0.7
-and 1.0 cost up to 2% and 4% by holding back admissions. Without it, a KV-bound run admits every prompt that fits and then preempts a
-third of its sequences as they grow, recomputing each (the Mixtral offline run: 218
-preemptions, ~16% more prefill tokens; bench/RESULTS.md).
+and 1.0 cost up to 2% and 4% by holding back admissions. Without it, a KV-bound run admits
+every prompt that fits and then preempts a third of its sequences as they grow,
+recomputing each (the Mixtral offline run: 218 preemptions, ~16% more prefill tokens; with
+it, none and 21% more output tokens/s: bench/RESULTS.md J1, K3).
 """
 
 from __future__ import annotations
