@@ -272,8 +272,8 @@ def test_a_decode_continues_before_read_back_while_the_queue_head_cannot_be_admi
     assert sched.stats.num_continuation_steps == 1
     # With 9 blocks free the head is admissible, and schedule() must decide.
     sched.finish(running[1], "length")
-    sched2_prev = [item for item in out.scheduled if item.seq is running[0]]
-    assert sched.schedule_continuation(sched2_prev) is None
+    prev = [item for item in out.scheduled if item.seq is running[0]]
+    assert sched.schedule_continuation(prev) is None
 
 
 def test_kv_reserve_ratio_is_checked():
