@@ -15,8 +15,8 @@ Host side, per `engine.step()` call (grouped by the kind of the first step it la
 seconds in scheduling, building step inputs, `ModelRunner.execute` (launching the graph or
 replaying it), the sampler's launch, reading the draw back (waiting for the device) and the
 rest of processing the step's tokens, so that the host time a mixed step waits through
-(J2: ~40 ms) can be split. Then `--profile-steps` steps from the steady state (after `--profile-after` mixed steps) run
-under torch.profiler and their kernels are summed by family (GEMM, attention,
+(J2: ~40 ms) can be split. Then `--profile-steps` steps from the steady state (after
+`--profile-after` mixed steps) run under torch.profiler and their kernels are summed by family (GEMM, attention,
 norm/RoPE/activation, other); decode steps replayed from a CUDA graph show no kernels there.
 
     python bench/profile_throughput.py --num-requests 1000 --out profile-throughput.json

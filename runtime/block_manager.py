@@ -140,8 +140,11 @@ class BlockManager:
 
     def can_admit(self, seq: Sequence, shared: list[int], num_new_tokens: int) -> bool:
         """Whether `seq` (holding no blocks) fits with `shared` blocks plus `num_new_tokens`."""
-        total = len(shared) * self.block_size + num_new_tokens
-        return -(-total // self.block_size) - len(shared) <= self.room_after(shared)
+        return self.blocks_to_admit(shared, num_new_tokens) <= self.room_after(shared)
+
+    def blocks_to_admit(self, shared: list[int], num_new_tokens: int) -> int:
+        """Blocks a waiting sequence takes beyond `shared` to hold `num_new_tokens` after them."""
+        return -(-(len(shared) * self.block_size + num_new_tokens) // self.block_size) - len(shared)
 
     def room_after(self, shared: list[int]) -> int:
         """Blocks a waiting sequence can take beyond `shared`: the available ones, less the

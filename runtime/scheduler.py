@@ -179,7 +179,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
-        reserved = self._running_reserve()
+        reserved = self._running_reserve() if self.waiting else 0  # a sum over the running: only when needed
         held: list[Sequence] = []  # siblings waiting for their first completion's prompt
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -216,7 +216,7 @@ class Scheduler:
         """Blocks a running `seq` is expected to take beyond its block table: the rest of its
         prompt (chunked prefill) and its reserved tokens."""
         total = seq.num_tokens + seq.num_inflight_tokens + self.reserved_tokens(seq)
-        return max(0, -(-total // self.block_manager.block_size) - len(seq.block_table))
+        return self.block_manager.blocks_needed(seq, total - seq.num_computed_tokens)
 
     def _running_reserve(self) -> int:
         return sum(self._reserved_blocks(seq) for seq in self.running) if self.reserve_ratio else 0
@@ -228,13 +228,12 @@ class Scheduler:
         whenever its chunk fits, so a prompt with a reservation larger than the cache still runs."""
         bm = self.block_manager
         room = bm.room_after(shared) - taken
-        bs = bm.block_size
-        if -(-(len(shared) * bs + n) // bs) - len(shared) > room:
+        if bm.blocks_to_admit(shared, n) > room:
             return False
         if not self.reserve_ratio or not self.running:
             return True
-        whole = -(-(seq.num_tokens + self.reserved_tokens(seq)) // bs) - len(shared)
-        return whole + reserved <= room
+        rest = seq.num_tokens - len(shared) * bm.block_size + self.reserved_tokens(seq)
+        return bm.blocks_to_admit(shared, rest) + reserved <= room
 
     def _head_admissible(self, budget: int, taken: int) -> bool:
         """Whether `schedule()` would admit the head of the waiting queue with `budget` tokens
