@@ -9,7 +9,8 @@ Three step shapes of the offline-throughput run (Llama-3-8B heads: 32 query, 8 K
 would cost). Each is timed (CUDA events, median of `--repeats`) for every tiling in the
 sweep and for the default choice, with the KV bytes read (decode) and FLOPs (prefill)
 turned into TB/s and TFLOP/s. `--kv-cache-dtype fp8` runs them over an e4m3 cache (with
-k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile).
+k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile) and the
+e4m3-MMA decode kernel (`keys_as_rows`).
 
     python bench/tune_attention.py --out tune-attention.json
     python bench/tune_attention.py --kv-cache-dtype fp8 --out tune-attention-fp8.json
@@ -62,9 +63,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="the cache's dtype: bf16 (auto) or e4m3 with k/v scales (fp8)")
     parser.add_argument("--kinds", default="decode,prefill,mixed", help="which steps to sweep (comma list)")
-    parser.add_argument("--decode-sweep", choices=("all", "wide"), default="all",
+    parser.add_argument("--decode-sweep", choices=("all", "wide", "rows"), default="all",
                         help="wide: only decode tiles of 32 and 64 rows (next to the default; 64 rows take Hopper's "
-                             "wgmma, which reads its B tiles from shared memory), to fit a device command")
+                             "wgmma, which reads its B tiles from shared memory), to fit a device command; rows "
+                             "(--kv-cache-dtype fp8): only the e4m3-MMA kernel with keys as the MMA's rows")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +100,11 @@ def main() -> None:
     wide_tilings = [AttentionTiling(rows, bn, 4, stages, widen_asm=fp8, v_trans=vt)
                     for rows, bn, stages, vt in itertools.product((32, 64), (64, 128), (1, 2, 3),
                                                                   (False, True) if fp8 else (False,))]
-    decode_tilings = wide_tilings if args.decode_sweep == "wide" else decode_tilings + wide_tilings
+    # Over an e4m3 cache: keys as the MMA's rows and e4m3 dots (kiln.kernels.triton_paged_decode_fp8).
+    rows_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=True, keys_as_rows=True)
+                    for bn, warps, stages in itertools.product((64, 128, 256), (4, 8), (1, 2, 3, 4))] if fp8 else []
+    decode_tilings = {"wide": wide_tilings, "rows": rows_tilings}.get(args.decode_sweep,
+                                                                       decode_tilings + wide_tilings + rows_tilings)
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
                        for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                             (False, True) if fp8 else (False,))]

@@ -10,6 +10,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 
 def pow2_at_least(n: int, minimum: int = 2) -> int:
@@ -68,3 +69,12 @@ def num_warps_for(block_elements: int) -> int:
     if block_elements >= 2048:
         return 8
     return 4
+
+
+@triton.jit
+def e4m3_to_f16(x):
+    """e4m3 -> f16 in a kernel, four values a call (two cvt.rn.f16x2.e4m3x2: sm_89 and newer,
+    see `converts_e4m3_in_hardware`). Inline assembly: CUDA only, not interpreted."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)

@@ -36,8 +36,9 @@ import triton.language as tl
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
-from kiln.kernels.triton_common import (converts_e4m3_in_hardware, max_shared_memory, multiprocessor_count,
-                                        num_warps_for, pow2_at_least)
+from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, max_shared_memory,
+                                        multiprocessor_count, num_warps_for, pow2_at_least)
+from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
@@ -161,7 +162,7 @@ def _paged_attention_kernel(
         # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
         # .to: an FP8 cache is read back in the dots' dtype, f16 (a no-op for a bf16/fp16 cache).
         k = tl.load(k_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        k = _e4m3_to_f16(k) if WIDEN_ASM else k.to(q_dot.dtype)
+        k = e4m3_to_f16(k) if WIDEN_ASM else k.to(q_dot.dtype)
         qk = tl.dot(q_dot, k, input_precision="ieee") * qk_scale
         if SOFTCAP:
             # softcap * tanh(qk / softcap), with tanh(x) = 1 - 2 / (exp(2x) + 1): exp
@@ -179,10 +180,10 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_TRANS:
             v = tl.load(v_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.trans(_e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype))
+            v = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype))
         else:
             v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = _e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype)
+            v = e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
@@ -199,17 +200,6 @@ def _paged_attention_kernel(
     else:
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=store_mask)
-
-
-@triton.jit
-def _e4m3_to_f16(x):
-    """e4m3 -> f16, four values a call (two cvt.rn.f16x2.e4m3x2). With V loaded as [D, N]
-    (V_TRANS) the V tiles then change layout as f16, instead of being cast after the layout
-    change, which moves single bytes through shared memory (128 byte loads per thread and
-    tile on sm_90). Inline assembly: CUDA only, not interpreted."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -272,8 +262,11 @@ class AttentionTiling:
     block_n: int
     num_warps: int = 0
     num_stages: int = 2
-    widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`_e4m3_to_f16`; not interpreted)
+    widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`e4m3_to_f16`; not interpreted)
     v_trans: bool = False  # load V tiles as [D, N], as K, and transpose them for the dot
+    # Decode over an FP8 cache with e4m3 MMAs, keys as the rows (`kiln.kernels.
+    # triton_paged_decode_fp8`; block_n, num_warps, num_stages and widen_asm apply).
+    keys_as_rows: bool = False
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
@@ -408,21 +401,26 @@ def attend_paged_triton(
         out = torch.zeros_like(q)  # rows of padded tokens stay zero
         part_out = part_lse = out  # unused by the kernel
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
-    _paged_attention_kernel[(num_tiles, hkv, num_splits)](
-        q, k_cache, v_cache, out, part_out, part_lse,
-        block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
-        kv_scale if kv_scale is not None else q,
-        float(scale), num_seqs, int(sliding_window), float(softcap),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
-        NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
-        WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
-        num_warps=num_warps,
-        num_stages=tiling.num_stages,
-    )
+    if tiling.keys_as_rows and t <= num_seqs and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None):
+        launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+                                kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
+                                tiling.widen_asm)
+    else:
+        _paged_attention_kernel[(num_tiles, hkv, num_splits)](
+            q, k_cache, v_cache, out, part_out, part_lse,
+            block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
+            kv_scale if kv_scale is not None else q,
+            float(scale), num_seqs, int(sliding_window), float(softcap),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None, KV_SCALE=kv_scale is not None, GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
+            NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
+            WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
+            num_warps=num_warps,
+            num_stages=tiling.num_stages,
+        )
     if num_splits > 1:
         _combine_splits_kernel[(t, hq)](
             part_out, part_lse, out, query_start_loc, num_seqs,

@@ -1,0 +1,170 @@
+"""Decode attention over an FP8 (e4m3) paged KV cache on e4m3 tensor cores.
+
+`kiln.kernels.triton_paged_attention` runs any step over any cache: its query tiles are
+(tokens x grouped heads) rows, so at decode a tile has one token's GROUP heads (4 of
+Llama-3's 16 rows) and the e4m3 keys and values must be widened to f16 and moved through
+shared memory in their new layout before its f16 MMAs. That widening and moving, not the
+HBM read, bounds it: at 1,024 sequences it reads the cache at ~1.8 TB/s, slower than the
+bf16 kernel reads twice the bytes (bench/RESULTS.md, J3).
+
+This kernel turns the decode product around: s^T = K q^T, keys as the MMA's rows (its
+64-row side, which a decode's 4-8 heads could never fill) and the heads as its 8-16
+columns. The keys are then the A operand exactly as the cache holds them (head_dim
+contiguous, "K-major"), which e4m3 tensor cores (wgmma on sm_90, mma.sync on sm_89) read
+with no widening and no layout change. The query is the e4m3 side too, split in two terms
+so that the logits keep ~7 of bf16's 8 mantissa bits: q * mul = hi + lo / 16, mul scaling
+each head's largest |q| to 448 (e4m3's largest value); hi and lo are the MMA's two column
+halves, one pass over the keys. The values take the f16 path (p^T V can't use an e4m3 A
+operand without moving single bytes: V is not K-major for it): widened by
+`e4m3_to_f16` on the GPU, then out^T += V^T p.
+
+One program per (sequence, KV head, split); a sequence bringing more than one token (never
+at a decode, but the launch decision only sees shapes) runs them one after the other,
+each with its own causal limit. Splits, sliding windows and the FP8 scales as in the
+general kernel; soft-capping and ALiBi are not here (the launcher keeps those models on
+the general kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.triton_common import e4m3_to_f16, pow2_at_least
+
+@triton.jit
+def _attend_one_token(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
+    scale, sliding_window, q_row, ctx_len, kv_head, split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+):
+    """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, COLS)
+    col_ok = cols < GROUP
+    heads = kv_head * GROUP + cols
+    # Columns [0, COLS) of the query operand are the hi terms of the heads, [COLS, 2 COLS)
+    # their lo terms (both halves load the same heads); lo carries hi's rounding error (at
+    # most 1/16 of hi's magnitude) times 16, and the logits take it back with weight 1/16.
+    cols2 = tl.arange(0, 2 * COLS)
+    heads2 = kv_head * GROUP + cols2 % COLS
+    q_t = tl.load(q_ptr + q_row * stride_qt + heads2[None, :] * stride_qh + offs_d[:, None],
+                  mask=(cols2 % COLS < GROUP)[None, :], other=0.0).to(tl.float32)  # [D, 2 COLS]
+    amax2 = tl.max(tl.abs(q_t), axis=0)
+    mul2 = tl.where(amax2 > 0.0, 448.0 / amax2, 1.0)
+    q_scaled = q_t * mul2[None, :]
+    q_hi = q_scaled.to(tl.float8e4nv).to(tl.float32)
+    q_split = tl.where((cols2 >= COLS)[None, :], (q_scaled - q_hi) * 16.0, q_scaled).to(tl.float8e4nv)
+    half_weight = tl.where(cols2 >= COLS, 0.0625, 1.0)
+    # The same per-head multiplier again, in the [COLS] layout of the softmax's statistics.
+    amax = tl.max(tl.abs(tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
+                                 mask=col_ok[None, :], other=0.0).to(tl.float32)), axis=0)
+    mul = tl.where(amax > 0.0, 448.0 / amax, 1.0)
+    # k_scale folds into the logits' scale, v_scale into the output, as in the general kernel.
+    col_scale = (scale * tl.load(kv_scale_ptr) if KV_SCALE else scale) / mul
+
+    kv_hi = ctx_len
+    kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+
+    m_i = tl.full([COLS], float("-inf"), tl.float32)
+    l_i = tl.zeros([COLS], tl.float32)
+    acc_t = tl.zeros([HEAD_DIM, COLS], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_hi
+        block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
+        # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
+        k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s_t = tl.dot(k, q_split)  # [BLOCK_N, 2 COLS], e4m3 x e4m3 -> f32
+        s = tl.sum(tl.reshape(s_t * half_weight[None, :], [BLOCK_N, 2, COLS]), axis=1) * col_scale[None, :]
+        s = tl.where(n_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out_t = acc_t / tl.where(has_keys, l_i, 1.0)[None, :]
+    if KV_SCALE:
+        out_t = out_t * tl.load(kv_scale_ptr + 1)
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_row * stride_lt + heads, lse, mask=col_ok)
+        tl.store(part_out_ptr + split * stride_ps + q_row * stride_pt + heads[None, :] * stride_ph
+                 + offs_d[:, None], out_t, mask=col_ok[None, :])
+    else:
+        tl.store(out_ptr + q_row * stride_ot + heads[None, :] * stride_oh + offs_d[:, None],
+                 out_t.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+# As the general kernel: values that change from step to step are not specialised on.
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_decode_fp8_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
+    scale, sliding_window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_bt, stride_c_blk, stride_c_off, stride_c_h,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tok in range(n_new):  # one token at a decode; none for a padded sequence
+        _attend_one_token(
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
+            scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM)
+
+
+def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
+    """Whether this kernel can run the call: an e4m3 cache, a power-of-two head size of at
+    least 32 (one e4m3 MMA step), no soft-cap, no ALiBi."""
+    return (kv_cache.dtype == torch.float8_e4m3fn and head_dim >= 32 and head_dim == pow2_at_least(head_dim)
+            and softcap <= 0.0 and not has_alibi)
+
+
+def launch_paged_decode_fp8(
+    q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
+    scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
+    widen_asm: bool,
+) -> None:
+    """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them)."""
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    group = hq // hkv
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_decode_fp8_kernel[(block_tables.shape[0], hkv, num_splits)](
+        q, k_cache, v_cache, out, part_out, part_lse,
+        block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
+        float(scale), int(sliding_window),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
+        HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
+        num_warps=num_warps, num_stages=num_stages,
+    )
