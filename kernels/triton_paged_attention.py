@@ -267,10 +267,11 @@ class AttentionTiling:
     # Decode over an FP8 cache with e4m3 MMAs, keys as the rows (`kiln.kernels.
     # triton_paged_decode_fp8`; block_n, num_warps, num_stages and widen_asm apply).
     keys_as_rows: bool = False
+    pv_e4m3: bool = False  # with keys_as_rows: p^T V on e4m3 tensor cores too (p split like q)
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
-                  fp8_cache: bool = False, widen_asm: bool = False) -> AttentionTiling:
+                  fp8_cache: bool = False, widen_asm: bool = False, e4m3_mma: bool = False) -> AttentionTiling:
     """Decode-shaped steps (one token per sequence) get short tiles, prefills tall ones.
 
     Measured on an H200 (bench/tune_attention.py, Llama-3-8B heads, the throughput
@@ -287,7 +288,15 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     (`widen_asm`, CUDA only) before the tiles change layout: 0.819 ms against 0.973 for the
     bf16 tiling at 1,024 sequences (bench/RESULTS.md, J4; same output bit for bit). The
     e4m3 tiles then take no byte-wide shared-memory traffic.
+
+    Where the e4m3-MMA decode kernel can run (`e4m3_mma`: an FP8 cache on a GPU with e4m3
+    tensor cores, and a call it supports, see `decode_fp8_supported`), a GPU-filling decode
+    takes it instead, 128 keys per iteration on 4 warps, one stage: 0.561 ms against J4's
+    0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1).
     """
+    if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
+        return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=True,
+                               keys_as_rows=True)
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
                                v_trans=True)
@@ -379,9 +388,11 @@ def attend_paged_triton(
     group_pad = pow2_at_least(group, 1)  # MHA keeps 1: the block shape is BLOCK_M = block_t * group_pad
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
+    e4m3_hardware = converts_e4m3_in_hardware(q.device)  # sm_89 and newer: e4m3 widening and MMAs
+    e4m3_mma = e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
     tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms,
-                                     fp8_cache=kv_cache.element_size() == 1,
-                                     widen_asm=converts_e4m3_in_hardware(q.device))
+                                     fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
+                                     e4m3_mma=e4m3_mma)
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad
     block_n = tiling.block_n
@@ -404,7 +415,7 @@ def attend_paged_triton(
     if tiling.keys_as_rows and t <= num_seqs and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None):
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
-                                tiling.widen_asm)
+                                tiling.widen_asm, tiling.pv_e4m3)
     else:
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,

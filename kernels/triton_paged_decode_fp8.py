@@ -41,6 +41,7 @@ def _attend_one_token(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+    PV_E4M3: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -93,8 +94,17 @@ def _attend_one_token(
         p = tl.exp(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
-        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
+        if PV_E4M3:
+            # p^T V on e4m3 tensor cores too: p (in [0, 1]) split like the query, times 448,
+            # into hi and lo / 16 columns; V^T is the A operand as e4m3.
+            p2 = tl.reshape(tl.permute(tl.join(p, p), (0, 2, 1)), [BLOCK_N, 2 * COLS]) * 448.0
+            p_hi = p2.to(tl.float8e4nv).to(tl.float32)
+            p_split = tl.where((cols2 >= COLS)[None, :], (p2 - p_hi) * 16.0, p2).to(tl.float8e4nv)
+            pv2 = tl.dot(tl.trans(v), p_split) * (half_weight / 448.0)[None, :]  # [D, 2 COLS]
+            acc_t = acc_t * alpha[None, :] + tl.sum(tl.reshape(pv2, [HEAD_DIM, 2, COLS]), axis=1)
+        else:
+            v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
+            acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -122,6 +132,7 @@ def _paged_decode_fp8_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+    PV_E4M3: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,7 +147,7 @@ def _paged_decode_fp8_kernel(
             scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM)
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, PV_E4M3)
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -150,7 +161,7 @@ def launch_paged_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-    widen_asm: bool,
+    widen_asm: bool, pv_e4m3: bool = False,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them)."""
     t, hq, d = q.shape
@@ -166,5 +177,6 @@ def launch_paged_decode_fp8(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
+        PV_E4M3=pv_e4m3,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -481,6 +481,11 @@ def test_attention_tiling_choice():
     assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True)
     assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True).block_n == 64
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True) == AttentionTiling(64, 64, 4, 2)
+    # Where the e4m3-MMA decode kernel runs: it takes GPU-filling decodes, not prefills (L1).
+    rows = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
+    assert rows == AttentionTiling(16, 128, 4, 1, widen_asm=True, keys_as_rows=True)
+    assert not choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True,
+                             e4m3_mma=True).keys_as_rows
 
 
 def test_paged_attention_more_sequences_than_one_search_chunk():
@@ -560,8 +565,9 @@ def test_paged_attention_fp8_decode_tiling_matches_the_default():
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("hq,splits,window", [(8, 1, 0), (8, 3, 0), (16, 2, 20), (4, 1, 9)])
-def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
+@pytest.mark.parametrize("hq,splits,window,pv_e4m3", [(8, 1, 0, False), (8, 3, 0, False), (16, 2, 20, False),
+                                                     (4, 1, 9, False), (8, 1, 0, True), (16, 2, 20, True)])
+def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window, pv_e4m3):
     # The e4m3-MMA decode kernel (keys as the MMA's rows, the query split into hi + lo / 16)
     # against the general kernel over the same e4m3 cache: GQA groups of 4, 8 and 2 (padded
     # to 8 columns), splits, a sliding window, per-layer scales far from 1, padded
@@ -573,7 +579,7 @@ def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
     args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2,
             window)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
-    rows_tiling = AttentionTiling(16, 32, 4, 2, widen_asm=widen, keys_as_rows=True)
+    rows_tiling = AttentionTiling(16, 32, 4, 2, widen_asm=widen, keys_as_rows=True, pv_e4m3=pv_e4m3)
     out = attend_paged_triton(*args, num_splits=splits, tiling=rows_tiling, kv_scale=kv_scale)
     ref = attend_paged_triton(*args, num_splits=1, tiling=AttentionTiling(16, 32, 4, 2), kv_scale=kv_scale)
     rows = int(batch["query_start_loc"][-1])
@@ -581,9 +587,11 @@ def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
     # The split query's logits are within ~2^-8 of its elements (bf16's own rounding is 2^-9,
     # far below the e4m3 cache's 2^-4). Relative RMS difference here 1.3-1.4e-3 (Triton's
     # interpreter rounds some casts to e4m3 wrongly; a GPU is closer); with hi alone 2.2-3.2e-3.
+    # The split probabilities (pv_e4m3) add their own: 2.0e-3.
     diff = (out.float() - ref.float())[:rows]
     assert diff.abs().max() < 0.05
-    assert diff.pow(2).mean().sqrt() < 1.8e-3 * ref.float()[:rows].pow(2).mean().sqrt()
+    bound = 2.4e-3 if pv_e4m3 else 1.8e-3
+    assert diff.pow(2).mean().sqrt() < bound * ref.float()[:rows].pow(2).mean().sqrt()
 
 
 @pytest.mark.parametrize("splits,rope,scaled,norm", [(1, False, False, False), (2, False, False, False),
