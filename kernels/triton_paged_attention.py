@@ -91,6 +91,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
+    SKIP_SINGLE_TOKENS: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,6 +110,9 @@ def _paged_attention_kernel(
     tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
     if tok0 >= n_new:
         return
+    if SKIP_SINGLE_TOKENS:
+        if n_new == 1:
+            return  # a one-token sequence of a mixed step: the e4m3-MMA decode kernel's
     ctx_len = tl.load(seq_lens_ptr + seq)
     first_pos = ctx_len - n_new  # position of the sequence's first new token
 
@@ -267,7 +271,9 @@ class AttentionTiling:
     # Decode over an FP8 cache with e4m3 MMAs, keys as the rows (`kiln.kernels.
     # triton_paged_decode_fp8`; block_n, num_warps, num_stages and widen_asm apply).
     keys_as_rows: bool = False
-    pv_e4m3: bool = False  # with keys_as_rows: p^T V on e4m3 tensor cores too (p split like q)
+    # A step with more tokens than sequences (mixed): its one-token sequences go to that
+    # kernel (128 keys, 4 warps, one stage) and the general kernel skips them.
+    singles_as_rows: bool = False
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
@@ -292,7 +298,9 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     Where the e4m3-MMA decode kernel can run (`e4m3_mma`: an FP8 cache on a GPU with e4m3
     tensor cores, and a call it supports, see `decode_fp8_supported`), a GPU-filling decode
     takes it instead, 128 keys per iteration on 4 warps, one stage: 0.561 ms against J4's
-    0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1).
+    0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1); and in a
+    mixed step it takes the one-token sequences (`singles_as_rows`), which the general
+    kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
     """
     if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=True,
@@ -306,7 +314,7 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
             return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=3)
         return AttentionTiling(DECODE_TILE_ROWS, block_n=64 if d_pad <= 128 else 32)
     return AttentionTiling(PREFILL_TILE_ROWS, block_n=64 if d_pad <= 128 else 32,
-                           num_warps=4 if d_pad <= 128 else 0)
+                           num_warps=4 if d_pad <= 128 else 0, singles_as_rows=e4m3_mma and d_pad <= 128)
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
@@ -415,8 +423,13 @@ def attend_paged_triton(
     if tiling.keys_as_rows and t <= num_seqs and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None):
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
-                                tiling.widen_asm, tiling.pv_e4m3)
+                                tiling.widen_asm)
     else:
+        singles_as_rows = tiling.singles_as_rows and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
+        if singles_as_rows:
+            launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+                                    kv_scale, scale, sliding_window, num_splits, 128, 4, 1, tiling.widen_asm,
+                                    single_tokens_only=True)
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
@@ -429,6 +442,7 @@ def attend_paged_triton(
             HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
             NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
+            SKIP_SINGLE_TOKENS=singles_as_rows,
             num_warps=num_warps,
             num_stages=tiling.num_stages,
         )

@@ -14,13 +14,15 @@ contiguous, "K-major"), which e4m3 tensor cores (wgmma on sm_90, mma.sync on sm_
 with no widening and no layout change. The query is the e4m3 side too, split in two terms
 so that the logits keep ~7 of bf16's 8 mantissa bits: q * mul = hi + lo / 16, mul scaling
 each head's largest |q| to 448 (e4m3's largest value); hi and lo are the MMA's two column
-halves, one pass over the keys. The values take the f16 path (p^T V can't use an e4m3 A
-operand without moving single bytes: V is not K-major for it): widened by
-`e4m3_to_f16` on the GPU, then out^T += V^T p.
+halves, one pass over the keys. The values take the f16 path: widened by `e4m3_to_f16`
+on the GPU, then out^T += V^T p. (On e4m3 tensor cores V^T would be an A operand that is not
+K-major; on the H200 with Triton 3.6 that variant, p split like q, hit an illegal address,
+and reading V as if the cache stored it transposed ran 3.5x slower: RESULTS, L3.)
 
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
-each with its own causal limit. Splits, sliding windows and the FP8 scales as in the
+each with its own causal limit. In a mixed step (`SINGLE_TOKENS_ONLY`) the kernel takes only
+the one-token sequences and the general kernel the rest. Splits, sliding windows and the FP8 scales as in the
 general kernel; soft-capping and ALiBi are not here (the launcher keeps those models on
 the general kernel).
 """
@@ -41,7 +43,6 @@ def _attend_one_token(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    PV_E4M3: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -94,17 +95,8 @@ def _attend_one_token(
         p = tl.exp(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        if PV_E4M3:
-            # p^T V on e4m3 tensor cores too: p (in [0, 1]) split like the query, times 448,
-            # into hi and lo / 16 columns; V^T is the A operand as e4m3.
-            p2 = tl.reshape(tl.permute(tl.join(p, p), (0, 2, 1)), [BLOCK_N, 2 * COLS]) * 448.0
-            p_hi = p2.to(tl.float8e4nv).to(tl.float32)
-            p_split = tl.where((cols2 >= COLS)[None, :], (p2 - p_hi) * 16.0, p2).to(tl.float8e4nv)
-            pv2 = tl.dot(tl.trans(v), p_split) * (half_weight / 448.0)[None, :]  # [D, 2 COLS]
-            acc_t = acc_t * alpha[None, :] + tl.sum(tl.reshape(pv2, [HEAD_DIM, 2, COLS]), axis=1)
-        else:
-            v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
-            acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
+        v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -132,7 +124,7 @@ def _paged_decode_fp8_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    PV_E4M3: tl.constexpr,
+    SINGLE_TOKENS_ONLY: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,13 +133,15 @@ def _paged_decode_fp8_kernel(
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if SINGLE_TOKENS_ONLY and n_new != 1:
+        return  # a mixed step's prefill: the general kernel's (see attend_paged_triton)
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
             scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, PV_E4M3)
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM)
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -161,9 +155,10 @@ def launch_paged_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-    widen_asm: bool, pv_e4m3: bool = False,
+    widen_asm: bool, single_tokens_only: bool = False,
 ) -> None:
-    """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them)."""
+    """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
+    With `single_tokens_only`, only the rows of sequences that bring one token this step."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     group = hq // hkv
@@ -177,6 +172,6 @@ def launch_paged_decode_fp8(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
-        PV_E4M3=pv_e4m3,
+        SINGLE_TOKENS_ONLY=single_tokens_only,
         num_warps=num_warps, num_stages=num_stages,
     )
