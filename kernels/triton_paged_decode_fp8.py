@@ -14,10 +14,12 @@ contiguous, "K-major"), which e4m3 tensor cores (wgmma on sm_90, mma.sync on sm_
 with no widening and no layout change. The query is the e4m3 side too, split in two terms
 so that the logits keep ~7 of bf16's 8 mantissa bits: q * mul = hi + lo / 16, mul scaling
 each head's largest |q| to 448 (e4m3's largest value); hi and lo are the MMA's two column
-halves, one pass over the keys. The values take the f16 path: widened by `e4m3_to_f16`
-on the GPU, then out^T += V^T p. (On e4m3 tensor cores V^T would be an A operand that is not
-K-major; on the H200 with Triton 3.6 that variant, p split like q, hit an illegal address,
-and reading V as if the cache stored it transposed ran 3.5x slower: RESULTS, L3.)
+halves, one pass over the keys. The split keeps the logits closer to the bf16 query's than
+rounding it to bf16 would (its error is ~2^-8 of each element), and far below the e4m3
+cache's own 2^-4. The values take the f16 path: widened by `e4m3_to_f16` on the GPU, then
+out^T += V^T p. (On e4m3 tensor cores V^T would be an A operand that is not K-major; on the
+H200 with Triton 3.6 that variant, p split like q, hit an illegal address, and reading V as
+if the cache stored it transposed ran 3.5x slower: bench/RESULTS.md, L2 and L3.)
 
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
