@@ -78,3 +78,14 @@ def e4m3_to_f16(x):
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
         "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [kv_lo, kv_hi) of KV split `split` of NUM_SPLITS (flash-decoding): equal chunks,
+    each a whole number of BLOCK_N tiles; the last may be short or empty."""
+    if NUM_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_lo + split * chunk
+        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+    return kv_lo, kv_hi

@@ -36,7 +36,7 @@ import triton.language as tl
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
-from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, max_shared_memory,
+from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range, max_shared_memory,
                                         multiprocessor_count, num_warps_for, pow2_at_least)
 from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
@@ -149,10 +149,7 @@ def _paged_attention_kernel(
     # Keys this tile can see: up to its last token, from its first token's window start.
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
     kv_lo = tl.where(sliding_window > 0, tl.maximum(first_pos + tok0 - sliding_window + 1, 0), 0)
-    if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = kv_lo + split * chunk
-        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+    kv_lo, kv_hi = kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import e4m3_to_f16, pow2_at_least
+from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_least
 
 @triton.jit
 def _attend_one_token(
@@ -73,10 +73,7 @@ def _attend_one_token(
 
     kv_hi = ctx_len
     kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
-    if NUM_SPLITS > 1:
-        chunk = tl.cdiv(tl.cdiv(kv_hi - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = kv_lo + split * chunk
-        kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
+    kv_lo, kv_hi = kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
