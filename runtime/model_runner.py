@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from kiln.compiler.buckets import Bucket, BucketPlan, decode_bucket
@@ -34,57 +35,58 @@ def prompt_logprob_positions(seq: Any, begin: int, num_new_tokens: int) -> range
 
 
 def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, device: torch.device | str) -> StepInputs:
+    # One pass over the scheduled sequences collects per-sequence numbers and the token ids;
+    # per-token arrays (positions, slots, logits rows) are then computed with numpy and shared
+    # with torch, not built as Python lists (torch.tensor over 16k-element lists was most of
+    # the time): 13.7 -> 4.0 ms for a 16k-token mixed step of 900 decodes and 30 prompts on
+    # CI's CPU. A mixed step's inputs are host time the GPU waits through (K1: 12.0 ms a step).
+    num_seqs = len(step.scheduled)
     tokens: list[int] = []
-    positions: list[int] = []
-    seq_lens: list[int] = []
-    starts = [0]
-    sample_rows: list[int] = []
-    prompt_rows: list[int] = []  # SamplingParams.prompt_logprobs: see `prompt_logprob_rows`
+    begins = np.empty(num_seqs, dtype=np.int64)
+    counts = np.empty(num_seqs, dtype=np.int64)
+    samples = np.zeros(num_seqs, dtype=bool)
+    prompt_chunks: list[tuple[int, range]] = []  # SamplingParams.prompt_logprobs: see `prompt_logprob_rows`
     tables = []
-    for item in step.scheduled:
+    for i, item in enumerate(step.scheduled):
         seq, n = item.seq, item.num_new_tokens
         begin = seq.num_computed_tokens
         ids = seq.all_token_ids[begin:begin + n]
         # A continuation step (async scheduling) computes a token still on the device: its
         # id is a placeholder here, and the runner takes the real one from the device.
         tokens.extend(ids if len(ids) == n else ids + [0] * (n - len(ids)))
-        positions.extend(range(begin, begin + n))
-        seq_lens.append(begin + n)
-        starts.append(starts[-1] + n)
-        if item.samples:
-            sample_rows.append(starts[-1] - 1)
-        prompt_rows.extend(starts[-2] + (p - begin) for p in prompt_logprob_positions(seq, begin, n))
+        begins[i], counts[i], samples[i] = begin, n, item.samples
+        if seq.params.prompt_logprobs is not None:
+            prompt_chunks.append((i, prompt_logprob_positions(seq, begin, n)))
         tables.append(seq.block_table)
-    # Block tables: one flat tensor scattered into the padded rows (0 is the null block), and
-    # the slots gathered from them in one indexing op, instead of a padded list per row and a
-    # call per token: 11.5 -> 7.0 ms for a 16k-token mixed step, 9.0 -> 6.7 ms for 940 decodes
-    # (CI's CPU, one thread). A mixed step's preparation is host time the GPU waits through.
-    lengths = [len(t) for t in tables]
-    width = max(1, max(lengths))
-    block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
-    block_tables[torch.arange(width) < torch.tensor(lengths)[:, None]] = torch.tensor(
-        list(itertools.chain.from_iterable(tables)), dtype=torch.int32)
-    position_ids = torch.tensor(positions, dtype=torch.long)
-    query_start_loc = torch.tensor(starts, dtype=torch.int32)
-    rows = torch.repeat_interleave(torch.arange(len(tables)), query_start_loc.diff())
+    starts = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    num_tokens = int(starts[-1])
+    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(starts[:-1] - begins, counts)
+    prompt_rows = [int(starts[i]) + (p - int(begins[i])) for i, chunk in prompt_chunks for p in chunk]
+    logits_indices = np.concatenate([starts[1:][samples] - 1, np.asarray(prompt_rows, dtype=np.int64)])
+    # Block tables: one flat array scattered into the padded rows (0 is the null block), and
+    # the slots gathered from them in one indexing op.
+    lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=num_seqs)
+    width = max(1, int(lengths.max(initial=0)))
+    block_tables = np.zeros((num_seqs, width), dtype=np.int32)
+    block_tables[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
     bs = block_manager.block_size
-    slot_mapping = block_tables[rows, position_ids // bs].long() * bs + position_ids % bs
-
-    def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype)
+    rows = np.repeat(np.arange(num_seqs), counts)
+    slot_mapping = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
 
     inputs = StepInputs(
-        input_ids=t(tokens, torch.long).unsqueeze(0),
-        position_ids=position_ids.unsqueeze(0),
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        seq_lens=t(seq_lens, torch.int32),
-        query_start_loc=query_start_loc,
+        input_ids=torch.from_numpy(np.fromiter(tokens, dtype=np.int64, count=num_tokens)).unsqueeze(0),
+        position_ids=torch.from_numpy(positions).unsqueeze(0),
+        slot_mapping=torch.from_numpy(slot_mapping),
+        block_tables=torch.from_numpy(block_tables),
+        seq_lens=torch.from_numpy((begins + counts).astype(np.int32)),
+        query_start_loc=torch.from_numpy(starts.astype(np.int32)),
         # Sampled rows first (the sampler takes the first len(sample_rows)), then prompt rows.
-        logits_indices=t(sample_rows + prompt_rows, torch.long),
+        logits_indices=torch.from_numpy(logits_indices),
     )
     # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
-    sizes = bucket_sizes(len(tokens), len(seq_lens), len(sample_rows) + len(prompt_rows), width)
+    sizes = bucket_sizes(num_tokens, num_seqs, len(logits_indices), width)
     for name, spec in BATCH_INPUTS.items():
         if name not in inputs:
             inputs[name] = spec.empty_step_value(sizes)

@@ -262,6 +262,34 @@ def test_random_workload_exercises_preemption_prefix_hits_and_forks(caching):
     assert bm.num_used_blocks == 0 and not sched.live_sequences()
 
 
+def test_step_inputs_tokens_lengths_and_logits_rows():
+    # The per-sequence numbers of a step (computed with numpy from one pass over the
+    # sequences): token ids (a continuation's token still on the device is a 0 placeholder),
+    # lengths, offsets, and the logits rows: sampled rows first, then prompt-logprob rows.
+    from kiln.runtime.model_runner import prepare_step_inputs
+    from kiln.runtime.scheduler import ScheduledSequence, SchedulerOutput
+
+    bm = BlockManager(num_blocks=64, block_size=4)
+    chunked = Sequence(0, "0", list(range(100, 110)), SamplingParams(max_tokens=8, prompt_logprobs=1))
+    decode = Sequence(1, "1", [5, 6, 7], SamplingParams(max_tokens=8))
+    decode.output_token_ids.append(8)
+    continuation = Sequence(2, "2", [9, 10], SamplingParams(max_tokens=8))
+    whole = Sequence(3, "3", [11, 12, 13], SamplingParams(max_tokens=8, prompt_logprobs=0))
+    plan = [(chunked, 4, 5, False), (decode, 3, 1, True), (continuation, 2, 1, True), (whole, 0, 3, True)]
+    items = []
+    for seq, computed, n, samples in plan:
+        bm.admit(seq, [], computed + n, from_cache=False)
+        seq.num_computed_tokens = computed
+        items.append(ScheduledSequence(seq, n, samples=samples))
+    inputs = prepare_step_inputs(SchedulerOutput(scheduled=items), bm, "cpu")
+    assert inputs["input_ids"][0].tolist() == [104, 105, 106, 107, 108, 8, 0, 11, 12, 13]
+    assert inputs["seq_lens"].tolist() == [9, 4, 3, 3]
+    assert inputs["query_start_loc"].tolist() == [0, 5, 6, 7, 10]
+    # Sampled: the last rows of decode, continuation and whole (6 - 1, 7 - 1, 10 - 1); then the
+    # prompt rows: chunked's positions 4-8 (rows 0-4), whole's positions 0-1 (rows 7-8).
+    assert inputs["logits_indices"].tolist() == [5, 6, 9, 0, 1, 2, 3, 4, 7, 8]
+
+
 def test_step_inputs_slots_and_tables_follow_the_block_tables():
     # prepare_step_inputs gathers slots from the padded block-table tensor in one op: they
     # must be what the block manager's own mapping says, for prefill chunks that start
