@@ -566,10 +566,10 @@ def test_paged_attention_fp8_decode_tiling_matches_the_default():
     torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("hq,splits,window", [(8, 1, 0), (8, 3, 0), (16, 2, 20), (4, 1, 9)])
+@pytest.mark.parametrize("hq,splits,window", [(8, 1, 0), (8, 3, 0), (16, 2, 20), (4, 1, 9), (6, 2, 0)])
 def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
     # The e4m3-MMA decode kernel (keys as the MMA's rows, the query split into hi + lo / 16)
-    # against the general kernel over the same e4m3 cache: GQA groups of 4, 8 and 2 (padded
+    # against the general kernel over the same e4m3 cache: GQA groups of 4, 8, 2 and 3 (padded
     # to 8 columns), splits, a sliding window, per-layer scales far from 1, padded
     # sequences (no token) and one sequence that brings two tokens (run one after the other).
     batch = _fp8_cache(make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=hq,
