@@ -269,8 +269,14 @@ class AttentionTiling:
     # triton_paged_decode_fp8`; block_n, num_warps, num_stages and widen_asm apply).
     keys_as_rows: bool = False
     # A step with more tokens than sequences (mixed): its one-token sequences go to that
-    # kernel (128 keys, 4 warps, one stage) and the general kernel skips them.
+    # kernel (at KEYS_AS_ROWS_DECODE's launch shape) and the general kernel skips them.
     singles_as_rows: bool = False
+
+
+# The e4m3-MMA decode kernel's launch shape (bench/RESULTS.md, L1): 128 keys per iteration,
+# 4 warps, one stage, V widened by inline assembly.
+KEYS_AS_ROWS_DECODE = AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=True,
+                                      keys_as_rows=True)
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
@@ -300,8 +306,7 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
     """
     if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
-        return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=True,
-                               keys_as_rows=True)
+        return KEYS_AS_ROWS_DECODE
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
                                v_trans=True)
@@ -424,9 +429,10 @@ def attend_paged_triton(
     else:
         singles_as_rows = tiling.singles_as_rows and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
         if singles_as_rows:
+            rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
             launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
-                                    kv_scale, scale, sliding_window, num_splits, 128, 4, 1, tiling.widen_asm,
-                                    single_tokens_only=True)
+                                    kv_scale, scale, sliding_window, num_splits, rows.block_n, rows.num_warps,
+                                    rows.num_stages, e4m3_hardware, single_tokens_only=True)
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
