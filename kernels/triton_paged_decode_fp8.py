@@ -7,26 +7,28 @@ shared memory in their new layout before its f16 MMAs. That widening and moving,
 HBM read, bounds it: at 1,024 sequences it reads the cache at ~1.8 TB/s, slower than the
 bf16 kernel reads twice the bytes (bench/RESULTS.md, J3).
 
-This kernel turns the decode product around: s^T = K q^T, keys as the MMA's rows (its
-64-row side, which a decode's 4-8 heads could never fill) and the heads as its 8-16
-columns. The keys are then the A operand exactly as the cache holds them (head_dim
-contiguous, "K-major"), which e4m3 tensor cores (wgmma on sm_90, mma.sync on sm_89) read
-with no widening and no layout change. The query is the e4m3 side too, split in two terms
-so that the logits keep ~7 of bf16's 8 mantissa bits: q * mul = hi + lo / 16, mul scaling
-each head's largest |q| to 448 (e4m3's largest value); hi and lo are the MMA's two column
-halves, one pass over the keys. The split keeps the logits closer to the bf16 query's than
-rounding it to bf16 would (its error is ~2^-8 of each element), and far below the e4m3
-cache's own 2^-4. The values take the f16 path: widened by `e4m3_to_f16` on the GPU, then
-out^T += V^T p. (On e4m3 tensor cores V^T would be an A operand that is not K-major; on the
-H200 with Triton 3.6 that variant, p split like q, hit an illegal address, and reading V as
-if the cache stored it transposed ran 3.5x slower: bench/RESULTS.md, L2 and L3.)
+This kernel turns the decode product around: s^T = K q^T, keys as the MMA's rows (its 64-row
+side, which a decode's 4-8 heads could never fill) and the heads as its 8-16 columns. The
+keys are then the A operand exactly as the cache holds them (head_dim contiguous,
+"K-major"), which e4m3 tensor cores (wgmma on sm_90, mma.sync on sm_89) read with no
+widening and no layout change. The query is the e4m3 side too, split in two terms, q * mul =
+hi + lo / 16 (mul scales each head's largest |q| to 448, e4m3's largest value): hi holds the
+4 leading significant bits of each element and lo most of the next 4. Its error is at most
+~2^-8 of an element; on Gaussian heads of 128 the logits of a bf16 query move about a third
+as much as rounding an f32 query to bf16 moves them, far less than the e4m3 cache's own 2^-4
+error. (A power-of-two mul would keep a bf16 query exactly; not yet tried on a GPU.) hi and
+lo are the MMA's two column halves: one pass over the keys. The values take the f16 path:
+widened by `e4m3_to_f16` on the GPU, then out^T += V^T p. (On e4m3 tensor cores V^T would be
+an A operand that is not K-major; on the H200 with Triton 3.6 that variant, p split like q,
+hit an illegal address, and reading V as if the cache stored it transposed ran 3.5x slower:
+bench/RESULTS.md, L2 and L3.)
 
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
 each with its own causal limit. In a mixed step (`SINGLE_TOKENS_ONLY`) the kernel takes only
-the one-token sequences and the general kernel the rest. Splits, sliding windows and the FP8 scales as in the
-general kernel; soft-capping and ALiBi are not here (the launcher keeps those models on
-the general kernel).
+the one-token sequences and the general kernel the rest. Splits, sliding windows and the
+FP8 scales as in the general kernel; soft-capping and ALiBi are not here (the launcher keeps
+those models on the general kernel).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_least
+
 
 @triton.jit
 def _attend_one_token(
