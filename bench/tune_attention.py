@@ -6,8 +6,9 @@ Three step shapes of the offline-throughput run (Llama-3-8B heads: 32 query, 8 K
   prefill - `--prefill-tokens` new tokens in whole prompts of 128-1024 tokens;
   mixed   - both in one call, as a mixed step of continuous batching runs them
 (decode + prefill, each at its best tiling, is what splitting a mixed step's launch in two
-would cost). Each is timed (CUDA events, median of `--repeats`) for every tiling in the
-sweep and for the default choice, with the KV bytes read (decode) and FLOPs (prefill)
+would cost). Each is timed for every tiling in the sweep and for the default choice, as
+`--repeats` replays of a CUDA graph of the call (`--timing events`: the median of eager
+calls, which also times the launcher), with the KV bytes read (decode) and FLOPs (prefill)
 turned into TB/s and TFLOP/s. `--kv-cache-dtype fp8` runs them over an e4m3 cache (with
 k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile) and the
 e4m3-MMA decode kernel (`keys_as_rows`).
@@ -67,6 +68,10 @@ def main() -> None:
                         help="wide: only decode tiles of 32 and 64 rows (next to the default; 64 rows take Hopper's "
                              "wgmma, which reads its B tiles from shared memory), to fit a device command; rows "
                              "(--kv-cache-dtype fp8): only the e4m3-MMA kernel with keys as the MMA's rows")
+    parser.add_argument("--timing", choices=("graph", "events"), default="graph",
+                        help="graph: replays of a CUDA graph of the call, as a decode step runs it (default); "
+                             "events: eager calls, which also time the launcher's Python (~60 us at 1,024 "
+                             "sequences; the runs before 2026-12-01's L-series timed this way)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -123,7 +128,8 @@ def main() -> None:
                 return attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
                                            step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)
             try:
-                ms = bc.median_cuda_ms(call, args.repeats)
+                ms = (bc.graph_time_us([call], replays=args.repeats) / 1e3 if args.timing == "graph"
+                      else bc.median_cuda_ms(call, args.repeats))
                 out = call().float()
             except Exception as e:  # a tiling the compiler rejects (shared memory): skip it
                 rows.append({"tiling": repr(tiling), "error": str(e)[:120]})
