@@ -82,7 +82,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         block_tables=torch.from_numpy(block_tables),
         seq_lens=torch.from_numpy((begins + counts).astype(np.int32)),
         query_start_loc=torch.from_numpy(starts.astype(np.int32)),
-        # Sampled rows first (the sampler takes the first len(sample_rows)), then prompt rows.
+        # Sampled rows first (the sampler takes one per sampling sequence), then prompt rows.
         logits_indices=torch.from_numpy(logits_indices),
     )
     # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
