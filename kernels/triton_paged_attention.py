@@ -399,7 +399,8 @@ def attend_paged_triton(
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
     e4m3_hardware = converts_e4m3_in_hardware(q.device)  # sm_89 and newer: e4m3 widening and MMAs
-    e4m3_mma = e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
+    rows_kernel_fits = decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
+    e4m3_mma = e4m3_hardware and rows_kernel_fits
     tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms,
                                      fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
                                      e4m3_mma=e4m3_mma)
@@ -422,12 +423,12 @@ def attend_paged_triton(
         out = torch.zeros_like(q)  # rows of padded tokens stay zero
         part_out = part_lse = out  # unused by the kernel
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
-    if tiling.keys_as_rows and t <= num_seqs and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None):
+    if tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits:
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
                                 tiling.widen_asm)
     else:
-        singles_as_rows = tiling.singles_as_rows and decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
+        singles_as_rows = tiling.singles_as_rows and rows_kernel_fits
         if singles_as_rows:
             rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
             launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,

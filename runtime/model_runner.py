@@ -55,8 +55,9 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         # id is a placeholder here, and the runner takes the real one from the device.
         tokens.extend(ids if len(ids) == n else ids + [0] * (n - len(ids)))
         begins[i], counts[i], samples[i] = begin, n, item.samples
-        if seq.params.prompt_logprobs is not None:
-            prompt_chunks.append((i, prompt_logprob_positions(seq, begin, n)))
+        chunk = prompt_logprob_positions(seq, begin, n)
+        if chunk:
+            prompt_chunks.append((i, chunk))
         tables.append(seq.block_table)
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
