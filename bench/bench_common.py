@@ -287,3 +287,11 @@ def graph_time_us(fns: list[Callable[[], Any]], replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * len(fns))
+
+
+def call_ms(fn: Callable[[], Any], repeats: int, timing: str) -> float:
+    """Milliseconds per call of `fn`: "graph" times `repeats` replays of a CUDA graph of it
+    (as a decode step runs it: no launcher Python), "events" the median of eager calls."""
+    if timing == "graph":
+        return graph_time_us([fn], replays=repeats) / 1e3
+    return median_cuda_ms(fn, repeats)

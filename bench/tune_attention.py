@@ -128,8 +128,7 @@ def main() -> None:
                 return attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
                                            step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)
             try:
-                ms = (bc.graph_time_us([call], replays=args.repeats) / 1e3 if args.timing == "graph"
-                      else bc.median_cuda_ms(call, args.repeats))
+                ms = bc.call_ms(call, args.repeats, args.timing)
                 out = call().float()
             except Exception as e:  # a tiling the compiler rejects (shared memory): skip it
                 rows.append({"tiling": repr(tiling), "error": str(e)[:120]})

@@ -86,9 +86,7 @@ def main() -> None:
                 return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling)
 
             def time_ms(tiling: Any = None) -> float:
-                if args.timing == "graph":
-                    return bc.graph_time_us([lambda: run(tiling)], replays=args.repeats) / 1e3
-                return bc.median_cuda_ms(lambda: run(tiling), args.repeats)
+                return bc.call_ms(lambda: run(tiling), args.repeats, args.timing)
 
             default = choose_tiling(pairs, experts, inter, hidden)
             bc.warm_gpu()  # the default is timed first: not at idle clocks
