@@ -186,12 +186,11 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
             tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
 
-# At a few rows (decode) the grid is a few programs on a 132-SM GPU, so each row's time is
-# its latency: the two-pass loop over 14,336 columns in blocks of 1,024 took 17.5 µs a row on
-# the H200 (run H1), ~10x what its bytes need. Rows up to this many are done in one pass with
-# the whole row in one block (up to ONE_PASS_MAX_COLS columns); more rows keep the two-pass
-# loop, whose small blocks leave room for many programs per SM.
-ONE_PASS_MAX_ROWS = 64
+# One program per row. The whole row in one block (one pass: gate and up read once, the
+# products kept in registers for the quantization) is faster at every row count measured on
+# the H200 (14,336 columns, CUDA graphs; bench/RESULTS.md, M2): 6.9 against 14.1 us at 1 row,
+# 34 against 45 at 929, 468 against 509 at 16,384. The two-pass loop (blocks of 1,024: the row
+# read twice, the second time partly from L2) is kept for rows wider than ONE_PASS_MAX_COLS.
 ONE_PASS_MAX_COLS = 32768
 
 
@@ -201,7 +200,7 @@ def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024,
     so a launch can be captured in a CUDA graph. `one_pass` forces the kind (tests)."""
     whole = triton.next_power_of_2(n_cols)
     if one_pass is None:
-        one_pass = rows <= ONE_PASS_MAX_ROWS and whole <= ONE_PASS_MAX_COLS
+        one_pass = whole <= ONE_PASS_MAX_COLS
     if one_pass:
         return True, whole, 16 if whole >= 8192 else 8 if whole >= 2048 else 4
     return False, min(block, whole), 4

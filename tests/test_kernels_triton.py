@@ -723,7 +723,7 @@ def test_silu_and_mul_quant_plan():
 
     assert silu_and_mul_quant_plan(1, 14336) == (True, 16384, 16)  # decode: the whole row at once
     assert silu_and_mul_quant_plan(64, 80) == (True, 128, 4)
-    assert silu_and_mul_quant_plan(65, 14336) == (False, 1024, 4)  # prefill-sized: two passes
+    assert silu_and_mul_quant_plan(16384, 14336) == (True, 16384, 16)  # prefill-sized too
     assert silu_and_mul_quant_plan(1, 65536)[0] is False  # a row too wide for one block
 
 
