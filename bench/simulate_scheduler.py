@@ -54,9 +54,9 @@ def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, a
     for i, n in enumerate(prompt_lens):
         sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[3] * n, params=params))
         wanted[i] = out_lens[i]
-    ms, tokens, outputs, synchronous, prev = 0.0, 0, 0, 0, None
+    ms, tokens, outputs, synchronous, continuable = 0.0, 0, 0, 0, False
     while sched.has_unfinished():
-        items = sched.schedule_continuation(prev) if prev else None
+        items = sched.schedule_continuation() if continuable else None
         if items is None:
             items = sched.schedule().scheduled
             ms += args.host_ms
@@ -74,8 +74,9 @@ def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, a
                     ended.append(item.seq)
         for seq in ended:
             sched.finish(seq, "length" if seq.num_output_tokens >= max_tokens else "stop")
-        # The engine reads a step back before the next when a sequence ended in it.
-        prev = items if not ended and all(item.samples for item in items) else None
+        # The engine reads a step back before the next when a sequence ended in it (by its
+        # length; one that stops on a token is only dropped later, its extra token discarded).
+        continuable = not ended
     return {"seconds": ms / 1e3, "output_tokens_per_s": outputs / ms * 1e3, "computed_tokens": tokens,
             "preemptions": sched.stats.num_preemptions, "steps": sched.stats.num_steps,
             "synchronous_steps": synchronous, "used_fraction": sched.used_fraction}

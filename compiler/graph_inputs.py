@@ -205,7 +205,12 @@ class StepInputs(dict):
         return dict(self)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "StepInputs":
-        return StepInputs({k: v.to(device, non_blocking=non_blocking) for k, v in self.items()})
+        """On `device`. Host tensors bound for a GPU go through pinned memory, so that the
+        copies are queued behind the step in flight instead of waiting for it (async
+        scheduling launches the next step while the device still runs this one)."""
+        pin = non_blocking and torch.device(device).type == "cuda"
+        return StepInputs({k: (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v
+                               ).to(device, non_blocking=non_blocking) for k, v in self.items()})
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.graph_inputs import StepInputs
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
@@ -72,6 +73,37 @@ class _LaunchedStep:
     def ended(self) -> bool:
         """Every sequence it samples for has ended meanwhile (aborted, stopped)."""
         return all(seq.is_finished for seq in self.sampling)
+
+
+def continuation_input_ids(inputs: StepInputs, scheduled: list[ScheduledSequence], prev: _LaunchedStep
+                           ) -> torch.Tensor | None:
+    """A continuation's input ids on the device: the host's (`inputs.input_ids`, with a 0
+    placeholder where a token is in flight), each sequence `prev` samples for taking its new
+    token from `prev`'s draw. None when `prev` samples nothing (the host's ids are complete)."""
+    if prev.pending is None:
+        return None
+    drawn = prev.pending.tokens
+    if len(scheduled) == len(prev.sampling) and all(
+            item.seq is seq and item.num_new_tokens == 1 for item, seq in zip(scheduled, prev.sampling)):
+        return drawn  # a decode step of the same sequences: the draw as it is
+    row_of = {id(seq): row for row, seq in enumerate(prev.sampling)}
+    targets, rows = [], []
+    offset = 0
+    for item in scheduled:
+        row = row_of.get(id(item.seq))
+        if row is not None:  # its first new token is the one `prev` is sampling
+            targets.append(offset)
+            rows.append(row)
+        offset += item.num_new_tokens
+    # Every copy is queued (pinned host memory, non_blocking): a blocking one would wait for
+    # `prev` to finish, which is what a continuation is launched early to avoid.
+    host = StepInputs(ids=inputs.input_ids[0], targets=torch.tensor(targets, dtype=torch.int64),
+                      rows=torch.tensor(rows, dtype=torch.int64))
+    dev = host.to(drawn.device)
+    ids = dev.ids
+    if targets:
+        ids[dev.targets] = drawn[dev.rows].to(ids.dtype)
+    return ids
 
 
 @dataclass
@@ -426,12 +458,13 @@ class LLMEngine:
         """Run one engine step; returns the outputs of requests that produced tokens or ended.
 
         Async scheduling keeps at most one step in flight: a step is launched (inputs
-        uploaded, graph replayed, draw queued on the device), then, when the next step is a
-        plain decode continuation of it (`Scheduler.schedule_continuation`), that one is
-        launched too, its input ids taken on the device from the first one's draw, and only
-        then are the first one's tokens read back and processed while the device computes.
-        A sequence that turns out to end with the token read back (EOS, a stop string, an
-        abort) is dropped when the next step is read back: its extra token is discarded.
+        uploaded, graph replayed, draw queued on the device), then the next step is scheduled
+        as a continuation of it (`Scheduler.schedule_continuation`: decodes and prefill
+        chunks alike, unless it would preempt) and launched too, the ids of the tokens the
+        first one is sampling taken from its draw on the device, and only then are the first
+        one's tokens read back and processed while the device computes. A sequence that
+        turns out to end with the token read back (EOS, a stop string, an abort) is dropped
+        when the next step is read back: its extra token is discarded.
 
         With tensor parallelism the continuation is only sent to the ranks; its logits are
         read, and its draw queued, at the start of the next call, so that the ranks run it
@@ -452,15 +485,17 @@ class LLMEngine:
             self._in_flight = self._launch_continuation(launched)
         return self._collect(launched)
 
-    def _launch(self, scheduled: list[ScheduledSequence], input_ids: torch.Tensor | None = None) -> _LaunchedStep:
+    def _launch(self, scheduled: list[ScheduledSequence], prev: _LaunchedStep | None = None) -> _LaunchedStep:
         """Run `scheduled` on the device (tensor parallelism: send it to the ranks); nothing
-        is read back, and its draw is queued by `_start_draw`."""
+        is read back, and its draw is queued by `_start_draw`. A continuation of `prev` takes
+        the tokens `prev` is sampling from its draw."""
         now = time.monotonic()
         for item in scheduled:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = now
         # Built on the host; the runner uploads them (pinned, two copies for a decode graph).
         inputs = prepare_step_inputs(SchedulerOutput(scheduled=scheduled), self.block_manager, "cpu")
+        input_ids = None if prev is None else continuation_input_ids(inputs, scheduled, prev)
         # Requests asking for prompt logprobs had rows of their prompt chunk added after the
         # sampled rows (prepare_step_inputs): which, in the same order.
         prompt_rows = [(item.seq, p) for item in scheduled
@@ -494,21 +529,27 @@ class LLMEngine:
             seq.num_inflight_tokens += 1
 
     def _launch_continuation(self, prev: _LaunchedStep) -> _LaunchedStep | None:
-        """Launch the decode step after `prev` before `prev`'s tokens are read, if it is one
-        (its draw queued too, except with tensor parallelism: see `step`)."""
-        if prev.pending is None:
-            return None
+        """Launch the step after `prev` before `prev`'s tokens are read, where it can be
+        scheduled without them (its draw queued too, except with tensor parallelism: see
+        `step`)."""
         for seq in prev.sampling:
             # Ending by length with the token in flight changes the batch: read it first.
             if (seq.num_sampled_tokens >= seq.params.max_tokens
                     or seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len):
                 return None
-        if not self.sampler.can_defer(prev.sampling) or self.grammar_masker.guides(prev.sampling):
+        if prev.sampling and (not self.sampler.can_defer(prev.sampling)
+                              or self.grammar_masker.guides(prev.sampling)):
             return None
-        items = self.scheduler.schedule_continuation(prev.scheduled)
+        # `prev`'s prefill chunks enter the prefix cache now, not when it is read back, so that
+        # a prompt admitted next finds their blocks as it would after the read-back (`prev`
+        # writes them on this stream before any later step reads them).
+        for item in prev.scheduled:
+            if not item.samples and not item.seq.is_finished:
+                self.block_manager.commit(item.seq)
+        items = self.scheduler.schedule_continuation()
         if items is None:
             return None
-        step = self._launch(items, input_ids=prev.pending.tokens)
+        step = self._launch(items, prev)
         if self.executor is None:
             self._start_draw(step)
         return step

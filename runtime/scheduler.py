@@ -77,7 +77,7 @@ class SchedulerStats:
     num_scheduled_tokens: int = 0
     # Prompt tokens a sibling (n > 1) took from its first completion instead of computing.
     num_forked_tokens: int = 0
-    # Decode steps scheduled before the previous step's tokens were read (async scheduling).
+    # Steps scheduled before the previous step's tokens were read (async scheduling).
     num_continuation_steps: int = 0
 
 
@@ -148,34 +148,43 @@ class Scheduler:
         self.stats.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return out
 
-    def schedule_continuation(self, prev: list[ScheduledSequence]) -> list[ScheduledSequence] | None:
-        """The decode step after `prev`, scheduled before `prev`'s tokens are known (async
-        scheduling): each of `prev`'s sequences gets one token, the one `prev` is sampling.
+    def schedule_continuation(self) -> list[ScheduledSequence] | None:
+        """The next step, scheduled while the step before it is still in flight (async
+        scheduling), before its sampled tokens are read back: what `schedule()` would do once
+        they land, if none of them ends its sequence. A sequence with a token in flight brings
+        that token (its id is still on the device); prefill chunks and admissions are
+        scheduled as `schedule()` schedules them, so a continuation may be a decode step or a
+        mixed one.
 
-        Only when that is exactly what `schedule()` would do once those tokens land: `prev`
-        sampled every running sequence, in the running order, the head of the waiting queue
-        could not be admitted (no slot, or no room for it in the KV cache), and the blocks
-        fit without preempting anyone. Otherwise None, and the
-        caller reads `prev`'s tokens first and schedules normally. Sequences that turn out
-        to finish with `prev`'s token are dropped from the result when it is read back.
+        None when that step would have to preempt (its blocks do not fit): the caller then
+        reads the tokens first and calls `schedule()`. Sequences that turn out to end with
+        their in-flight token are dropped when it is read back, their extra token discarded.
         """
-        seqs = [item.seq for item in prev]
-        if (not prev or not all(item.samples for item in prev) or len(seqs) != len(self.running)
-                or any(a is not b for a, b in zip(seqs, self.running))):
-            return None
         bm = self.block_manager
-        needed = sum(bm.blocks_needed(seq, 1) for seq in seqs)
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int, bool]] = []
+        needed = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            pending = seq.num_pending_tokens + seq.num_inflight_tokens
+            if pending == 0:
+                return None  # nothing to compute until its token is read: not a state schedule() meets
+            n = min(pending, budget)
+            needed += bm.blocks_needed(seq, n)
+            chunks.append((seq, n, n == pending))
+            budget -= n
         if needed > bm.num_available_blocks:
             return None  # schedule() would preempt
-        if (self.waiting and len(self.running) < self.max_num_seqs
-                and self._head_admissible(self.max_num_batched_tokens - len(seqs), taken=needed)):
-            return None  # schedule() would admit the head of the queue
-        for seq in seqs:
-            bm.allocate(seq, 1)
+        out = SchedulerOutput()
+        for seq, n, samples in chunks:
+            bm.allocate(seq, n)
+            out.scheduled.append(ScheduledSequence(seq, n, samples=samples))
+        budget = self._admit_waiting(out, budget)
         self.stats.num_steps += 1
         self.stats.num_continuation_steps += 1
-        self.stats.num_scheduled_tokens += len(seqs)
-        return [ScheduledSequence(seq, 1, samples=True) for seq in seqs]
+        self.stats.num_scheduled_tokens += self.max_num_batched_tokens - budget
+        return out.scheduled
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager

@@ -1,5 +1,5 @@
-"""Async scheduling (LLMEngine.step): the next decode step is launched before the previous
-step's tokens are read back. It must be invisible in the outputs: the same tokens, finish
+"""Async scheduling (LLMEngine.step): the next step (decodes, prefill chunks, admissions) is
+launched before the previous step's tokens are read back. It must be invisible in the outputs: the same tokens, finish
 reasons and prefix-cache behaviour as an engine that reads every step back first, with
 sequences ending by value (stop tokens), by length, by abort, and requests that cannot be
 deferred (penalties, logprobs, min_tokens) mixed in. Tiny random Llama on CPU, float32.
@@ -86,9 +86,21 @@ def test_async_scheduling_is_invisible(model_dir):
     stops = {"stop": probe["stop"][0][0][4], "min_tokens": probe["min_tokens"][0][0][2]}
     sync_engine = make_engine(model_dir, False)
     async_engine = make_engine(model_dir, True)
+    # Which continuations carried prefill chunks (mixed steps), not only decodes.
+    carried_chunks: list[bool] = []
+    schedule_continuation = async_engine.scheduler.schedule_continuation
+
+    def recording():
+        items = schedule_continuation()
+        if items is not None:
+            carried_chunks.append(any(item.num_new_tokens > 1 for item in items))
+        return items
+
+    async_engine.scheduler.schedule_continuation = recording
     want = run(sync_engine, mixed_requests(stops))
     got = run(async_engine, mixed_requests(stops))
     assert got == want
+    assert any(carried_chunks) and not all(carried_chunks)  # mixed continuations and decode ones
     assert want["stop"][0][1] == "stop" and len(want["stop"][0][0]) < 30  # ended by value, mid-flight
     assert async_engine.scheduler.stats.num_continuation_steps > 5  # rows that cannot defer hold it back
     assert sync_engine.scheduler.stats.num_continuation_steps == 0

@@ -258,7 +258,7 @@ def test_reservation_learns_from_sequences_that_stop_early():
 
 def test_a_decode_continues_before_read_back_while_the_queue_head_cannot_be_admitted():
     # The cache is full: the waiting head cannot be admitted, so the next decode step is
-    # scheduled as a continuation (before the tokens are known) instead of waiting for them.
+    # scheduled as a continuation (before the tokens are known): the decodes alone.
     sched = Scheduler(BlockManager(13, 4, enable_prefix_caching=False), max_num_seqs=8,
                       max_num_batched_tokens=64, reserve_ratio=0.0)
     running = [_length_only(11, 30, first=1), _length_only(11, 30, first=40)]
@@ -268,12 +268,60 @@ def test_a_decode_continues_before_read_back_while_the_queue_head_cannot_be_admi
     assert len(out.scheduled) == 2
     waiting = _length_only(28, 4, first=80)  # 7 blocks: 6 are free
     sched.add(waiting)
-    assert sched.schedule_continuation(out.scheduled) is not None
+    items = sched.schedule_continuation()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in items] == [(s, 1, True) for s in running]
     assert sched.stats.num_continuation_steps == 1
-    # With 9 blocks free the head is admissible, and schedule() must decide.
+    # With 9 blocks free the head is admissible: the continuation admits it, as schedule() would.
     sched.finish(running[1], "length")
-    prev = [item for item in out.scheduled if item.seq is running[0]]
-    assert sched.schedule_continuation(prev) is None
+    items = sched.schedule_continuation()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in items] == [(running[0], 1, True), (waiting, 28, True)]
+
+
+def test_a_continuation_brings_in_flight_tokens_and_prefill_chunks():
+    """A continuation of a mixed step: a sequence with its token in flight (on the device)
+    gets that one token, a prompt mid-prefill its next chunk, and the queue is admitted from
+    what is left of the budget, as schedule() does once the tokens land."""
+    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8,
+                      max_num_batched_tokens=16, reserve_ratio=0.0)
+    short, long = _length_only(6, 10, first=1), _length_only(30, 10, first=100)
+    sched.add(short)
+    sched.add(long)
+    out = sched.schedule()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in out.scheduled] == [(short, 6, True), (long, 10, False)]
+    for item in out.scheduled:  # launched: computed, and short's token drawn on the device
+        item.seq.num_computed_tokens += item.num_new_tokens
+    short.num_inflight_tokens = 1
+    late = _length_only(8, 10, first=200)
+    sched.add(late)
+    items = sched.schedule_continuation()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in items] == [(short, 1, True), (long, 15, False)]
+    assert sched.block_manager.blocks_needed(short, 0) == 0 and len(short.block_table) == 2  # room for token 7
+    # That one launched, its draw queued, the first step's token read back: short has one
+    # token in flight again. The next: short's token, long's last 5, late from what is left.
+    for item in items:
+        item.seq.num_computed_tokens += item.num_new_tokens
+    short.append_token(5)
+    items = sched.schedule_continuation()
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in items] == [(short, 1, True), (long, 5, True),
+                                                                       (late, 8, True)]
+    assert sched.stats.num_continuation_steps == 2
+
+
+def test_a_continuation_that_would_preempt_is_refused():
+    sched = Scheduler(BlockManager(5, 4, enable_prefix_caching=False), max_num_seqs=4,
+                      max_num_batched_tokens=64, reserve_ratio=0.0)
+    seqs = [_length_only(8, 10, first=1), _length_only(8, 10, first=50)]
+    for s in seqs:
+        sched.add(s)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.num_inflight_tokens = 1
+    # Each in-flight token needs a third block; 4 usable blocks in all: schedule() would preempt.
+    assert sched.schedule_continuation() is None
+    assert all(len(s.block_table) == 2 for s in seqs)  # nothing allocated
+    assert sched.stats.num_continuation_steps == 0
 
 
 def test_kv_reserve_ratio_is_checked():
