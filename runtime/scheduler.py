@@ -230,30 +230,19 @@ class Scheduler:
     def _running_reserve(self) -> int:
         return sum(self._reserved_blocks(seq) for seq in self.running) if self.reserve_ratio else 0
 
-    def _admissible(self, seq: Sequence, shared: list[int], n: int, reserved: int, taken: int = 0) -> bool:
+    def _admissible(self, seq: Sequence, shared: list[int], n: int, reserved: int) -> bool:
         """Whether waiting `seq`, starting from `shared` blocks with a first chunk of `n` tokens,
-        is admitted while the running sequences reserve `reserved` blocks (`taken`: blocks a
-        step being scheduled takes first). A sequence that finds nothing running is admitted
-        whenever its chunk fits, so a prompt with a reservation larger than the cache still runs."""
+        is admitted while the running sequences reserve `reserved` blocks. A sequence that
+        finds nothing running is admitted whenever its chunk fits, so a prompt with a
+        reservation larger than the cache still runs."""
         bm = self.block_manager
-        room = bm.room_after(shared) - taken
+        room = bm.room_after(shared)
         if bm.blocks_to_admit(shared, n) > room:
             return False
         if not self.reserve_ratio or not self.running:
             return True
         rest = seq.num_tokens - len(shared) * bm.block_size + self.reserved_tokens(seq)
         return bm.blocks_to_admit(shared, rest) + reserved <= room
-
-    def _head_admissible(self, budget: int, taken: int) -> bool:
-        """Whether `schedule()` would admit the head of the waiting queue with `budget` tokens
-        left, once a step taking `taken` blocks is scheduled (a sibling waiting on its first
-        completion's prompt counts as admissible: `schedule()` decides it)."""
-        seq = self.waiting[0]
-        shared, _ = self._shared_prefix(seq)
-        if shared is None:
-            return True
-        n = min(seq.num_tokens - len(shared) * self.block_manager.block_size, budget)
-        return n > 0 and self._admissible(seq, shared, n, self._running_reserve(), taken)
 
     def _shared_prefix(self, seq: Sequence) -> tuple[list[int] | None, bool]:
         """Blocks `seq` can start from, and whether they came from the prefix cache.
