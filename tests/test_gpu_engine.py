@@ -46,7 +46,7 @@ def test_async_scheduling_is_invisible_on_cuda(tiny_model_dir) -> None:
     """On CUDA, where a continuation's uploads are queued behind the step in flight and its
     in-flight tokens are scattered into its input ids on the device: async scheduling (decode
     and mixed continuations, graph replays) gives the synchronous engine's outputs."""
-    from test_runtime_async_scheduling import make_engine, mixed_requests, run
+    from test_runtime_async_scheduling import make_engine, mixed_requests, record_continuations, run
 
     path, _ = tiny_model_dir("llama")
     cuda = dict(device="cuda", dtype="float32")
@@ -54,15 +54,6 @@ def test_async_scheduling_is_invisible_on_cuda(tiny_model_dir) -> None:
     stops = {"stop": probe["stop"][0][0][4], "min_tokens": probe["min_tokens"][0][0][2]}
     want = run(make_engine(str(path), False, **cuda), mixed_requests(stops))
     engine = make_engine(str(path), True, **cuda)
-    carried_chunks: list[bool] = []
-    schedule_continuation = engine.scheduler.schedule_continuation
-
-    def recording():
-        items = schedule_continuation()
-        if items is not None:
-            carried_chunks.append(any(item.num_new_tokens > 1 for item in items))
-        return items
-
-    engine.scheduler.schedule_continuation = recording
+    carried_chunks = record_continuations(engine)
     assert run(engine, mixed_requests(stops)) == want
     assert any(carried_chunks) and not all(carried_chunks)

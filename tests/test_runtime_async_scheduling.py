@@ -54,6 +54,22 @@ def run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]
     return final
 
 
+def record_continuations(engine: LLMEngine) -> list[bool]:
+    """A list that gets, per continuation `engine` schedules, whether it carried prefill
+    chunks (a mixed step) rather than decodes only."""
+    carried_chunks: list[bool] = []
+    schedule_continuation = engine.scheduler.schedule_continuation
+
+    def recording():
+        items = schedule_continuation()
+        if items is not None:
+            carried_chunks.append(any(item.num_new_tokens > 1 for item in items))
+        return items
+
+    engine.scheduler.schedule_continuation = recording
+    return carried_chunks
+
+
 def mixed_requests(stop_tokens: dict[str, int]) -> list[tuple[str, list[int], SamplingParams]]:
     rng = random.Random(7)
 
@@ -86,17 +102,7 @@ def test_async_scheduling_is_invisible(model_dir):
     stops = {"stop": probe["stop"][0][0][4], "min_tokens": probe["min_tokens"][0][0][2]}
     sync_engine = make_engine(model_dir, False)
     async_engine = make_engine(model_dir, True)
-    # Which continuations carried prefill chunks (mixed steps), not only decodes.
-    carried_chunks: list[bool] = []
-    schedule_continuation = async_engine.scheduler.schedule_continuation
-
-    def recording():
-        items = schedule_continuation()
-        if items is not None:
-            carried_chunks.append(any(item.num_new_tokens > 1 for item in items))
-        return items
-
-    async_engine.scheduler.schedule_continuation = recording
+    carried_chunks = record_continuations(async_engine)
     want = run(sync_engine, mixed_requests(stops))
     got = run(async_engine, mixed_requests(stops))
     assert got == want
