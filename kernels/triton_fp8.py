@@ -197,7 +197,8 @@ ONE_PASS_MAX_COLS = 32768
 def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024,
                             one_pass: bool | None = None) -> tuple[bool, int, int]:
     """(one pass, BLOCK, num_warps) for `rows` rows of `n_cols` products; from shapes only,
-    so a launch can be captured in a CUDA graph. `one_pass` forces the kind (tests)."""
+    so a launch can be captured in a CUDA graph (the row count no longer changes the choice:
+    see above). `one_pass` forces the kind (tests)."""
     whole = triton.next_power_of_2(n_cols)
     if one_pass is None:
         one_pass = whole <= ONE_PASS_MAX_COLS
