@@ -271,6 +271,9 @@ class AttentionTiling:
     # A step with more tokens than sequences (mixed): its one-token sequences go to that
     # kernel (at KEYS_AS_ROWS_DECODE's launch shape) and the general kernel skips them.
     singles_as_rows: bool = False
+    # That kernel reads each iteration's block-table entries one iteration early (a
+    # candidate for bench/tune_attention.py's rows sweep; not the default).
+    prefetch_table: bool = False
 
 
 # The e4m3-MMA decode kernel's launch shape (bench/RESULTS.md, L1): 128 keys per iteration,
@@ -426,7 +429,7 @@ def attend_paged_triton(
     if tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits:
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
-                                tiling.widen_asm)
+                                tiling.widen_asm, prefetch_table=tiling.prefetch_table)
     else:
         singles_as_rows = tiling.singles_as_rows and rows_kernel_fits
         if singles_as_rows:
