@@ -543,9 +543,7 @@ class LLMEngine:
         # `prev`'s prefill chunks enter the prefix cache now, not when it is read back, so that
         # a prompt admitted next finds their blocks as it would after the read-back (`prev`
         # writes them on this stream before any later step reads them).
-        for item in prev.scheduled:
-            if not item.samples and not item.seq.is_finished:
-                self.block_manager.commit(item.seq)
+        self._commit_prefill_chunks(prev)
         items = self.scheduler.schedule_continuation()
         if items is None:
             return None
@@ -554,11 +552,16 @@ class LLMEngine:
             self._start_draw(step)
         return step
 
-    def _collect(self, step: _LaunchedStep) -> list[RequestOutput]:
-        """Read `step`'s tokens back (waits for the device) and process them."""
+    def _commit_prefill_chunks(self, step: _LaunchedStep) -> None:
+        """Enter the full blocks of `step`'s prefill chunks (sequences it does not sample for,
+        whose token ids are all known) in the prefix cache."""
         for item in step.scheduled:
             if not item.samples and not item.seq.is_finished:
-                self.block_manager.commit(item.seq)  # a prefill chunk's full blocks
+                self.block_manager.commit(item.seq)
+
+    def _collect(self, step: _LaunchedStep) -> list[RequestOutput]:
+        """Read `step`'s tokens back (waits for the device) and process them."""
+        self._commit_prefill_chunks(step)  # done already if a continuation followed it: a no-op then
         if step.pending is None:
             return []
         sampled = self.sampler.collect(step.pending)
