@@ -192,6 +192,15 @@ def bucket_sizes(num_tokens: int, num_seqs: int, num_samples: int, block_table_w
     return {"1": 1, "T": num_tokens, "B": num_seqs, "B+1": num_seqs + 1, "S": num_samples, "W": block_table_width}
 
 
+def upload(t: torch.Tensor, device: torch.device | str, non_blocking: bool = True) -> torch.Tensor:
+    """`t` on `device`. A host tensor bound for a GPU goes through pinned memory, so that the
+    copy is queued behind the step in flight instead of waiting for it (async scheduling
+    launches the next step while the device still runs this one)."""
+    if non_blocking and t.device.type == "cpu" and torch.device(device).type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
 class StepInputs(dict):
     """The batch tensors of one step by `BATCH_INPUTS` name (a dict; `inputs.seq_lens` reads too)."""
 
@@ -205,12 +214,7 @@ class StepInputs(dict):
         return dict(self)
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "StepInputs":
-        """On `device`. Host tensors bound for a GPU go through pinned memory, so that the
-        copies are queued behind the step in flight instead of waiting for it (async
-        scheduling launches the next step while the device still runs this one)."""
-        pin = non_blocking and torch.device(device).type == "cuda"
-        return StepInputs({k: (v.pin_memory() if pin and v.device.type == "cpu" and not v.is_pinned() else v
-                               ).to(device, non_blocking=non_blocking) for k, v in self.items()})
+        return StepInputs({k: upload(v, device, non_blocking) for k, v in self.items()})
 
     @property
     def num_tokens(self) -> int:

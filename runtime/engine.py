@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.graph_inputs import StepInputs
+from kiln.compiler.graph_inputs import StepInputs, upload
 from kiln.compiler.model_source import ModelSource, resolve_model, resolve_tokenizer
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
@@ -95,14 +95,12 @@ def continuation_input_ids(inputs: StepInputs, scheduled: list[ScheduledSequence
             targets.append(offset)
             rows.append(row)
         offset += item.num_new_tokens
-    # Every copy is queued (pinned host memory, non_blocking): a blocking one would wait for
-    # `prev` to finish, which is what a continuation is launched early to avoid.
-    host = StepInputs(ids=inputs.input_ids[0], targets=torch.tensor(targets, dtype=torch.int64),
-                      rows=torch.tensor(rows, dtype=torch.int64))
-    dev = host.to(drawn.device)
-    ids = dev.ids
+    # Every copy is queued (`upload`): a blocking one would wait for `prev` to finish, which is
+    # what a continuation is launched early to avoid.
+    ids = upload(inputs.input_ids[0], drawn.device)
     if targets:
-        ids[dev.targets] = drawn[dev.rows].to(ids.dtype)
+        taken = drawn[upload(torch.tensor(rows), drawn.device)]
+        ids[upload(torch.tensor(targets), drawn.device)] = taken.to(ids.dtype)
     return ids
 
 
