@@ -553,13 +553,19 @@ def _fp8_cache(batch: dict) -> dict:
     return {**batch, "kv_cache": to_cache_dtype(batch["kv_cache"], FP8)}
 
 
+def _attention_args(batch: dict, window: int = 0) -> tuple:
+    """attend_paged_triton's positional arguments for `batch`: softmax scale 0.2, `window`."""
+    return (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2,
+            window)
+
+
 def test_paged_attention_fp8_decode_tiling_matches_the_default():
     # The FP8 decode tiling (V tiles loaded as [D, N] and transposed; on a GPU also widened by
     # inline assembly) reads the same e4m3 values: the same output as the bf16-shaped tiling.
     batch = _fp8_cache(make_paged_batch(new_tokens=[1] * 6, cached=[40, 3, 17, 64, 1, 29], hq=8, hkv=2, d=32,
                                         block_size=16, num_blocks=24, seed=61, dtype=HALF))
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
-    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0)
+    args = _attention_args(batch)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
     fp8_tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, v_trans=True)
     out = attend_paged_triton(*args, num_splits=1, tiling=fp8_tiling, kv_scale=kv_scale)
@@ -578,8 +584,7 @@ def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
                                         hkv=2, d=32, block_size=16, num_blocks=32, pad_tokens=1, seed=71 + hq,
                                         dtype=HALF))
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
-    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2,
-            window)
+    args = _attention_args(batch, window)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
     rows_tiling = AttentionTiling(16, 32, 4, 2, widen_asm=widen, keys_as_rows=True)
     out = attend_paged_triton(*args, num_splits=splits, tiling=rows_tiling, kv_scale=kv_scale)
@@ -601,8 +606,7 @@ def test_paged_decode_fp8_prefetched_block_table_changes_nothing(splits, window)
     batch = _fp8_cache(make_paged_batch(new_tokens=[1, 1, 1, 0, 1], cached=[40, 3, 95, 0, 64], hq=8, hkv=2, d=32,
                                         block_size=16, num_blocks=40, pad_tokens=1, seed=5, dtype=HALF))
     kv_scale = torch.tensor([0.5, 2.0], dtype=torch.float32, device=DEVICE)
-    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2,
-            window)
+    args = _attention_args(batch, window)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
     tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=True)
     plain = attend_paged_triton(*args, num_splits=splits, tiling=tiling, kv_scale=kv_scale)
@@ -620,7 +624,7 @@ def test_mixed_step_single_tokens_go_to_the_keys_as_rows_kernel(splits):
     batch = _fp8_cache(make_paged_batch(new_tokens=[5, 1, 9, 1, 0, 1], cached=[11, 30, 0, 3, 0, 17], hq=8, hkv=2,
                                         d=32, block_size=16, num_blocks=24, pad_tokens=2, seed=81, dtype=HALF))
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
-    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0)
+    args = _attention_args(batch)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
     out = attend_paged_triton(*args, num_splits=splits, tiling=AttentionTiling(64, 32, 4, 2, widen_asm=widen,
                                                                                singles_as_rows=True), kv_scale=kv_scale)

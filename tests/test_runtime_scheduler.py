@@ -281,8 +281,7 @@ def test_a_continuation_brings_in_flight_tokens_and_prefill_chunks():
     """A continuation of a mixed step: a sequence with its token in flight (on the device)
     gets that one token, a prompt mid-prefill its next chunk, and the queue is admitted from
     what is left of the budget, as schedule() does once the tokens land."""
-    sched = Scheduler(BlockManager(64, 4, enable_prefix_caching=False), max_num_seqs=8,
-                      max_num_batched_tokens=16, reserve_ratio=0.0)
+    sched = make(num_blocks=64, budget=16, caching=False)
     short, long = _length_only(6, 10, first=1), _length_only(30, 10, first=100)
     sched.add(short)
     sched.add(long)
@@ -308,8 +307,7 @@ def test_a_continuation_brings_in_flight_tokens_and_prefill_chunks():
 
 
 def test_a_continuation_that_would_preempt_is_refused():
-    sched = Scheduler(BlockManager(5, 4, enable_prefix_caching=False), max_num_seqs=4,
-                      max_num_batched_tokens=64, reserve_ratio=0.0)
+    sched = make(num_blocks=5, max_num_seqs=4, budget=64, caching=False)
     seqs = [_length_only(8, 10, first=1), _length_only(8, 10, first=50)]
     for s in seqs:
         sched.add(s)
