@@ -38,6 +38,9 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
                         help="also run Kiln with FP8 projections (after the unquantized run)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="also run Kiln with this KV-cache dtype (with --quantization: both at once)")
+    parser.add_argument("--quantized-only", action="store_true",
+                        help="skip the unquantized run (A/B runs of the quantized engine, e.g. under "
+                             "KILN_FP8_FAST_ACCUM=0 and 1)")
 
 
 def precision_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -47,6 +50,10 @@ def precision_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, An
         options["quantization"] = args.quantization
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "quantized_only", False):
+        if not options:
+            raise SystemExit("--quantized-only needs --quantization or --kv-cache-dtype")
+        return [("kiln_quantized", options)]
     return [("kiln", {})] + ([("kiln_quantized", options)] if options else [])
 
 

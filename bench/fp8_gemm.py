@@ -7,6 +7,11 @@ For M = 1..16 rows (decode) and larger M (prefill-sized), each of QKV (6144 x 40
 so the choice `kiln.kernels.triton_fp8.FP8_GEMV_MAX_ROWS` makes (GEMV at <= 16 rows) can be
 checked: if _scaled_mm wins, run with KILN_FP8_GEMV_MAX_ROWS=0 (or lower the constant).
 
+_scaled_mm runs both with and without fast accumulation (`kiln.kernels.fp8.FP8_FAST_ACCUM`),
+with TFLOP/s, and each one's error: relative to the float32 product of the same e4m3 operands
+(what the accumulation adds) and to the bf16 product of the unquantized operands (everything
+FP8 costs), both as ||y - ref|| / ||ref||.
+
     python bench/fp8_gemm.py --out fp8_gemm.json
 """
 
@@ -27,9 +32,20 @@ def time_us(fn: Callable[[], Any], calls: int = 10) -> float:
     return bc.graph_time_us([fn] * calls)
 
 
+def errors(y: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+           x: torch.Tensor, w: torch.Tensor, prefix: str) -> dict[str, float]:
+    """Relative errors of an FP8 product `y`: against the float32 product of the same e4m3
+    operands (`_accum_err`) and against the bf16 product of the unquantized ones (`_total_err`)."""
+    exact = (xq.float() * xs) @ (wq.float() * ws[:, None]).t()
+    unquantized = (x @ w.t()).float()
+    y = y.float()
+    return {f"{prefix}_accum_err": ((y - exact).norm() / exact.norm()).item(),
+            f"{prefix}_total_err": ((y - unquantized).norm() / unquantized.norm()).item()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="1,2,4,8,16,32,128,2048")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,128,1024,2048,16384")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -49,15 +65,22 @@ def main() -> None:
             xq, xs = quantize_fp8_rows(x)
             row: dict[str, Any] = {"proj": name, "n": n, "k": k, "m": m}
             row["bf16_us"] = time_us(lambda: linear_triton(x, w))
-            row["scaled_mm_us"] = time_us(lambda: fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16))
+            for key, fast in (("scaled_mm_us", False), ("scaled_mm_fast_us", True)):
+                call = lambda fast=fast: fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16, fast_accum=fast)
+                row[key] = time_us(call)
+                row[key.replace("_us", "_tflop_s")] = 2 * m * n * k / (row[key] * 1e-6) / 1e12
+                row.update(errors(call(), xq, xs, wq, ws, x, w, key.replace("_us", "")))
             if fp8_gemv_config(n, k, m) is not None:
                 row["fp8_gemv_us"] = time_us(lambda: fp8_linear_triton(xq, xs, wq, ws, None, torch.bfloat16))
-            for key in ("bf16_us", "scaled_mm_us", "fp8_gemv_us"):
+            for key in ("bf16_us", "scaled_mm_us", "scaled_mm_fast_us", "fp8_gemv_us"):
                 if key in row:
                     weight_bytes = n * k * (2 if key == "bf16_us" else 1)
                     row[key.replace("_us", "_tb_s")] = weight_bytes / (row[key] * 1e-6) / 1e12
             result["results"].append(row)
             print(f"[{name} m={m}] bf16 {row['bf16_us']:.1f} us, scaled_mm {row['scaled_mm_us']:.1f} us"
+                  f" (fast accum {row['scaled_mm_fast_us']:.1f}; accumulation error"
+                  f" {row['scaled_mm_accum_err']:.2e} vs {row['scaled_mm_fast_accum_err']:.2e} fast, total"
+                  f" {row['scaled_mm_total_err']:.2e} vs {row['scaled_mm_fast_total_err']:.2e})"
                   + (f", fp8 GEMV {row['fp8_gemv_us']:.1f} us" if "fp8_gemv_us" in row else ""), flush=True)
     bc.emit(result, args.out)
 

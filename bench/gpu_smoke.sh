@@ -7,7 +7,7 @@
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
 #                                         moe_profile_throughput tune_moe
 #                                         arch_tests serve serve_fp8 serve_plot
-#                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile
+#                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -113,6 +113,11 @@ for stage in $STAGES; do
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
+    fp8_fast_accum)  # issue 16: the FP8 offline run with _scaled_mm's fast accumulation off, then on (the default)
+      KILN_FP8_FAST_ACCUM=0 run_stage fp8_fast_accum_off 300 $PY bench/throughput.py --no-baseline --quantization fp8 \
+        --kv-cache-dtype fp8 --quantized-only --out "$OUT/fp8_fast_accum_off.json"
+      KILN_FP8_FAST_ACCUM=1 run_stage fp8_fast_accum_on 300 $PY bench/throughput.py --no-baseline --quantization fp8 \
+        --kv-cache-dtype fp8 --quantized-only --out "$OUT/fp8_fast_accum_on.json" ;;
     overlap)  # issue 16: does a ~1,000-sequence decode step gain from two nano-batches on two streams?
       run_stage overlap 200 $PY bench/overlap.py --out "$OUT/overlap.json" ;;
     fp8_profile)
@@ -164,7 +169,7 @@ for stage in $STAGES; do
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
   esac
 done
 exit $status

@@ -144,9 +144,9 @@ def main() -> None:
     for key, mode, _ in variants[len(bc.precision_variants(args)):]:
         base = key[:-len(f"_{mode}")]
         result[f"{key}_vs_{base}"] = result[key]["output_tokens_per_s"] / result[base]["output_tokens_per_s"]
-    if "baseline" in result:
+    if "baseline" in result and "kiln" in result:
         result["speedup_vs_baseline"] = result["kiln"]["output_tokens_per_s"] / result["baseline"]["output_tokens_per_s"]
-    if "kiln_quantized" in result:
+    if "kiln_quantized" in result and "kiln" in result:
         result["quantized_speedup_vs_kiln"] = (result["kiln_quantized"]["output_tokens_per_s"]
                                                / result["kiln"]["output_tokens_per_s"])
     bc.emit(result, args.out)

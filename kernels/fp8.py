@@ -14,9 +14,18 @@ into the kernel that produces the activation. Both references run `torch._scaled
 row-wise scales, which torch runs on CPU (2.13) and on CUDA (Hopper); where it refuses the
 arguments (a torch build without it on this device, K or N not a multiple of 16 on CUDA) they
 compute the same product from the dequantized operands in float32.
+
+On CUDA the row-wise `_scaled_mm` runs with `use_fast_accum=True` (FP8_FAST_ACCUM): Hopper's
+FP8 tensor cores then accumulate a whole K loop in their own (reduced-precision) accumulator,
+without promoting partial sums to float32 every few K steps. That is what vLLM's and
+TensorRT-LLM's FP8 GEMMs do; torch's kernel then takes the ping-pong schedule. The error it
+adds is small beside the e4m3 rounding of both operands (bench/fp8_gemm.py measures both).
+KILN_FP8_FAST_ACCUM=0 in the environment (read once, at import) turns it off.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +38,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # Rows of zeros get this scale (not 0), so dequantizing never divides by zero.
 MIN_SCALE = 1e-12
+FP8_FAST_ACCUM = os.environ.get("KILN_FP8_FAST_ACCUM", "1") != "0"
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,14 +86,17 @@ def check_fp8_linear_args(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch
 
 
 def _scaled_mm_2d(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, fast_accum: bool | None = None) -> torch.Tensor:
     m, (n, k) = xq.shape[0], weight.shape
-    if m > 0 and (xq.device.type == "cpu" or (k % 16 == 0 and n % 16 == 0)):
+    on_cpu = xq.device.type == "cpu"
+    if m > 0 and (on_cpu or (k % 16 == 0 and n % 16 == 0)):
         # Row-wise scaled_mm produces bfloat16 on CUDA; other dtypes are cast from it.
-        mm_dtype = out_dtype if xq.device.type == "cpu" else torch.bfloat16
+        mm_dtype = out_dtype if on_cpu else torch.bfloat16
+        fast = (FP8_FAST_ACCUM if fast_accum is None else fast_accum) and not on_cpu
         try:
             y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.float().contiguous(),
-                                 scale_b=weight_scale.float().view(1, n), out_dtype=mm_dtype)
+                                 scale_b=weight_scale.float().view(1, n), out_dtype=mm_dtype,
+                                 use_fast_accum=fast)
             return y.to(out_dtype)
         except (RuntimeError, NotImplementedError):
             pass  # this torch build or device lacks row-wise scaled_mm: the float32 product below
@@ -91,10 +104,12 @@ def _scaled_mm_2d(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
 
 
 def fp8_linear_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                         bias: torch.Tensor | None, out_dtype: torch.dtype,
+                         fast_accum: bool | None = None) -> torch.Tensor:
+    """`fast_accum`: None follows FP8_FAST_ACCUM (CUDA only; bench/fp8_gemm.py sets it)."""
     k = weight.shape[1]
     lead = xq.shape[:-1]
-    y = _scaled_mm_2d(xq.reshape(-1, k), x_scale.reshape(-1, 1), weight, weight_scale, out_dtype)
+    y = _scaled_mm_2d(xq.reshape(-1, k), x_scale.reshape(-1, 1), weight, weight_scale, out_dtype, fast_accum)
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.view(*lead, weight.shape[0])
