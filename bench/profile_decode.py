@@ -8,6 +8,10 @@ For each batch size B (after a `--prompt-len`-token prefill, random ids):
   kernels      - the kernels of one decode step from the profiler (eager run of the same
                  post-pass graph, since a graph replay hides its kernels on some builds):
                  total and per-launch microseconds by kernel name, and the launch count;
+  replay_gaps  - the captured graph's replay under the profiler: kernel time, the idle time
+                 between consecutive kernels (what replay_ms holds beyond the kernels), and
+                 the kernels after which the GPU idled longest, and the replay's own kernel
+                 table (empty where the build's profiler does not see a replay's kernels);
   gemv         - cuBLAS at this batch for each weight shape alone: microseconds and TB/s.
 Also the device-to-device copy bandwidth of the run, the ceiling for all of the above.
 
@@ -66,6 +70,29 @@ def _kernel_table(prof: Any, steps: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def _gap_table(prof: Any, steps: int) -> dict[str, Any]:
+    """Idle time between consecutive device kernels (start-ordered), per step, by the kernel
+    that ran before the gap."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:90]) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0)
+    if not spans:
+        return {}
+    gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy_until = spans[0][1]
+    for (start, end, name), prev_name in zip(spans[1:], [s[2] for s in spans]):
+        if start > busy_until:
+            gaps[prev_name][0] += start - busy_until
+            gaps[prev_name][1] += 1
+        busy_until = max(busy_until, end)
+    total = sum(v[0] for v in gaps.values())
+    rows = [{"after_kernel": k, "gap_us_per_step": v[0] / steps, "gaps_per_step": v[1] / steps,
+             "us_per_gap": v[0] / v[1]} for k, v in gaps.items()]
+    return {"span_us_per_step": (busy_until - spans[0][0]) / steps,
+            "kernel_us_per_step": sum(e - s for s, e, _ in spans) / steps,
+            "gap_us_per_step": total / steps,
+            "largest_gaps": sorted(rows, key=lambda r: -r["gap_us_per_step"])[:15]}
+
+
 @torch.inference_mode()
 def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
@@ -101,6 +128,13 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: i
         out["replay_with_input_copies_ms"] = _time_cuda(lambda: graphs.replay(size, padded), steps)
         out["host_gap_ms"] = out["step_ms"] - out["replay_ms"]
         out["graph_bucket"] = size
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as replay_prof:
+            for _ in range(5):
+                captured.graph.replay()
+            torch.cuda.synchronize()
+        out["replay_gaps"] = _gap_table(replay_prof, 5)
+        out["replay_kernels"] = _kernel_table(replay_prof, 5)[:30]
     t0 = time.perf_counter()
     for _ in range(steps):
         prepare_step_inputs(sched, engine.block_manager, engine.device)
@@ -204,6 +238,14 @@ def main() -> None:
         result["batches"][str(b)] = r
         print(f"[profile] batch {b}: step {r['step_ms']:.3f} ms, replay {r.get('replay_ms', float('nan')):.3f} ms, "
               f"kernels {r['kernel_us_per_step'] / 1e3:.3f} ms in {r['kernel_launches_per_step']:.0f} launches", flush=True)
+        gaps = r.get("replay_gaps") or {}
+        if gaps:
+            print(f"[replay] batch {b}: span {gaps['span_us_per_step'] / 1e3:.3f} ms, kernels "
+                  f"{gaps['kernel_us_per_step'] / 1e3:.3f} ms, idle between kernels {gaps['gap_us_per_step'] / 1e3:.3f} ms",
+                  flush=True)
+            for row in gaps["largest_gaps"][:8]:
+                print(f"    idle {row['gap_us_per_step']:8.1f} us/step ({row['gaps_per_step']:.0f} x "
+                      f"{row['us_per_gap']:.1f}) after {row['after_kernel']}", flush=True)
         for row in r["kernels"][:15]:
             print(f"    {row['us_per_step']:8.1f} us  x{row['launches_per_step']:5.0f}  {row['kernel']}", flush=True)
     for b, rows in result["gemv"].items():

@@ -106,9 +106,9 @@ def main() -> None:
                     for rows, bn, stages, vt in itertools.product((32, 64), (64, 128), (1, 2, 3),
                                                                   (False, True) if fp8 else (False,))]
     # Over an e4m3 cache: keys as the MMA's rows and e4m3 dots (kiln.kernels.triton_paged_decode_fp8).
-    rows_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=True, keys_as_rows=True, prefetch_table=pt)
-                    for bn, warps, stages, pt in itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (False, True))
-                    if not pt or stages == 1] if fp8 else []
+    rows_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=True, keys_as_rows=True, heads_fastest=hf)
+                    for bn, warps, stages, hf in itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (False, True))
+                    if not hf or stages == 1] if fp8 else []
     decode_tilings = {"wide": wide_tilings, "rows": rows_tilings}.get(args.decode_sweep,
                                                                        decode_tilings + wide_tilings + rows_tilings)
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)

@@ -271,15 +271,16 @@ class AttentionTiling:
     # A step with more tokens than sequences (mixed): its one-token sequences go to that
     # kernel (at KEYS_AS_ROWS_DECODE's launch shape) and the general kernel skips them.
     singles_as_rows: bool = False
-    # That kernel reads each iteration's block-table entries one iteration early (a
-    # candidate for bench/tune_attention.py's rows sweep; not the default).
-    prefetch_table: bool = False
+    # That kernel's grid with the KV heads as its first axis (launch_paged_decode_fp8), so a
+    # sequence's heads run side by side: 0.430 against 0.440 ms at 1,024 sequences on the
+    # H200, and faster at every launch shape of the sweep (bench/RESULTS.md, N4).
+    heads_fastest: bool = False
 
 
 # The e4m3-MMA decode kernel's launch shape (bench/RESULTS.md, L1): 128 keys per iteration,
-# 4 warps, one stage, V widened by inline assembly.
+# 4 warps, one stage, V widened by inline assembly; KV heads first in the grid (N4).
 KEYS_AS_ROWS_DECODE = AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=True,
-                                      keys_as_rows=True)
+                                      keys_as_rows=True, heads_fastest=True)
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
@@ -429,14 +430,15 @@ def attend_paged_triton(
     if tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits:
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
-                                tiling.widen_asm, prefetch_table=tiling.prefetch_table)
+                                tiling.widen_asm, heads_fastest=tiling.heads_fastest)
     else:
         singles_as_rows = tiling.singles_as_rows and rows_kernel_fits
         if singles_as_rows:
             rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
             launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                     kv_scale, scale, sliding_window, num_splits, rows.block_n, rows.num_warps,
-                                    rows.num_stages, e4m3_hardware, single_tokens_only=True)
+                                    rows.num_stages, e4m3_hardware, single_tokens_only=True,
+                                    heads_fastest=rows.heads_fastest)
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,

@@ -48,7 +48,6 @@ def _attend_one_token(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    PREFETCH_TABLE: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -82,21 +81,10 @@ def _attend_one_token(
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
     acc_t = tl.zeros([HEAD_DIM, COLS], tl.float32)
-    if PREFETCH_TABLE:
-        # The block-table entries of each iteration are loaded one iteration early, so that
-        # the K and V reads do not wait on a table read first (block id -> address -> data:
-        # two memory latencies an iteration otherwise). Not yet timed on a GPU.
-        first = kv_lo + tl.arange(0, BLOCK_N)
-        block_next = tl.load(table + first // CACHE_BLOCK, mask=first < kv_hi, other=0)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_hi
-        if PREFETCH_TABLE:
-            block = block_next.to(tl.int64)
-            ahead = offs_n + BLOCK_N
-            block_next = tl.load(table + ahead // CACHE_BLOCK, mask=ahead < kv_hi, other=0)
-        else:
-            block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
+        block = tl.load(table + offs_n // CACHE_BLOCK, mask=n_ok, other=0).to(tl.int64)
         kv_offs = block * stride_c_blk + (offs_n % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
         # Masked loads (other=0) keep never-written cache slots, which may hold NaN, out.
         k = tl.load(k_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
@@ -141,10 +129,14 @@ def _paged_decode_fp8_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    SINGLE_TOKENS_ONLY: tl.constexpr, PREFETCH_TABLE: tl.constexpr = False,
+    SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -158,7 +150,7 @@ def _paged_decode_fp8_kernel(
             scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, PREFETCH_TABLE)
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM)
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -172,16 +164,21 @@ def launch_paged_decode_fp8(
     q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
-    widen_asm: bool, single_tokens_only: bool = False, prefetch_table: bool = False,
+    widen_asm: bool, single_tokens_only: bool = False, heads_fastest: bool = False,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
-    With `single_tokens_only`, only the rows of sequences that bring one token this step;
-    `prefetch_table` reads each iteration's block-table entries one iteration early."""
+    With `single_tokens_only`, only the rows of sequences that bring one token this step.
+
+    The grid's first axis is launched first: by default the sequences, so the programs running
+    at once read one KV head of many sequences, 128 bytes of each token's 1 KB row of K (Llama-3's
+    8 heads x 128, e4m3). `heads_fastest` puts the KV heads first, so the programs of one
+    sequence's heads run side by side and read whole rows between them."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     group = hq // hkv
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_decode_fp8_kernel[(block_tables.shape[0], hkv, num_splits)](
+    grid = (hkv, block_tables.shape[0], num_splits) if heads_fastest else (block_tables.shape[0], hkv, num_splits)
+    _paged_decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
         float(scale), int(sliding_window),
@@ -190,6 +187,6 @@ def launch_paged_decode_fp8(
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
-        SINGLE_TOKENS_ONLY=single_tokens_only, PREFETCH_TABLE=prefetch_table,
+        SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
         num_warps=num_warps, num_stages=num_stages,
     )

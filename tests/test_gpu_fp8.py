@@ -91,10 +91,17 @@ def test_fp8_linear_llama3_shapes(m, n, k):
     x, w = randn(m, k, seed=m), randn(n, k, seed=n + k) * 0.02
     wq, ws = quantize_fp8_rowwise(w)
     xq, xs = quantize_fp8_per_token(x)
+    from kiln.kernels.fp8 import fp8_linear_reference
+
     y = fp8_linear(xq, xs, wq, ws, None, torch.bfloat16)
     exact = linear_fp8_dequantized((xq.float() * xs), wq, ws)  # what _scaled_mm computes, in float32
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    torch.testing.assert_close(y.float(), exact, atol=2e-2, rtol=2e-2)
+    # _scaled_mm with float32 accumulation matches element by element; the op's fast
+    # accumulation (kiln.kernels.fp8.FP8_FAST_ACCUM) adds 2-3.3e-3 of relative error on the
+    # H200 (bench/fp8_gemm.py), beside 1.7e-3 for the bf16 output's rounding.
+    precise = fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16, fast_accum=False)
+    torch.testing.assert_close(precise.float(), exact, atol=2e-2, rtol=2e-2)
+    assert (y.float() - exact).norm() < 1e-2 * exact.norm()
     full = x.float() @ w.float().t()
     assert (y.float() - full).norm() < 0.08 * full.norm()
 
@@ -167,5 +174,5 @@ def test_fp8_gemv_matches_scaled_mm(m, n, k):
     if fp8_gemv_config(n, k, m) is None:
         pytest.skip("no GEMV tiling for this shape: the op runs _scaled_mm")
     y = fp8_linear_triton(xq, xs, wq, ws, None, torch.bfloat16)
-    ref = fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16)  # torch._scaled_mm
+    ref = fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16, fast_accum=False)  # torch._scaled_mm, float32 sums
     torch.testing.assert_close(y.float(), ref.float(), atol=1e-2, rtol=1e-2)

@@ -600,9 +600,9 @@ def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
 
 
 @pytest.mark.parametrize("splits,window", [(1, 0), (3, 20)])
-def test_paged_decode_fp8_prefetched_block_table_changes_nothing(splits, window):
-    # `prefetch_table` only moves the block-table reads one iteration earlier: the same
-    # output bit for bit, with splits, a window, and contexts that end mid-iteration.
+def test_paged_decode_fp8_heads_first_grid_changes_nothing(splits, window):
+    # `heads_fastest` only reorders the grid (KV heads as its first axis): the same output
+    # bit for bit, with splits, a window, and contexts that end mid-iteration.
     batch = _fp8_cache(make_paged_batch(new_tokens=[1, 1, 1, 0, 1], cached=[40, 3, 95, 0, 64], hq=8, hkv=2, d=32,
                                         block_size=16, num_blocks=40, pad_tokens=1, seed=5, dtype=HALF))
     kv_scale = torch.tensor([0.5, 2.0], dtype=torch.float32, device=DEVICE)
@@ -610,10 +610,10 @@ def test_paged_decode_fp8_prefetched_block_table_changes_nothing(splits, window)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE))
     tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=True)
     plain = attend_paged_triton(*args, num_splits=splits, tiling=tiling, kv_scale=kv_scale)
-    prefetched = attend_paged_triton(*args, num_splits=splits, tiling=dataclasses.replace(tiling, prefetch_table=True),
-                                     kv_scale=kv_scale)
+    reordered = attend_paged_triton(*args, num_splits=splits, tiling=dataclasses.replace(tiling, heads_fastest=True),
+                                    kv_scale=kv_scale)
     assert plain.abs().max() > 0
-    assert torch.equal(prefetched, plain)
+    assert torch.equal(reordered, plain)
 
 
 @pytest.mark.parametrize("splits", [1, 2])
