@@ -7,6 +7,10 @@ rebuild the cache from the data files that still verify, and go on (exit 0 for `
 `clear` and `generate`; `verify` exits 1 once for what it found). Orphan data files (the
 state an older Kiln left after an empty database) are listed by `verify` and removed by
 `verify --repair` and `clear`.
+
+The ~40 commands run each in a process of its own forked from one that imported torch and
+Kiln once (tests/cli_forkserver.py): importing them was most of each command's time. The
+warm-start fixture's cold `kiln generate` runs as a plain `python -m kiln.runtime.cli`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import pytest
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore, database_problem
 
+from cli_forkserver import CliForkServer
 from runtime_text_model import text_model_dir
 
 KILN = [sys.executable, "-m", "kiln.runtime.cli"]
@@ -57,9 +62,31 @@ def damage(db: Path, how: str) -> None:
     assert database_problem(db) is not None
 
 
-def kiln(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*KILN, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+_cli: CliForkServer | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_fork_server():
+    """One fork server for the module's commands, started on the first one."""
+    yield
+    global _cli
+    if _cli is not None:
+        _cli.close()
+        _cli = None
+
+
+def kiln(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
+         fresh_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """`kiln ARGS` in a process of its own: forked from the fork server (imports done), or with
+    `fresh_interpreter`, `python -m kiln.runtime.cli ARGS` from the start."""
+    global _cli
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if fresh_interpreter:
+        proc = subprocess.run([*KILN, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    else:
+        if _cli is None:
+            _cli = CliForkServer().start()
+        proc = _cli.run(list(args), env=env, timeout=timeout)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
@@ -154,7 +181,7 @@ def warm_cache(tmp_path_factory) -> tuple[str, Path]:
     model = str(text_model_dir(tmp_path_factory))
     root = tmp_path_factory.mktemp("repair-warm") / "cache"
     cold = kiln("generate", "--model", model, "--cache-dir", str(root), "--compile", "graph", "--max-tokens", "3",
-                "--max-model-len", "128", "Hello")
+                "--max-model-len", "128", "Hello", fresh_interpreter=True)
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert len(data_files(root)) == 3  # the graph spec, the graph code and the config's snapshot
     return model, root

@@ -5,9 +5,18 @@ Face, and the fusions that fire must be those the README's support table lists.
 Where a fusion's pattern is absent (partial or interleaved rotary, Gemma's (1+w) RMSNorm,
 LayerNorm models, GELU MLPs) the pass must leave the graph alone, and where it fires it
 must compute the same thing: both show up as a logits mismatch here.
+
+The fusion passes build their RoPE and LayerNorm patterns per pass instance, for the
+model's head_dim or hidden size, and every engine has new instances: tracing those patterns
+(`torch.export`, 14 times) was half of each engine's start here. The architectures share a
+few sizes, so within this module the patterns of a size are built and traced once (the
+first engine of that size) and the later engines reuse them, as one engine's passes reuse
+theirs: the same graphs, matched and rewritten in every architecture's model as before.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 
@@ -17,6 +26,16 @@ from tiny_models import SUPPORTED
 
 from kiln.passes.fuse_common import CPU_FUSIONS_ENV
 from kiln.runtime import LLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def patterns_built_once_per_size():
+    from kiln.passes import fuse_layernorm, fuse_rope
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fuse_rope, "rope_patterns", functools.cache(fuse_rope.rope_patterns))
+        mp.setattr(fuse_layernorm, "layer_norm_patterns", functools.cache(fuse_layernorm.layer_norm_patterns))
+        yield
 
 
 @pytest.fixture(scope="module")
