@@ -177,7 +177,10 @@ def launch_paged_decode_fp8(
     hkv = kv_cache.shape[3]
     group = hq // hkv
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (hkv, block_tables.shape[0], num_splits) if heads_fastest else (block_tables.shape[0], hkv, num_splits)
+    num_seqs = block_tables.shape[0]
+    # A grid's second axis holds at most 65,535 programs: more sequences than that stay first.
+    heads_fastest = heads_fastest and num_seqs <= 65535
+    grid = (hkv, num_seqs, num_splits) if heads_fastest else (num_seqs, hkv, num_splits)
     _paged_decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
