@@ -483,9 +483,10 @@ def test_attention_tiling_choice():
     assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True)
     assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True).block_n == 64
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True) == AttentionTiling(64, 64, 4, 2)
-    # Where the e4m3-MMA decode kernel runs: it takes GPU-filling decodes, not prefills (L1).
+    # Where the e4m3-MMA decode kernel runs: it takes GPU-filling decodes, not prefills (L1),
+    # with a sequence's KV heads side by side in its grid (N4).
     rows = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
-    assert rows == AttentionTiling(16, 128, 4, 1, widen_asm=True, keys_as_rows=True)
+    assert rows == AttentionTiling(16, 128, 4, 1, widen_asm=True, keys_as_rows=True, heads_fastest=True)
     mixed = choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert not mixed.keys_as_rows and mixed.singles_as_rows  # a mixed step's decodes go to it
     assert not choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True).singles_as_rows
