@@ -9,9 +9,10 @@ For each batch size B (after a `--prompt-len`-token prefill, random ids):
                  post-pass graph, since a graph replay hides its kernels on some builds):
                  total and per-launch microseconds by kernel name, and the launch count;
   replay_gaps  - the captured graph's replay under the profiler: kernel time, the idle time
-                 between consecutive kernels (what replay_ms holds beyond the kernels), and
-                 the kernels after which the GPU idled longest, and the replay's own kernel
-                 table (empty where the build's profiler does not see a replay's kernels);
+                 between consecutive kernels (what replay_ms holds beyond the kernels) and
+                 the kernels after which the GPU idled longest; replay_kernels is the
+                 replay's own kernel table (both empty where the build's profiler does not
+                 see a replay's kernels);
   gemv         - cuBLAS at this batch for each weight shape alone: microseconds and TB/s.
 Also the device-to-device copy bandwidth of the run, the ceiling for all of the above.
 

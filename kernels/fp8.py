@@ -18,8 +18,9 @@ compute the same product from the dequantized operands in float32.
 On CUDA the row-wise `_scaled_mm` runs with `use_fast_accum=True` (FP8_FAST_ACCUM): Hopper's
 FP8 tensor cores then accumulate a whole K loop in their own (reduced-precision) accumulator,
 without promoting partial sums to float32 every few K steps. That is what vLLM's and
-TensorRT-LLM's FP8 GEMMs do; torch's kernel then takes the ping-pong schedule. The error it
-adds is small beside the e4m3 rounding of both operands (bench/fp8_gemm.py measures both).
+TensorRT-LLM's FP8 GEMMs do (torch 2.11 on the H200 runs cuBLASLt's row-scaled kernels, which
+honour the flag). The error it adds is small beside the e4m3 rounding of both operands
+(bench/fp8_gemm.py measures both; bench/RESULTS.md, N1).
 KILN_FP8_FAST_ACCUM=0 in the environment (read once, at import) turns it off.
 """
 

@@ -88,11 +88,11 @@ def test_silu_and_mul_quant_fused_real_shapes(rows, inter):
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_fp8_linear_llama3_shapes(m, n, k):
     _needs_fp8_gemm()
+    from kiln.kernels.fp8 import fp8_linear_reference
+
     x, w = randn(m, k, seed=m), randn(n, k, seed=n + k) * 0.02
     wq, ws = quantize_fp8_rowwise(w)
     xq, xs = quantize_fp8_per_token(x)
-    from kiln.kernels.fp8 import fp8_linear_reference
-
     y = fp8_linear(xq, xs, wq, ws, None, torch.bfloat16)
     exact = linear_fp8_dequantized((xq.float() * xs), wq, ws)  # what _scaled_mm computes, in float32
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
