@@ -26,6 +26,8 @@ from kiln.runtime.tp_executor import LIVENESS_POLL_S, PendingLogits, TensorParal
 from kiln.runtime.tp_worker import RankWorker, WorkerFailedError, WorkerSpec
 
 logger = logging.getLogger("kiln.runtime")
+# How long a rank's failure waits to see whether a peer's actor died (the cause, then).
+DEAD_PEER_GRACE_S = 5.0
 
 
 class RankActor:
@@ -127,8 +129,28 @@ class RayExecutor(TensorParallelExecutor):
                 except ray.exceptions.RayActorError as e:
                     self._fail(rank, f"died (its Ray actor is gone: killed, out of memory, or its node lost): {e}")
                 except ray.exceptions.RayTaskError as e:
+                    # A rank whose peer was killed fails too, in the collective (connection
+                    # reset); when a peer's actor turns out dead, that death is the cause.
+                    dead = self._dead_peer([r for r in refs if r is not ref], index)
+                    if dead is not None:
+                        self._fail(dead[0], f"died (its Ray actor is gone: killed, out of memory, or its node lost): "
+                                            f"{dead[1]}")
                     self._fail(rank, f"failed:\n{e}")
         return out
+
+    def _dead_peer(self, refs: list[Any], index: dict[Any, int]) -> tuple[int, Exception] | None:
+        """(rank, error) of the first of `refs` whose actor is dead, waiting up to
+        DEAD_PEER_GRACE_S for Ray to notice; None if none is."""
+        ray = self._ray
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DEAD_PEER_GRACE_S)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return index[ref], e
+            except ray.exceptions.RayTaskError:
+                pass
+        return None
 
     def _fail(self, rank: int, message: str) -> None:
         self._failure = WorkerFailedError(rank, message)
