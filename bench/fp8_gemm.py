@@ -32,12 +32,10 @@ def time_us(fn: Callable[[], Any], calls: int = 10) -> float:
     return bc.graph_time_us([fn] * calls)
 
 
-def errors(y: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-           x: torch.Tensor, w: torch.Tensor, prefix: str) -> dict[str, float]:
-    """Relative errors of an FP8 product `y`: against the float32 product of the same e4m3
-    operands (`_accum_err`) and against the bf16 product of the unquantized ones (`_total_err`)."""
-    exact = (xq.float() * xs) @ (wq.float() * ws[:, None]).t()
-    unquantized = (x @ w.t()).float()
+def errors(y: torch.Tensor, exact: torch.Tensor, unquantized: torch.Tensor, prefix: str) -> dict[str, float]:
+    """Relative errors of an FP8 product `y`: against `exact`, the float32 product of the same
+    e4m3 operands (`_accum_err`), and `unquantized`, the bf16 product of the unquantized ones
+    (`_total_err`)."""
     y = y.float()
     return {f"{prefix}_accum_err": ((y - exact).norm() / exact.norm()).item(),
             f"{prefix}_total_err": ((y - unquantized).norm() / unquantized.norm()).item()}
@@ -65,11 +63,13 @@ def main() -> None:
             xq, xs = quantize_fp8_rows(x)
             row: dict[str, Any] = {"proj": name, "n": n, "k": k, "m": m}
             row["bf16_us"] = time_us(lambda: linear_triton(x, w))
+            exact = (xq.float() * xs) @ (wq.float() * ws[:, None]).t()
+            unquantized = (x @ w.t()).float()
             for key, fast in (("scaled_mm_us", False), ("scaled_mm_fast_us", True)):
                 call = lambda fast=fast: fp8_linear_reference(xq, xs, wq, ws, None, torch.bfloat16, fast_accum=fast)
                 row[key] = time_us(call)
                 row[key.replace("_us", "_tflop_s")] = 2 * m * n * k / (row[key] * 1e-6) / 1e12
-                row.update(errors(call(), xq, xs, wq, ws, x, w, key.replace("_us", "")))
+                row.update(errors(call(), exact, unquantized, key.replace("_us", "")))
             if fp8_gemv_config(n, k, m) is not None:
                 row["fp8_gemv_us"] = time_us(lambda: fp8_linear_triton(xq, xs, wq, ws, None, torch.bfloat16))
             for key in ("bf16_us", "scaled_mm_us", "scaled_mm_fast_us", "fp8_gemv_us"):

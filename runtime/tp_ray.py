@@ -28,6 +28,7 @@ from kiln.runtime.tp_worker import RankWorker, WorkerFailedError, WorkerSpec
 logger = logging.getLogger("kiln.runtime")
 # How long a rank's failure waits to see whether a peer's actor died (the cause, then).
 DEAD_PEER_GRACE_S = 5.0
+_ACTOR_DIED = "died (its Ray actor is gone: killed, out of memory, or its node lost)"
 
 
 class RankActor:
@@ -127,14 +128,13 @@ class RayExecutor(TensorParallelExecutor):
                 try:
                     out[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    self._fail(rank, f"died (its Ray actor is gone: killed, out of memory, or its node lost): {e}")
+                    self._fail(rank, f"{_ACTOR_DIED}: {e}")
                 except ray.exceptions.RayTaskError as e:
                     # A rank whose peer was killed fails too, in the collective (connection
                     # reset); when a peer's actor turns out dead, that death is the cause.
                     dead = self._dead_peer([r for r in refs if r is not ref], index)
                     if dead is not None:
-                        self._fail(dead[0], f"died (its Ray actor is gone: killed, out of memory, or its node lost): "
-                                            f"{dead[1]}")
+                        self._fail(dead[0], f"{_ACTOR_DIED}: {dead[1]}")
                     self._fail(rank, f"failed:\n{e}")
         return out
 
