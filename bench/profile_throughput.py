@@ -18,6 +18,10 @@ rest of processing the step's tokens, so that the host time a mixed step waits t
 (J2: ~40 ms) can be split. Then `--profile-steps` steps from the steady state (after
 `--profile-after` mixed steps) run under torch.profiler and their kernels are summed by family (GEMM, attention,
 norm/RoPE/activation, other); decode steps replayed from a CUDA graph show no kernels there.
+In that window the device's idle time between kernels is grouped by what the host was doing
+when each gap began and ended (`device_gaps`), and the calls that waited for the device are
+listed by call site (`torch.cuda.set_sync_debug_mode`). Over the whole run the caching
+allocator's retries and device allocations are counted (a retry waits for the device).
 
     python bench/profile_throughput.py --num-requests 1000 --out profile-throughput.json
 """
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +55,49 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
+def _phase_at(ranges: list[tuple[float, float, str]], t: float) -> str:
+    """The innermost range of `ranges` (start-sorted) that holds time `t`."""
+    inside = [name for start, end, name in ranges if start <= t <= end]
+    return inside[-1] if inside else "-"
+
+
+def device_gaps(prof: Any, steps: int) -> dict[str, Any]:
+    """Device idle time between kernels in the profiled window, grouped by what the host was
+    doing when each gap began and when it ended: the `kiln:` host phase (engine.step, and the
+    scheduling, step inputs, execute, sampler and read-back inside it) and the innermost op."""
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = prof.events()
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in events
+                   if ev.device_type == cuda and ev.device_time > 0)
+    host = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in events if ev.device_type == cpu)
+    phases = [r for r in host if r[2].startswith("kiln:")]
+    ops = [r for r in host if not r[2].startswith("kiln:")]
+    if not spans:
+        return {}
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    busy_until, total = spans[0][1], 0.0
+    for start, end in spans[1:]:
+        if start > busy_until + 2.0:  # µs; launch-to-launch jitter below this is not idle time
+            gap = start - busy_until
+            key = (_phase_at(phases, busy_until), _phase_at(phases, start), _phase_at(ops, start))
+            groups[key][0] += gap
+            groups[key][1] += 1
+            total += gap
+        busy_until = max(busy_until, end)
+    rows = [{"host_at_start": k[0], "host_at_end": k[1], "op_at_end": k[2], "ms_per_step": v[0] / steps / 1e3,
+             "gaps_per_step": v[1] / steps} for k, v in groups.items()]
+    return {"span_ms_per_step": (busy_until - spans[0][0]) / steps / 1e3, "idle_ms_per_step": total / steps / 1e3,
+            "largest": sorted(rows, key=lambda r: -r["ms_per_step"])[:15]}
+
+
+def synchronizing_calls(caught: list[warnings.WarningMessage]) -> list[dict[str, Any]]:
+    """The calls `torch.cuda.set_sync_debug_mode("warn")` reported, by call site."""
+    sites: dict[str, int] = defaultdict(int)
+    for w in caught:
+        sites[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:80]}"] += 1
+    return [{"site": k, "calls": n} for k, n in sorted(sites.items(), key=lambda kv: -kv[1])]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(parser)
@@ -65,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("profile_throughput.py profiles the GPU; no CUDA device is available")
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from kiln.runtime.llm import LLM
     from kiln.runtime.sampling_params import SamplingParams
@@ -108,7 +157,8 @@ def main() -> None:
         def wrapper(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             try:
-                return fn(*a, **k)
+                with record_function(f"kiln:{name}"):  # a host phase, for `device_gaps`
+                    return fn(*a, **k)
             finally:
                 host[name] += time.perf_counter() - t
         return wrapper
@@ -126,7 +176,8 @@ def main() -> None:
         host.clear()
         first = len(steps)
         t = time.perf_counter()
-        out = engine_step()
+        with record_function("kiln:step"):
+            out = engine_step()
         total = time.perf_counter() - t
         row = host_by_kind[steps[first]["kind"] if len(steps) > first else "none"]
         row["calls"] += 1
@@ -142,6 +193,7 @@ def main() -> None:
         engine.add_request(f"r{i}", p, params, every_step=False)
     profiled: dict[str, Any] = {}
     torch.cuda.synchronize()
+    memory_before = torch.cuda.memory_stats()
     t0 = time.perf_counter()
     prof_ctx = None
     mixed_seen = 0
@@ -150,10 +202,16 @@ def main() -> None:
         if steps and steps[-1]["kind"] == "mixed":
             mixed_seen += 1
         if prof_ctx is None and not profiled and mixed_seen == args.profile_after:
-            prof_ctx = profile(activities=[ProfilerActivity.CUDA])
+            prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof_ctx.__enter__()
             prof_first = len(steps)
+            syncs = warnings.catch_warnings(record=True)
+            caught = syncs.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")  # ops that wait for the device, by call site
         elif prof_ctx is not None and len(steps) - prof_first >= args.profile_steps:
+            torch.cuda.set_sync_debug_mode("default")
+            syncs.__exit__(None, None, None)
             torch.cuda.synchronize()
             prof_ctx.__exit__(None, None, None)
             window = steps[prof_first:]
@@ -165,10 +223,13 @@ def main() -> None:
                     top[ev.name[:80]] += ev.device_time / 1e3
             profiled = {"steps": [{k: s[k] for k in ("kind", "tokens", "seqs", "decodes")} for s in window],
                         "kernel_ms_by_family": dict(families),
-                        "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25])}
+                        "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:25]),
+                        "device_gaps": device_gaps(prof_ctx, args.profile_steps),
+                        "synchronizing_calls": synchronizing_calls(caught)}
             prof_ctx = None
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    memory_after = torch.cuda.memory_stats()
 
     by_kind: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     forwards: dict[str, list[float]] = defaultdict(list)
@@ -201,6 +262,9 @@ def main() -> None:
                                                                              else v) for n, v in row.items()}
                                      for k, row in host_by_kind.items()},
         "profiled_window": profiled,
+        # Allocator events over the run: a retry frees cached blocks and waits for the device.
+        "allocator": {k: memory_after.get(k, 0) - memory_before.get(k, 0)
+                      for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")},
     }
     bc.emit(result, args.out)
 

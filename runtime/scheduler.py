@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kiln.runtime.block_manager import BlockManager
@@ -148,7 +149,7 @@ class Scheduler:
         self.stats.num_scheduled_tokens += self.max_num_batched_tokens - budget
         return out
 
-    def schedule_continuation(self) -> list[ScheduledSequence] | None:
+    def schedule_continuation(self, ending: Collection[Sequence] = ()) -> list[ScheduledSequence] | None:
         """The next step, scheduled while the step before it is still in flight (async
         scheduling), before its sampled tokens are read back: what `schedule()` would do once
         they land, if none of them ends its sequence. A sequence with a token in flight brings
@@ -156,9 +157,14 @@ class Scheduler:
         scheduled as `schedule()` schedules them, so a continuation may be a decode step or a
         mixed one.
 
-        None when that step would have to preempt (its blocks do not fit): the caller then
-        reads the tokens first and calls `schedule()`. Sequences that turn out to end with
-        their in-flight token are dropped when it is read back, their extra token discarded.
+        `ending`: running sequences known to end with their in-flight token (their length
+        reaches max_tokens or the context length): they are left out, and finish when it is
+        read back. Their blocks and seats are freed only then, so admissions see them taken.
+
+        None when that step would have to preempt (its blocks do not fit) or has nothing to
+        run: the caller then reads the tokens first and calls `schedule()`. Sequences that
+        turn out to end with their in-flight token otherwise (a stop token or string) are
+        dropped when it is read back, their extra token discarded.
         """
         bm = self.block_manager
         budget = self.max_num_batched_tokens
@@ -167,6 +173,8 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
+            if seq in ending:
+                continue
             pending = seq.num_pending_tokens + seq.num_inflight_tokens
             if pending == 0:
                 return None  # nothing to compute until its token is read: not a state schedule() meets
@@ -181,6 +189,8 @@ class Scheduler:
             bm.allocate(seq, n)
             out.scheduled.append(ScheduledSequence(seq, n, samples=samples))
         budget = self._admit_waiting(out, budget)
+        if not out.scheduled:
+            return None  # everything running ends with its token in flight, and nobody is admitted
         self.stats.num_steps += 1
         self.stats.num_continuation_steps += 1
         self.stats.num_scheduled_tokens += self.max_num_batched_tokens - budget

@@ -60,8 +60,8 @@ def record_continuations(engine: LLMEngine) -> list[bool]:
     carried_chunks: list[bool] = []
     schedule_continuation = engine.scheduler.schedule_continuation
 
-    def recording():
-        items = schedule_continuation()
+    def recording(ending=()):
+        items = schedule_continuation(ending)
         if items is not None:
             carried_chunks.append(any(item.num_new_tokens > 1 for item in items))
         return items
@@ -136,6 +136,23 @@ def test_sequences_ending_by_value_mid_flight(model_dir):
     assert sum(reason == "stop" for [(_, reason)] in want.values()) == len(stops)
     assert engine.num_discarded_tokens >= 1
     assert engine.scheduler.stats.num_continuation_steps > 20
+
+
+def test_sequences_ending_by_length_do_not_hold_back_the_next_step(model_dir):
+    """Requests of different max_tokens (as an offline run's): a sequence whose in-flight
+    token is its last is left out of the next step instead of making the engine read that
+    token back first, so every step after the first is a continuation, with the same outputs
+    as a synchronous engine."""
+    rng = random.Random(5)
+    requests = [(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(4 + 3 * i)],
+                 SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True)) for i in range(5)]
+    want = run(make_engine(model_dir, False), requests)
+    engine = make_engine(model_dir, True)
+    assert run(engine, requests) == want
+    assert all(reason == "length" for [(_, reason)] in want.values())
+    stats = engine.scheduler.stats
+    assert stats.num_continuation_steps == stats.num_steps - 1
+    assert engine.num_discarded_tokens == 0
 
 
 def test_abort_while_a_step_is_in_flight(model_dir):

@@ -306,6 +306,29 @@ def test_a_continuation_brings_in_flight_tokens_and_prefill_chunks():
     assert sched.stats.num_continuation_steps == 2
 
 
+def test_a_continuation_leaves_out_sequences_ending_with_their_token_in_flight():
+    """A sequence whose in-flight token is its last (max_tokens) is left out of the
+    continuation, which still runs the others; it keeps its blocks and its seat until the
+    read-back finishes it, so the queue head is not admitted in its place yet. A continuation
+    with nothing left to run is None."""
+    sched = make(num_blocks=64, max_num_seqs=2, budget=16, caching=False)
+    last, other = _length_only(4, 1, first=1), _length_only(4, 10, first=50)
+    for s in (last, other):
+        sched.add(s)
+    out = sched.schedule()
+    for item in out.scheduled:
+        item.seq.num_computed_tokens += item.num_new_tokens
+        item.seq.num_inflight_tokens = 1
+    late = _length_only(4, 10, first=100)
+    sched.add(late)
+    blocks = list(last.block_table)
+    items = sched.schedule_continuation(ending={last})
+    assert [(i.seq, i.num_new_tokens, i.samples) for i in items] == [(other, 1, True)]
+    assert last.block_table == blocks and last in sched.running and list(sched.waiting) == [late]
+    assert sched.schedule_continuation(ending={last, other}) is None
+    assert sched.stats.num_continuation_steps == 1
+
+
 def test_a_continuation_that_would_preempt_is_refused():
     sched = make(num_blocks=5, max_num_seqs=4, budget=64, caching=False)
     seqs = [_length_only(8, 10, first=1), _length_only(8, 10, first=50)]
