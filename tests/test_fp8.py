@@ -106,14 +106,15 @@ def test_quantize_fp8_keeps_the_first_and_last_layers():
 
     config = tiny_config("llama")
     config.num_hidden_layers = 5
-    after = graph_for_pass(config, "quantize_fp8")
+    before = graph_for_pass(config, "quantize_fp8")  # captured once: each pass below runs on a copy
+    after = before.copy()
     stats = after.run_pass(QuantizeFP8Pass())
     assert stats["fp8_linear"] == 4 * 3 and stats["kept_high_precision"] == 4 * 2 + 1
     quantized = {t.weight for t in after.context.weight_transforms if isinstance(t, QuantizeFP8Weight)}
     assert {int(n.split(".")[2]) for n in quantized} == {1, 2, 3}
     assert in_edge_layer("model.layers.29.mlp.down_proj.weight", 30) and not in_edge_layer("model.layers.1.x.weight", 30)
     assert not in_edge_layer("model.layers.0.mlp.down_proj.weight", 2)
-    plain = graph_for_pass(config, "quantize_fp8").run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    plain = before.copy().run_pass(QuantizeFP8Pass(keep_edge_layers=False))
     assert plain["fp8_linear"] == 4 * 5
     assert QuantizeFP8Pass().uuid() != QuantizeFP8Pass(keep_edge_layers=False).uuid()
 
@@ -211,6 +212,20 @@ def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
+_ENGINE_TOKENS: dict[tuple, list[list[int]]] = {}
+
+
+def engine_tokens(path: Path, **options) -> list[list[int]]:
+    """`_tokens(LLM(path, compile="eager", progress=False, **options))`, from a fresh engine,
+    once per module: several tests compare with the same engine's greedy tokens (the tiny
+    Llama unquantized, or quantized at load), a deterministic computation that costs an
+    engine start each time. A copy: a test cannot change what the next one gets."""
+    key = (str(path), tuple(sorted(options.items())))
+    if key not in _ENGINE_TOKENS:
+        _ENGINE_TOKENS[key] = _tokens(LLM(str(path), compile="eager", progress=False, **options))
+    return [list(t) for t in _ENGINE_TOKENS[key]]
+
+
 def teacher_forced_agreement(llm: LLM, reference: list[list[int]]) -> float:
     """Of the tokens the reference engine picked greedily, the share `llm` ranks first given
     the same prefix (one prompt-logprobs pass per sequence; a free-running comparison would
@@ -252,12 +267,12 @@ def test_prequantized_checkpoint_loads_as_it_is(tiny_model_dir, tmp_path, form):
     else:
         assert weights[o_proj].dtype == torch.float32  # dequantized: requantized per channel by the transform
     tokens = _tokens(llm)
-    reference = _tokens(LLM(str(src), compile="eager", progress=False, quantization="fp8"))
+    reference = engine_tokens(src, quantization="fp8")
     if form == "ct-channel":
         # The same per-channel quantization as quantize-at-load: the same numbers exactly.
         assert tokens == reference
     else:
-        rate = teacher_forced_agreement(llm, _tokens(LLM(str(src), compile="eager", progress=False)))
+        rate = teacher_forced_agreement(llm, engine_tokens(src))
         print(f"{form}: teacher-forced greedy agreement with the unquantized model {rate:.1%}")
         assert rate >= 0.7
 
@@ -288,7 +303,7 @@ AGREEMENT_ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "gemma2", "phi3")
 @pytest.mark.parametrize("arch", AGREEMENT_ARCHS)
 def test_greedy_agreement_with_the_unquantized_model(tiny_model_dir, arch):
     path, _ = tiny_model_dir(arch)
-    reference = _tokens(LLM(str(path), compile="eager", progress=False))
+    reference = engine_tokens(path)
     rates = {}
     for name, options in (("fp8 weights", {"quantization": "fp8"}), ("fp8 KV", {"kv_cache_dtype": "fp8"}),
                           ("fp8 weights + KV", {"quantization": "fp8", "kv_cache_dtype": "fp8"})):
@@ -476,7 +491,7 @@ def test_kv_scales_are_calibrated_when_the_checkpoint_has_none(tiny_model_dir):
     off = LLM(str(path), compile="eager", progress=False, kv_cache_dtype="fp8", calculate_kv_scales=False)
     assert off.engine.kv_scales == {} and all(torch.equal(s, torch.ones(2)) for s in _fed_kv_scales(off).values())
     # Calibrated scales stay at least as close to the unquantized model as scale 1.
-    reference = _tokens(LLM(str(path), compile="eager", progress=False))
+    reference = engine_tokens(path)
     assert teacher_forced_agreement(llm, reference) >= 0.75
 
 
