@@ -70,8 +70,9 @@ def device_gaps(prof: Any, steps: int) -> dict[str, Any]:
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in events
                    if ev.device_type == cuda and ev.device_time > 0)
     host = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in events if ev.device_type == cpu)
-    phases = [r for r in host if r[2].startswith("kiln:")]
-    ops = [r for r in host if not r[2].startswith("kiln:")]
+    # The wrappers' phases are `kiln:<name>`; custom ops (`kiln::linear`) are ops.
+    phases = [r for r in host if r[2].startswith("kiln:") and not r[2].startswith("kiln::")]
+    ops = [r for r in host if r not in phases]
     if not spans:
         return {}
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
@@ -86,8 +87,24 @@ def device_gaps(prof: Any, steps: int) -> dict[str, Any]:
         busy_until = max(busy_until, end)
     rows = [{"host_at_start": k[0], "host_at_end": k[1], "op_at_end": k[2], "ms_per_step": v[0] / steps / 1e3,
              "gaps_per_step": v[1] / steps} for k, v in groups.items()]
+    # Where `execute` spends its host time: CUDA API calls (a launch that waits for room in the
+    # device's queue shows here as a long cudaLaunchKernel / cuLaunchKernel).
+    executes = [(a, b) for a, b, name in phases if name == "kiln:execute"]
+    api: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for ev in events:
+        if ev.device_type == cpu and ev.name.startswith("cu"):
+            a, b = ev.time_range.start, ev.time_range.end
+            if any(x <= a and b <= y for x, y in executes):
+                row = api[ev.name]
+                row[0] += b - a
+                row[1] += 1
+                row[2] = max(row[2], b - a)
     return {"span_ms_per_step": (busy_until - spans[0][0]) / steps / 1e3, "idle_ms_per_step": total / steps / 1e3,
-            "largest": sorted(rows, key=lambda r: -r["ms_per_step"])[:15]}
+            "largest": sorted(rows, key=lambda r: -r["ms_per_step"])[:15],
+            "execute_host_ms_per_step": sum(b - a for a, b in executes) / steps / 1e3,
+            "execute_cuda_api": sorted(({"call": k, "ms_per_step": v[0] / steps / 1e3, "calls_per_step": v[1] / steps,
+                                         "longest_ms": v[2] / 1e3} for k, v in api.items()),
+                                       key=lambda r: -r["ms_per_step"])[:10]}
 
 
 def synchronizing_calls(caught: list[warnings.WarningMessage]) -> list[dict[str, Any]]:

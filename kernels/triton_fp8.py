@@ -2,10 +2,10 @@
 `kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and a GEMV for
 `kiln::fp8_linear` at decode-sized inputs (all registered for CUDA).
 
-The plain-torch reference is five launches (abs, amax, divide, clamp, cast) and reads the
+The plain-torch reference is five launches (abs, amax, multiply, clamp, cast) and reads the
 activation twice from memory at full precision; this kernel is one launch, one program per
-token row: a first loop over K finds max|x|, a second writes x / scale as e4m3 (the row is
-read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._scaled_mm`
+token row: a first loop over K finds max|x|, a second writes x * (1 / scale) as e4m3 (the row
+is read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._scaled_mm`
 (cuBLASLt's FP8 GEMM with row-wise scales) except at 1-16 rows (the GEMV below).
 """
 
@@ -34,6 +34,14 @@ from kiln.kernels.triton_norm import _rows_view
 
 
 @triton.jit
+def _reciprocal(scale):
+    """1 / scale, IEEE-rounded as the reference's (Triton's `/` is an approximation). The
+    kernels multiply each element by it, as `quantize_fp8_rows` does: a division per element
+    (div_rn) bound them by arithmetic."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
                           BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -45,11 +53,11 @@ def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.c
         amax = tl.maximum(amax, tl.abs(x))
     scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
+    inv = _reciprocal(scale)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        # div_rn: IEEE division, as the reference divides (the default is an approximation).
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_C), FP8_MAX_C)
+        q = tl.minimum(tl.maximum(x * inv, -FP8_MAX_C), FP8_MAX_C)
         tl.store(xq_ptr + row * K + ks, q.to(xq_ptr.dtype.element_ty), mask=ks < K)
 
 
@@ -104,7 +112,7 @@ def _rms_norm_quant_kernel(
     out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype).to(tl.float32)
     scale = tl.maximum(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=0) / FP8_MAX_C, MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(out, scale), -FP8_MAX_C), FP8_MAX_C)
+    q = tl.minimum(tl.maximum(out * _reciprocal(scale), -FP8_MAX_C), FP8_MAX_C)
     tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
 
@@ -166,7 +174,7 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
         y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+        q = tl.minimum(tl.maximum(y * _reciprocal(scale), -FP8_MAX_C), FP8_MAX_C)
         tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
     else:
         # A first pass over the columns finds the row's max, a second recomputes the products
@@ -178,11 +186,12 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
+        inv = _reciprocal(scale)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
             y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX_C), FP8_MAX_C)
+            q = tl.minimum(tl.maximum(y * inv, -FP8_MAX_C), FP8_MAX_C)
             tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
 

@@ -535,7 +535,8 @@ class LLMEngine:
             return None
         # A sequence whose in-flight token reaches its length limit ends when it is read back,
         # whatever the token: the continuation leaves it out instead of waiting for the read-back
-        # (in an offline run every sequence ends so; waiting idled the device ~10 ms each time).
+        # (in an offline run every sequence ends so, and each such step left the device idle
+        # while the host read it back, scheduled and prepared the next).
         ending = {seq for seq in prev.sampling
                   if seq.num_sampled_tokens >= seq.params.max_tokens
                   or seq.num_tokens + seq.num_inflight_tokens >= self.max_model_len}
