@@ -55,6 +55,13 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
+def is_device_work(ev: Any) -> bool:
+    """A kernel, copy or memset on the device: not the device-side span the profiler draws for
+    a host range (the `kiln:` phases here), which covers the kernels launched inside it."""
+    return (ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0
+            and not getattr(ev, "is_user_annotation", False) and not ev.name.startswith("kiln:"))
+
+
 def _phase_at(ranges: list[tuple[float, float, str]], t: float) -> str:
     """The innermost range of `ranges` (start-sorted) that holds time `t`."""
     inside = [name for start, end, name in ranges if start <= t <= end]
@@ -65,10 +72,9 @@ def device_gaps(prof: Any, steps: int) -> dict[str, Any]:
     """Device idle time between kernels in the profiled window, grouped by what the host was
     doing when each gap began and when it ended: the `kiln:` host phase (engine.step, and the
     scheduling, step inputs, execute, sampler and read-back inside it) and the innermost op."""
-    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    cpu = torch.autograd.DeviceType.CPU
     events = prof.events()
-    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in events
-                   if ev.device_type == cuda and ev.device_time > 0)
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in events if is_device_work(ev))
     host = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in events if ev.device_type == cpu)
     # The wrappers' phases are `kiln:<name>`; custom ops (`kiln::linear`) are ops.
     phases = [r for r in host if r[2].startswith("kiln:") and not r[2].startswith("kiln::")]
@@ -235,7 +241,7 @@ def main() -> None:
             families: dict[str, float] = defaultdict(float)
             top: dict[str, float] = defaultdict(float)
             for ev in prof_ctx.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+                if is_device_work(ev):
                     families[kernel_family(ev.name)] += ev.device_time / 1e3
                     top[ev.name[:80]] += ev.device_time / 1e3
             profiled = {"steps": [{k: s[k] for k in ("kind", "tokens", "seqs", "decodes")} for s in window],

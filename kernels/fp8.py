@@ -48,7 +48,7 @@ def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Each element is multiplied by the row's reciprocal scale (computed once, IEEE), not
     divided by the scale: the Triton kernels do the same, where a division per element made
     them bound by arithmetic instead of memory (SiLU-and-mul-quant at 16k rows: 476 against
-    326 us on the H200, bench/RESULTS.md O3). The two differ in a few e4m3 values in 10^5,
+    326 us on the H200, bench/RESULTS.md O4). The two differ in a few e4m3 values in 10^5,
     each by one step."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
