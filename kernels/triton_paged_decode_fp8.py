@@ -119,11 +119,11 @@ def _attend_one_token(
 
 
 # As the general kernel: values that change from step to step are not specialised on.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _paged_decode_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
-    scale, sliding_window,
+    scale, sliding_window, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -138,6 +138,18 @@ def _paged_decode_fp8_kernel(
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if NUM_SPLITS == 1:
+        # The rows of padded tokens (after the last sequence's) are zeroed here, each by the
+        # programs of one sequence slot, so that the launcher need not fill `out` first (a
+        # fill of the whole output a layer; with splits the combine zeroes them).
+        num_seq_slots = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(0)
+        real_tokens = tl.load(query_start_loc_ptr + num_seq_slots)
+        offs_d = tl.arange(0, HEAD_DIM)
+        cols = tl.arange(0, COLS)
+        zeros = tl.zeros([HEAD_DIM, COLS], tl.float32).to(out_ptr.dtype.element_ty)
+        for row in range(real_tokens + seq, num_tokens, num_seq_slots):
+            tl.store(out_ptr + tl.cast(row, tl.int64) * stride_ot + (kv_head * GROUP + cols)[None, :] * stride_oh
+                     + offs_d[:, None], zeros, mask=(cols < GROUP)[None, :])
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -167,7 +179,8 @@ def launch_paged_decode_fp8(
     widen_asm: bool, single_tokens_only: bool = False, heads_fastest: bool = False,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
-    With `single_tokens_only`, only the rows of sequences that bring one token this step.
+    With `single_tokens_only`, only the rows of sequences that bring one token this step. With
+    num_splits == 1 the rows of padded tokens (after the last sequence's) are zeroed too.
 
     The grid's first axis is launched first: by default the sequences, so the programs running
     at once read one KV head of many sequences, 128 bytes of each token's 1 KB row of K (Llama-3's
@@ -184,7 +197,7 @@ def launch_paged_decode_fp8(
     _paged_decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
-        float(scale), int(sliding_window),
+        float(scale), int(sliding_window), t,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),

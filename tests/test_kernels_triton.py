@@ -617,6 +617,41 @@ def test_paged_decode_fp8_heads_first_grid_changes_nothing(splits, window):
     assert torch.equal(reordered, plain)
 
 
+@pytest.mark.parametrize("heads_fastest", [False, True])
+@pytest.mark.parametrize("single_tokens_only", [False, True])
+def test_paged_decode_fp8_zeroes_the_rows_of_padded_tokens(heads_fastest, single_tokens_only):
+    # Without splits the launcher hands the e4m3-MMA decode kernel an uninitialised `out`: the
+    # kernel must zero the rows of padded tokens (here 9 of them for 7 sequence slots, so
+    # some slots zero two rows) and write its sequences' rows as over a zeroed `out`. In a
+    # mixed step (`single_tokens_only`) the rows of multi-token sequences are the general
+    # kernel's: left as they were.
+    from kiln.kernels.triton_paged_decode_fp8 import launch_paged_decode_fp8
+
+    new_tokens = [1, 1, 0, 3, 1, 1, 0] if single_tokens_only else [1, 1, 0, 1, 1, 1, 0]
+    batch = _fp8_cache(make_paged_batch(new_tokens=new_tokens, cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
+                                        block_size=16, num_blocks=32, pad_tokens=9, seed=91, dtype=HALF))
+    q, kv_cache = batch["q"], batch["kv_cache"]
+    kv_scale = torch.tensor([0.5, 2.0], dtype=torch.float32, device=DEVICE)
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE))
+
+    def run(out: torch.Tensor) -> torch.Tensor:
+        launch_paged_decode_fp8(q, kv_cache, out, out, out, batch["block_tables"], batch["seq_lens"],
+                                batch["query_start_loc"], kv_scale, 0.2, 0, num_splits=1, block_n=16, num_warps=4,
+                                num_stages=1, widen_asm=widen, single_tokens_only=single_tokens_only,
+                                heads_fastest=heads_fastest)
+        return out
+
+    poisoned = run(torch.full_like(q, float("nan")))
+    zeroed = run(torch.zeros_like(q))
+    starts = batch["query_start_loc"].tolist()
+    real = starts[-1]
+    ours = [r for i in range(len(starts) - 1) if starts[i + 1] - starts[i] == 1 for r in range(starts[i], starts[i + 1])]
+    others = [r for r in range(real) if r not in ours]
+    assert q.shape[0] - real == 9 and not poisoned[real:].isnan().any() and not poisoned[real:].any()
+    assert torch.equal(poisoned[ours], zeroed[ours]) and poisoned[ours].abs().max() > 0
+    assert bool(poisoned[others].isnan().all()) and len(others) == (3 if single_tokens_only else 0)
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_mixed_step_single_tokens_go_to_the_keys_as_rows_kernel(splits):
     # A mixed step over an e4m3 cache with `singles_as_rows`: the one-token sequences' rows
