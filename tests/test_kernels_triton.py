@@ -617,6 +617,36 @@ def test_paged_decode_fp8_heads_first_grid_changes_nothing(splits, window):
     assert torch.equal(reordered, plain)
 
 
+@pytest.mark.parametrize("cache,tiling,decode", [
+    ("bf16", AttentionTiling(16, 32, 4, 2), True), ("bf16", AttentionTiling(64, 32, 4, 2), False),
+    ("fp8", AttentionTiling(16, 32, 4, 2), False), ("fp8", AttentionTiling(16, 32, 4, 1, keys_as_rows=True), True),
+    ("fp8", AttentionTiling(64, 32, 4, 2, singles_as_rows=True), False)])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_attention_output_needs_no_fill(monkeypatch, cache, tiling, decode, splits):
+    # The launcher allocates its output (and split partials) without filling them: the kernels
+    # write every row, the padded tokens' as zeros. Here every fresh allocation holds NaN, and
+    # the output must be the same as with zero-filled ones, bit for bit, for the general
+    # kernel, the e4m3-MMA decode kernel, the two together in a mixed step, and the combine.
+    shape = dict(new_tokens=[1, 1, 0, 1, 1], cached=[40, 3, 0, 17, 29]) if decode else MIXED
+    batch = make_paged_batch(**{**shape, "pad_tokens": 3}, hq=8, hkv=2, d=32, block_size=16, num_blocks=24,
+                             seed=97, dtype=HALF)
+    batch = _fp8_cache(batch) if cache == "fp8" else batch
+    kv_scale = torch.tensor([0.5, 2.0], dtype=torch.float32, device=DEVICE) if cache == "fp8" else None
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE))
+    tiling = dataclasses.replace(tiling, widen_asm=widen and cache == "fp8")
+    args = _attention_args(batch)
+    empty_like, empty = torch.empty_like, torch.empty
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(0.0))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(0.0))
+    zeroed = attend_paged_triton(*args, num_splits=splits, tiling=tiling, kv_scale=kv_scale)
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    poisoned = attend_paged_triton(*args, num_splits=splits, tiling=tiling, kv_scale=kv_scale)
+    real = int(batch["query_start_loc"][-1])
+    assert batch["q"].shape[0] - real == 3 and zeroed[:real].abs().amax(dim=(1, 2)).min() > 0
+    assert torch.equal(poisoned, zeroed) and not poisoned[real:].any()
+
+
 @pytest.mark.parametrize("heads_fastest", [False, True])
 @pytest.mark.parametrize("single_tokens_only", [False, True])
 def test_paged_decode_fp8_zeroes_the_rows_of_padded_tokens(heads_fastest, single_tokens_only):
@@ -889,7 +919,7 @@ found = {}
 for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
                   BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8,
-                  WIDEN_ASM=asm, V_TRANS=v_trans)
+                  WIDEN_ASM=asm, V_TRANS=v_trans, SKIP_SINGLE_TOKENS=False)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
