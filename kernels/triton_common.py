@@ -89,3 +89,19 @@ def kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.co
         kv_lo = kv_lo + split * chunk
         kv_hi = tl.minimum(kv_hi, kv_lo + chunk)
     return kv_lo, kv_hi
+
+
+@triton.jit
+def zero_padded_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, first, step, kv_head, stride_ot, stride_oh,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Zero the attention output of KV head `kv_head`'s GROUP query heads in the rows of
+    padded tokens (those after the last sequence's, query_start_loc[num_seqs]), rows
+    `first`, `first + step`, ... of them: the attention kernels spread these rows over their
+    programs, so that their launcher need not fill the whole output with zeros first."""
+    heads = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    zeros = tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty)
+    mask = (heads < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    for row in range(tl.load(query_start_loc_ptr + num_seqs) + first, num_tokens, step):
+        tl.store(out_ptr + tl.cast(row, tl.int64) * stride_ot + (kv_head * GROUP + heads)[:, None] * stride_oh
+                 + offs_d[None, :], zeros, mask=mask)

@@ -37,7 +37,7 @@ from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range, max_shared_memory,
-                                        multiprocessor_count, num_warps_for, pow2_at_least)
+                                        multiprocessor_count, num_warps_for, pow2_at_least, zero_padded_rows)
 from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
 
@@ -97,16 +97,10 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if NUM_SPLITS == 1 and not SKIP_SINGLE_TOKENS:
-        # The rows of padded tokens (after the last sequence's) are zeroed here, spread over
-        # the tiles, so that the launcher need not fill `out` first (with splits the combine
-        # zeroes them; with SKIP_SINGLE_TOKENS the e4m3-MMA decode kernel does).
-        real_tokens = tl.load(query_start_loc_ptr + num_seqs)
-        zero_h = tl.arange(0, GROUP_PAD)
-        zero_d = tl.arange(0, D_PAD)
-        zeros = tl.zeros([GROUP_PAD, D_PAD], tl.float32).to(out_ptr.dtype.element_ty)
-        for row in range(real_tokens + tile_id, num_tokens, tl.num_programs(0)):
-            tl.store(out_ptr + tl.cast(row, tl.int64) * stride_ot + (kv_head * GROUP + zero_h)[:, None] * stride_oh
-                     + zero_d[None, :], zeros, mask=(zero_h < GROUP)[:, None] & (zero_d < HEAD_DIM)[None, :])
+        # The padded tokens' rows, spread over the tiles (with splits the combine zeroes them;
+        # with SKIP_SINGLE_TOKENS the e4m3-MMA decode kernel does).
+        zero_padded_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, tile_id, tl.num_programs(0), kv_head,
+                         stride_ot, stride_oh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
 
     # Which sequence owns this tile (see the module docstring for the numbering): count the
     # sequences whose first tile is at or before this one, SEQ_CHUNK starts at a time.

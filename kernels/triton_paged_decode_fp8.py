@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_least
+from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_least, zero_padded_rows
 
 
 @triton.jit
@@ -139,17 +139,11 @@ def _paged_decode_fp8_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if NUM_SPLITS == 1:
-        # The rows of padded tokens (after the last sequence's) are zeroed here, each by the
-        # programs of one sequence slot, so that the launcher need not fill `out` first (a
-        # fill of the whole output a layer; with splits the combine zeroes them).
+        # The padded tokens' rows, spread over the sequence slots (with splits the combine
+        # zeroes them).
         num_seq_slots = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(0)
-        real_tokens = tl.load(query_start_loc_ptr + num_seq_slots)
-        offs_d = tl.arange(0, HEAD_DIM)
-        cols = tl.arange(0, COLS)
-        zeros = tl.zeros([HEAD_DIM, COLS], tl.float32).to(out_ptr.dtype.element_ty)
-        for row in range(real_tokens + seq, num_tokens, num_seq_slots):
-            tl.store(out_ptr + tl.cast(row, tl.int64) * stride_ot + (kv_head * GROUP + cols)[None, :] * stride_oh
-                     + offs_d[:, None], zeros, mask=(cols < GROUP)[None, :])
+        zero_padded_rows(out_ptr, query_start_loc_ptr, num_seq_slots, num_tokens, seq, num_seq_slots, kv_head,
+                         stride_ot, stride_oh, GROUP, COLS, HEAD_DIM, HEAD_DIM)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
