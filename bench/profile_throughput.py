@@ -77,8 +77,9 @@ def device_gaps(prof: Any, steps: int) -> dict[str, Any]:
     spans = sorted((ev.time_range.start, ev.time_range.end) for ev in events if is_device_work(ev))
     host = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in events if ev.device_type == cpu)
     # The wrappers' phases are `kiln:<name>`; custom ops (`kiln::linear`) are ops.
-    phases = [r for r in host if r[2].startswith("kiln:") and not r[2].startswith("kiln::")]
-    ops = [r for r in host if r not in phases]
+    is_phase = [r[2].startswith("kiln:") and not r[2].startswith("kiln::") for r in host]
+    phases = [r for r, phase in zip(host, is_phase) if phase]
+    ops = [r for r, phase in zip(host, is_phase) if not phase]
     if not spans:
         return {}
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0.0, 0])
