@@ -15,11 +15,13 @@ e4m3-MMA decode kernel (`keys_as_rows`).
 
     python bench/tune_attention.py --out tune-attention.json
     python bench/tune_attention.py --kv-cache-dtype fp8 --out tune-attention-fp8.json
+    python bench/tune_attention.py --mask-ab    # each kind's default, and it with the other masking
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from typing import Any
 
@@ -68,6 +70,14 @@ def main() -> None:
                         help="wide: only decode tiles of 32 and 64 rows (next to the default; 64 rows take Hopper's "
                              "wgmma, which reads its B tiles from shared memory), to fit a device command; rows "
                              "(--kv-cache-dtype fp8): only the e4m3-MMA kernel with keys as the MMA's rows")
+    parser.add_argument("--prefill-sweep", choices=("all", "focus"), default="all",
+                        help="prefill and mixed tilings: all (rows x keys x warps x stages), or focus: 64/128 "
+                             "rows, 64 keys, 4 warps, 2-3 stages, each with e4m3 widened by inline assembly "
+                             "(FP8 cache) and with every block masked (the kernel before the interior blocks "
+                             "ran unmasked)")
+    parser.add_argument("--mask-ab", action="store_true",
+                        help="time only the default tiling and the same with the other masking (every key "
+                             "block, or only those a tile's rows see in part), per kind")
     parser.add_argument("--timing", choices=("graph", "events"), default="graph",
                         help="graph: replays of a CUDA graph of the call, as a decode step runs it (default); "
                              "events: eager calls, which also time the launcher's Python (~60 us at 1,024 "
@@ -76,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("tune_attention.py times the Triton kernels; no CUDA device is available")
-    from kiln.kernels.triton_paged_attention import AttentionTiling, attend_paged_triton
+    from kiln.kernels.triton_paged_attention import AttentionTiling, attend_paged_triton, default_tiling
 
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +124,10 @@ def main() -> None:
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)
                        for rows, bn, warps, stages, vt in itertools.product((64, 128), (64, 128), (4, 8), (2, 3),
                                                                             (False, True) if fp8 else (False,))]
+    if args.prefill_sweep == "focus":
+        prefill_tilings = [AttentionTiling(rows, 64, 4, stages, widen_asm=asm, mask_all_blocks=mask_all)
+                           for rows, stages, asm, mask_all in itertools.product(
+                               (64, 128), (2, 3), (False, True) if fp8 else (False,), (False, True))]
     result: dict[str, Any] = {"benchmark": "tune_attention", "env": bc.environment(),
                               "shapes": {"heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK,
                                          "decode_seqs": args.decode_seqs, "prefill_prompts": prompts,
@@ -124,7 +138,11 @@ def main() -> None:
         rows = []
         reference = None  # the default tiling's output: every tiling's error is measured against it
         bc.warm_gpu()  # the default is timed first: not at idle clocks
-        for tiling in [None] + (decode_tilings if name == "decode" else prefill_tilings):
+        tilings = decode_tilings if name == "decode" else prefill_tilings
+        if args.mask_ab:
+            default = default_tiling(step["q"], step["kv_cache"], step["block_tables"].shape[0])
+            tilings = [dataclasses.replace(default, mask_all_blocks=not default.mask_all_blocks)]
+        for tiling in [None] + tilings:
             def call(tiling: AttentionTiling | None = tiling) -> torch.Tensor:
                 return attend_paged_triton(step["q"], step["kv_cache"], step["block_tables"], step["seq_lens"],
                                            step["query_start_loc"], D ** -0.5, 0, tiling=tiling, kv_scale=kv_scale)

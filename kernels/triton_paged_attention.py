@@ -91,7 +91,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
-    SKIP_SINGLE_TOKENS: tl.constexpr = False,
+    SKIP_SINGLE_TOKENS: tl.constexpr = False, MASK_ALL_BLOCKS: tl.constexpr = False,
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -155,6 +155,12 @@ def _paged_attention_kernel(
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
     kv_lo = tl.where(sliding_window > 0, tl.maximum(first_pos + tok0 - sliding_window + 1, 0), 0)
     kv_lo, kv_hi = kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
+    # Keys below kv_full are visible to every row of the tile (the tile's first token sees up
+    # to its own position): a block wholly below it needs no mask, which spares the mask's
+    # integer work on each of its BLOCK_M x BLOCK_N logits. Only the last block or two of a
+    # tile (the causal diagonal, the cache's end) are masked. A sliding window bounds rows
+    # from below as well: every block is masked then.
+    kv_full = tl.where(sliding_window > 0, kv_lo, tl.minimum(first_pos + tok0 + 1, kv_hi))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -176,9 +182,10 @@ def _paged_attention_kernel(
             qk = softcap * (1.0 - 2.0 / (tl.exp(2.0 * qk / softcap) + 1.0))
         if ALIBI:
             qk += slope[:, None] * (offs_n[None, :] - pos[:, None]).to(tl.float32)
-        allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-        allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
-        qk = tl.where(allowed, qk, float("-inf"))
+        if MASK_ALL_BLOCKS or start + BLOCK_N > kv_full:
+            allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+            allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
+            qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         alpha = tl.exp(m_i - m_safe)
@@ -280,6 +287,11 @@ class AttentionTiling:
     # sequence's heads run side by side: 0.430 against 0.440 ms at 1,024 sequences on the
     # H200, and faster at every launch shape of the sweep (bench/RESULTS.md, N4).
     heads_fastest: bool = False
+    # Mask every key block instead of only those a tile's rows see in part. On the H200
+    # (bench/RESULTS.md, P4) masking only those is 7-9% faster for prefill and mixed tiles,
+    # but 4% slower for the one-token decode tile (0.203 against 0.194 ms at 256 sequences):
+    # there only the last block needs the mask, and the branch costs more than it saves.
+    mask_all_blocks: bool = False
 
 
 # The e4m3-MMA decode kernel's launch shape (bench/RESULTS.md, L1): 128 keys per iteration,
@@ -313,19 +325,34 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1); and in a
     mixed step it takes the one-token sequences (`singles_as_rows`), which the general
     kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
+
+    Prefill tiles mask only the key blocks their rows see in part; decode tiles mask every
+    block (`AttentionTiling.mask_all_blocks`).
     """
     if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
         return KEYS_AS_ROWS_DECODE
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
-                               v_trans=True)
+                               v_trans=True, mask_all_blocks=True)
     if num_tokens <= num_seqs:
         kv_tile_bytes = 2 * 128 * d_pad * 2  # K and V, 128 keys, 16-bit
         if fills_gpu and d_pad <= 128 and shared_memory >= 3 * kv_tile_bytes:
-            return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=3)
-        return AttentionTiling(DECODE_TILE_ROWS, block_n=64 if d_pad <= 128 else 32)
+            return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=3, mask_all_blocks=True)
+        return AttentionTiling(DECODE_TILE_ROWS, block_n=64 if d_pad <= 128 else 32, mask_all_blocks=True)
     return AttentionTiling(PREFILL_TILE_ROWS, block_n=64 if d_pad <= 128 else 32,
                            num_warps=4 if d_pad <= 128 else 0, singles_as_rows=e4m3_mma and d_pad <= 128)
+
+
+def default_tiling(q: torch.Tensor, kv_cache: torch.Tensor, num_seqs: int, softcap: float = 0.0,
+                   alibi: bool = False) -> AttentionTiling:
+    """The tiling `attend_paged_triton` takes for this call when none is given (choose_tiling
+    with the device's facts)."""
+    t, _, d = q.shape
+    e4m3_hardware = converts_e4m3_in_hardware(q.device)
+    return choose_tiling(t, num_seqs, pow2_at_least(d, 16), max_shared_memory(q.device),
+                         num_seqs * kv_cache.shape[3] >= multiprocessor_count(q.device),
+                         fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
+                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi))
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
@@ -409,10 +436,7 @@ def attend_paged_triton(
     num_sms = multiprocessor_count(q.device)
     e4m3_hardware = converts_e4m3_in_hardware(q.device)  # sm_89 and newer: e4m3 widening and MMAs
     rows_kernel_fits = decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
-    e4m3_mma = e4m3_hardware and rows_kernel_fits
-    tiling = tiling or choose_tiling(t, num_seqs, d_pad, max_shared_memory(q.device), num_seqs * hkv >= num_sms,
-                                     fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
-                                     e4m3_mma=e4m3_mma)
+    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad
     block_n = tiling.block_n
@@ -459,7 +483,7 @@ def attend_paged_triton(
             HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
             NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
-            SKIP_SINGLE_TOKENS=singles_as_rows,
+            SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks,
             num_warps=num_warps,
             num_stages=tiling.num_stages,
         )

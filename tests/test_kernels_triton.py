@@ -470,17 +470,20 @@ def test_paged_attention_decode_heuristic_splits():
 
 def test_attention_tiling_choice():
     h200_smem, a100_smem = 232448, 166912
-    # Large-batch decode: 128 keys per iteration, 3 stages, where shared memory holds them.
-    assert choose_tiling(256, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(16, 128, 4, 3)
+    # Large-batch decode: 128 keys per iteration, 3 stages, where shared memory holds them;
+    # every key block masked (P4: the interior-block branch costs more than it saves there).
+    assert choose_tiling(256, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(16, 128, 4, 3,
+                                                                                      mask_all_blocks=True)
     assert choose_tiling(256, 256, 128, a100_smem, fills_gpu=True).block_n == 64
     # Small-batch decode (split over the KV length) and head dim 256 keep 64 / 32 keys.
     assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False).block_n == 64
     assert choose_tiling(256, 256, 256, h200_smem, fills_gpu=True).block_n == 32
-    # Prefill and mixed steps: 64-row tiles on 4 warps.
+    # Prefill and mixed steps: 64-row tiles on 4 warps, interior key blocks unmasked.
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True) == AttentionTiling(64, 64, 4, 2)
+    assert all(choose_tiling(8, 8, 128, smem, fills_gpu=False).mask_all_blocks for smem in (h200_smem, a100_smem))
     # Over an FP8 cache a GPU-filling decode loads its tiles in one stage, V as [D, N] (J4).
     fp8 = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True)
-    assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True)
+    assert fp8 == AttentionTiling(16, 128, 4, 1, widen_asm=True, v_trans=True, mask_all_blocks=True)
     assert choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True).block_n == 64
     assert choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True) == AttentionTiling(64, 64, 4, 2)
     # Where the e4m3-MMA decode kernel runs: it takes GPU-filling decodes, not prefills (L1),
@@ -505,6 +508,36 @@ def test_paged_attention_explicit_tilings_agree():
     batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=5)
     for tiling in (AttentionTiling(16, 32, 4, 2), AttentionTiling(64, 64, 4, 3), AttentionTiling(32, 16, 2, 2)):
         check_paged_attention(batch, scale=0.25, window=0, num_splits=1, tiling=tiling)
+
+
+@pytest.mark.parametrize("window,splits,fp8", [
+    (0, 1, False),   # blocks wholly below a tile's first position run unmasked
+    (0, 3, False),   # per split: a split's last block ends on its boundary, unmasked
+    (21, 1, False),  # a sliding window: every block masked
+    (0, 1, True),
+])
+def test_paged_attention_masks_only_the_blocks_rows_see_in_part(window, splits, fp8):
+    # Contexts of several 16-key blocks, prefills starting mid-block and tiles of 8 tokens
+    # (16 rows, group of 2): interior blocks, the causal diagonal and the cache's end all
+    # occur. Masking every block is the same computation on the allowed logits, so the two
+    # kernels agree bit for bit, and both match the reference (which also writes the cache
+    # they read).
+    batch = make_paged_batch(new_tokens=[20, 45, 1, 1, 0], cached=[40, 0, 37, 70, 0], hq=4, hkv=2, d=16,
+                             block_size=4, num_blocks=4 * 70, pad_tokens=3, seed=8, dtype=HALF if fp8 else torch.float32)
+    kv_scale = None
+    if fp8:
+        batch = _fp8_cache(batch)
+        kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
+    ref = paged_attention_reference(**batch, scale=0.25, sliding_window=window, kv_scale=kv_scale)
+    args = (batch["q"], batch["kv_cache"], batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.25,
+            window)
+    tiling = AttentionTiling(16, 16, 2, 2)
+    masked_in_part, masked_all = (
+        attend_paged_triton(*args, num_splits=splits, tiling=dataclasses.replace(tiling, mask_all_blocks=mask_all),
+                            kv_scale=kv_scale) for mask_all in (False, True))
+    assert torch.equal(masked_in_part, masked_all)
+    tol = 2e-3 if fp8 else 2e-5
+    assert_attention_close(masked_in_part, ref, batch, tol, tol)
 
 
 @pytest.mark.parametrize("with_norm,splits", [(False, 1), (True, 2)])
@@ -919,7 +952,7 @@ found = {}
 for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
                   BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8,
-                  WIDEN_ASM=asm, V_TRANS=v_trans, SKIP_SINGLE_TOKENS=False)
+                  WIDEN_ASM=asm, V_TRANS=v_trans, SKIP_SINGLE_TOKENS=False, MASK_ALL_BLOCKS=True)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
