@@ -66,7 +66,8 @@ for stage in $STAGES; do
     tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
             # of 157 tests in ~515 s); run tests_a and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
-    tests_a)  # the GPU suite, part A (~175 s, H3): architectures, kernels, MoE, runtime, TP, the plugin
+    tests_a)  # the GPU suite, part A (~175 s in H3; since then the Triton kernel files' dual CPU/CUDA tests
+             # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): architectures, kernels, MoE, runtime, TP, the plugin
       run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu "${SUITE_A[@]}" passes/examples ;;
     tests_b)  # part B (~265 s in H4, 305 s in J6): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
       run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" ;;

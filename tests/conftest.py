@@ -18,8 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(int(os.environ.get("KILN_TEST_THREADS", "1")))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
+        # Kernel tests that run on whichever device there is (the interpreter on CPU) are GPU
+        # tests on a GPU: `pytest -m gpu` must run them there.
+        for item in items:
+            if "triton_kernels" in item.keywords:
+                item.add_marker(pytest.mark.gpu)
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

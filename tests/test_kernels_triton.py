@@ -32,6 +32,7 @@ from kiln.kernels.triton_paged_attention import (AttentionTiling, attend_paged_t
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 
 
 def test_kernels_run_where_this_machine_can():

@@ -24,6 +24,7 @@ from kiln.kernels import triton_linear  # noqa: E402
 from kiln.kernels.triton_linear import GEMV_MAX_ROWS, GemvConfig, choose_config, linear_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 INTERPRETED = DEVICE == "cpu"
 SMALL = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

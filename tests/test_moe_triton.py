@@ -22,6 +22,7 @@ from kiln.kernels.triton_moe import (MoETiling, choose_tiling, fused_moe_triton,
                                     pair_per_block)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 
 
 def moe_inputs(t: int, h: int, i: int, e: int, dtype: torch.dtype, seed: int = 0, device: str = DEVICE,
