@@ -10,8 +10,9 @@ would cost). Each is timed for every tiling in the sweep and for the default cho
 `--repeats` replays of a CUDA graph of the call (`--timing events`: the median of eager
 calls, which also times the launcher), with the KV bytes read (decode) and FLOPs (prefill)
 turned into TB/s and TFLOP/s. `--kv-cache-dtype fp8` runs them over an e4m3 cache (with
-k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile) and the
-e4m3-MMA decode kernel (`keys_as_rows`).
+k/v scales), whose decode sweep adds 256-key tiles (the bytes of a 128-key bf16 tile); both
+sweep the keys-as-rows decode kernel (`keys_as_rows`: e4m3 MMAs over an FP8 cache, bf16 ones
+over a bf16 cache; `--decode-sweep rows` times only it).
 
     python bench/tune_attention.py --out tune-attention.json
     python bench/tune_attention.py --kv-cache-dtype fp8 --out tune-attention-fp8.json
@@ -115,10 +116,12 @@ def main() -> None:
     wide_tilings = [AttentionTiling(rows, bn, 4, stages, widen_asm=fp8, v_trans=vt)
                     for rows, bn, stages, vt in itertools.product((32, 64), (64, 128), (1, 2, 3),
                                                                   (False, True) if fp8 else (False,))]
-    # Over an e4m3 cache: keys as the MMA's rows and e4m3 dots (kiln.kernels.triton_paged_decode_fp8).
-    rows_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=True, keys_as_rows=True, heads_fastest=hf)
-                    for bn, warps, stages, hf in itertools.product((64, 128, 256), (4, 8), (1, 2, 3), (False, True))
-                    if not hf or stages == 1] if fp8 else []
+    # Keys as the MMA's rows (kiln.kernels.triton_paged_decode_fp8): e4m3 dots over an e4m3
+    # cache, the cache dtype's over a bf16 one (not a default choice there until measured).
+    rows_tilings = [AttentionTiling(16, bn, warps, stages, widen_asm=fp8, keys_as_rows=True, heads_fastest=hf)
+                    for bn, warps, stages, hf in itertools.product((64, 128) + ((256,) if fp8 else ()), (4, 8),
+                                                                   (1, 2, 3), (False, True))
+                    if not hf or stages == 1]
     decode_tilings = {"wide": wide_tilings, "rows": rows_tilings}.get(args.decode_sweep,
                                                                        decode_tilings + wide_tilings + rows_tilings)
     prefill_tilings = [AttentionTiling(rows, bn, warps, stages, v_trans=vt)

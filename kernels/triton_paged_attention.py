@@ -38,7 +38,7 @@ from kiln.kernels.paged_attention import check_kv_scale, paged_attention_referen
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range, max_shared_memory,
                                         multiprocessor_count, num_warps_for, pow2_at_least, zero_padded_rows)
-from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, launch_paged_decode_fp8
+from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, decode_rows_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
@@ -277,8 +277,9 @@ class AttentionTiling:
     num_stages: int = 2
     widen_asm: bool = False  # an FP8 cache only: widen e4m3 by inline assembly (`e4m3_to_f16`; not interpreted)
     v_trans: bool = False  # load V tiles as [D, N], as K, and transpose them for the dot
-    # Decode over an FP8 cache with e4m3 MMAs, keys as the rows (`kiln.kernels.
-    # triton_paged_decode_fp8`; block_n, num_warps, num_stages and widen_asm apply).
+    # Decode with keys as the MMA's rows (`kiln.kernels.triton_paged_decode_fp8`: e4m3 MMAs
+    # over an FP8 cache, the cache dtype's over a 16-bit one; block_n, num_warps, num_stages
+    # and widen_asm apply).
     keys_as_rows: bool = False
     # A step with more tokens than sequences (mixed): its one-token sequences go to that
     # kernel (at KEYS_AS_ROWS_DECODE's launch shape) and the general kernel skips them.
@@ -435,7 +436,9 @@ def attend_paged_triton(
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
     e4m3_hardware = converts_e4m3_in_hardware(q.device)  # sm_89 and newer: e4m3 widening and MMAs
-    rows_kernel_fits = decode_fp8_supported(kv_cache, d, softcap, alibi_slopes is not None)
+    # The keys-as-rows kernel runs e4m3 and 16-bit caches; only the e4m3 one is a default
+    # choice (choose_tiling), a 16-bit one only an explicit tiling's (bench/tune_attention.py).
+    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
     tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad

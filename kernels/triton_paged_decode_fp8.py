@@ -23,6 +23,12 @@ an A operand that is not K-major; on the H200 with Triton 3.6 that variant, p sp
 hit an illegal address, and reading V as if the cache stored it transposed ran 3.5x slower:
 bench/RESULTS.md, L2 and L3.)
 
+The same turn runs over a 16-bit (bf16/f16) cache with the cache dtype's MMAs (`E4M3`
+False): s^T = K q^T with the query as it is (no split), out^T += V^T p. Whether it reads a
+bf16 cache faster than the general kernel's one-token tiles (which fill 4 of their 16 rows
+at a decode) is for `bench/tune_attention.py` to say: the launcher takes it only for an
+explicit tiling until then (`AttentionTiling.keys_as_rows`).
+
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
 each with its own causal limit. In a mixed step (`SINGLE_TOKENS_ONLY`) the kernel takes only
@@ -41,18 +47,12 @@ from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_leas
 
 
 @triton.jit
-def _attend_one_token(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
-    scale, sliding_window, q_row, ctx_len, kv_head, split,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-):
-    """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
+def _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh,
+                KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The query as the e4m3 MMA's [D, 2 COLS] operand (hi and lo terms), the weights of its
+    two halves and each head's logit scale (module docstring)."""
     offs_d = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, COLS)
-    col_ok = cols < GROUP
     heads = kv_head * GROUP + cols
     # Columns [0, COLS) of the query operand are the hi terms of the heads, [COLS, 2 COLS)
     # their lo terms (both halves load the same heads); lo carries hi's rounding error (at
@@ -69,10 +69,37 @@ def _attend_one_token(
     half_weight = tl.where(cols2 >= COLS, 0.0625, 1.0)
     # The same per-head multiplier again, in the [COLS] layout of the softmax's statistics.
     amax = tl.max(tl.abs(tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
-                                 mask=col_ok[None, :], other=0.0).to(tl.float32)), axis=0)
+                                 mask=(cols < GROUP)[None, :], other=0.0).to(tl.float32)), axis=0)
     mul = tl.where(amax > 0.0, 448.0 / amax, 1.0)
     # k_scale folds into the logits' scale, v_scale into the output, as in the general kernel.
     col_scale = (scale * tl.load(kv_scale_ptr) if KV_SCALE else scale) / mul
+    return q_split, half_weight, col_scale
+
+
+@triton.jit
+def _attend_one_token(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
+    scale, sliding_window, q_row, ctx_len, kv_head, split,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
+    E4M3: tl.constexpr,
+):
+    """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    cols = tl.arange(0, COLS)
+    col_ok = cols < GROUP
+    heads = kv_head * GROUP + cols
+    if E4M3:
+        q_op, half_weight, col_scale = _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh,
+                                                   KV_SCALE, GROUP, COLS, HEAD_DIM)
+    else:
+        # A 16-bit cache: the query as it is, in the cache's dtype (a bf16 model's own).
+        q_op = tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
+                       mask=col_ok[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
+        half_weight = tl.full([COLS], 1.0, tl.float32)  # unused
+        col_scale = tl.zeros([COLS], tl.float32) + scale
 
     kv_hi = ctx_len
     kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
@@ -92,16 +119,22 @@ def _attend_one_token(
         # are then in flight together (0.414 against 0.467 ms at 1,024 sequences on the H200,
         # bench/RESULTS.md, M3).
         v = tl.load(v_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-        s_t = tl.dot(k, q_split)  # [BLOCK_N, 2 COLS], e4m3 x e4m3 -> f32
-        s = tl.sum(tl.reshape(s_t * half_weight[None, :], [BLOCK_N, 2, COLS]), axis=1) * col_scale[None, :]
+        if E4M3:
+            s_t = tl.dot(k, q_op)  # [BLOCK_N, 2 COLS], e4m3 x e4m3 -> f32
+            s = tl.sum(tl.reshape(s_t * half_weight[None, :], [BLOCK_N, 2, COLS]), axis=1) * col_scale[None, :]
+        else:
+            s = tl.dot(k, q_op) * col_scale[None, :]  # [BLOCK_N, COLS]
         s = tl.where(n_ok[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with no key yet
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[None, :])
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
-        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(tl.float16))
+        if E4M3:
+            v_t = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(tl.float16))
+        else:
+            v_t = tl.trans(v)
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(v_t.dtype))
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -129,7 +162,7 @@ def _paged_decode_fp8_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False,
+    SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
 ):
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
         kv_head = tl.program_id(0)
@@ -156,7 +189,7 @@ def _paged_decode_fp8_kernel(
             scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM)
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3)
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -164,6 +197,14 @@ def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, 
     least 32 (one e4m3 MMA step), no soft-cap, no ALiBi."""
     return (kv_cache.dtype == torch.float8_e4m3fn and head_dim >= 32 and head_dim == pow2_at_least(head_dim)
             and softcap <= 0.0 and not has_alibi)
+
+
+def decode_rows_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
+    """Whether the kernel can run the call over this cache at all: an e4m3 cache as in
+    `decode_fp8_supported`, or a bf16/f16 one with a power-of-two head size of at least 16."""
+    if kv_cache.dtype in (torch.bfloat16, torch.float16):
+        return head_dim >= 16 and head_dim == pow2_at_least(head_dim) and softcap <= 0.0 and not has_alibi
+    return decode_fp8_supported(kv_cache, head_dim, softcap, has_alibi)
 
 
 def launch_paged_decode_fp8(
@@ -198,5 +239,6 @@ def launch_paged_decode_fp8(
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
+        E4M3=kv_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -634,6 +634,24 @@ def test_paged_decode_fp8_keys_as_rows_matches_the_default(hq, splits, window):
     assert diff.pow(2).mean().sqrt() < 1.8e-3 * ref.float()[:rows].pow(2).mean().sqrt()
 
 
+@pytest.mark.parametrize("hq,splits,window,heads_fastest", [(8, 1, 0, False), (8, 3, 0, True), (16, 2, 20, False),
+                                                           (6, 2, 0, True)])
+def test_paged_decode_keys_as_rows_over_a_16_bit_cache(hq, splits, window, heads_fastest):
+    # The keys-as-rows kernel over a 16-bit cache (the cache dtype's MMAs, the query as it
+    # is) against the general kernel: GQA groups of 4, 8 and 3 (padded to 8 columns), splits,
+    # a sliding window, padded sequences and one sequence bringing two tokens.
+    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=hq, hkv=2, d=32,
+                             block_size=16, num_blocks=32, pad_tokens=1, seed=31 + hq, dtype=HALF)
+    args = _attention_args(batch, window)
+    rows_tiling = AttentionTiling(16, 32, 4, 2, keys_as_rows=True, heads_fastest=heads_fastest)
+    out = attend_paged_triton(*args, num_splits=splits, tiling=rows_tiling)
+    ref = attend_paged_triton(*args, num_splits=1, tiling=AttentionTiling(16, 32, 4, 2))
+    rows = int(batch["query_start_loc"][-1])
+    assert out[:rows].abs().amax(dim=(1, 2)).min() > 0 and not out[rows:].any()
+    # Both take f32 sums of f16 products; p is rounded to f16 for the second dot in both.
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("splits,window", [(1, 0), (3, 20)])
 def test_paged_decode_fp8_heads_first_grid_changes_nothing(splits, window):
     # `heads_fastest` only reorders the grid (KV heads as its first axis): the same output
@@ -654,13 +672,15 @@ def test_paged_decode_fp8_heads_first_grid_changes_nothing(splits, window):
 @pytest.mark.parametrize("cache,tiling,decode", [
     ("bf16", AttentionTiling(16, 32, 4, 2), True), ("bf16", AttentionTiling(64, 32, 4, 2), False),
     ("fp8", AttentionTiling(16, 32, 4, 2), False), ("fp8", AttentionTiling(16, 32, 4, 1, keys_as_rows=True), True),
-    ("fp8", AttentionTiling(64, 32, 4, 2, singles_as_rows=True), False)])
+    ("fp8", AttentionTiling(64, 32, 4, 2, singles_as_rows=True), False),
+    ("bf16", AttentionTiling(16, 32, 4, 1, keys_as_rows=True), True)])
 @pytest.mark.parametrize("splits", [1, 2])
 def test_attention_output_needs_no_fill(monkeypatch, cache, tiling, decode, splits):
     # The launcher allocates its output (and split partials) without filling them: the kernels
     # write every row, the padded tokens' as zeros. Here every fresh allocation holds NaN, and
     # the output must be the same as with zero-filled ones, bit for bit, for the general
-    # kernel, the e4m3-MMA decode kernel, the two together in a mixed step, and the combine.
+    # kernel, the keys-as-rows decode kernel (e4m3 and 16-bit), the two together in a mixed
+    # step, and the combine.
     shape = dict(new_tokens=[1, 1, 0, 1, 1], cached=[40, 3, 0, 17, 29]) if decode else MIXED
     batch = make_paged_batch(**{**shape, "pad_tokens": 3}, hq=8, hkv=2, d=32, block_size=16, num_blocks=24,
                              seed=97, dtype=HALF)
