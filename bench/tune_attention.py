@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--decode-sweep", choices=("all", "wide", "rows"), default="all",
                         help="wide: only decode tiles of 32 and 64 rows (next to the default; 64 rows take Hopper's "
                              "wgmma, which reads its B tiles from shared memory), to fit a device command; rows "
-                             "(--kv-cache-dtype fp8): only the e4m3-MMA kernel with keys as the MMA's rows")
+                             ": only the keys-as-rows kernel (e4m3 MMAs over an FP8 cache, bf16 MMAs over a bf16 one)")
     parser.add_argument("--prefill-sweep", choices=("all", "focus"), default="all",
                         help="prefill and mixed tilings: all (rows x keys x warps x stages), or focus: 64/128 "
                              "rows, 64 keys, 4 warps, 2-3 stages, each with e4m3 widened by inline assembly "
