@@ -450,17 +450,15 @@ def attend_paged_triton(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     keys_as_rows = tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits
     singles_as_rows = not keys_as_rows and tiling.singles_as_rows and rows_kernel_fits
+    # Nothing is pre-filled. With splits, the combine writes every row of `out` (padded tokens
+    # as zeros) and each split every partial a real token needs: at small-batch decode, two
+    # fewer launches per layer. Without, the kernels zero the padded tokens' rows themselves:
+    # no fill of the whole output first (3.5 us a layer at 1,024 decodes, ~40 us at 16k tokens).
+    out = torch.empty_like(q)
     if num_splits > 1:
-        # Every row of `out` is written by the combine (padded tokens as zeros) and every
-        # partial a real token needs by its split, so nothing is pre-filled: at small-batch
-        # decode, two fewer launches per layer.
-        out = torch.empty_like(q)
         part_out = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
     else:
-        # The kernels zero the rows of padded tokens themselves: no fill of the whole output
-        # first (3.5 us a layer at 1,024 decodes, ~40 us at 16k tokens).
-        out = torch.empty_like(q)
         part_out = part_lse = out  # unused by the kernel
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
     if keys_as_rows:

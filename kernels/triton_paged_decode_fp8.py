@@ -98,7 +98,6 @@ def _attend_one_token(
         # A 16-bit cache: the query as it is, in the cache's dtype (a bf16 model's own).
         q_op = tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
                        mask=col_ok[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
-        half_weight = tl.full([COLS], 1.0, tl.float32)  # unused
         col_scale = tl.zeros([COLS], tl.float32) + scale
 
     kv_hi = ctx_len
