@@ -9,6 +9,7 @@
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
+#                                         pdl_ab
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -111,6 +112,15 @@ for stage in $STAGES; do
     fp8_latency)  # bf16, then FP8 weights + FP8 KV, in one run
       run_stage fp8_latency 560 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --no-baseline \
         --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
+    pdl_ab)  # decode at batch 1 and 8, bf16 then FP8 + FP8 KV: programmatic dependent launch off, on, on with the
+             # GEMVs' L2 prefetch (KILN_PDL_PREFETCH=1), in the order of PDL_AB_ORDER (default "0 1 2 0 1 2")
+      i=0
+      for mode in ${PDL_AB_ORDER:-0 1 2 0 1 2}; do
+        i=$((i + 1))
+        KILN_PDL=$(( mode > 0 )) KILN_PDL_PREFETCH=$(( mode == 2 )) run_stage pdl_ab_${i}_mode$mode 280 \
+          $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
+          --out "$OUT/pdl_ab_${i}_mode$mode.json"
+      done ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -170,7 +180,8 @@ for stage in $STAGES; do
     *)
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b)"; status=2 ;;
+           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
+           "pdl_ab)"; status=2 ;;
   esac
 done
 exit $status

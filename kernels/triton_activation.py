@@ -14,13 +14,15 @@ from kiln.kernels.activation import gelu_tanh_and_mul as gelu_tanh_and_mul_op
 from kiln.kernels.activation import gelu_tanh_and_mul_reference
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
 from kiln.kernels.activation import silu_and_mul_reference
+from kiln.kernels.triton_common import pdl_launch_args, wait_for_previous_kernel
 
 BLOCK_COLS = 1024
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
-                         GELU_TANH: tl.constexpr = False):
+                         GELU_TANH: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -61,6 +63,7 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool = 
     block = min(BLOCK_COLS, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
         g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block, GELU_TANH=gelu_tanh, num_warps=4,
+        **pdl_launch_args(out.device),
     )
     return out
 

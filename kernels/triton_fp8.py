@@ -28,7 +28,8 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import max_shared_memory, num_warps_for, pow2_at_least
+from kiln.kernels.triton_common import (gemv_pdl_launch_args, max_shared_memory, num_warps_for, pdl_launch_args,
+                                        pow2_at_least, prefetch_weight_rows, wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
@@ -43,7 +44,8 @@ def _reciprocal(scale):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -74,7 +76,7 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple
     if m and k:
         block = min(block_k, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                    BLOCK_K=block, num_warps=4)
+                                    BLOCK_K=block, num_warps=4, **pdl_launch_args(x.device))
     return xq.view(x.shape), scale.view(*x.shape[:-1], 1)
 
 
@@ -91,7 +93,9 @@ def _rms_norm_quant_kernel(
     rows_inner, n_cols, eps,
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     # kiln.kernels.triton_norm's RMSNorm (one row per program, the row in one block), then the
     # row's e4m3 quantization while it is still in registers: the normed row never goes to memory.
     row = tl.program_id(0)
@@ -134,7 +138,7 @@ def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
         x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=num_warps_for(block),
+        num_warps=num_warps_for(block), **pdl_launch_args(x.device),
     )
     return xq, scale, summed
 
@@ -163,7 +167,8 @@ def _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask):
 @triton.jit
 def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
                                FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
-                               ONE_PASS: tl.constexpr):
+                               ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     # One program per row; the row's max|silu(g) * u| sets its scale.
     row = tl.program_id(0).to(tl.int64)
     if ONE_PASS:
@@ -232,7 +237,8 @@ def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: i
     planned, block_size, num_warps = silu_and_mul_quant_plan(g2.shape[0], n, block, one_pass)
     _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
                                                FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                               BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps)
+                                               BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps,
+                                               **pdl_launch_args(gate.device))
     return xq, scale
 
 
@@ -266,9 +272,15 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
 
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
-                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
+    # The weight is no earlier kernel's output: it may stream before the wait.
+    if PREFETCH:
+        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
+    wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -283,10 +295,16 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
 
 @triton.jit
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    # The weight is no earlier kernel's output: it may stream before the wait.
+    if PREFETCH:
+        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
+    wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -355,11 +373,13 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     if m == 1:
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                   num_warps=config.num_warps, num_stages=config.num_stages)
+                                   num_warps=config.num_warps, num_stages=config.num_stages,
+                                   **gemv_pdl_launch_args(xq.device, 1, config.block_k))
     else:
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                   num_warps=config.num_warps, num_stages=config.num_stages)
+                                   num_warps=config.num_warps, num_stages=config.num_stages,
+                                   **gemv_pdl_launch_args(xq.device, 1, config.block_k))
     return y.view(*xq.shape[:-1], n)
 
 

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from kiln.kernels.moe import check_fused_moe_args, fused_moe_reference, route
 from kiln.kernels.moe import fused_moe as fused_moe_op
-from kiln.kernels.triton_common import max_shared_memory
+from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -203,7 +203,9 @@ def _program_tile(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks, N, K,
                         stride_xt, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
     if expert < 0:
@@ -246,7 +248,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
 def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks, N, K,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
     if expert < 0:
@@ -315,7 +318,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages,
+        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device),
     )
     weights = routing.weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
@@ -326,7 +329,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
+        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device),
     )
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 

@@ -18,7 +18,7 @@ from kiln.kernels.layer_norm import check_layer_norm_args
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
-from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+from kiln.kernels.triton_common import num_warps_for, pdl_launch_args, pow2_at_least, wait_for_previous_kernel
 
 
 @triton.jit
@@ -27,7 +27,9 @@ def _rms_norm_kernel(
     rows_inner, n_cols, eps,
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     outer = row // rows_inner
     inner = row % rows_inner
@@ -79,6 +81,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+        **pdl_launch_args(x.device),
     )
     return out, summed
 
@@ -113,7 +116,9 @@ def _add_layer_norm_kernel(
     rows_inner, n_cols, eps,
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     outer = row // rows_inner
     inner = row % rows_inner
@@ -157,6 +162,7 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=num_warps_for(block),
+        **pdl_launch_args(x.device),
     )
     return out, summed
 

@@ -37,7 +37,8 @@ from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range, max_shared_memory,
-                                        multiprocessor_count, num_warps_for, pow2_at_least, zero_padded_rows)
+                                        multiprocessor_count, num_warps_for, pdl_launch_args, pow2_at_least,
+                                        wait_for_previous_kernel, zero_padded_rows)
 from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, decode_rows_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
 
@@ -57,7 +58,9 @@ def _write_kv_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr,
     KV_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, H_PAD)
@@ -92,7 +95,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
     SKIP_SINGLE_TOKENS: tl.constexpr = False, MASK_ALL_BLOCKS: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -220,7 +225,9 @@ def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, query_start_loc_ptr, num_seqs,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -262,7 +269,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
         hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad, KV_SCALE=kv_scale is not None,
-        num_warps=num_warps_for(h_pad * d_pad),
+        num_warps=num_warps_for(h_pad * d_pad), **pdl_launch_args(k.device),
     )
 
 
@@ -486,7 +493,7 @@ def attend_paged_triton(
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
             SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks,
             num_warps=num_warps,
-            num_stages=tiling.num_stages,
+            num_stages=tiling.num_stages, **pdl_launch_args(q.device),
         )
     if num_splits > 1:
         _combine_splits_kernel[(t, hq)](
@@ -494,7 +501,7 @@ def attend_paged_triton(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits), HEAD_DIM=d, D_PAD=pow2_at_least(d),
-            num_warps=4,
+            num_warps=4, **pdl_launch_args(out.device),
         )
     return out
 

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import e4m3_to_f16, kv_split_range, pow2_at_least, zero_padded_rows
+from kiln.kernels.triton_common import (e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
+                                        wait_for_previous_kernel, zero_padded_rows)
 
 
 @triton.jit
@@ -162,7 +163,9 @@ def _paged_decode_fp8_kernel(
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -239,5 +242,5 @@ def launch_paged_decode_fp8(
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
         E4M3=kv_cache.dtype == torch.float8_e4m3fn,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device),
     )

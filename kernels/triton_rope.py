@@ -32,7 +32,7 @@ import triton.language as tl
 from kiln.kernels.paged_attention import kv_amax_recording, write_kv_cache
 from kiln.kernels.rope import check_rope_args, rope_reference
 from kiln.kernels.rope import rope as rope_op
-from kiln.kernels.triton_common import num_warps_for, pow2_at_least
+from kiln.kernels.triton_common import num_warps_for, pdl_launch_args, pow2_at_least, wait_for_previous_kernel
 
 # Launch options of `_rope_kernel`: no FMA contraction, so the products rounded to the
 # model dtype (as the eager graph's separate mul and add kernels round them) stay rounded.
@@ -81,7 +81,9 @@ def _rope_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, KV_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -174,7 +176,7 @@ def rope_triton(
         *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
         WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block, KV_SCALE=kv_scale is not None,
-        num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS,
+        num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS, **pdl_launch_args(q.device),
     )
     return q_out, k_out
 

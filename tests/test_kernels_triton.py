@@ -1027,3 +1027,61 @@ def test_fp8_decode_tiling_moves_no_single_bytes_through_shared_memory():
     assert "ld.shared.b8" not in found["fp8_decode"], found["fp8_decode"]
     f16_mma = "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
     assert found["fp8_decode"].get(f16_mma) == found["cast"].get(f16_mma) == 64
+
+
+# ---- programmatic dependent launch -----------------------------------------------------------
+
+def test_pdl_only_where_the_gpu_has_it(monkeypatch):
+    from kiln.kernels import triton_common
+
+    assert triton_common.pdl_launch_args(torch.device("cpu")) == {}
+    if DEVICE == "cuda":
+        hopper = torch.cuda.get_device_capability() >= (9, 0)
+        expected = {"PDL": True, "launch_pdl": True} if hopper and triton_common.PDL_ENABLED else {}
+        assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
+    monkeypatch.setattr(triton_common, "PDL_ENABLED", False)
+    assert triton_common.pdl_launch_args(torch.device(DEVICE)) == {}
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, prefetch):
+    # 128 kernels, each reading what the one before wrote: a kernel that did not wait for its
+    # predecessor (griddepcontrol.wait) would read a half-written input in some replay.
+    from kiln.kernels import triton_common, triton_linear
+    from kiln.kernels.triton_linear import linear_triton
+
+    if not triton_common.uses_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer (and KILN_PDL unset or 1)")
+    monkeypatch.setattr(triton_common, "PDL_PREFETCH", prefetch)
+    weights = [randn(2048, 2048, seed=900 + i, dtype=torch.bfloat16) / 40 for i in range(4)]
+    norm_weight = randn(2048, seed=910, dtype=torch.bfloat16)
+    x0 = randn(1, 2048, seed=911, dtype=torch.bfloat16)
+
+    def chain(x):
+        for i in range(64):
+            x = rms_norm_triton(linear_triton(x, weights[i % 4]), norm_weight, 1e-6)
+        return x
+
+    static_x = x0.clone()
+    chain(static_x)  # compile the PDL variants outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x)
+    results = []
+    for _ in range(3):
+        graph.replay()
+        results.append(static_out.clone())
+    torch.cuda.synchronize()
+
+    monkeypatch.setattr(triton_common, "PDL_ENABLED", False)
+    plain = chain(x0)
+    for out in results:
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    # The PDL launches really were compiled with the wait.
+    y = torch.empty(1, 2048, dtype=torch.bfloat16, device=DEVICE)
+    compiled = triton_linear._gemv_row_kernel[(2048 // 16,)](x0, weights[0], y, y, 2048, 2048, HAS_BIAS=False,
+                                                             BLOCK_N=16, BLOCK_K=512, PDL=True, launch_pdl=True,
+                                                             PREFETCH=prefetch, LINE=64)
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    assert ("prefetch.global.L2" in compiled.asm["ptx"]) == prefetch
