@@ -112,14 +112,13 @@ for stage in $STAGES; do
     fp8_latency)  # bf16, then FP8 weights + FP8 KV, in one run
       run_stage fp8_latency 560 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --no-baseline \
         --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
-    pdl_ab)  # decode at batch 1 and 8, bf16 then FP8 + FP8 KV: programmatic dependent launch off, on, on with the
-             # GEMVs' L2 prefetch (KILN_PDL_PREFETCH=1), in the order of PDL_AB_ORDER (default "0 1 2 0 1 2")
+    pdl_ab)  # decode at batch 1 and 8, bf16 then FP8 + FP8 KV, with programmatic dependent launch off and on,
+             # in the order of PDL_AB_ORDER (default "0 1 0 1")
       i=0
-      for mode in ${PDL_AB_ORDER:-0 1 2 0 1 2}; do
+      for pdl in ${PDL_AB_ORDER:-0 1 0 1}; do
         i=$((i + 1))
-        KILN_PDL=$(( mode > 0 )) KILN_PDL_PREFETCH=$(( mode == 2 )) run_stage pdl_ab_${i}_mode$mode 280 \
-          $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
-          --out "$OUT/pdl_ab_${i}_mode$mode.json"
+        KILN_PDL=$pdl run_stage pdl_ab_${i}_pdl$pdl 280 $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
+          --no-baseline --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/pdl_ab_${i}_pdl$pdl.json"
       done ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \

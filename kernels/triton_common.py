@@ -25,12 +25,9 @@ except ImportError:  # pragma: no cover - both Tritons Kiln runs on have it
 # until that kernel has completed and its writes are visible, then lets the next kernel
 # launch. What overlaps is the launch and the programs' set-up with the previous kernel's
 # last programs: a decode step at batch 1 is ~350 kernels of a few microseconds each.
-# Off until measured on a GPU: KILN_PDL=1 in the environment (read once, at import) turns it on.
-PDL_ENABLED = os.environ.get("KILN_PDL", "0") == "1"
-# With PDL, the GEMVs may also ask for their weight rows into L2 before they wait: their
-# weights are no earlier kernel's output, so the previous kernel's last microseconds can
-# stream them. KILN_PDL_PREFETCH=1 turns it on (an experiment until measured).
-PDL_PREFETCH = os.environ.get("KILN_PDL_PREFETCH", "0") == "1"
+# On the H200 (bench/RESULTS.md, Q1): decode at batch 1 +4.7% (bf16) and +6.8% (FP8).
+# KILN_PDL=0 in the environment (read once, at import) launches them plainly.
+PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 
 
 def pow2_at_least(n: int, minimum: int = 2) -> int:
@@ -95,37 +92,12 @@ def pdl_launch_args(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True} if uses_pdl(device) else {}
 
 
-def gemv_pdl_launch_args(device: torch.device, element_size: int, block_k: int) -> dict:
-    """`pdl_launch_args` for a GEMV kernel, which also takes PREFETCH and LINE (elements a
-    128-byte line of its weight holds, at most its K tile) for `prefetch_weight_rows`."""
-    args = pdl_launch_args(device)
-    if args and PDL_PREFETCH:
-        args.update(PREFETCH=True, LINE=min(128 // element_size, block_k))
-    return args
-
-
-@triton.jit
-def prefetch_to_l2(ptrs):
-    """Bring the lines at `ptrs` into L2 (one address a 128-byte line is enough); no register
-    is written, and nothing waits for the data. Inline assembly: CUDA only."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_weight_rows(w_rows, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """Prefetch K elements of each row at `w_rows` ([BLOCK_N, 1] pointers), one address
-    every LINE elements (128 bytes of the weight's dtype)."""
-    for k0 in range(0, K, BLOCK_K):
-        prefetch_to_l2(w_rows + (k0 + tl.arange(0, BLOCK_K // LINE) * LINE)[None, :])
-
-
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
     """With PDL: wait until the kernel before this one has completed and its memory is
     visible, then let the next kernel's programs launch (they wait in turn). A kernel
     launched with `launch_pdl` must call this before it reads anything an earlier kernel
-    wrote, and before it writes anything; reading its weights may come first."""
+    wrote, and before it writes anything (computing addresses may come first)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

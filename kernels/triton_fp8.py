@@ -28,8 +28,8 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import (gemv_pdl_launch_args, max_shared_memory, num_warps_for, pdl_launch_args,
-                                        pow2_at_least, prefetch_weight_rows, wait_for_previous_kernel)
+from kiln.kernels.triton_common import (max_shared_memory, num_warps_for, pdl_launch_args, pow2_at_least,
+                                        wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
@@ -273,13 +273,9 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
+                         PDL: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
-    # The weight is no earlier kernel's output: it may stream before the wait.
-    if PREFETCH:
-        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -296,14 +292,10 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
 @triton.jit
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
+                         PDL: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    # The weight is no earlier kernel's output: it may stream before the wait.
-    if PREFETCH:
-        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
     wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -374,12 +366,12 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   **gemv_pdl_launch_args(xq.device, 1, config.block_k))
+                                   **pdl_launch_args(xq.device))
     else:
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   **gemv_pdl_launch_args(xq.device, 1, config.block_k))
+                                   **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)
 
 

@@ -29,8 +29,7 @@ import triton.language as tl
 
 from kiln.kernels.linear import check_linear_args
 from kiln.kernels.linear import linear as linear_op
-from kiln.kernels.triton_common import (gemv_pdl_launch_args, max_shared_memory, prefetch_weight_rows,
-                                        wait_for_previous_kernel)
+from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 # Above this many rows the weight is reused enough for cuBLAS's GEMM tiles to win.
 GEMV_MAX_ROWS = 16
@@ -123,15 +122,11 @@ def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> 
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past N (last program) re-read row N-1 instead of masking: the loop's loads stay
     # unpredicated, and the extra results are never stored.
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    # The weight is no earlier kernel's output: it may stream before the wait.
-    if PREFETCH:
-        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
     wait_for_previous_kernel(PDL)
     # Reduce over K once, after the loop: the loop body is independent multiply-adds.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -149,14 +144,10 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64):
+                     PDL: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as in the row kernel
-    # The weight is no earlier kernel's output: it may stream before the wait.
-    if PREFETCH:
-        prefetch_weight_rows(w_rows, K, BLOCK_K, LINE)
     wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -199,12 +190,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _gemv_row_kernel[grid](x2, weight, b, y, n, k, HAS_BIAS=bias is not None,
                                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               **gemv_pdl_launch_args(x.device, weight.element_size(), config.block_k))
+                               **pdl_launch_args(x.device))
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), HAS_BIAS=bias is not None,
                                BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               **gemv_pdl_launch_args(x.device, weight.element_size(), config.block_k))
+                               **pdl_launch_args(x.device))
     return y.view(*x.shape[:-1], n)
 
 
