@@ -5,8 +5,10 @@ Qwen3-MoE-30B-A3B: 128 experts, hidden 2,048, intermediate 768, top-8) and each 
 of `--tokens` (decode batches and prefill-sized steps), one layer's `fused_moe_triton` is
 timed (CUDA events, median of `--repeats`; routing and grouping included, as a step runs
 them) with the tiling `choose_tiling` picks and with every tiling of a sweep: decode-sized
-steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, prefill-sized ones wide
-row and column tiles and the programs' order (`MoETiling.group_m`). By default every timing
+steps (BLOCK_M <= 64 by the rows per expert) sweep narrow row tiles, steps of one 128-row
+block an expert (Mixtral's ~330-sequence decode) 128-row tiles of every width, K tile, warp
+count and depth, prefill-sized ones wide row and column tiles and the programs' order
+(`MoETiling.group_m`). By default every timing
 is of the op replayed inside a CUDA graph, as a decode step runs it (`--timing events` times
 eager calls instead: in I3 the routing's launches made the same decode tiling differ by up
 to 25% from one eager timing to the next). Each result carries TFLOP/s (2 x pairs x 3 x
@@ -33,12 +35,20 @@ SHAPES = {  # experts, hidden, intermediate, top_k, renormalize
 }
 
 
-def sweep(decode: bool) -> list[Any]:
+def sweep(decode: bool, one_block_per_expert: bool = False) -> list[Any]:
     from kiln.kernels.triton_moe import MoETiling
 
     if decode:
         grid = itertools.product((16, 32, 64), (16, 32, 64, 128), (64, 128), (4,), (3, 4))
         return [MoETiling(*t) for t in grid]
+    if one_block_per_expert:
+        # 65-128 rows per expert (Mixtral's offline decode steps of ~330 sequences): one row block
+        # an expert, so each weight tile is read once and the step streams every expert's weights;
+        # narrower column tiles and longer K tiles than prefill's, for more programs and more
+        # bytes in flight each (the prefill leaders first, for comparison).
+        leaders = [MoETiling(128, 128, 64, 8, 4), MoETiling(128, 128, 64, 8, 3)]
+        grid = itertools.product((128,), (32, 64, 128), (64, 128), (4, 8), (2, 3, 4, 5))
+        return leaders + [MoETiling(*t) for t in grid if MoETiling(*t) not in leaders]
     # Prefill-sized steps: the program order (`group_m`: 0, or G row blocks across every column
     # tile first) over the tilings that led the I3 sweep, and the rest of that sweep in order 0.
     leaders = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (64, 256, 64, 8, 4), (128, 64, 64, 4, 4),
@@ -92,7 +102,7 @@ def main() -> None:
             bc.warm_gpu()  # the default is timed first: not at idle clocks
             default_ms = time_ms()
             timings = [(default_ms, default)]  # the default competes too
-            tilings = sweep(decode=default.block_m <= 64)
+            tilings = sweep(decode=default.block_m <= 64, one_block_per_expert=pairs <= 128 * experts)
             for tiling in tilings[:args.max_tilings or len(tilings)]:
                 try:
                     timings.append((time_ms(tiling), tiling))
