@@ -14,7 +14,9 @@ eager calls instead: in I3 the routing's launches made the same decode tiling di
 to 25% from one eager timing to the next). Each result carries TFLOP/s (2 x pairs x 3 x
 hidden x intermediate) and the weight bytes' TB/s, and the best tiling per shape, so the
 table in `kernels/triton_moe.py` (`choose_tiling`) can be set from it (`--max-tilings` cuts
-each sweep short to fit a device command).
+each sweep short to fit a device command). Each shape and token count also times
+`kiln.kernels.moe.fused_moe_grouped_mm` (torch's grouped GEMM, the `KILN_MOE_GROUPED_MM_MIN_ROWS`
+alternative) and its largest difference from the kernels' output.
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -72,6 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
+    from kiln.kernels.moe import fused_moe_grouped_mm
     from kiln.kernels.triton_moe import choose_tiling, fused_moe_triton
 
     device = torch.device("cuda")
@@ -109,6 +112,15 @@ def main() -> None:
                 except Exception as e:  # a tiling that does not fit (shared memory): skipped, named
                     print(f"[{name} T={t}] {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best_ms, best = min(timings, key=lambda r: r[0])
+            def grouped() -> Any:  # torch's grouped GEMM (CUTLASS on sm_90): the alternative for prefill
+                return fused_moe_grouped_mm(x, logits, w_gate_up, w_down, top_k, renorm, True)
+
+            try:
+                grouped_ms = bc.call_ms(grouped, args.repeats, args.timing)
+                grouped_err = float((grouped().float() - run().float()).abs().max())
+            except Exception as e:
+                print(f"[{name} T={t}] grouped_mm: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                grouped_ms, grouped_err = None, None
 
             def figures(ms: float) -> dict[str, float]:
                 return {"ms": ms, "tflop_s": flops / ms / 1e9,
@@ -117,9 +129,13 @@ def main() -> None:
             rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
+                            "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
+                                                                           "max_abs_diff_vs_default": grouped_err},
                             "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])]}
             print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
-                  f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x)", flush=True)
+                  f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x); grouped_mm "
+                  + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),
+                  flush=True)
         result["shapes"][name] = rows
         del w_gate_up, w_down
         bc.free_cuda()

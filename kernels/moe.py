@@ -101,6 +101,34 @@ def fused_moe_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gat
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
+def fused_moe_grouped_mm(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    """The reference's computation with each GEMM one `torch._grouped_mm` over every expert
+    (on CUDA, CUTLASS's grouped GEMM; torch also runs it on CPU) instead of a loop: the pairs
+    sorted by expert, the per-expert row counts' prefix sums as the groups' ends. Device ops
+    only, no host read, so a step can be captured in a CUDA graph. Unlike the Triton kernels
+    it writes the [pairs, 2I] gate/up output (at 16k tokens of Mixtral, 1.9 GB): an
+    alternative for prefill-sized steps, timed against them by bench/tune_moe.py."""
+    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    t, h = hidden.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    out_dtype = torch.promote_types(hidden.dtype, routing.weights.dtype)
+    pairs = routing.experts.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
+    counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))  # no bincount: it reads max() back
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    x = hidden[order // top_k]
+    # [E, H, 2I] and [E, I, H] views: column-major per expert, as the grouped GEMM takes them.
+    gate_up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=ends)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends)
+    out = torch.empty(t * top_k, h, dtype=out_dtype, device=hidden.device)
+    out[order] = y * routing.weights.reshape(-1)[order, None]
+    return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
 @kiln_op("kiln::fused_moe", mutates_args=())
 def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:

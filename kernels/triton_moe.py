@@ -40,13 +40,14 @@ weights) or rounded to the model dtype (`fp32_weights=False`).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.moe import check_fused_moe_args, fused_moe_reference, route
+from kiln.kernels.moe import check_fused_moe_args, fused_moe_grouped_mm, fused_moe_reference, route
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
@@ -70,6 +71,19 @@ class MoETiling:
 
 # Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
 TARGET_PROGRAMS = 256
+
+# Steps with at least this many (token, expert) rows per expert run `fused_moe_grouped_mm`
+# (torch's grouped GEMM) instead of these kernels, bf16 on sm_90 and newer only; 0 (the
+# default) never does. An experiment until bench/tune_moe.py and an offline run have timed it
+# on a GPU: KILN_MOE_GROUPED_MM_MIN_ROWS in the environment (read once, at import) sets it.
+GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
+
+
+def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
+    """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
+    return (GROUPED_MM_MIN_ROWS > 0 and num_pairs >= GROUPED_MM_MIN_ROWS * num_experts
+            and hidden.dtype == torch.bfloat16 and hidden.device.type == "cuda"
+            and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
 
 
 def pair_per_block(num_pairs: int, num_experts: int) -> bool:
@@ -299,6 +313,8 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     num_pairs = t * top_k
     if t == 0:
         return torch.empty_like(hidden)
+    if tiling is None and uses_grouped_mm(num_pairs, num_experts, hidden):
+        return fused_moe_grouped_mm(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
     gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem, smem)

@@ -174,3 +174,29 @@ def test_fused_moe_triton_replays_in_a_cuda_graph() -> None:
     graph.replay()
     ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_prefill_steps_can_take_the_grouped_gemm(monkeypatch) -> None:
+    """KILN_MOE_GROUPED_MM_MIN_ROWS: steps with that many rows per expert go to torch's grouped
+    GEMM, which must agree with the Triton kernels and replay in a CUDA graph."""
+    from kiln.kernels import triton_moe
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the grouped GEMM path is for sm_90 and newer")
+    h, i, e, k, renorm = 1024, 512, 8, 2, True
+    hidden, logits, w_gate_up, w_down = moe_inputs(512, h, i, e, torch.bfloat16, device="cuda", skew=False)
+    kernels = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True)
+    assert not triton_moe.uses_grouped_mm(512 * k, e, hidden)  # off by default
+    monkeypatch.setattr(triton_moe, "GROUPED_MM_MIN_ROWS", 64)
+    assert triton_moe.uses_grouped_mm(512 * k, e, hidden) and not triton_moe.uses_grouped_mm(8 * k, e, hidden)
+    grouped = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True)
+    torch.testing.assert_close(grouped, kernels, rtol=2e-2, atol=2e-2)
+    static_h = hidden.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(static_h, logits, w_gate_up, w_down, k, renorm, True)
+    static_h.copy_(hidden * 0.5)
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe_triton(hidden * 0.5, logits, w_gate_up, w_down, k, renorm, True),
+                               rtol=0, atol=0)
