@@ -10,6 +10,7 @@ weight TB/s, the best tiling per projection and row count, and its gain over the
 At batch 1 the H200 profiles (bench/RESULTS.md, H2/H5) put QKV at 2.85 TB/s and O at 1.96
 against ~4 for the wide projections: this says whether a tiling closes that gap.
 
+At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvConfig.dot`).
 With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
 scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
 row kernel's K tiles are twice the bf16 sweep's (one-byte weights, the same bytes a tile).
@@ -37,14 +38,15 @@ L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
 def sweep(m: int, fp8: bool = False) -> list[Any]:
     from kiln.kernels.triton_linear import GemvConfig
 
+    dot_grid = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4))
     if m == 1:
         # Narrow tiles and long K tiles too: QKV and O (few programs) sat at 2.0-2.9 TB/s
-        # with the last sweep's best.
+        # with the last sweep's best. Then the tl.dot kernel at one row (`GemvConfig.dot`):
+        # FP8 gate/up at eight rows beat the row kernel at one (I4).
         k_tiles = (512, 1024, 2048, 4096) if fp8 else (256, 512, 1024, 2048)
         grid = itertools.product((4, 8, 16, 32), k_tiles, (4, 8, 16), (3, 4))
-    else:
-        grid = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4))
-    return [GemvConfig(*t) for t in grid]
+        return [GemvConfig(*t) for t in grid] + [GemvConfig(*t, dot=True) for t in dot_grid]
+    return [GemvConfig(*t) for t in dot_grid]
 
 
 def main() -> None:

@@ -340,7 +340,7 @@ def fp8_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfi
         return None
     table = FP8_ROW_TABLE if m == 1 else FP8_DOT_TABLE
     config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
-    if m > 1:
+    if m > 1 or config.dot:
         config = fit_shared_memory(config, 1, shared_memory)
     return fit_block_k(config, k)
 
@@ -362,7 +362,7 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     b = bias if bias is not None else y
     grid = (triton.cdiv(n, config.block_n),)
-    if m == 1:
+    if m == 1 and not config.dot:
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,

@@ -47,6 +47,11 @@ class GemvConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # One row through the tl.dot kernel too (its 16-row tile, 15 rows masked) instead of the
+    # CUDA-core row kernel: at eight rows the FP8 dot kernel streamed gate/up faster than the
+    # row kernel did at one (32.6 against 34.3 us, bench/RESULTS.md I4). Swept by
+    # bench/tune_gemv.py; no table row sets it until a sweep has timed it.
+    dot: bool = False
 
 
 # Heuristic tables: (largest N, largest K, config); the first row that fits wins. Seeded with
@@ -86,7 +91,7 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2, shared_memory: 
         # The tables are for 2-byte weights; keep each tile's bytes: float32 tiles at the
         # bf16 BLOCK_K overflowed shared memory on the H200 (288 KiB for 227 KiB).
         config = dataclasses.replace(config, block_k=max(16, config.block_k * 2 // element_size))
-    if m > 1:
+    if m > 1 or config.dot:
         config = fit_shared_memory(config, element_size, shared_memory)
     return fit_block_k(config, k)
 
@@ -186,7 +191,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # never read without HAS_BIAS
     grid = (triton.cdiv(n, config.block_n),)
-    if m == 1:
+    if m == 1 and not config.dot:
         _gemv_row_kernel[grid](x2, weight, b, y, n, k, HAS_BIAS=bias is not None,
                                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,

@@ -871,19 +871,24 @@ def test_silu_and_mul_quant_plan():
     assert silu_and_mul_quant_plan(1, 65536)[0] is False  # a row too wide for one block
 
 
-@pytest.mark.parametrize("m,bias", [(1, False), (1, True), (5, True), (16, False)])
-def test_fp8_gemv(m, bias):
+@pytest.mark.parametrize("m,bias,dot", [(1, False, False), (1, True, False), (1, True, True), (5, True, False),
+                                        (16, False, False)])
+def test_fp8_gemv(m, bias, dot, monkeypatch):
+    from kiln.kernels import triton_fp8
     from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
     from kiln.kernels.triton_fp8 import fp8_linear_triton
     from kiln.kernels.triton_linear import GemvConfig
 
+    if dot:
+        monkeypatch.setattr(triton_fp8, "_fp8_gemv_row_kernel", None)  # a launch of it would fail
     n, k = 40, 128
     w = randn(n, k, seed=71) * 0.1
     x = randn(1, m, k, seed=72, dtype=HALF)
     wq, ws = quantize_fp8_rowwise(w)
     xq, xs = quantize_fp8_rows(x)
     b = randn(n, seed=73, dtype=HALF) if bias else None
-    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)  # 3 column blocks, the last partial
+    # 3 column blocks, the last partial; `dot`: one row through the tl.dot kernel too
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, dot=dot)
     y = fp8_linear_triton(xq, xs, wq, ws, b, HALF, config=config)
     ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), None if b is None else b.cpu(), torch.float32)
     assert y.shape == (1, m, n) and y.dtype == HALF

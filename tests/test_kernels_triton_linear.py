@@ -10,6 +10,7 @@ kernel's bfloat16 is checked on the GPU (the `gpu` tests at the end).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -64,6 +65,16 @@ def test_kernels_are_interpreted_exactly_when_there_is_no_gpu():
 def test_gemv_matches_f_linear(m, dtype, bias):
     x, w, b = operands(m, 40, 256, dtype, bias)
     assert_matches_f_linear(linear_triton(x, w, b, SMALL), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_row_through_the_dot_kernel(dtype, monkeypatch):
+    # GemvConfig.dot: one row takes the tl.dot kernel's 16-row tile, the other 15 masked.
+    monkeypatch.setattr(triton_linear, "_gemv_row_kernel", None)  # a launch of it would fail
+    x, w, b = operands(1, 40, 256, dtype, bias=True, seed=11)
+    config = dataclasses.replace(SMALL, dot=True)
+    assert_matches_f_linear(linear_triton(x, w, b, config), x, w, b)
+    assert choose_config(4096, 4096, 1).dot is False  # no table row takes it before a sweep has timed it
 
 
 @pytest.mark.parametrize("m", [1, 8])
