@@ -11,12 +11,19 @@ their values and scales. Left in the compute dtype, as vLLM leaves them: the LM 
 logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
 to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking picks the
 experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
-as they are. The projections of the first and last decoder layers stay too, as in Meta's FP8
-recipe for Llama 3.1 405B (row-wise weights, per-token activations, first and last layers in
-bf16): they are the most sensitive (on SmolLM2-135M, FP8 in layer 0 alone costs as much
-perplexity as in ten middle layers; README "FP8"). Models of fewer than
+as they are.
+
+The first and last decoder layers: in a small model (projections of fewer than
+`EDGE_LAYERS_MAX_PARAMS` parameters in all) their projections stay in the compute dtype too, as
+in Meta's FP8 recipe for Llama 3.1 405B (first and last layers in bf16): they are the most
+sensitive, and a small model feels it (SmolLM2-135M: every layer in FP8 costs +3.9% perplexity,
+FP8 in layer 0 alone as much as in ten middle layers; with the edge layers kept, +1.5%; README
+"FP8"). A larger model quantizes every decoder layer, as vLLM's `quantization="fp8"` and
+llm-compressor's FP8_DYNAMIC recipe for Llama-3-8B do: there the kept layers cost 5-9% of an
+FP8 step (their bf16 GEMMs, bench/RESULTS.md N3, P3) for a loss those recipes find negligible.
+`keep_edge_layers=True / False` decides it for every model. Models of fewer than
 `EDGE_LAYERS_MIN_LAYERS` layers (test models) quantize every layer, or little would be left.
-A pre-quantized checkpoint's FP8 tensors in those layers are dequantized at load.
+A pre-quantized checkpoint's FP8 tensors in kept layers are dequantized at load.
 
 Phase `logits`, after `prune_logits` (which finds the LM head as an `aten.linear`) and before
 `use_triton_linear` (which would otherwise take the projections into `kiln::linear`). Off
@@ -47,6 +54,8 @@ aten = torch.ops.aten
 
 
 EDGE_LAYERS_MIN_LAYERS = 4
+# keep_edge_layers=None (the default) keeps them below this many projection parameters.
+EDGE_LAYERS_MAX_PARAMS = 1_000_000_000
 # The decoder layer a parameter belongs to, by its Hugging Face name (model.layers.N.…,
 # transformer.h.N.…, …).
 _LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -65,33 +74,57 @@ def in_edge_layer(name: str, num_layers: int | None) -> bool:
     return match is not None and int(match.group(1)) in (0, num_layers - 1)
 
 
+def _projection_params(weights) -> int:
+    """Parameters in the distinct weights (their example values' shapes; 0 where absent)."""
+    seen, total = set(), 0
+    for w in weights:
+        val = w.meta.get("val")
+        if w not in seen and isinstance(val, torch.Tensor):
+            seen.add(w)
+            total += val.numel()
+    return total
+
+
 class QuantizeFP8Pass(KilnPass):
     name = "quantize_fp8"
     phase = "logits"
 
-    def __init__(self, keep_edge_layers: bool = True):
+    def __init__(self, keep_edge_layers: bool | None = None):
+        """`keep_edge_layers`: None keeps the first and last layers in the compute dtype in
+        models of fewer than EDGE_LAYERS_MAX_PARAMS projection parameters (module doc)."""
         self.keep_edge_layers = keep_edge_layers
 
     def options(self) -> dict[str, Any]:
-        return {"keep_edge_layers": self.keep_edge_layers}
+        return {"keep_edge_layers": self.keep_edge_layers, "edge_layers_max_params": EDGE_LAYERS_MAX_PARAMS}
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         graph = gm.graph
-        num_layers = getattr(ctx.config, "num_hidden_layers", None) if self.keep_edge_layers else None
         try:
             head = find_lm_head(gm)
         except ValueError:
             head = None
         embedded = {n.args[0] for n in graph.find_nodes(op="call_function", target=aten.embedding.default)}
-        quantized_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}
-        scales: dict[torch.fx.Node, torch.fx.Node] = {}
-        replaced = kept = 0
-        for node in list(graph.find_nodes(op="call_function", target=aten.linear.default)):
+        projections = []  # (node, weight, checkpoint name) of each projection to quantize
+        kept = 0
+        for node in graph.find_nodes(op="call_function", target=aten.linear.default):
             weight = node.args[1] if len(node.args) > 1 else None
             name = param_name(weight)
             if name is None:
                 continue  # a product of activations, not a projection of a weight
-            if node is head or weight in embedded or _is_router(name) or in_edge_layer(name, num_layers):
+            if node is head or weight in embedded or _is_router(name):
+                kept += 1
+                continue
+            projections.append((node, weight, name))
+        keep_edges = self.keep_edge_layers
+        if keep_edges is None:
+            # A tensor-parallel rank's graph holds its 1/tp_size of the sharded projections.
+            keep_edges = _projection_params(p[1] for p in projections) * ctx.tp_size < EDGE_LAYERS_MAX_PARAMS
+        num_layers = getattr(ctx.config, "num_hidden_layers", None) if keep_edges else None
+        quantized_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}
+        scales: dict[torch.fx.Node, torch.fx.Node] = {}
+        replaced = 0
+        for node, weight, name in projections:
+            if in_edge_layer(name, num_layers):
                 kept += 1
                 continue
             x = node.args[0]

@@ -117,6 +117,30 @@ def test_quantize_fp8_keeps_the_first_and_last_layers():
     plain = before.copy().run_pass(QuantizeFP8Pass(keep_edge_layers=False))
     assert plain["fp8_linear"] == 4 * 5
     assert QuantizeFP8Pass().uuid() != QuantizeFP8Pass(keep_edge_layers=False).uuid()
+    assert before.copy().run_pass(QuantizeFP8Pass(keep_edge_layers=True)) == stats
+
+
+def test_quantize_fp8_quantizes_every_layer_of_a_large_model(monkeypatch):
+    # The default keeps the edge layers only below EDGE_LAYERS_MAX_PARAMS projection parameters
+    # (as vLLM's online FP8, a larger model quantizes every decoder layer). The tiny model has
+    # ~2e5: a bound under it makes it "large". A tensor-parallel rank counts its share x tp_size.
+    import kiln.passes.quantize_fp8 as quantize_fp8
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = 5
+    before = graph_for_pass(config, "quantize_fp8")
+    params = quantize_fp8._projection_params(
+        n.args[1] for n in before.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+        if quantize_fp8.param_name(n.args[1]) and "lm_head" not in quantize_fp8.param_name(n.args[1])
+        and "embed" not in quantize_fp8.param_name(n.args[1]))
+    assert 0 < params < quantize_fp8.EDGE_LAYERS_MAX_PARAMS
+    monkeypatch.setattr(quantize_fp8, "EDGE_LAYERS_MAX_PARAMS", params)
+    assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 5
+    assert before.copy().run_pass(QuantizeFP8Pass(keep_edge_layers=True))["fp8_linear"] == 4 * 3
+    monkeypatch.setattr(quantize_fp8, "EDGE_LAYERS_MAX_PARAMS", params + 1)
+    assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 3
+    before.context.tp_size = 2
+    assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 5
 
 
 def test_quantize_fp8_is_opt_in_and_enters_the_cache_key():
