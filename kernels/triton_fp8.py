@@ -320,11 +320,14 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 # Llama-3-8B projections, e4m3 weights past L2), against the bf16 tables with twice the K
 # tile that served until then: one row, qkv 9.8 against 12.1 us, o 7.3 against 8.9, gate/up
 # 34.3 against 61.4, down 17.9 against 21.4; 2-16 rows (swept at 8), qkv 10.7 against 12.7
-# and gate/up 32.6 against _scaled_mm's 48.5 (o and down keep the bf16 dot tiles).
+# and gate/up 32.6 against _scaled_mm's 48.5 (o and down keep the bf16 dot tiles). One row
+# again on 2026-12-02 with programmatic dependent launch (R1): gate/up through the tl.dot
+# kernel's 16-row tile (`dot=True`) 31.8 against the row kernel's 37.7 us, o with 3 stages
+# 7.0 against 7.6 (down 17.6 either way).
 FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
-    (4096, math.inf, GemvConfig(8, 1024, 8, 4)),      # o 4096 x 4096, down 4096 x 14336
+    (4096, math.inf, GemvConfig(8, 1024, 8, 3)),      # o 4096 x 4096, down 4096 x 14336
     (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
-    (math.inf, math.inf, GemvConfig(8, 512, 4, 4)),   # gate_up 28672 x 4096
+    (math.inf, math.inf, GemvConfig(128, 256, 8, 3, dot=True)),   # gate_up 28672 x 4096
 )
 FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(32, 512, 4, 4)),      # o, down

@@ -126,13 +126,13 @@ def test_heuristic_table_holds_the_h200_configs():
     # The FP8 GEMV (one-byte weights) has its own tables (the same sweep), fitted to K the same way.
     from kiln.kernels.triton_fp8 import fp8_gemv_config
 
-    fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 4), "gate_up": (8, 512, 4, 4), "down": (8, 1024, 8, 4)}
+    fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 3), "gate_up": (128, 256, 8, 3, True), "down": (8, 1024, 8, 3)}
     fp8_dot = {"qkv": (64, 512, 4, 4), "o": (32, 512, 4, 4), "gate_up": (128, 256, 4, 3), "down": (32, 512, 4, 4)}
     for name, (n, k) in llama.items():
         if name != "lm_head":  # stays bf16 under quantization="fp8"
             assert fp8_gemv_config(n, k, 1) == GemvConfig(*fp8_row[name])
             assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name])
-    assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 4)  # 4,608 = 9 x 512
+    assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 3)  # 4,608 = 9 x 512
     assert fp8_gemv_config(4096, 4096, 17) is None  # _scaled_mm
     # 2-16 rows on a GPU of less shared memory (an L4's 99 KB): fewer stages, then shorter K
     # tiles; the H200's 227 KB holds the tables as they are.
