@@ -28,6 +28,11 @@ except ImportError:  # pragma: no cover - both Tritons Kiln runs on have it
 # On the H200 (bench/RESULTS.md, Q1): decode at batch 1 +4.7% (bf16) and +6.8% (FP8).
 # KILN_PDL=0 in the environment (read once, at import) launches them plainly.
 PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
+# The GEMVs load their first K tile of weights before that wait (the weights are no earlier
+# kernel's output): under PDL the loads of every program launched early are in flight while
+# the previous kernel finishes, instead of starting after it. KILN_GEMV_EARLY_TILE=0 in the
+# environment (read once, at import) loads every tile after the wait.
+GEMV_EARLY_TILE = os.environ.get("KILN_GEMV_EARLY_TILE", "1") != "0"
 
 
 def pow2_at_least(n: int, minimum: int = 2) -> int:

@@ -28,8 +28,8 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import (max_shared_memory, num_warps_for, pdl_launch_args, pow2_at_least,
-                                        wait_for_previous_kernel)
+from kiln.kernels.triton_common import (GEMV_EARLY_TILE, max_shared_memory, num_warps_for, pdl_launch_args,
+                                        pow2_at_least, wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
@@ -273,12 +273,19 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
+    first = tl.arange(0, BLOCK_K)
+    if EARLY_TILE:  # the first weight tile before the wait, as triton_linear's GEMVs
+        w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if EARLY_TILE:
+        acc += w_first.to(tl.float32) * tl.load(x_ptr + first).to(tl.float32)[None, :]
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_ptr + ks)
@@ -292,14 +299,22 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
 @triton.jit
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    first = tl.arange(0, BLOCK_K)
+    if EARLY_TILE:
+        w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if EARLY_TILE:
+        x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
+        acc = tl.dot(x.to(tl.float16), tl.trans(w_first.to(tl.float16)), acc)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
@@ -323,7 +338,7 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 # and gate/up 32.6 against _scaled_mm's 48.5 (o and down keep the bf16 dot tiles). One row
 # again on 2026-12-02 with programmatic dependent launch (R1): gate/up through the tl.dot
 # kernel's 16-row tile (`dot=True`) 31.8 against the row kernel's 37.7 us, o with 3 stages
-# 7.0 against 7.6 (down 17.6 either way).
+# 7.0 against 7.6 (down 17.6 either way); at eight rows gate/up with 8 warps 32.3 against 33.5.
 FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(8, 1024, 8, 3)),      # o 4096 x 4096, down 4096 x 14336
     (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
@@ -332,7 +347,7 @@ FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
 FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(32, 512, 4, 4)),      # o, down
     (8192, math.inf, GemvConfig(64, 512, 4, 4)),      # qkv
-    (math.inf, math.inf, GemvConfig(128, 256, 4, 3)), # gate_up
+    (math.inf, math.inf, GemvConfig(128, 256, 8, 3)), # gate_up
 )
 
 
@@ -369,12 +384,12 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   **pdl_launch_args(xq.device))
+                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     else:
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   **pdl_launch_args(xq.device))
+                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)
 
 

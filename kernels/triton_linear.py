@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kiln.kernels.linear import check_linear_args
 from kiln.kernels.linear import linear as linear_op
-from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 # Above this many rows the weight is reused enough for cuBLAS's GEMM tiles to win.
 GEMV_MAX_ROWS = 16
@@ -50,7 +50,7 @@ class GemvConfig:
     # One row through the tl.dot kernel too (its 16-row tile, 15 rows masked) instead of the
     # CUDA-core row kernel: at eight rows the FP8 dot kernel streamed gate/up faster than the
     # row kernel did at one (32.6 against 34.3 us, bench/RESULTS.md I4). Swept by
-    # bench/tune_gemv.py; no table row sets it until a sweep has timed it.
+    # bench/tune_gemv.py at one row: FP8 gate/up takes it (kiln.kernels.triton_fp8).
     dot: bool = False
 
 
@@ -127,15 +127,23 @@ def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> 
 
 @triton.jit
 def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
-                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                     EARLY_TILE: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past N (last program) re-read row N-1 instead of masking: the loop's loads stay
     # unpredicated, and the extra results are never stored.
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    first = tl.arange(0, BLOCK_K)
+    if EARLY_TILE:  # GEMV_EARLY_TILE: the first weight tile before the wait
+        w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     # Reduce over K once, after the loop: the loop body is independent multiply-adds.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if EARLY_TILE:
+        acc += w_first.to(tl.float32) * tl.load(x_ptr + first).to(tl.float32)[None, :]
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_ptr + ks)
@@ -149,14 +157,22 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as in the row kernel
+    first = tl.arange(0, BLOCK_K)
+    if EARLY_TILE:  # as in the row kernel
+        w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if EARLY_TILE:
+        x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
+        acc = tl.dot(x, tl.trans(w_first), acc, input_precision="ieee")
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
@@ -195,12 +211,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _gemv_row_kernel[grid](x2, weight, b, y, n, k, HAS_BIAS=bias is not None,
                                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               **pdl_launch_args(x.device))
+                               EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), HAS_BIAS=bias is not None,
                                BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               **pdl_launch_args(x.device))
+                               EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
     return y.view(*x.shape[:-1], n)
 
 

@@ -74,7 +74,29 @@ def test_one_row_through_the_dot_kernel(dtype, monkeypatch):
     x, w, b = operands(1, 40, 256, dtype, bias=True, seed=11)
     config = dataclasses.replace(SMALL, dot=True)
     assert_matches_f_linear(linear_triton(x, w, b, config), x, w, b)
-    assert choose_config(4096, 4096, 1).dot is False  # no table row takes it before a sweep has timed it
+    assert choose_config(4096, 4096, 1).dot is False  # the bf16 tables: no sweep has found it faster
+
+
+@pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
+def test_the_early_weight_tile_changes_no_bit(m, dot, monkeypatch):
+    # GEMV_EARLY_TILE: each GEMV (bf16 and FP8, row and dot kernels) loads its first K tile
+    # of weights before the PDL wait, outside the loop. The products and their order are the
+    # loop's, so the output is bit-equal to loading every tile in the loop.
+    from kiln.kernels import triton_fp8
+    from kiln.kernels.fp8 import quantize_fp8_rows, quantize_fp8_rowwise
+
+    x, w, b = operands(m, 40, 256, torch.float32, bias=True, seed=13)
+    (xq, xs), (wq, ws) = quantize_fp8_rows(x), quantize_fp8_rowwise(w)
+    config = dataclasses.replace(SMALL, dot=dot)
+    outs = {}
+    for early in (True, False):
+        monkeypatch.setattr(triton_linear, "GEMV_EARLY_TILE", early)
+        monkeypatch.setattr(triton_fp8, "GEMV_EARLY_TILE", early)
+        outs[early] = (linear_triton(x, w, b, config),
+                       triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=config))
+    assert_matches_f_linear(outs[True][0], x, w, b)
+    torch.testing.assert_close(outs[True][1], F.linear(x, w, b), atol=0.1, rtol=0.1)  # e4m3 operands
+    assert torch.equal(outs[True][0], outs[False][0]) and torch.equal(outs[True][1], outs[False][1])
 
 
 @pytest.mark.parametrize("m", [1, 8])
@@ -127,7 +149,7 @@ def test_heuristic_table_holds_the_h200_configs():
     from kiln.kernels.triton_fp8 import fp8_gemv_config
 
     fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 3), "gate_up": (128, 256, 8, 3, True), "down": (8, 1024, 8, 3)}
-    fp8_dot = {"qkv": (64, 512, 4, 4), "o": (32, 512, 4, 4), "gate_up": (128, 256, 4, 3), "down": (32, 512, 4, 4)}
+    fp8_dot = {"qkv": (64, 512, 4, 4), "o": (32, 512, 4, 4), "gate_up": (128, 256, 8, 3), "down": (32, 512, 4, 4)}
     for name, (n, k) in llama.items():
         if name != "lm_head":  # stays bf16 under quantization="fp8"
             assert fp8_gemv_config(n, k, 1) == GemvConfig(*fp8_row[name])
@@ -141,9 +163,9 @@ def test_heuristic_table_holds_the_h200_configs():
     assert choose_config(4096, 4096, 8, shared_memory=l4_smem) == GemvConfig(32, 512, 4, 3)
     assert choose_config(6144, 4096, 8, shared_memory=l4_smem) == GemvConfig(64, 256, 4, 3)
     assert choose_config(4096, 4096, 1, shared_memory=l4_smem) == GemvConfig(4, 1024, 4, 4)  # one row: nothing staged
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 256, 4, 3)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 256, 4, 2)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 128, 4, 2)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 256, 8, 3)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 256, 8, 2)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 128, 8, 2)
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
