@@ -28,10 +28,12 @@ except ImportError:  # pragma: no cover - both Tritons Kiln runs on have it
 # On the H200 (bench/RESULTS.md, Q1): decode at batch 1 +4.7% (bf16) and +6.8% (FP8).
 # KILN_PDL=0 in the environment (read once, at import) launches them plainly.
 PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
-# The GEMVs load their first K tile of weights before that wait (the weights are no earlier
-# kernel's output): under PDL the loads of every program launched early are in flight while
-# the previous kernel finishes, instead of starting after it. KILN_GEMV_EARLY_TILE=0 in the
-# environment (read once, at import) loads every tile after the wait.
+# The GEMVs (bf16 one row; FP8 one row and 2-16 rows) load their first K tile of weights
+# before that wait (the weights are no earlier kernel's output): under PDL the loads of every
+# program launched early are in flight while the previous kernel finishes, instead of
+# starting after it. On the H200 (bench/RESULTS.md, R3): FP8 decode +1.3% at batch 1, +1.8%
+# at 8; bf16 +1.2% at batch 1 (its 2-16-row kernel does without: -5% at 8 with it).
+# KILN_GEMV_EARLY_TILE=0 in the environment (read once, at import) loads every tile after the wait.
 GEMV_EARLY_TILE = os.environ.get("KILN_GEMV_EARLY_TILE", "1") != "0"
 
 

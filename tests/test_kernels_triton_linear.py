@@ -79,9 +79,9 @@ def test_one_row_through_the_dot_kernel(dtype, monkeypatch):
 
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
 def test_the_early_weight_tile_changes_no_bit(m, dot, monkeypatch):
-    # GEMV_EARLY_TILE: each GEMV (bf16 and FP8, row and dot kernels) loads its first K tile
-    # of weights before the PDL wait, outside the loop. The products and their order are the
-    # loop's, so the output is bit-equal to loading every tile in the loop.
+    # GEMV_EARLY_TILE: the GEMVs (bf16 one row, FP8 row and dot kernels) load their first K
+    # tile of weights before the PDL wait, outside the loop. The products and their order are
+    # the loop's, so the output is bit-equal to loading every tile in the loop.
     from kiln.kernels import triton_fp8
     from kiln.kernels.fp8 import quantize_fp8_rows, quantize_fp8_rowwise
 
