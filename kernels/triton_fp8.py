@@ -337,10 +337,11 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
 # 34.3 against 61.4, down 17.9 against 21.4; 2-16 rows (swept at 8), qkv 10.7 against 12.7
 # and gate/up 32.6 against _scaled_mm's 48.5 (o and down keep the bf16 dot tiles). One row
 # again on 2026-12-02 with programmatic dependent launch (R1): gate/up through the tl.dot
-# kernel's 16-row tile (`dot=True`) 31.8 against the row kernel's 37.7 us; o and down with 3
-# stages, as fast as 4 (o 6.97 against 6.99 us when the 4-stage tiling was timed again: its
-# first timing, 7.6, came after a compile had left the GPU's clocks low); at eight rows
-# gate/up with 8 warps 32.3 against 33.5.
+# kernel's 16-row tile (`dot=True`) 31.8 against the row kernel's 34.6 us (3.70 against 3.39
+# TB/s); o and down with 3 stages, as fast as 4 (o 6.97 against 6.99 us); at eight rows
+# gate/up with 8 warps, as fast as 4 (32.3 against 32.4). (Each first timing of the table's
+# tiling in that sweep came right after a compile had let the GPU's clocks drop: 37.7, 7.6
+# and 33.5 us; these figures are the same tilings timed again.)
 FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(8, 1024, 8, 3)),      # o 4096 x 4096, down 4096 x 14336
     (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
