@@ -10,7 +10,8 @@ weight TB/s, the best tiling per projection and row count, and its gain over the
 At batch 1 the H200 profiles (bench/RESULTS.md, H2/H5) put QKV at 2.85 TB/s and O at 1.96
 against ~4 for the wide projections: this says whether a tiling closes that gap.
 
-At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvConfig.dot`).
+At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvConfig.dot`);
+at every row count that kernel with a 64-row tile too (`GemvConfig.block_m`: warpgroup MMA).
 With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
 scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
 row kernel's K tiles are twice the bf16 sweep's (one-byte weights, the same bytes a tile).
@@ -39,14 +40,19 @@ def sweep(m: int, fp8: bool = False) -> list[Any]:
     from kiln.kernels.triton_linear import GemvConfig
 
     dot_grid = itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (4, 8), (3, 4))
+    # The tl.dot kernel with a 64-row tile (`GemvConfig.block_m`): Hopper's warpgroup MMA, on
+    # e4m3 tiles as they are for FP8 (the 16-row tile converts them to float16 first).
+    wide = [GemvConfig(*t, dot=m == 1, block_m=64)
+            for t in itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3, 4))]
     if m == 1:
         # Narrow tiles and long K tiles too: QKV and O (few programs) sat at 2.0-2.9 TB/s
         # with the last sweep's best. Then the tl.dot kernel at one row (`GemvConfig.dot`):
-        # FP8 gate/up at eight rows beat the row kernel at one (I4).
+        # FP8 gate/up at eight rows beat the row kernel at one (I4), and took the table's row
+        # at one (R1).
         k_tiles = (512, 1024, 2048, 4096) if fp8 else (256, 512, 1024, 2048)
         grid = itertools.product((4, 8, 16, 32), k_tiles, (4, 8, 16), (3, 4))
-        return [GemvConfig(*t) for t in grid] + [GemvConfig(*t, dot=True) for t in dot_grid]
-    return [GemvConfig(*t) for t in dot_grid]
+        return [GemvConfig(*t) for t in grid] + [GemvConfig(*t, dot=True) for t in dot_grid] + wide
+    return [GemvConfig(*t) for t in dot_grid] + wide
 
 
 def main() -> None:

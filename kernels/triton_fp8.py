@@ -297,6 +297,16 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
 
 
 @triton.jit
+def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
+    """acc + x @ w^T for e4m3 tiles. A 16-row tile: float16 holds every e4m3 value exactly, so
+    a 16-bit MMA as the bf16 GEMV's (Triton converts for an FP8 dot at 16 rows anyway). A
+    64-row tile (GemvConfig.block_m): Hopper's e4m3 warpgroup MMA on the tiles as they are."""
+    if BLOCK_M >= 64:
+        return tl.dot(x, tl.trans(w), acc)
+    return tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+
+
+@triton.jit
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
@@ -312,15 +322,13 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
     k_start = 0
     if EARLY_TILE:
         x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = tl.dot(x.to(tl.float16), tl.trans(w_first.to(tl.float16)), acc)
+        acc = _e4m3_dot(x, w_first, acc, BLOCK_M)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        # float16 holds every e4m3 value exactly: a 16-bit MMA as the bf16 GEMV's, rather than
-        # depending on an FP8 MMA at a 16-row tile.
-        acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        acc = _e4m3_dot(x, w, acc, BLOCK_M)
     xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
     ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
     acc = acc * xs[:, None] * ws[None, :]
@@ -362,7 +370,7 @@ def fp8_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfi
     table = FP8_ROW_TABLE if m == 1 else FP8_DOT_TABLE
     config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
     if m > 1 or config.dot:
-        config = fit_shared_memory(config, 1, shared_memory)
+        config = fit_shared_memory(config, 1, shared_memory, early_tile=GEMV_EARLY_TILE)
     return fit_block_k(config, k)
 
 
@@ -390,7 +398,7 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     else:
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
-                                   BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)

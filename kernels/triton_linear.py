@@ -52,6 +52,11 @@ class GemvConfig:
     # row kernel did at one (32.6 against 34.3 us, bench/RESULTS.md I4). Swept by
     # bench/tune_gemv.py at one row: FP8 gate/up takes it (kiln.kernels.triton_fp8).
     dot: bool = False
+    # The tl.dot kernel's row tile (rows past M masked). 16 runs mma.sync with the weight tile
+    # converted to 16 bits; 64 fills a Hopper warpgroup's MMA (wgmma), which takes e4m3
+    # operands as they are (no conversion) and reads both tiles from shared memory. Swept by
+    # bench/tune_gemv.py; no table row sets 64 until a sweep has timed it.
+    block_m: int = DOT_BLOCK_M
 
 
 # Heuristic tables: (largest N, largest K, config); the first row that fits wins. Seeded with
@@ -96,14 +101,19 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2, shared_memory: 
     return fit_block_k(config, k)
 
 
-def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int) -> GemvConfig:
+def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
+                      early_tile: bool = False) -> GemvConfig:
     """The 2-16-row kernel's config with its staged tiles within `shared_memory` bytes (0: no
-    limit). Triton stages num_stages - 1 buffers of the [16, BLOCK_K] row tile and the
-    [BLOCK_N, BLOCK_K] weight tile (the sizes its out-of-resources errors report on the
-    H200); the tables' (32, 512, 4 stages) needs 144 KB, more than an L4's 99 KB. Fewer
-    stages first, then shorter K tiles. The one-row kernel stages nothing."""
+    limit). At a 16-row tile Triton stages num_stages - 1 buffers of the [16, BLOCK_K] row
+    tile and the [BLOCK_N, BLOCK_K] weight tile (the sizes its out-of-resources errors
+    report on the H200); the tables' (32, 512, 4 stages) needs 144 KB, more than an L4's
+    99 KB. At a 64-row tile (warpgroup MMA, both operands in shared memory) it keeps
+    num_stages buffers, and one more for a tile loaded before the loop (`early_tile`, the
+    FP8 kernel's): the sizes of sm_90 compiles. Fewer stages first, then shorter K tiles.
+    The one-row kernel stages nothing."""
     def staged(c: GemvConfig) -> int:
-        return (c.num_stages - 1) * (DOT_BLOCK_M + c.block_n) * c.block_k * element_size
+        buffers = c.num_stages + int(early_tile) if c.block_m >= 64 else c.num_stages - 1
+        return buffers * (c.block_m + c.block_n) * c.block_k * element_size
 
     while shared_memory and staged(config) > shared_memory and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -208,7 +218,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                                EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), HAS_BIAS=bias is not None,
-                               BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
                                **pdl_launch_args(x.device))
     return y.view(*x.shape[:-1], n)

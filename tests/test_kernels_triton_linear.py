@@ -77,6 +77,46 @@ def test_one_row_through_the_dot_kernel(dtype, monkeypatch):
     assert choose_config(4096, 4096, 1).dot is False  # the bf16 tables: no sweep has found it faster
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_the_64_row_tile(m, monkeypatch):
+    # GemvConfig.block_m = 64: the dot kernels' row tile for Hopper's warpgroup MMA (the FP8
+    # one on e4m3 operands as they are), rows past M masked; one row goes through it with dot.
+    from kiln.kernels import triton_fp8
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+
+    class Recorded:  # the kernel, launched as before, with each launch's keywords kept
+        def __init__(self, kernel):
+            self.kernel, self.launches = kernel, []
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                self.launches.append(kwargs)
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_linear, "_gemv_row_kernel", None)  # a launch of either row kernel fails
+    monkeypatch.setattr(triton_fp8, "_fp8_gemv_row_kernel", None)
+    bf16_dot, fp8_dot = Recorded(triton_linear._gemv_dot_kernel), Recorded(triton_fp8._fp8_gemv_dot_kernel)
+    monkeypatch.setattr(triton_linear, "_gemv_dot_kernel", bf16_dot)
+    monkeypatch.setattr(triton_fp8, "_fp8_gemv_dot_kernel", fp8_dot)
+    config = dataclasses.replace(SMALL, dot=True, block_m=64)
+    x, w, b = operands(m, 40, 256, torch.float32, bias=True, seed=17)
+    assert_matches_f_linear(linear_triton(x, w, b, config), x, w, b)
+    (xq, xs), (wq, ws) = quantize_fp8_rows(x), quantize_fp8_rowwise(w)
+    y = triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=config)
+    ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), b.cpu(), torch.float32)
+    torch.testing.assert_close(y.cpu(), ref, atol=2e-3, rtol=2e-3)
+    assert [k["BLOCK_M"] for k in bf16_dot.launches + fp8_dot.launches] == [64, 64]
+    # Its staged tiles count 64 rows, num_stages buffers (+1 for an early tile), as sm_90
+    # compiles allocate them (FP8 32 x 512, 4 stages: 196,608 bytes, 245,760 with the early
+    # tile, over the H200's 232,448): fewer stages, then shorter K tiles.
+    fit = triton_linear.fit_shared_memory
+    assert fit(GemvConfig(32, 512, 4, 4, block_m=64), 1, 232448) == GemvConfig(32, 512, 4, 4, block_m=64)
+    assert fit(GemvConfig(32, 512, 4, 4, block_m=64), 1, 232448, early_tile=True) == GemvConfig(32, 512, 4, 3, block_m=64)
+    assert fit(GemvConfig(32, 512, 4, 4, block_m=64), 1, 101376) == GemvConfig(32, 512, 4, 2, block_m=64)
+    assert fit(GemvConfig(32, 512, 4, 4, block_m=64), 1, 90000) == GemvConfig(32, 256, 4, 2, block_m=64)
+
+
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
 def test_the_early_weight_tile_changes_no_bit(m, dot, monkeypatch):
     # GEMV_EARLY_TILE: the GEMVs (bf16 one row, FP8 row and dot kernels) load their first K
