@@ -13,8 +13,8 @@ to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking
 experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
 as they are.
 
-The first and last decoder layers: in a small model (projections of fewer than
-`EDGE_LAYERS_MAX_PARAMS` parameters in all) their projections stay in the compute dtype too, as
+The first and last decoder layers: in a small model (fewer than `EDGE_LAYERS_MAX_PARAMS`
+parameters, counted over the graph's parameter inputs) their projections stay in the compute dtype too, as
 in Meta's FP8 recipe for Llama 3.1 405B (first and last layers in bf16): they are the most
 sensitive, and a small model feels it (SmolLM2-135M: every layer in FP8 costs +3.9% perplexity,
 FP8 in layer 0 alone as much as in ten middle layers; with the edge layers kept, +1.5%; README
@@ -54,7 +54,7 @@ aten = torch.ops.aten
 
 
 EDGE_LAYERS_MIN_LAYERS = 4
-# keep_edge_layers=None (the default) keeps them below this many projection parameters.
+# keep_edge_layers=None (the default) keeps them in models of fewer parameters than this.
 EDGE_LAYERS_MAX_PARAMS = 1_000_000_000
 # The decoder layer a parameter belongs to, by its Hugging Face name (model.layers.N.…,
 # transformer.h.N.…, …).
@@ -74,15 +74,10 @@ def in_edge_layer(name: str, num_layers: int | None) -> bool:
     return match is not None and int(match.group(1)) in (0, num_layers - 1)
 
 
-def _projection_params(weights) -> int:
-    """Parameters in the distinct weights (their example values' shapes; 0 where absent)."""
-    seen, total = set(), 0
-    for w in weights:
-        val = w.meta.get("val")
-        if w not in seen and isinstance(val, torch.Tensor):
-            seen.add(w)
-            total += val.numel()
-    return total
+def model_parameters(gm: torch.fx.GraphModule) -> int:
+    """The parameters the graph takes as inputs (their example values' sizes; 0 where absent)."""
+    return sum(node.meta["val"].numel() for node in gm.graph.find_nodes(op="placeholder")
+               if param_name(node) is not None and isinstance(node.meta.get("val"), torch.Tensor))
 
 
 class QuantizeFP8Pass(KilnPass):
@@ -91,7 +86,7 @@ class QuantizeFP8Pass(KilnPass):
 
     def __init__(self, keep_edge_layers: bool | None = None):
         """`keep_edge_layers`: None keeps the first and last layers in the compute dtype in
-        models of fewer than EDGE_LAYERS_MAX_PARAMS projection parameters (module doc)."""
+        models of fewer than EDGE_LAYERS_MAX_PARAMS parameters (module doc)."""
         self.keep_edge_layers = keep_edge_layers
 
     def options(self) -> dict[str, Any]:
@@ -117,8 +112,8 @@ class QuantizeFP8Pass(KilnPass):
             projections.append((node, weight, name))
         keep_edges = self.keep_edge_layers
         if keep_edges is None:
-            # A tensor-parallel rank's graph holds its 1/tp_size of the sharded projections.
-            keep_edges = _projection_params(p[1] for p in projections) * ctx.tp_size < EDGE_LAYERS_MAX_PARAMS
+            # A tensor-parallel rank's graph holds its 1/tp_size of the sharded parameters.
+            keep_edges = model_parameters(gm) * ctx.tp_size < EDGE_LAYERS_MAX_PARAMS
         num_layers = getattr(ctx.config, "num_hidden_layers", None) if keep_edges else None
         quantized_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}
         scales: dict[torch.fx.Node, torch.fx.Node] = {}

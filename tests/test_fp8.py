@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 from tiny_models import tiny_config
 
 from kiln.compiler.pass_testing import graph_for_pass, run_graph
@@ -121,19 +122,18 @@ def test_quantize_fp8_keeps_the_first_and_last_layers():
 
 
 def test_quantize_fp8_quantizes_every_layer_of_a_large_model(monkeypatch):
-    # The default keeps the edge layers only below EDGE_LAYERS_MAX_PARAMS projection parameters
-    # (as vLLM's online FP8, a larger model quantizes every decoder layer). The tiny model has
-    # ~2e5: a bound under it makes it "large". A tensor-parallel rank counts its share x tp_size.
+    # The default keeps the edge layers only in models of fewer than EDGE_LAYERS_MAX_PARAMS
+    # parameters (as vLLM's online FP8, a larger model quantizes every decoder layer). The tiny
+    # model's count: a bound at it makes it "large". A tensor-parallel rank counts its share x
+    # tp_size.
     import kiln.passes.quantize_fp8 as quantize_fp8
 
     config = tiny_config("llama")
     config.num_hidden_layers = 5
     before = graph_for_pass(config, "quantize_fp8")
-    params = quantize_fp8._projection_params(
-        n.args[1] for n in before.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
-        if quantize_fp8.param_name(n.args[1]) and "lm_head" not in quantize_fp8.param_name(n.args[1])
-        and "embed" not in quantize_fp8.param_name(n.args[1]))
-    assert 0 < params < quantize_fp8.EDGE_LAYERS_MAX_PARAMS
+    params = quantize_fp8.model_parameters(before.graph_module)
+    hf_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert params == hf_params < quantize_fp8.EDGE_LAYERS_MAX_PARAMS
     monkeypatch.setattr(quantize_fp8, "EDGE_LAYERS_MAX_PARAMS", params)
     assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 5
     assert before.copy().run_pass(QuantizeFP8Pass(keep_edge_layers=True))["fp8_linear"] == 4 * 3
