@@ -25,6 +25,12 @@ FP8 step (their bf16 GEMMs, bench/RESULTS.md N3, P3) for a loss those recipes fi
 `EDGE_LAYERS_MIN_LAYERS` layers (test models) quantize every layer, or little would be left.
 A pre-quantized checkpoint's FP8 tensors in kept layers are dequantized at load.
 
+A pre-quantized checkpoint's own list of modules it left unquantized is honoured, as vLLM
+honours it: compressed-tensors' `ignore` (module names, or `re:` regexes) and transformers'
+FP8 `modules_to_not_convert` (names matched as substrings, as transformers matches them).
+Those projections stay in the compute dtype whatever the size rule says; a merged projection
+(QKV, gate/up) stays if any of its parts is listed.
+
 Phase `logits`, after `prune_logits` (which finds the LM head as an `aten.linear`) and before
 `use_triton_linear` (which would otherwise take the projections into `kiln::linear`). Off
 unless asked for: `quantization="fp8"` enables it (and a pre-quantized checkpoint implies it).
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,7 +53,7 @@ from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.prune_logits import find_lm_head
-from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
+from kiln.passes.weight_transforms import ConcatWeights, QuantizeFP8Weight, fp8_scale_name
 
 aten = torch.ops.aten
 
@@ -72,6 +78,30 @@ def in_edge_layer(name: str, num_layers: int | None) -> bool:
         return False
     match = _LAYER_INDEX.search(name)
     return match is not None and int(match.group(1)) in (0, num_layers - 1)
+
+
+def checkpoint_unquantized(config: Any) -> Callable[[str], bool]:
+    """Whether a module (its name, e.g. `model.layers.0.mlp.down_proj`) is one the config's
+    pre-quantized checkpoint left unquantized (module doc); always False without such a list."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return lambda module: False
+    qc = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
+    if qc.get("quant_method") == "compressed-tensors":
+        entries = list(qc.get("ignore") or [])
+        names = {e for e in entries if not e.startswith("re:")}
+        patterns = [re.compile(e[3:]) for e in entries if e.startswith("re:")]
+        return lambda module: module in names or any(p.match(module) for p in patterns)
+    listed = list(qc.get("modules_to_not_convert") or [])
+    return lambda module: any(entry in module for entry in listed)
+
+
+def _checkpoint_parts(name: str, transforms: list[Any]) -> list[str]:
+    """The checkpoint tensors a graph parameter is made of (a merged QKV or gate/up: its parts)."""
+    for transform in transforms:
+        if isinstance(transform, ConcatWeights) and transform.output == name:
+            return [part for inp in transform.inputs for part in _checkpoint_parts(inp, transforms)]
+    return [name]
 
 
 def model_parameters(gm: torch.fx.GraphModule) -> int:
@@ -99,6 +129,7 @@ class QuantizeFP8Pass(KilnPass):
         except ValueError:
             head = None
         embedded = {n.args[0] for n in graph.find_nodes(op="call_function", target=aten.embedding.default)}
+        unquantized_in_checkpoint = checkpoint_unquantized(ctx.config)
         projections = []  # (node, weight, checkpoint name) of each projection to quantize
         kept = 0
         for node in graph.find_nodes(op="call_function", target=aten.linear.default):
@@ -106,7 +137,9 @@ class QuantizeFP8Pass(KilnPass):
             name = param_name(weight)
             if name is None:
                 continue  # a product of activations, not a projection of a weight
-            if node is head or weight in embedded or _is_router(name):
+            if (node is head or weight in embedded or _is_router(name)
+                    or any(unquantized_in_checkpoint(part.removesuffix(".weight"))
+                           for part in _checkpoint_parts(name, ctx.weight_transforms))):
                 kept += 1
                 continue
             projections.append((node, weight, name))

@@ -8,6 +8,7 @@ shapes in test_gpu_kernels.py.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -141,6 +142,31 @@ def test_quantize_fp8_quantizes_every_layer_of_a_large_model(monkeypatch):
     assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 3
     before.context.tp_size = 2
     assert before.copy().run_pass(QuantizeFP8Pass())["fp8_linear"] == 4 * 5
+
+
+def test_quantize_fp8_keeps_what_the_checkpoint_left_unquantized():
+    # A pre-quantized checkpoint's own list of unquantized modules wins over the size rule:
+    # compressed-tensors' `ignore` (names, "re:" regexes) and transformers' FP8
+    # `modules_to_not_convert` (substrings); a merged QKV / gate-up stays if a part is listed.
+    config = tiny_config("llama")
+    config.num_hidden_layers = 5
+    before = graph_for_pass(config, "quantize_fp8")
+
+    def quantized_layers(quantization_config):
+        graph = before.copy()
+        graph.context.config = copy.copy(graph.context.config)
+        graph.context.config.quantization_config = quantization_config
+        graph.run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+        return sorted((int(t.weight.split(".")[2]), t.weight.split(".")[-2])
+                      for t in graph.context.weight_transforms if isinstance(t, QuantizeFP8Weight))
+
+    every = quantized_layers(None)
+    assert len(every) == 4 * 5
+    ignore = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:model\\.layers\\.2\\..*",
+                                                               "model.layers.4.self_attn.k_proj"]}
+    assert quantized_layers(ignore) == [e for e in every if e[0] != 2 and e != (4, "qkv_proj")]
+    hf_fp8 = {"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "layers.3.mlp"]}
+    assert quantized_layers(hf_fp8) == [e for e in every if not (e[0] == 3 and e[1] in ("gate_up_proj", "down_proj"))]
 
 
 def test_quantize_fp8_is_opt_in_and_enters_the_cache_key():
