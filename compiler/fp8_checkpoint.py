@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kiln.passes.quantize_fp8 import quantization_config
+
 FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
 _SCALE_SUFFIXES = ("_scale", "_scale_inv")  # appended to "....weight"
 
@@ -33,21 +35,12 @@ class FP8CheckpointError(ValueError):
     """A quantized checkpoint Kiln cannot read; the message names the field."""
 
 
-def _as_dict(qc: Any) -> dict[str, Any]:
-    if isinstance(qc, dict):
-        return qc
-    if hasattr(qc, "to_dict"):
-        return qc.to_dict()
-    return dict(vars(qc))
-
-
 def checkpoint_quantization(config: Any) -> str | None:
     """"fp8" for a config whose `quantization_config` is an FP8 form Kiln reads, None without
     one; FP8CheckpointError for any other quantization (naming it)."""
-    qc = getattr(config, "quantization_config", None)
+    qc = quantization_config(config)
     if qc is None:
         return None
-    qc = _as_dict(qc)
     method = qc.get("quant_method")
     if method == "fp8":
         return "fp8"

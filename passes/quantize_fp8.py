@@ -80,13 +80,21 @@ def in_edge_layer(name: str, num_layers: int | None) -> bool:
     return match is not None and int(match.group(1)) in (0, num_layers - 1)
 
 
+def quantization_config(config: Any) -> dict[str, Any] | None:
+    """The config's `quantization_config` as a dict (transformers keeps a dict or a config
+    object), None without one."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
+
+
 def checkpoint_unquantized(config: Any) -> Callable[[str], bool]:
     """Whether a module (its name, e.g. `model.layers.0.mlp.down_proj`) is one the config's
     pre-quantized checkpoint left unquantized (module doc); always False without such a list."""
-    qc = getattr(config, "quantization_config", None)
+    qc = quantization_config(config)
     if qc is None:
         return lambda module: False
-    qc = qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
     if qc.get("quant_method") == "compressed-tensors":
         entries = list(qc.get("ignore") or [])
         names = {e for e in entries if not e.startswith("re:")}
