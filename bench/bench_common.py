@@ -243,6 +243,21 @@ def stop_kiln_serve(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
+
+
+def weights_past_l2(n: int, k: int, fp8: bool, generator: torch.Generator, min_copies: int = 1) -> list[Any]:
+    """Random [n, k] bf16 weights (scale 0.02) on CUDA, as many copies as together exceed the
+    L2 cache, so that calls rotating over them read each weight from HBM as a decode step
+    does; with `fp8`, each as (e4m3 [n, k], float32 [n]) per-channel quantized."""
+    from kiln.kernels.fp8 import quantize_fp8_rowwise
+
+    copies = max(min_copies, -(-L2_BYTES // (n * k * (1 if fp8 else 2))))
+    weights = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16, generator=generator) * 0.02
+               for _ in range(copies)]
+    return [quantize_fp8_rowwise(w) for w in weights] if fp8 else weights
+
+
 def warm_gpu(seconds: float = 1.0) -> None:
     """Keep the GPU busy for `seconds` (bf16 matmuls) so that its clocks have ramped up from
     idle before the first timing: a sweep's first candidate (the default, in the tune

@@ -33,7 +33,6 @@ import triton.language as tl
 import bench_common as bc
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-L2_BYTES = 60 * 2**20
 THREADS = 128  # a prefetch program's threads (4 warps); each asks for one contiguous range
 
 
@@ -76,7 +75,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("l2_prefetch.py times CUDA kernels; no CUDA device is available")
     import kiln.kernels  # noqa: F401
-    from kiln.kernels.fp8 import quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.triton_fp8 import fp8_linear_triton
 
     device = torch.device("cuda")
@@ -94,9 +93,8 @@ def main() -> None:
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         nbytes = n * k
-        copies = max(2, -(-L2_BYTES // nbytes))
-        weights = [quantize_fp8_rowwise(torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
-                   for _ in range(copies)]
+        weights = bc.weights_past_l2(n, k, True, gen, min_copies=2)
+        copies = len(weights)
         xq, xs = quantize_fp8_rows(torch.randn((1, k), device=device, dtype=torch.bfloat16, generator=gen))
 
         def gemv(i: int) -> None:

@@ -33,7 +33,6 @@ import bench_common as bc
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-L2_BYTES = 60 * 2**20  # a little more than the H200's 50 MB L2
 
 
 def sweep(m: int, fp8: bool = False) -> list[Any]:
@@ -67,7 +66,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         parser.error("tune_gemv.py times the CUDA kernels; no CUDA device is available")
     import kiln.kernels  # noqa: F401  (registers the CUDA kernels)
-    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows
     from kiln.kernels.triton_fp8 import fp8_gemv_config, fp8_linear_triton
     from kiln.kernels.triton_linear import choose_config, linear_triton
 
@@ -80,11 +79,7 @@ def main() -> None:
             parser.error(f"--shapes: unknown {name!r}; choose from {', '.join(SHAPES)}")
         n, k = SHAPES[name]
         weight_bytes = n * k * (1 if args.fp8 else 2)
-        copies = max(1, -(-L2_BYTES // weight_bytes))
-        weights = [torch.randn((n, k), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-                   for _ in range(copies)]
-        if args.fp8:
-            weights = [quantize_fp8_rowwise(w) for w in weights]  # (e4m3 [n, k], float32 [n])
+        weights = bc.weights_past_l2(n, k, args.fp8, gen)  # with --fp8: (e4m3 [n, k], float32 [n]) each
         rows_out: dict[str, Any] = {}
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn((m, k), device=device, dtype=torch.bfloat16, generator=gen)
