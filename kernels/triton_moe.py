@@ -74,8 +74,9 @@ TARGET_PROGRAMS = 256
 
 # Steps with at least this many (token, expert) rows per expert run `fused_moe_grouped_mm`
 # (torch's grouped GEMM) instead of these kernels, bf16 on sm_90 and newer only; 0 (the
-# default) never does. An experiment until bench/tune_moe.py and an offline run have timed it
-# on a GPU: KILN_MOE_GROUPED_MM_MIN_ROWS in the environment (read once, at import) sets it.
+# default) never does. On the H200 (bench/tune_moe.py, Mixtral-8x7B shape, bench/RESULTS.md
+# R3-R4) it was slower than the kernels at 320 tokens (0.82x) and level at 16,384 (0.99x), so
+# it stays off; KILN_MOE_GROUPED_MM_MIN_ROWS in the environment (read once, at import) sets it.
 GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
 
 
