@@ -9,7 +9,7 @@
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
-#                                         pdl_ab l2_prefetch
+#                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -99,6 +99,14 @@ for stage in $STAGES; do
       run_stage profile_throughput 300 $PY bench/profile_throughput.py --out "$OUT/profile_throughput.json" ;;
     tune_gemv)  # kiln::linear's GEMV tilings at the Llama-3-8B projections, 1 and 8 rows, weights past L2
       run_stage tune_gemv 400 $PY bench/tune_gemv.py --out "$OUT/tune_gemv.json" ;;
+    tune_gemv_split_k)  # FP8 GEMVs with K split inside one launch (GemvConfig.split_k), the narrow projections
+      run_stage tune_gemv_split_k 400 $PY bench/tune_gemv.py --fp8 --rows 8,1 --shapes o,down,qkv --sweep split_k \
+        --out "$OUT/tune_gemv_split_k.json" ;;
+    tune_gemv_wide)  # FP8 GEMVs at eight rows with the 64-row tile (warpgroup MMA) only
+      run_stage tune_gemv_wide 400 $PY bench/tune_gemv.py --fp8 --rows 8 --shapes o,down,gate_up,qkv --sweep wide \
+        --out "$OUT/tune_gemv_wide.json" ;;
+    split_k_tests)  # the split-K GEMV on CUDA: against the reference, and replayed from a CUDA graph
+      run_stage split_k_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_kernels_triton_linear.py -k split_k ;;
     l2_prefetch)  # would prefetching the next FP8 GEMV's weight into L2 beside a latency-bound kernel pay?
       run_stage l2_prefetch 300 $PY bench/l2_prefetch.py --out "$OUT/l2_prefetch.json" ;;
     tune_gemv_fp8)  # kiln::fp8_linear's FP8 GEMV tilings at the same projections (the LM head stays bf16)

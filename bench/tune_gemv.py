@@ -12,6 +12,8 @@ against ~4 for the wide projections: this says whether a tiling closes that gap.
 
 At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvConfig.dot`);
 at every row count that kernel with a 64-row tile too (`GemvConfig.block_m`: warpgroup MMA).
+`--sweep wide` times only the 64-row tile, `--sweep split_k` only FP8 tilings that split K
+(`GemvConfig.split_k`), `--sweep none` only the table's tiling and the baseline.
 With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
 scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
 row kernel's K tiles are twice the bf16 sweep's (one-byte weights, the same bytes a tile).
@@ -35,8 +37,26 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 
 
-def sweep(m: int, fp8: bool = False) -> list[Any]:
+def split_k_sweep(m: int) -> list[Any]:
+    """FP8 GEMVs with K split over 2-8 programs per column tile (`GemvConfig.split_k`): for
+    the narrow projections (o, down: 4,096 columns), whose 2-16-row tiles give 128 programs
+    for 132 SMs (down 23.4 us at eight rows against 17.5 at one, R2)."""
     from kiln.kernels.triton_linear import GemvConfig
+
+    if m == 1:
+        grid = itertools.product((4, 8, 16), (512, 1024), (4, 8), (3,), (2, 4))
+        return [GemvConfig(n, k, w, st, split_k=sp) for n, k, w, st, sp in grid]
+    grid = itertools.product((16, 32), (256, 512), (4, 8), (3, 4), (2, 4, 7))
+    return [GemvConfig(n, k, w, st, split_k=sp) for n, k, w, st, sp in grid]
+
+
+def sweep(m: int, fp8: bool = False, kind: str = "all") -> list[Any]:
+    from kiln.kernels.triton_linear import GemvConfig
+
+    if kind == "none":
+        return []
+    if kind == "split_k":
+        return split_k_sweep(m) if fp8 else []
 
     # Deeper pipelines too (5-6 stages): at eight rows o and down, one program an SM, streamed
     # at 1.9-2.5 TB/s with the table's 4 (R2).
@@ -45,6 +65,8 @@ def sweep(m: int, fp8: bool = False) -> list[Any]:
     # e4m3 tiles as they are for FP8 (the 16-row tile converts them to float16 first).
     wide = [GemvConfig(*t, dot=m == 1, block_m=64)
             for t in itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3, 4))]
+    if kind == "wide":
+        return wide
     if m == 1:
         # Narrow tiles and long K tiles too: QKV and O (few programs) sat at 2.0-2.9 TB/s
         # with the last sweep's best. Then the tl.dot kernel at one row (`GemvConfig.dot`):
@@ -61,6 +83,9 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--fp8", action="store_true", help="kiln::fp8_linear's FP8 GEMVs against torch._scaled_mm")
+    parser.add_argument("--sweep", default="all", choices=["all", "wide", "split_k", "none"],
+                        help="the tilings to time beside the table's and the baseline: every one, only the "
+                             "64-row tile (warpgroup MMA), only split K (--fp8), or none")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -104,8 +129,8 @@ def main() -> None:
             candidates = [(baseline, timed(baseline))]
             if default is not None:
                 candidates.append((default, timed(default)))
-            for config in sweep(m, args.fp8):
-                if k % config.block_k:
+            for config in sweep(m, args.fp8, args.sweep):
+                if k % (config.block_k * config.split_k):
                     continue  # the kernel's K loop has no mask (choose_config refuses these too)
                 try:
                     candidates.append((config, timed(config)))

@@ -153,3 +153,57 @@ def zero_padded_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, first, 
     for row in range(tl.load(query_start_loc_ptr + num_seqs) + first, num_tokens, step):
         tl.store(out_ptr + tl.cast(row, tl.int64) * stride_ot + (kv_head * GROUP + heads)[:, None] * stride_oh
                  + offs_d[None, :], zeros, mask=mask)
+
+
+# ---- split K within one launch -------------------------------------------------------------
+# A GEMV whose output is narrow (o and down of Llama-3-8B: 4,096 columns) has few programs
+# at 2-16 rows (128 for 132 SMs at the tables' 32-column tiles), each streaming a long K
+# alone. Splitting K over SPLIT_K programs per column tile gives the GPU more in flight; the
+# last program of a tile to finish sums the partials, in split order (the result does not
+# depend on which finishes last), and writes the output: no second launch, no zero fill.
+# The arrival counters are zero before and after every launch; one buffer per device serves
+# every such kernel, since kernels on a stream run one after the other (under PDL a kernel
+# touches them only after its wait). It is allocated outside graph capture (the warm-up runs
+# before each capture call the launchers first); a launcher that finds none while a graph is
+# being captured runs unsplit.
+SPLIT_K_COUNTERS = 1 << 16
+
+
+_SPLIT_K_COUNTERS: dict[int, torch.Tensor] = {}  # device index -> counters (always zero between launches)
+
+
+def split_k_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's arrival counters for split-K launches (CPU: a fresh zero buffer each
+    call, for the interpreter), or None while a CUDA graph is being captured and they do not
+    exist yet."""
+    if device.type != "cuda":
+        return torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=device)
+    index = _cuda_index(device)
+    counters = _SPLIT_K_COUNTERS.get(index)
+    if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # an allocation now would belong to the graph's memory pool
+        counters = _SPLIT_K_COUNTERS[index] = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32,
+                                                          device=torch.device("cuda", index))
+    return counters
+
+
+@triton.jit
+def split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, plane, SPLIT_K: tl.constexpr):
+    """Store this program's partial sums `acc` (float32) at `offs` of split `split`'s plane
+    (`plane` elements apart), then count the arrival at column tile `tile`. Returns (last,
+    total): whether this program arrived last, and then the sum of every split's partials in
+    split order (zeros otherwise). The last resets the tile's counter for the next launch."""
+    tl.store(part_ptr + split * plane + offs, acc, mask=mask)
+    # Every thread's partials are written before one thread's release of the count; the
+    # last program's acquire, and the barrier behind it, make all splits' visible to it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT_K - 1
+    total = tl.zeros_like(acc)
+    if last:
+        for s in tl.static_range(SPLIT_K):
+            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+            total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(count_ptr + tile, 0)
+    return last, total

@@ -11,6 +11,7 @@ is read twice, the second time mostly from L2). `kiln::fp8_linear` is `torch._sc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -29,7 +30,7 @@ from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
 from kiln.kernels.triton_common import (GEMV_EARLY_TILE, max_shared_memory, num_warps_for, pdl_launch_args,
-                                        pow2_at_least, wait_for_previous_kernel)
+                                        pow2_at_least, split_k_counters, split_k_sum, wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
@@ -271,11 +272,15 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
 
 
 @triton.jit
-def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
+def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K  # as triton_linear's row kernel
+                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    k_len = K // SPLIT_K  # this program's share of K: [split * k_len, (split + 1) * k_len)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K + split * k_len  # as triton_linear's row kernel
+    x_row = x_ptr + split * k_len
     first = tl.arange(0, BLOCK_K)
     if EARLY_TILE:  # the first weight tile before the wait, as triton_linear's GEMVs
         w_first = tl.load(w_rows + first[None, :])
@@ -283,17 +288,22 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K,
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = 0
     if EARLY_TILE:
-        acc += w_first.to(tl.float32) * tl.load(x_ptr + first).to(tl.float32)[None, :]
+        acc += w_first.to(tl.float32) * tl.load(x_row + first).to(tl.float32)[None, :]
         k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
+    for k0 in range(k_start, k_len, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
-        x = tl.load(x_ptr + ks)
+        x = tl.load(x_row + ks)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=1) * tl.load(xs_ptr) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
+    sums = tl.sum(acc, axis=1)
+    last = True
+    if SPLIT_K > 1:
+        last, sums = split_k_sum(sums, part_ptr, count_ptr, tile, split, cols, cols < N, N, SPLIT_K)
+    if last:
+        out = sums * tl.load(xs_ptr) * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -307,35 +317,43 @@ def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K,
+def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
+                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    k_len = K // SPLIT_K  # as in the row kernel
     rows = tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K + split * k_len
     first = tl.arange(0, BLOCK_K)
     if EARLY_TILE:
         w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
-    x_rows = x_ptr + rows[:, None] * K
+    x_rows = x_ptr + rows[:, None] * K + split * k_len
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = 0
     if EARLY_TILE:
         x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
         acc = _e4m3_dot(x, w_first, acc, BLOCK_M)
         k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
+    for k0 in range(k_start, k_len, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
         acc = _e4m3_dot(x, w, acc, BLOCK_M)
-    xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
-    ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-    acc = acc * xs[:, None] * ws[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    last = True
+    if SPLIT_K > 1:
+        last, acc = split_k_sum(acc, part_ptr, count_ptr, tile, split, rows[:, None] * N + cols[None, :], mask,
+                                M * N, SPLIT_K)
+    if last:
+        xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+        ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # FP8 GEMV tilings, (largest N, largest K, config) as kiln.kernels.triton_linear's tables;
@@ -382,7 +400,8 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     n, k = weight.shape
     m = xq.numel() // k if k else 0
     config = config or fp8_gemv_config(n, k, m, max_shared_memory(xq.device))
-    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % config.block_k or not weight.is_contiguous()
+    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % (config.block_k * config.split_k)
+            or not weight.is_contiguous()
             or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
     x2 = xq.reshape(m, k).contiguous()
@@ -390,16 +409,24 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     ws = weight_scale.float()
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     b = bias if bias is not None else y
-    grid = (triton.cdiv(n, config.block_n),)
+    tiles = triton.cdiv(n, config.block_n)
+    counters = split_k_counters(xq.device) if config.split_k > 1 else None
+    if counters is None or tiles > counters.numel():
+        config = dataclasses.replace(config, split_k=1)  # (the K tile still divides k)
+    if config.split_k > 1:
+        partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=xq.device)
+    else:
+        partials = counters = y  # never touched unsplit
+    grid = (tiles, config.split_k)
     if m == 1 and not config.dot:
-        _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, n, k, HAS_BIAS=bias is not None,
-                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     else:
-        _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, m, n, k, HAS_BIAS=bias is not None,
+        _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, m, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                   num_warps=config.num_warps, num_stages=config.num_stages,
+                                   SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)
 

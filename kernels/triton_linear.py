@@ -57,6 +57,10 @@ class GemvConfig:
     # operands as they are (no conversion) and reads both tiles from shared memory. Swept by
     # bench/tune_gemv.py; no table row sets 64 until a sweep has timed it.
     block_m: int = DOT_BLOCK_M
+    # K split over this many programs per column tile, the last to finish summing the
+    # partials (kiln.kernels.triton_common.split_k_sum): more programs in flight for narrow
+    # outputs. The FP8 GEMVs take it (bf16's run unsplit); swept by bench/tune_gemv.py.
+    split_k: int = 1
 
 
 # Heuristic tables: (largest N, largest K, config); the first row that fits wins. Seeded with
@@ -123,14 +127,16 @@ def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
 
 
 def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> GemvConfig | None:
-    """`config` with a K tile that divides `k`, or None. The K loop has no mask (so every
+    """`config` with a K tile that divides `k` (each split's share of it, with
+    `split_k`), or None. The K loop has no mask (so every
     weight load is a full-width vector load): a K the tile does not divide (5,120, 11,008)
     takes the largest halving of it that does, down to `floor` (never below the tile itself
     when that is smaller); below that, None (cuBLAS)."""
     block_k = config.block_k
-    while k % block_k and block_k // 2 >= min(floor, config.block_k):
+    split = config.split_k
+    while k % (block_k * split) and block_k // 2 >= min(floor, config.block_k):
         block_k //= 2
-    if k % block_k:
+    if k % (block_k * split):
         return None
     return config if block_k == config.block_k else dataclasses.replace(config, block_k=block_k)
 

@@ -117,6 +117,32 @@ def test_the_64_row_tile(m, monkeypatch):
     assert fit(GemvConfig(32, 512, 4, 4, block_m=64), 1, 90000) == GemvConfig(32, 256, 4, 2, block_m=64)
 
 
+@pytest.mark.parametrize("m,dot,split_k", [(1, False, 2), (1, True, 4), (8, False, 2), (8, False, 4)])
+def test_fp8_gemv_split_k(m, dot, split_k):
+    # GemvConfig.split_k: K over split_k programs per column tile, the last to arrive summing
+    # the partials in split order. The same products as unsplit, summed in another grouping:
+    # equal to the reference within rounding, the same bits on every run (whichever program
+    # arrives last), and the arrival counters back at zero for the next launch.
+    from kiln.kernels import triton_fp8
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.triton_common import split_k_counters
+
+    x, w, b = operands(m, 40, 512, torch.float32, bias=True, seed=19)
+    (xq, xs), (wq, ws) = quantize_fp8_rows(x), quantize_fp8_rowwise(w)
+    config = dataclasses.replace(SMALL, dot=dot, split_k=split_k)
+    ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), b.cpu(), torch.float32)
+    unsplit = triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=dataclasses.replace(config, split_k=1))
+    runs = [triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=config) for _ in range(3)]
+    torch.testing.assert_close(runs[0].cpu(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(runs[0], unsplit, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    if DEVICE == "cuda":
+        assert int(split_k_counters(xq.device).count_nonzero()) == 0
+    # A split whose share of K the tile does not divide is refused (the reference runs).
+    assert triton_linear.fit_block_k(GemvConfig(16, 256, 4, 2, split_k=3), 4096) is None
+    assert triton_linear.fit_block_k(GemvConfig(16, 256, 4, 2, split_k=7), 14336) == GemvConfig(16, 256, 4, 2, split_k=7)
+
+
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
 def test_the_early_weight_tile_changes_no_bit(m, dot, monkeypatch):
     # GEMV_EARLY_TILE: the GEMVs (bf16 one row, FP8 row and dot kernels) load their first K
@@ -291,3 +317,38 @@ def test_gpu_gemv_replays_in_a_cuda_graph():
     static_x.copy_(randn(1, 8, 4096, seed=13, dtype=torch.bfloat16))
     graph.replay()
     torch.testing.assert_close(static_out, linear_triton(static_x, w, b), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_fp8_split_k_replays_in_a_cuda_graph(m):
+    # Two split-K GEMVs back to back (as o and down are in a step), replayed many times from
+    # one graph under PDL: each replay's arrival counts start from zero, and the output is the
+    # eager launch's, bit for bit.
+    from kiln.kernels import triton_fp8
+    from kiln.kernels.fp8 import quantize_fp8_rows, quantize_fp8_rowwise
+    from kiln.kernels.triton_common import split_k_counters
+
+    x, w1, _ = operands(m, 4096, 4096, torch.bfloat16, bias=False, seed=21)
+    _, w2, _ = operands(m, 4096, 4096, torch.bfloat16, bias=False, seed=22)
+    (wq1, ws1), (wq2, ws2) = quantize_fp8_rowwise(w1), quantize_fp8_rowwise(w2)
+    config = GemvConfig(32 if m > 1 else 8, 512, 4, 3, split_k=4)
+
+    def step(x):
+        xq, xs = quantize_fp8_rows(x)
+        h = triton_fp8.fp8_linear_triton(xq, xs, wq1, ws1, None, torch.bfloat16, config=config)
+        hq, hs = quantize_fp8_rows(h)
+        return triton_fp8.fp8_linear_triton(hq, hs, wq2, ws2, None, torch.bfloat16, config=config)
+
+    static_x = x.clone()
+    step(static_x)  # compile, and allocate the counters, outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+    for seed in range(30, 50):
+        static_x.copy_(randn(1, m, 4096, seed=seed, dtype=torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(static_out, step(static_x), atol=0, rtol=0)
+    torch.cuda.synchronize()
+    assert int(split_k_counters(x.device).count_nonzero()) == 0
