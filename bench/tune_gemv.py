@@ -47,7 +47,9 @@ def split_k_sweep(m: int) -> list[Any]:
         grid = itertools.product((4, 8, 16), (512, 1024), (4, 8), (3,), (2, 4))
         return [GemvConfig(n, k, w, st, split_k=sp) for n, k, w, st, sp in grid]
     grid = itertools.product((16, 32), (256, 512), (4, 8), (3, 4), (2, 4, 7))
-    return [GemvConfig(n, k, w, st, split_k=sp) for n, k, w, st, sp in grid]
+    wide = itertools.product((32, 64), (256, 512), (4,), (3, 4), (2, 4, 7))  # the 64-row tile split too
+    return ([GemvConfig(n, k, w, st, split_k=sp) for n, k, w, st, sp in grid]
+            + [GemvConfig(n, k, w, st, block_m=64, split_k=sp) for n, k, w, st, sp in wide])
 
 
 def sweep(m: int, fp8: bool = False, kind: str = "all") -> list[Any]:

@@ -367,16 +367,21 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 # TB/s); o and down with 3 stages, as fast as 4 (o 6.97 against 6.99 us); at eight rows
 # gate/up with 8 warps, as fast as 4 (32.3 against 32.4). (Each first timing of the table's
 # tiling in that sweep came right after a compile had let the GPU's clocks drop: 37.7, 7.6
-# and 33.5 us; these figures are the same tilings timed again.)
+# and 33.5 us; these figures are the same tilings timed again.) At 2-16 rows since
+# 2026-12-02 (S1, swept at eight rows) the 64-row tile, Hopper's e4m3 warpgroup MMA on the
+# tiles as they are: o 7.9 against the 16-row tile's 8.7 us, down 21.2 against 23.5, qkv
+# 10.0 against 11.6, gate/up 33.3 against 34.1. (Splitting K, GemvConfig.split_k, gained
+# only down at the 16-row tile: 22.2.)
 FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(8, 1024, 8, 3)),      # o 4096 x 4096, down 4096 x 14336
     (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
     (math.inf, math.inf, GemvConfig(128, 256, 8, 3, dot=True)),   # gate_up 28672 x 4096
 )
 FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
-    (4096, math.inf, GemvConfig(32, 512, 4, 4)),      # o, down
-    (8192, math.inf, GemvConfig(64, 512, 4, 4)),      # qkv
-    (math.inf, math.inf, GemvConfig(128, 256, 8, 3)), # gate_up
+    (4096, 4096, GemvConfig(32, 256, 4, 4, block_m=64)),       # o
+    (4096, math.inf, GemvConfig(32, 512, 4, 3, block_m=64)),   # down
+    (8192, math.inf, GemvConfig(64, 256, 4, 4, block_m=64)),   # qkv
+    (math.inf, math.inf, GemvConfig(128, 128, 4, 3, block_m=64)),  # gate_up
 )
 
 

@@ -215,11 +215,12 @@ def test_heuristic_table_holds_the_h200_configs():
     from kiln.kernels.triton_fp8 import fp8_gemv_config
 
     fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 3), "gate_up": (128, 256, 8, 3, True), "down": (8, 1024, 8, 3)}
-    fp8_dot = {"qkv": (64, 512, 4, 4), "o": (32, 512, 4, 4), "gate_up": (128, 256, 8, 3), "down": (32, 512, 4, 4)}
+    # 2-16 rows: the 64-row tile (warpgroup MMA), the H200 sweep's best at eight rows (S1).
+    fp8_dot = {"qkv": (64, 256, 4, 4), "o": (32, 256, 4, 4), "gate_up": (128, 128, 4, 3), "down": (32, 512, 4, 3)}
     for name, (n, k) in llama.items():
         if name != "lm_head":  # stays bf16 under quantization="fp8"
             assert fp8_gemv_config(n, k, 1) == GemvConfig(*fp8_row[name])
-            assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name])
+            assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name], block_m=64)
     assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 3)  # 4,608 = 9 x 512
     assert fp8_gemv_config(4096, 4096, 17) is None  # _scaled_mm
     # 2-16 rows on a GPU of less shared memory (an L4's 99 KB): fewer stages, then shorter K
@@ -229,9 +230,12 @@ def test_heuristic_table_holds_the_h200_configs():
     assert choose_config(4096, 4096, 8, shared_memory=l4_smem) == GemvConfig(32, 512, 4, 3)
     assert choose_config(6144, 4096, 8, shared_memory=l4_smem) == GemvConfig(64, 256, 4, 3)
     assert choose_config(4096, 4096, 1, shared_memory=l4_smem) == GemvConfig(4, 1024, 4, 4)  # one row: nothing staged
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 256, 8, 3)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 256, 8, 2)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 128, 8, 2)
+    # The 64-row tile keeps num_stages buffers and one for the early tile: (3 + 1) x (64 + 128)
+    # x 128 bytes = 96 KB for gate/up fits an L4; down's 4 x 96 x 512 does not.
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 128, 4, 3, block_m=64)
+    assert fp8_gemv_config(4096, 14336, 8, shared_memory=l4_smem) == GemvConfig(32, 256, 4, 2, block_m=64)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 64, 4, 2, block_m=64)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 32, 4, 2, block_m=64)
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
