@@ -221,11 +221,22 @@ def _through_logits(captured, config, tp_size: int = 1, tp_rank: int = 0) -> Pha
     return PhaseCapture(captured=captured, report=report, block_size=16, context=ctx)
 
 
-def _rank_logits(rank: int, world: int, init_file: str, archs: list[str], out_dir: str) -> None:
+def _capture_or_error(arch: str):
+    import traceback
+
+    try:
+        return capture(config_for(arch), dtype=torch.float32, device="cpu")
+    except Exception:
+        return traceback.format_exc()  # reported by the test of that architecture
+
+
+def _rank_logits(rank: int, world: int, init_file: str, archs: list[str], out_dir: str,
+                 captures: dict | None = None) -> None:
     """One rank: each architecture's graph of this rank, run on its slices of the seeded
-    weights; logits (or the error) saved per architecture. Each architecture is captured
-    once; the rank whose turn it is also runs the unsharded graph (the expected logits), so
-    the two ranks share that work and the test process captures nothing."""
+    weights; logits (or the error) saved per architecture. `captures`: each architecture's
+    captured model, taken once by the parent before it forked the ranks (None: each rank
+    captures it itself). The rank whose turn it is also runs the unsharded graph (the
+    expected logits), so the two ranks share that work."""
     import traceback
 
     # Two ranks on two cores: one thread each (OpenMP threads of both spinning on the same
@@ -237,17 +248,21 @@ def _rank_logits(rank: int, world: int, init_file: str, archs: list[str], out_di
     try:
         for i, arch in enumerate(archs):
             config = config_for(arch)
+            captured = captures[arch] if captures is not None else _capture_or_error(arch)
             try:
-                captured = capture(config, dtype=torch.float32, device="cpu")
+                if isinstance(captured, str):
+                    raise RuntimeError(f"capture failed:\n{captured}")
                 graph = _through_logits(captured, config, tp_size=world, tp_rank=rank)
                 result: object = run_graph(graph, num_tokens=11, sample_all_rows=True)
             except Exception:
-                captured, result = None, traceback.format_exc()  # the same on both ranks: no collective is left waiting
+                result = traceback.format_exc()  # the same on both ranks: no collective is left waiting
             torch.save(result, os.path.join(out_dir, f"{arch}-rank{rank}.pt"))
             if i % world == rank:
                 try:
-                    expected: object = run_graph(_through_logits(captured or capture(config), config),
-                                                 num_tokens=11, sample_all_rows=True)
+                    if isinstance(captured, str):
+                        raise RuntimeError(f"capture failed:\n{captured}")
+                    expected: object = run_graph(_through_logits(captured, config), num_tokens=11,
+                                                 sample_all_rows=True)
                 except Exception:
                     expected = traceback.format_exc()
                 torch.save(expected, os.path.join(out_dir, f"{arch}-expected.pt"))
@@ -258,10 +273,18 @@ def _rank_logits(rank: int, world: int, init_file: str, archs: list[str], out_di
 @pytest.fixture(scope="module")
 def two_rank_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both ranks' logits and the unsharded graph's for every architecture, from one pair of
-    processes (starting a pair per architecture cost more than the runs)."""
+    processes (starting a pair per architecture cost more than the runs). The models are
+    captured once, here, and the ranks forked with them (capture is most of the work: each
+    rank capturing every model took 159 s on two cores, against ~100 s on one this way); a
+    process that has initialised CUDA cannot fork, so there the ranks are spawned and capture
+    for themselves."""
     out = tmp_path_factory.mktemp("tp2")
-    mp.start_processes(_rank_logits, args=(2, str(out / "init"), TP_TEST_ARCHS, str(out)), nprocs=2,
-                       start_method="spawn")
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        captures, method = None, "spawn"
+    else:
+        captures, method = {arch: _capture_or_error(arch) for arch in TP_TEST_ARCHS}, "fork"
+    mp.start_processes(_rank_logits, args=(2, str(out / "init"), TP_TEST_ARCHS, str(out), captures), nprocs=2,
+                       start_method=method)
     return out
 
 
