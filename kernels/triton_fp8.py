@@ -307,18 +307,17 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 
 
 @triton.jit
-def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
     """acc + x @ w^T for e4m3 tiles. A 16-row tile: float16 holds every e4m3 value exactly, so
     a 16-bit MMA as the bf16 GEMV's (Triton converts for an FP8 dot at 16 rows anyway). A
     64-row tile (GemvConfig.block_m): Hopper's e4m3 warpgroup MMA on the tiles as they are,
-    its products summed in the tensor core's own accumulator over 128 of K at most and then
-    added to the float32 one (`max_num_imprecise_acc`, DeepSeek-V3's interval): Triton's
-    default sums the whole K there, whose few mantissa bits put down's outputs (K = 14,336)
-    up to 4 bf16 ulps from float32 sums on the H200 (S2)."""
+    summed in the tensor core's own accumulator over the whole K, as `_scaled_mm`'s fast
+    accumulation above 16 rows (kiln.kernels.fp8): down's outputs (K = 14,336) come within
+    ~4 bf16 ulps of float32 sums. Promoting to float32 every 128 of K
+    (`max_num_imprecise_acc=128`) made that tile slower than the 16-row one (down 38.3
+    against 23.5 us at eight rows on the H200, bench/RESULTS.md S3)."""
     if BLOCK_M >= 64:
-        if BLOCK_K > 128:
-            return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=128)
-        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=BLOCK_K)
+        return tl.dot(x, tl.trans(w), acc)
     return tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
 
 
@@ -341,13 +340,13 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
     k_start = 0
     if EARLY_TILE:
         x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _e4m3_dot(x, w_first, acc, BLOCK_M, BLOCK_K)
+        acc = _e4m3_dot(x, w_first, acc, BLOCK_M)
         k_start = BLOCK_K
     for k0 in range(k_start, k_len, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _e4m3_dot(x, w, acc, BLOCK_M, BLOCK_K)
+        acc = _e4m3_dot(x, w, acc, BLOCK_M)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     last = True
     if SPLIT_K > 1:
