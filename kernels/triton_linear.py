@@ -54,12 +54,15 @@ class GemvConfig:
     dot: bool = False
     # The tl.dot kernel's row tile (rows past M masked). 16 runs mma.sync with the weight tile
     # converted to 16 bits; 64 fills a Hopper warpgroup's MMA (wgmma), which takes e4m3
-    # operands as they are (no conversion) and reads both tiles from shared memory. Swept by
-    # bench/tune_gemv.py; no table row sets 64 until a sweep has timed it.
+    # operands as they are (no conversion) and reads both tiles from shared memory, summing in
+    # the tensor core's FP8 accumulator (fast accumulation). The FP8 table's 2-16-row rows take
+    # it (bench/RESULTS.md S1); the bf16 tables keep 16.
     block_m: int = DOT_BLOCK_M
     # K split over this many programs per column tile, the last to finish summing the
     # partials (kiln.kernels.triton_common.split_k_sum): more programs in flight for narrow
-    # outputs. The FP8 GEMVs take it (bf16's run unsplit); swept by bench/tune_gemv.py.
+    # outputs. The FP8 GEMVs take it (bf16's run unsplit); swept by bench/tune_gemv.py. No
+    # table row uses it: on the H200 it was slower than the 64-row tile unsplit at every
+    # Llama-3-8B projection and row count swept (bench/RESULTS.md S1-S2).
     split_k: int = 1
 
 
