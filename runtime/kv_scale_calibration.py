@@ -14,7 +14,8 @@ the compiled artifacts and CUDA graphs, which read those tensors, stay valid as 
 The input is 256 seeded random token ids (uniform below the vocabulary size, the same every
 start): tokenizer-independent (any model, with or without a tokenizer), reproducible, and
 never the text a test evaluates. It also measured better than text on SmolLM2-135M (FP8
-weights + FP8 KV, perplexity over tests/data/perplexity_text.txt, unquantized 13.266):
+weights + FP8 KV, perplexity over the first passage of tests/data/perplexity_text.txt, 428 tokens, unquantized 13.266;
+figures of that one passage spread by ~1.5% between machines, README "FP8"):
 random ids +1.6% (seed 0; seeds 1 and 2: +1.5%, +2.7%), a built-in English paragraph
 +3.8%, the evaluated text itself +4.6%, scale 1.0 +4.6%. Text gave larger maxima in most
 layers (layer 0's V: 1.6x) and so larger scales; our reading: they push more of the bulk of

@@ -369,18 +369,28 @@ def test_greedy_agreement_with_the_unquantized_model(tiny_model_dir, arch):
 
 # ---- perplexity of the real default model ---------------------------------------------------------
 
-def perplexity(llm: LLM, text: str) -> float:
-    ids = llm.get_tokenizer().encode(text)
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    logprobs = [d[t].logprob for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+def passages() -> list[str]:
+    """The perplexity text's passages (separated by lines of `=====`): openings of six
+    public-domain novels, ~3,600 tokens in all."""
+    return [p.strip() for p in TEXT.read_text().split("\n=====\n")]
+
+
+def perplexity(llm: LLM, texts: list[str]) -> float:
+    """exp of the mean negative log-likelihood over every token of `texts` (each a prompt of
+    its own, all in one generate call)."""
+    tokenizer = llm.get_tokenizer()
+    outs = llm.generate([{"prompt_token_ids": tokenizer.encode(t)} for t in texts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [d[t].logprob for out in outs for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
 @pytest.mark.slow
 def test_default_model_perplexity_fp8():
-    text = TEXT.read_text()
-    base = perplexity(LLM(compile="eager", progress=False), text)
-    results = {name: perplexity(LLM(compile="eager", progress=False, **options), text)
+    texts = passages()
+    assert len(texts) == 6
+    base = perplexity(LLM(compile="eager", progress=False), texts)
+    results = {name: perplexity(LLM(compile="eager", progress=False, **options), texts)
                for name, options in (("fp8 weights", {"quantization": "fp8"}),
                                      ("fp8 weights + fp8 KV", {"quantization": "fp8", "kv_cache_dtype": "fp8"}))}
     print(f"SmolLM2-135M perplexity over {TEXT.name}: unquantized {base:.3f}, "
@@ -390,12 +400,14 @@ def test_default_model_perplexity_fp8():
         assert ppl <= base * PERPLEXITY_LIMITS[name], f"{name}: {ppl:.3f} vs {base:.3f}"
 
 
-# Issue 16 asks for 3%. Measured on CPU (float32): +1.5% with FP8 weights (first and last
-# decoder layers kept in the compute dtype, kiln.passes.quantize_fp8; with every layer in
-# FP8 it was +3.9%). FP8 weights + KV: +1.6% with the scales calibrated at start-up
-# (kiln.runtime.kv_scale_calibration: amax / 448 over 256 seeded random ids); +4.6% at scale
-# 1.0 (calculate_kv_scales=False), which leaves 43% of layer 0's V below e4m3's normal range.
-# The figure depends on the calibration input: other seeds gave +1.5% and +2.7%, text +3.8%.
+# Issue 16 asks for 3%. Measured on CPU (float32, 2026-12-02, ~3,560 tokens): 30.23 -> 30.76
+# (+1.8%) with FP8 weights (first and last decoder layers kept in the compute dtype,
+# kiln.passes.quantize_fp8), 30.64 (+1.4%) with FP8 weights + KV (scales calibrated at
+# start-up, kiln.runtime.kv_scale_calibration). Passage by passage the figures spread from
+# about 0% to +3.1% (weights) and -1.6% to +5.0% (with KV):
+# the text was the first passage alone until then (428 tokens), whose figure moved from +1.5%
+# to +3.1% between machines with the same code and packages, as rounding to e4m3 turns the
+# last bits of float32 sums into different values.
 PERPLEXITY_LIMITS = {"fp8 weights": 1.03, "fp8 weights + fp8 KV": 1.03}
 
 
