@@ -207,3 +207,63 @@ def split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, plane, SPLIT_
             total += tl.load(part_ptr + s * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(count_ptr + tile, 0)
     return last, total
+
+
+# ---- L2 prefetch of the next projection's weight -------------------------------------------
+# At decode a step is a chain of GEMVs, each bound by streaming its weight from HBM, with
+# latency-bound kernels between them (norms, RoPE, attention over a short context, the
+# activations' quantization) during which HBM idles: ~0.6 ms of a ~2.8 ms FP8 step at batch 1
+# on the H200 (bench/RESULTS.md, R2). The `prefetch_weights` pass hands each projection the
+# weight of the projection after it; the GEMVs' last wave of programs, once done, asks L2 for
+# the first L2_PREFETCH_BYTES of that weight with Hopper's bulk prefetch
+# (cp.async.bulk.prefetch.L2: no register or shared memory written, nothing waits for it),
+# so those bytes cross from HBM while the small kernels run and the next GEMV's first
+# programs find them in L2. KILN_L2_PREFETCH_MB in the environment (read once, at import)
+# sets the budget; 0 turns it off. The launch arguments come from shapes only (CUDA graphs).
+L2_PREFETCH_BYTES = int(float(os.environ.get("KILN_L2_PREFETCH_MB", "16")) * (1 << 20))
+# Each prefetch instruction asks for a range that is a multiple of 16 bytes, 16-aligned.
+_PREFETCH_ALIGN = 16
+
+
+def supports_l2_prefetch(device: torch.device) -> bool:
+    """Whether kernels on `device` can issue bulk L2 prefetches (sm_90 and newer; never on
+    CPU, where the interpreter runs no inline assembly)."""
+    return device.type == "cuda" and _capability(_cuda_index(device)) >= (9, 0)
+
+
+def l2_prefetch_args(prefetch: torch.Tensor | None, grid_programs: int, num_warps: int,
+                     device: torch.device, budget: int | None = None) -> dict:
+    """Launch arguments for a GEMV taking `prefetch_l2`'s parameters: {PREFETCH, pf_ptr,
+    pf_first_program, pf_bytes_per_thread}. The last min(grid, SMs) programs each ask for an
+    equal share of the first `budget` (L2_PREFETCH_BYTES) bytes of `prefetch`; nothing (PREFETCH
+    False) without a tensor, off, or on a device without the instruction."""
+    budget = L2_PREFETCH_BYTES if budget is None else budget
+    off = {"PREFETCH": False, "pf_ptr": None, "pf_first_program": 0, "pf_bytes_per_thread": 0}
+    if (prefetch is None or budget <= 0 or grid_programs <= 0 or prefetch.device != device
+            or not prefetch.is_contiguous() or prefetch.data_ptr() % _PREFETCH_ALIGN
+            or not supports_l2_prefetch(device)):
+        return off
+    issuers = min(grid_programs, multiprocessor_count(device))
+    threads = num_warps * 32
+    nbytes = min(budget, prefetch.numel() * prefetch.element_size())
+    per_thread = nbytes // (issuers * threads) // _PREFETCH_ALIGN * _PREFETCH_ALIGN
+    if per_thread == 0:
+        return off
+    return {"PREFETCH": True, "pf_ptr": prefetch, "pf_first_program": grid_programs - issuers,
+            "pf_bytes_per_thread": per_thread}
+
+
+@triton.jit
+def prefetch_l2(pf_ptr, pf_first_program, pf_bytes_per_thread, program, PREFETCH: tl.constexpr,
+                THREADS: tl.constexpr):
+    """Program `program`, if one of the last (from `pf_first_program` on), asks L2 for its
+    share of the next weight: THREADS ranges of `pf_bytes_per_thread` bytes (a multiple of 16,
+    16-aligned), one bulk prefetch each. Call it after the program's last store."""
+    if PREFETCH:
+        if program >= pf_first_program:
+            base = pf_ptr.to(tl.pointer_type(tl.int8)) + (program - pf_first_program).to(tl.int64) * (
+                THREADS * pf_bytes_per_thread)
+            ptrs = base + tl.arange(0, THREADS).to(tl.int64) * pf_bytes_per_thread
+            sizes = tl.full([THREADS], 0, tl.int32) + pf_bytes_per_thread
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
+                                      [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)

@@ -356,3 +356,110 @@ def test_gpu_fp8_split_k_replays_in_a_cuda_graph(m):
         torch.testing.assert_close(static_out, step(static_x), atol=0, rtol=0)
     torch.cuda.synchronize()
     assert int(split_k_counters(x.device).count_nonzero()) == 0
+
+
+# ---- L2 prefetch of the next projection's weight (kiln.kernels.triton_common) ----------------
+
+def test_l2_prefetch_args_are_off_without_the_instruction_or_a_tensor():
+    from kiln.kernels.triton_common import l2_prefetch_args
+
+    w = torch.zeros(64, 64, dtype=torch.float32, device=DEVICE)
+    assert l2_prefetch_args(None, 128, 4, w.device)["PREFETCH"] is False
+    assert l2_prefetch_args(w, 128, 4, w.device, budget=0)["PREFETCH"] is False
+    if INTERPRETED:  # no bulk prefetch on the interpreter
+        assert l2_prefetch_args(w, 128, 4, w.device, budget=1 << 20)["PREFETCH"] is False
+
+
+def test_l2_prefetch_args_share_the_budget_over_the_last_wave(monkeypatch):
+    from kiln.kernels import triton_common
+
+    monkeypatch.setattr(triton_common, "supports_l2_prefetch", lambda device: True)
+    monkeypatch.setattr(triton_common, "multiprocessor_count", lambda device: 132)
+    w = torch.zeros(4096, 4096, dtype=torch.bfloat16)  # 32 MiB
+    args = triton_common.l2_prefetch_args(w, 512, 4, w.device, budget=16 << 20)
+    # The last 132 of 512 programs, 128 threads each, 16-byte multiples within the budget.
+    assert args["PREFETCH"] and args["pf_ptr"] is w and args["pf_first_program"] == 512 - 132
+    per_thread = args["pf_bytes_per_thread"]
+    assert per_thread % 16 == 0 and 132 * 128 * per_thread <= 16 << 20 < 132 * 128 * (per_thread + 16)
+    # A grid smaller than the GPU: every program takes a share; never more than the weight.
+    small = triton_common.l2_prefetch_args(w[:64], 96, 4, w.device, budget=16 << 20)
+    assert small["pf_first_program"] == 0 and 96 * 128 * small["pf_bytes_per_thread"] <= 64 * 4096 * 2
+    # A budget too small for one 16-byte range a thread: off.
+    assert triton_common.l2_prefetch_args(w, 512, 4, w.device, budget=1024)["PREFETCH"] is False
+
+
+# Compiles the four GEMVs with the prefetch for an H100/H200 (sm_90): Triton ships ptxas, so
+# this checks on CPU that the inline assembly assembles and that each kernel issues it. The
+# kernels must be defined without the interpreter, hence a fresh process.
+_PREFETCH_PTX_SCRIPT = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels import triton_fp8, triton_linear
+fp8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "part_ptr": "*fp32",
+       "count_ptr": "*i32", "pf_ptr": "*fp8e4nv"}
+common = dict(HAS_BIAS=False, PDL=True, PREFETCH=True, PF_THREADS=128)
+found = {}
+for name, fn, types, consts in [
+        ("fp8_row", triton_fp8._fp8_gemv_row_kernel, fp8, dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=1, EARLY_TILE=True)),
+        ("fp8_dot", triton_fp8._fp8_gemv_dot_kernel, fp8, dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, SPLIT_K=1,
+                                                                         EARLY_TILE=True)),
+        ("bf16_row", triton_linear._gemv_row_kernel, {}, dict(BLOCK_N=4, BLOCK_K=1024, EARLY_TILE=True)),
+        ("bf16_dot", triton_linear._gemv_dot_kernel, {}, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512))]:
+    consts = {**common, **consts}
+    signature = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else "i32")
+                 for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    found[name] = sum("cp.async.bulk.prefetch.L2.global" in line for line in kernel.asm["ptx"].splitlines())
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="compiles for sm_90 in a subprocess; on a GPU the next test runs it")
+def test_gemvs_compile_the_l2_prefetch_for_sm90():
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PREFETCH_PTX_SCRIPT], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"fp8_row": 1, "fp8_dot": 1, "bf16_row": 1, "bf16_dot": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_prefetching_gemv_chain_replays_bit_equal(m, monkeypatch):
+    # A chain of projections as in a decode step (bf16 and FP8 GEMVs, each naming the next
+    # weight), replayed from a CUDA graph under PDL: the prefetch changes no bit of any output.
+    from kiln.kernels import triton_common, triton_fp8
+    from kiln.kernels.fp8 import quantize_fp8_rows, quantize_fp8_rowwise
+
+    x, w1, _ = operands(m, 4096, 4096, torch.bfloat16, bias=False, seed=41)
+    _, w2, _ = operands(m, 14336, 4096, torch.bfloat16, bias=False, seed=42)
+    _, w3, _ = operands(m, 4096, 14336, torch.bfloat16, bias=False, seed=43)
+    wq2, ws2 = quantize_fp8_rowwise(w2)
+    wq3, ws3 = quantize_fp8_rowwise(w3)
+
+    def chain(x, prefetch: bool):
+        h = linear_triton(x, w1, prefetch=wq2 if prefetch else None)
+        hq, hs = quantize_fp8_rows(h)
+        g = triton_fp8.fp8_linear_triton(hq, hs, wq2, ws2, None, torch.bfloat16, prefetch=wq3 if prefetch else None)
+        gq, gs = quantize_fp8_rows(torch.nn.functional.silu(g))
+        return triton_fp8.fp8_linear_triton(gq, gs, wq3, ws3, None, torch.bfloat16, prefetch=w1 if prefetch else None)
+
+    monkeypatch.setattr(triton_common, "L2_PREFETCH_BYTES", 16 << 20)
+    assert triton_common.l2_prefetch_args(wq2, 128, 4, wq2.device)["PREFETCH"]
+    static_x = x.clone()
+    chain(static_x, True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = chain(static_x, True)
+    for seed in range(50, 55):
+        static_x.copy_(randn(1, m, 4096, seed=seed, dtype=torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(static_out, chain(static_x, False), atol=0, rtol=0)
