@@ -9,7 +9,7 @@
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
-#                                         pdl_ab l2_prefetch l2_prefetch_ab split_k_tests tune_gemv_split_k tune_gemv_wide
+#                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -122,16 +122,6 @@ for stage in $STAGES; do
     fp8_latency)  # bf16, then FP8 weights + FP8 KV, in one run
       run_stage fp8_latency 560 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --no-baseline \
         --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
-    l2_prefetch_ab)  # decode at batch 1 and 8 with the GEMVs' L2 prefetch of the next weight at each budget of
-                     # L2_PREFETCH_MBS (MiB; default "0 16 32 8"): FP8 + FP8 KV, then bf16 at 0 and 16
-      for mb in ${L2_PREFETCH_MBS:-0 16 32 8}; do
-        KILN_L2_PREFETCH_MB=$mb run_stage l2_prefetch_fp8_${mb}mb 200 $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
-          --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only --out "$OUT/l2_prefetch_fp8_${mb}mb.json"
-      done
-      for mb in 0 16; do
-        KILN_L2_PREFETCH_MB=$mb run_stage l2_prefetch_bf16_${mb}mb 200 $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
-          --no-baseline --out "$OUT/l2_prefetch_bf16_${mb}mb.json"
-      done ;;
     pdl_ab)  # decode at batch 1 and 8, bf16 then FP8 + FP8 KV, with programmatic dependent launch off and on,
              # in the order of PDL_AB_ORDER (default "0 1 0 1")
       i=0

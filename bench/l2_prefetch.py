@@ -58,10 +58,11 @@ def _l2_prefetch_kernel(w_ptr, chunk_bytes, SUB: tl.constexpr, THREADS_C: tl.con
 
 def prefetch(w: torch.Tensor, num_bytes: int, programs: int) -> None:
     flat = w.view(torch.uint8).view(-1)
-    chunk = num_bytes // programs
-    sub = chunk // THREADS // 16 * 16
+    # Each range starts 16-aligned (the instruction's rule: a misaligned one faults): programs
+    # are THREADS ranges of `sub` bytes apart, and the tail past programs * THREADS * sub is left.
+    sub = num_bytes // programs // THREADS // 16 * 16
     if sub:
-        _l2_prefetch_kernel[(programs,)](flat, chunk, SUB=sub, THREADS_C=THREADS, num_warps=THREADS // 32)
+        _l2_prefetch_kernel[(programs,)](flat, THREADS * sub, SUB=sub, THREADS_C=THREADS, num_warps=THREADS // 32)
 
 
 def main() -> None:

@@ -4,9 +4,8 @@ quantization fused into the ops that produce a projection's input: `kiln::rms_no
 
     quantize_fp8_per_token(x [..., K]) -> (xq [..., K] float8_e4m3fn, scale [..., 1] float32)
         x ~= xq * scale, one scale per row (token): max|row| / 448, the e4m3 range.
-    fp8_linear(xq, x_scale, weight [N, K] float8_e4m3fn, weight_scale [N] float32, bias, out_dtype[, prefetch])
+    fp8_linear(xq, x_scale, weight [N, K] float8_e4m3fn, weight_scale [N] float32, bias, out_dtype)
         -> [..., N] = (xq * x_scale) @ (weight * weight_scale[:, None]).T (+ bias), in out_dtype.
-        `prefetch` (the next projection's weight) changes nothing but what L2 holds next.
 
 Weights carry one scale per output channel (`quantize_fp8_rowwise`, at load; a pre-quantized
 checkpoint's per-tensor scale is the same scale repeated). Activations are quantized per
@@ -125,16 +124,13 @@ def fp8_linear_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.
 
 @kiln_op("kiln::fp8_linear")
 def fp8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """`prefetch`: the next projection's weight, which the CUDA GEMV asks L2 for as it ends
-    (the `prefetch_weights` pass sets it; kiln.kernels.triton_common). No effect on the result."""
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
     return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
 
 
 @fp8_linear.register_fake
-def _fp8_linear_fake(xq, x_scale, weight, weight_scale, bias, out_dtype, prefetch=None):
+def _fp8_linear_fake(xq, x_scale, weight, weight_scale, bias, out_dtype):
     check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
     return xq.new_empty((*xq.shape[:-1], weight.shape[0]), dtype=out_dtype)
 

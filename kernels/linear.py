@@ -3,7 +3,6 @@
     x       [..., K]   any leading dimensions
     weight  [N, K]
     bias    [N] or None
-    prefetch  optional: the next projection's weight, for the GEMV to bring into L2 (no effect on y)
 Returns [..., N] in x's dtype, exactly what `torch.nn.functional.linear` returns (the
 reference below *is* F.linear, so CPU graphs compute the same numbers with or without the
 `use_triton_linear` pass). The op exists for its CUDA kernel: at decode (a few rows) the
@@ -41,15 +40,12 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @kiln_op("kiln::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """`prefetch`: the next projection's weight, which the CUDA GEMV asks L2 for as it ends
-    (the `prefetch_weights` pass sets it; kiln.kernels.triton_common). No effect on the result."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     check_linear_args(x, weight, bias)
     return linear_reference(x, weight, bias)
 
 
 @linear.register_fake
-def _linear_fake(x, weight, bias=None, prefetch=None):
+def _linear_fake(x, weight, bias=None):
     check_linear_args(x, weight, bias)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -29,9 +29,8 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import (GEMV_EARLY_TILE, l2_prefetch_args, max_shared_memory, num_warps_for,
-                                        pdl_launch_args, pow2_at_least, prefetch_l2, split_k_counters, split_k_sum,
-                                        wait_for_previous_kernel)
+from kiln.kernels.triton_common import (GEMV_EARLY_TILE, max_shared_memory, num_warps_for, pdl_launch_args,
+                                        pow2_at_least, split_k_counters, split_k_sum, wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rows_view
 
@@ -274,10 +273,8 @@ FP8_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_GEMV_MAX_ROWS", "16"))
 
 @triton.jit
 def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                         pf_ptr, pf_first_program, pf_bytes_per_thread,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, PF_THREADS: tl.constexpr = 128):
+                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K  # this program's share of K: [split * k_len, (split + 1) * k_len)
@@ -307,7 +304,6 @@ def _fp8_gemv_row_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
         if HAS_BIAS:
             out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
-    prefetch_l2(pf_ptr, pf_first_program, pf_bytes_per_thread, tile, PREFETCH, PF_THREADS)
 
 
 @triton.jit
@@ -327,10 +323,8 @@ def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-                         pf_ptr, pf_first_program, pf_bytes_per_thread,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False, PF_THREADS: tl.constexpr = 128):
+                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K  # as in the row kernel
@@ -365,7 +359,6 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    prefetch_l2(pf_ptr, pf_first_program, pf_bytes_per_thread, tile, PREFETCH, PF_THREADS)
 
 
 # FP8 GEMV tilings, (largest N, largest K, config) as kiln.kernels.triton_linear's tables;
@@ -410,11 +403,9 @@ def fp8_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfi
 
 
 def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None, out_dtype: torch.dtype, config=None,
-                      prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None, out_dtype: torch.dtype, config=None) -> torch.Tensor:
     """kiln::fp8_linear by a Triton GEMV at 1..FP8_GEMV_MAX_ROWS rows (`config` overrides the
-    choice, for tests and bench/fp8_gemm.py); otherwise the reference (torch._scaled_mm).
-    The GEMV asks L2 for the start of `prefetch` as it ends (kiln.kernels.triton_common)."""
+    choice, for tests and bench/fp8_gemm.py); otherwise the reference (torch._scaled_mm)."""
     check_fp8_linear_args(xq, x_scale, weight, weight_scale, bias)
     n, k = weight.shape
     m = xq.numel() // k if k else 0
@@ -437,25 +428,20 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     else:
         partials = counters = y  # never touched unsplit
     grid = (tiles, config.split_k)
-    # Split launches do not prefetch (no table uses them): their programs are not one per tile.
-    pf = l2_prefetch_args(prefetch if config.split_k == 1 else None, tiles, config.num_warps, xq.device)
     if m == 1 and not config.dot:
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   EARLY_TILE=GEMV_EARLY_TILE, PF_THREADS=config.num_warps * 32, **pf,
-                                   **pdl_launch_args(xq.device))
+                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     else:
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, m, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
-                                   EARLY_TILE=GEMV_EARLY_TILE, PF_THREADS=config.num_warps * 32, **pf,
-                                   **pdl_launch_args(xq.device))
+                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)
 
 
 @fp8_linear_op.register_kernel("cuda")
 def _fp8_linear_cuda(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None, out_dtype: torch.dtype,
-                     prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    return fp8_linear_triton(xq, x_scale, weight, weight_scale, bias, out_dtype, prefetch=prefetch)
+                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_linear_triton(xq, x_scale, weight, weight_scale, bias, out_dtype)

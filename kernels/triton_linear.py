@@ -29,8 +29,7 @@ import triton.language as tl
 
 from kiln.kernels.linear import check_linear_args
 from kiln.kernels.linear import linear as linear_op
-from kiln.kernels.triton_common import (GEMV_EARLY_TILE, l2_prefetch_args, max_shared_memory, pdl_launch_args,
-                                        prefetch_l2, wait_for_previous_kernel)
+from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 # Above this many rows the weight is reused enough for cuBLAS's GEMM tiles to win.
 GEMV_MAX_ROWS = 16
@@ -146,9 +145,9 @@ def fit_block_k(config: GemvConfig, k: int, floor: int = MIN_HALVED_BLOCK_K) -> 
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, pf_ptr, pf_first_program, pf_bytes_per_thread,
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                     EARLY_TILE: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_THREADS: tl.constexpr = 128):
+                     EARLY_TILE: tl.constexpr = False):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     # Columns past N (last program) re-read row N-1 instead of masking: the loop's loads stay
     # unpredicated, and the extra results are never stored.
@@ -172,13 +171,12 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, pf_ptr, pf_first_program,
     if HAS_BIAS:
         out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
-    prefetch_l2(pf_ptr, pf_first_program, pf_bytes_per_thread, tl.program_id(0), PREFETCH, PF_THREADS)
 
 
 @triton.jit
-def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, pf_ptr, pf_first_program, pf_bytes_per_thread,
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, PF_THREADS: tl.constexpr = 128):
+                     PDL: tl.constexpr = False):
     # No early weight tile here (GEMV_EARLY_TILE): the tables' 2-byte tiles held in registers
     # across the wait (64 a thread) made bf16 decode at batch 8 5% slower on the H200 (R3).
     rows = tl.arange(0, BLOCK_M)
@@ -197,7 +195,6 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, pf_ptr, pf_
         acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
-    prefetch_l2(pf_ptr, pf_first_program, pf_bytes_per_thread, tl.program_id(0), PREFETCH, PF_THREADS)
 
 
 def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, m: int,
@@ -208,10 +205,9 @@ def _gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), by a Triton GEMV when the rows are few (`config` overrides
-    the table, for tests); otherwise, or when the kernel cannot take the tensors, F.linear.
-    The GEMV asks L2 for the start of `prefetch` as it ends (kiln.kernels.triton_common)."""
+    the table, for tests); otherwise, or when the kernel cannot take the tensors, F.linear."""
     check_linear_args(x, weight, bias)
     n, k = weight.shape
     m = x.numel() // k if k else 0
@@ -224,22 +220,19 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     b = bias if bias is not None else y  # never read without HAS_BIAS
     grid = (triton.cdiv(n, config.block_n),)
-    pf = l2_prefetch_args(prefetch, grid[0], config.num_warps, x.device)
     if m == 1 and not config.dot:
         _gemv_row_kernel[grid](x2, weight, b, y, n, k, HAS_BIAS=bias is not None,
                                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               EARLY_TILE=GEMV_EARLY_TILE, PF_THREADS=config.num_warps * 32, **pf,
-                               **pdl_launch_args(x.device))
+                               EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), HAS_BIAS=bias is not None,
                                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               PF_THREADS=config.num_warps * 32, **pf, **pdl_launch_args(x.device))
+                               **pdl_launch_args(x.device))
     return y.view(*x.shape[:-1], n)
 
 
 @linear_op.register_kernel("cuda")
-def _linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    return linear_triton(x, weight, bias, prefetch=prefetch)
+def _linear_cuda(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return linear_triton(x, weight, bias)

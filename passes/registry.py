@@ -67,10 +67,6 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
 
     factories["kv_cache_scales"] = KVCacheScalesPass
     factories["use_triton_linear"] = UseTritonLinearPass
-    # Last: each projection, in its final op, names the next one's weight for an L2 prefetch.
-    from kiln.passes.prefetch_weights import PrefetchWeightsPass
-
-    factories["prefetch_weights"] = PrefetchWeightsPass
     return factories
 
 

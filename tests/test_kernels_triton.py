@@ -1083,7 +1083,6 @@ def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch):
         torch.testing.assert_close(out, plain, rtol=0, atol=0)
     # The PDL launches really were compiled with the wait.
     y = torch.empty(1, 2048, dtype=torch.bfloat16, device=DEVICE)
-    compiled = triton_linear._gemv_row_kernel[(2048 // 16,)](x0, weights[0], y, y, 2048, 2048, None, 0, 0,
-                                                             HAS_BIAS=False, BLOCK_N=16, BLOCK_K=512, PDL=True,
-                                                             launch_pdl=True)
+    compiled = triton_linear._gemv_row_kernel[(2048 // 16,)](x0, weights[0], y, y, 2048, 2048, HAS_BIAS=False,
+                                                             BLOCK_N=16, BLOCK_K=512, PDL=True, launch_pdl=True)
     assert "griddepcontrol.wait" in compiled.asm["ptx"]
