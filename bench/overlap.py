@@ -16,6 +16,13 @@ norms), timed three ways (CUDA events, median of `--repeats`):
 `overlap_gain` = whole / two_streams: above 1 the split pays. Each half has its own KV
 cache blocks and query rows; within a half each op reads the previous one's output.
 
+In J1 (bench/RESULTS.md) two streams gained nothing: each GEMM's persistent grid takes every
+SM, so the other half's attention could only run where a GEMM had finished. `--carveouts`
+repeats two_streams (and the GEMMs alone) with cuBLASLt told to leave N SMs free
+(`torch._C._set_sm_carveout_experimental`, the matmuls routed through cuBLASLt), so that
+attention programs can run beside every GEMM: whether partitioning the SMs makes the overlap
+real, and what it costs the GEMMs.
+
     python bench/overlap.py --out overlap.json
 """
 
@@ -38,6 +45,8 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=1000, help="sequences in the decode step")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--carveouts", default="16,32,48",
+                        help="SMs the GEMMs leave free in extra two-stream runs (comma list; empty: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -128,6 +137,29 @@ def main() -> None:
         ms = bc.median_cuda_ms(lambda parts=parts: [op() for _ in range(args.layers) for op in parts], args.repeats)
         result[name] = {"ms": ms, "ms_per_layer": ms / args.layers}
         print(f"[{name}] {ms / args.layers:.3f} ms per layer", flush=True)
+    carveouts = [int(n) for n in args.carveouts.split(",") if n.strip()]
+    if carveouts and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        print("[carveout] this torch has no SM carveout setting: skipped", flush=True)
+        carveouts = []
+    for carveout in carveouts:
+        previous_backend = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is a cuBLASLt setting
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            runs = {"two_streams": run_two_streams, "gemms_only": lambda: [op() for _ in range(args.layers)
+                                                                           for op in (qkv, o_proj, mlp)]}
+            out = {}
+            for name, fn in runs.items():
+                ms = bc.median_cuda_ms(fn, args.repeats)
+                out[name] = {"ms": ms, "ms_per_layer": ms / args.layers}
+            out["overlap_gain"] = result["whole"]["ms"] / out["two_streams"]["ms"]
+            result[f"carveout_{carveout}"] = out
+            print(f"[carveout {carveout} SMs] two streams {out['two_streams']['ms_per_layer']:.3f} ms per layer "
+                  f"(whole / two streams = {out['overlap_gain']:.3f}), GEMMs alone "
+                  f"{out['gemms_only']['ms_per_layer']:.3f}", flush=True)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(previous_backend)
     result["ideal_gain"] = (result["attention_only"]["ms"] + result["gemms_only"]["ms"]) / max(
         result["attention_only"]["ms"], result["gemms_only"]["ms"])
     result["overlap_gain"] = result["whole"]["ms"] / result["two_streams"]["ms"]
