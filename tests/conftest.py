@@ -17,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one. Subprocesses (servers, cache workers, the CLI) keep torch's default.
 torch.set_num_threads(int(os.environ.get("KILN_TEST_THREADS", "1")))
 
+# Engines and pass tests in this process capture each distinct model config once and get
+# copies (tests/shared_capture.py says why that is the same graph, and what it saves).
+import shared_capture  # noqa: E402  (tests/ is on pythonpath)
+
+shared_capture.install()
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
 def pytest_collection_modifyitems(config, items):

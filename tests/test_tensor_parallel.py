@@ -101,19 +101,26 @@ def test_tp2_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
 
 
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234)
+UNSEEDED = SamplingParams(temperature=1.0, max_tokens=8)
+ENGINE_SEED = 7
 
 
 @pytest.fixture(scope="module")
 def llama_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, list[list[int]]], LLM]]:
-    """TP=1's greedy and seeded tokens for the Llama checkpoint, and one TP=2 engine that the
-    Llama tests share (an engine pair costs more than the checks); the killed-worker test
-    runs last on it."""
+    """TP=1's and TP=2's tokens for the Llama checkpoint, and the TP=2 engine that the Llama
+    tests share (an engine pair costs more than the checks); the killed-worker test runs last
+    on it. Both engines have the engine-level `seed=`, and each one's first generate draws
+    unseeded samples ("unseeded", "unseeded_tp2"): the engine seed makes those repeatable
+    from a fresh engine, so both engines start from the same state (greedy requests and
+    requests with their own seed do not depend on it)."""
     model = str(_save("llama", tmp_path_factory.mktemp("llama") / "llama"))
-    tp1 = LLM(model, **OPTIONS)
-    expected = {"greedy": _tokens(tp1.generate(PROMPTS, GREEDY)), "seeded": _tokens(tp1.generate(PROMPTS, SEEDED))}
-    llm = LLM(model, tensor_parallel_size=2, **OPTIONS)
+    tp1 = LLM(model, seed=ENGINE_SEED, **OPTIONS)
+    tokens = {"unseeded": _tokens(tp1.generate(PROMPTS, UNSEEDED))}
+    tokens |= {"greedy": _tokens(tp1.generate(PROMPTS, GREEDY)), "seeded": _tokens(tp1.generate(PROMPTS, SEEDED))}
+    llm = LLM(model, tensor_parallel_size=2, seed=ENGINE_SEED, **OPTIONS)
     try:
-        yield expected, llm
+        tokens["unseeded_tp2"] = _tokens(llm.generate(PROMPTS, UNSEEDED))
+        yield tokens, llm
     finally:
         llm.engine.shutdown()
 
@@ -175,17 +182,13 @@ def test_ranks_run_a_decode_step_while_the_engine_processes_the_last(
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected["greedy"]
 
 
-def test_unseeded_sampling_with_an_engine_seed_matches_tp1(tmp_path: Path) -> None:
+def test_unseeded_sampling_with_an_engine_seed_matches_tp1(
+        llama_engines: tuple[dict[str, list[list[int]]], LLM]) -> None:
     """`seed=` makes unseeded draws repeatable; TP=2 draws them in TP=1's order (its deferred
-    draws included), so the tokens are TP=1's."""
-    model = str(_save("llama", tmp_path / "llama"))
-    unseeded = SamplingParams(temperature=1.0, max_tokens=8)
-    expected = _tokens(LLM(model, seed=7, **OPTIONS).generate(PROMPTS, unseeded))
-    llm = LLM(model, tensor_parallel_size=2, seed=7, **OPTIONS)
-    try:
-        assert _tokens(llm.generate(PROMPTS, unseeded)) == expected
-    finally:
-        llm.engine.shutdown()
+    draws included), so the tokens are TP=1's. (Drawn first thing on both fresh engines, in
+    the fixture.)"""
+    expected, _ = llama_engines
+    assert expected["unseeded_tp2"] == expected["unseeded"]
 
 
 def test_killed_worker_fails_the_engine_naming_the_rank(
@@ -220,22 +223,25 @@ def test_workers_exit_with_a_killed_engine(tmp_path: Path) -> None:
     assert _all_exit(pids, within_s=15)
 
 
-def test_compile_tp2_fills_every_rank_and_explain_names_tp(tmp_path: Path) -> None:
+def test_compile_tp2_fills_every_rank_and_explain_names_tp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from kiln.runtime.cli import main
+
     model = str(_save("llama", tmp_path / "llama"))
     cache = str(tmp_path / "cache")
     common = ["--cache-dir", cache, "--max-model-len", "128", "--max-num-seqs", "8"]
-    cli = [sys.executable, "-m", "kiln.runtime.cli"]
-    out = subprocess.run(cli + ["compile", model, "-tp", "2", "--compile", "graph", *common],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "kiln.runtime.cli", "compile", model, "-tp", "2", "--compile", "graph",
+                          *common], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "rank 0 of 2" in out.stderr and "rank 1 of 2" in out.stderr
-    explain = subprocess.run(cli + ["cache", "explain", model, "-tp", "2", "--compile", "graph", *common],
-                             capture_output=True, text=True, timeout=600)
-    assert explain.stdout.count("2 of 2 entries would hit") == 2, explain.stdout
+    # `kiln cache explain` in this process (it reads keys, starts no engine): a subprocess
+    # apiece only imported torch and Kiln again.
+    assert main(["cache", "explain", model, "-tp", "2", "--compile", "graph", *common]) == 0
+    explain = capsys.readouterr().out
+    assert explain.count("2 of 2 entries would hit") == 2, explain
     # TP=1 against the TP=2 entries: the miss names tensor parallelism.
-    explain1 = subprocess.run(cli + ["cache", "explain", model, "--compile", "graph", *common],
-                              capture_output=True, text=True, timeout=600)
-    assert "tensor_parallel.size (2 there, 1 here)" in explain1.stdout, explain1.stdout
+    main(["cache", "explain", model, "--compile", "graph", *common])
+    explain1 = capsys.readouterr().out
+    assert "tensor_parallel.size (2 there, 1 here)" in explain1, explain1
     # An engine started from that cache captures nothing on either rank.
     llm = LLM(model, tensor_parallel_size=2, compile="graph", cache_dir=cache, require_cache=True, **OPTIONS)
     try:
