@@ -24,44 +24,8 @@ import shared_capture  # noqa: E402  (tests/ is on pythonpath)
 shared_capture.install()
 
 
-# CI runs the suite on two xdist workers with `--dist loadgroup --no-loadscope-reorder`
-# (.ci/run): each xdist group runs on one worker, and the groups are handed out in the order
-# of the collected items. A test file is its own group, except these, which share one:
-# files whose tests build engines of the same tiny checkpoints, so that one worker captures
-# each model once for all of them (tests/shared_capture.py).
-XDIST_GROUPS = {"tests/test_parity.py": "tiny-archs", "tests/test_fusions_per_arch.py": "tiny-archs"}
-# The longest groups (wall time on the 2-core CI machine), longest first; every other file
-# follows in collection order. Handing out the long ones first keeps a worker from starting
-# one while the other is nearly done. test_warm_start.py is not first: one of its tests waits
-# for .ci/run's background `kiln compile` (~3 minutes).
-LONGEST_FIRST = [
-    "tests/test_shard_tensor_parallel.py", "tiny-archs", "tests/test_fp8.py", "tests/test_kernels_triton.py",
-    "tests/test_warm_start.py", "tests/test_tensor_parallel.py", "tests/test_compile_cli.py",
-    "tests/test_cache_repair.py", "tests/test_server_hardening.py", "tests/test_server_api.py",
-    "tests/test_example_pass.py", "tests/test_runtime_cli_generate.py", "tests/test_pass_guide.py",
-    "tests/test_compile_standalone.py", "tests/test_moe.py", "tests/test_server_errors.py",
-    "tests/test_runtime_block_manager.py",
-]
-
-
-def _group_and_order(items: list[pytest.Item]) -> None:
-    """Give each test its file's xdist group (or XDIST_GROUPS's), and put LONGEST_FIRST first."""
-    rank = {group: i for i, group in enumerate(LONGEST_FIRST)}
-    groups = {}
-    for item in items:
-        marks = [m for m in item.iter_markers("xdist_group")]
-        if marks:
-            groups[item] = str(marks[0].args[0] if marks[0].args else marks[0].kwargs.get("name", "default"))
-            continue
-        path = item.nodeid.split("::")[0]
-        groups[item] = XDIST_GROUPS.get(path, path)
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    items.sort(key=lambda item: rank.get(groups[item], len(rank)))  # stable: a file's tests stay in order
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count; before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
 def pytest_collection_modifyitems(config, items):
-    _group_and_order(items)
     if torch.cuda.is_available():
         # Kernel tests that run on whichever device there is (the interpreter on CPU) are GPU
         # tests on a GPU: `pytest -m gpu` must run them there.
