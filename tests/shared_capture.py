@@ -20,6 +20,7 @@ KILN_TEST_SHARE_CAPTURES=0 turns it off (every call captures).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from typing import Any
@@ -59,10 +60,11 @@ def _key(config: Any, dtype: torch.dtype, device: torch.device | str, max_num_to
 
 
 def _copy(captured: CapturedModel, config: Any) -> CapturedModel:
-    # The caller's own config object, as a capture of it would carry.
-    return CapturedModel(graph_module=copy.deepcopy(captured.graph_module), config=config, dtype=captured.dtype,
-                         param_aliases=copy.deepcopy(captured.param_aliases),
-                         constants={name: t.clone() for name, t in captured.constants.items()})
+    # The caller's own config object, as a capture of it would carry; every other field kept
+    # (`replace`), the mutable ones copied.
+    return dataclasses.replace(captured, graph_module=copy.deepcopy(captured.graph_module), config=config,
+                               param_aliases=copy.deepcopy(captured.param_aliases),
+                               constants={name: t.clone() for name, t in captured.constants.items()})
 
 
 def shared_capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
