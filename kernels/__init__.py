@@ -18,6 +18,7 @@ import torch
 from kiln.kernels import activation as activation  # noqa: F401  (kiln::silu_and_mul, kiln::gelu_tanh_and_mul)
 from kiln.kernels import attention as attention  # noqa: F401  (registers kiln::attention)
 from kiln.kernels import fp8 as fp8  # noqa: F401  (kiln::quantize_fp8_per_token, kiln::fp8_linear)
+from kiln.kernels import fp8_fused_linear as fp8_fused_linear  # noqa: F401  (kiln::*_fp8_linear)
 from kiln.kernels import collectives as collectives  # noqa: F401  (kiln::all_reduce, kiln::all_gather)
 from kiln.kernels import layer_norm as layer_norm  # noqa: F401  (registers kiln::add_layer_norm)
 from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)
@@ -30,7 +31,7 @@ from kiln.kernels import rope_paged_attention as rope_paged_attention  # noqa: F
 logger = logging.getLogger("kiln.kernels")
 
 TRITON_KERNEL_MODULES = ("triton_norm", "triton_rope", "triton_activation", "triton_paged_attention",
-                         "triton_linear", "triton_moe", "triton_fp8")
+                         "triton_linear", "triton_moe", "triton_fp8", "triton_fp8_fused_linear")
 
 
 def triton_kernels_available() -> bool:
@@ -56,6 +57,6 @@ def _register_triton_kernels() -> bool:
 
 _TRITON_REGISTERED = _register_triton_kernels()
 
-__all__ = ["activation", "attention", "collectives", "fp8", "layer_norm", "linear", "moe", "paged_attention", "rms_norm", "rope",
+__all__ = ["activation", "attention", "collectives", "fp8", "fp8_fused_linear", "layer_norm", "linear", "moe", "paged_attention", "rms_norm", "rope",
            "rope_paged_attention",
            "triton_kernels_available"]

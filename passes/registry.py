@@ -62,6 +62,11 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.use_triton_linear import UseTritonLinearPass
 
     factories["quantize_fp8"] = QuantizeFP8Pass
+    # After quantize_fp8: its quantized inputs and FP8 projections, one op each (a no-op
+    # without FP8 projections).
+    from kiln.passes.fuse_fp8_linear_inputs import FuseFP8LinearInputsPass
+
+    factories["fuse_fp8_linear_inputs"] = FuseFP8LinearInputsPass
     # kv_cache_scales (opt-in: on with an FP8 KV cache) after the attention fusions.
     from kiln.passes.kv_cache_scales import KVCacheScalesPass
 

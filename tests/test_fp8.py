@@ -433,6 +433,45 @@ def test_quantize_fp8_fuses_into_norms_and_activations():
     assert torch.equal(run_graph(after), run_graph(unfused))
 
 
+def test_fuse_fp8_linear_inputs():
+    # After quantize_fp8 on the CUDA pipeline's graph: every projection's quantizing producer
+    # and the projection become one op; the CPU references are the chains, so the numbers
+    # do not change.
+    from kiln.passes.fuse_fp8_linear_inputs import FuseFP8LinearInputsPass
+
+    config = tiny_config("llama")
+    before = graph_for_pass(config, "fuse_fp8_linear_inputs", enable=["quantize_fp8"], cpu_fusions=True)
+    assert before.pipeline[-1] == "quantize_fp8"
+    after = before.copy()
+    stats = after.run_pass(FuseFP8LinearInputsPass(on_cpu=True))
+    layers = config.num_hidden_layers
+    assert stats == {"rms_norm_fp8_linear": 1, "add_rms_norm_fp8_linear": 2 * layers - 1,
+                     "silu_and_mul_fp8_linear": layers, "quantize_fp8_linear": layers}
+    counts = op_counts(after.graph_module)
+    for op in ("fp8_linear", "rms_norm_quant_fp8", "add_rms_norm_quant_fp8", "silu_and_mul_quant_fp8",
+               "quantize_fp8_per_token"):
+        assert counts.get(f"kiln.{op}.default", 0) == 0, op
+    assert counts["kiln.add_rms_norm.default"] == 1  # the final norm, before the LM head (bf16)
+    assert torch.equal(run_graph(after), run_graph(before))
+    # Off the CPU by default, as the other fusions.
+    assert FuseFP8LinearInputsPass(on_cpu=False)(before.copy().graph_module, None) == {"skipped_on_cpu": 1}
+
+
+def test_fuse_fp8_linear_inputs_keeps_a_shared_quantized_input():
+    # Unmerged q/k/v share one quantized input: fusing would normalise it three times.
+    from kiln.passes.fuse_fp8_linear_inputs import FuseFP8LinearInputsPass
+
+    config = tiny_config("llama")
+    before = graph_for_pass(config, "fuse_fp8_linear_inputs", enable=["quantize_fp8"], disable=["merge_qkv"],
+                            cpu_fusions=True)
+    after = before.copy()
+    stats = after.run_pass(FuseFP8LinearInputsPass(on_cpu=True))
+    layers = config.num_hidden_layers
+    assert stats["rms_norm_fp8_linear"] + stats["add_rms_norm_fp8_linear"] == layers  # gate/up only
+    assert op_counts(after.graph_module)["kiln.fp8_linear.default"] == 3 * layers  # q, k, v
+    assert torch.equal(run_graph(after), run_graph(before))
+
+
 def test_quantization_pipeline_order_when_enabled():
     from kiln.passes.manager import enabled_pass_names
 
