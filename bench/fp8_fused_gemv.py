@@ -4,7 +4,8 @@ the chains they replace, at the Llama-3-8B decode projections.
 A decode layer in FP8 runs, before each projection, a small kernel that makes its input: the
 RMSNorm with its e4m3 quantization before QKV and gate/up, SiLU-and-mul with it before
 down, the attention output's quantization before O. The fused ops do that inside the GEMV
-(weight-only FP8 at 1-16 rows). This times, inside CUDA graphs (PDL as the engine runs it),
+(weight-only FP8, at one row; elsewhere, and where its table says so, the fused op runs
+the chain). This times, inside CUDA graphs (PDL as the engine runs it),
 `--layers` layers of the four projections with distinct weights (so each reads its weight
 from HBM, as a decode step does): the fused ops, and the chains (the `*_quant_fp8` kernel
 then `kiln::fp8_linear`'s GEMV). Also each projection alone, and with `--sweep` a few other
@@ -81,19 +82,20 @@ def time_layers(m: int, layers: int, fused: bool, names: list[str], configs: dic
     return us
 
 
+def _asdict(config: Any) -> dict[str, Any] | None:
+    return None if config is None else dataclasses.asdict(config)  # None: the op runs its chain
+
+
 def alternatives(name: str, m: int) -> list[Any]:
     from kiln.kernels.triton_fp8_fused_linear import fused_gemv_config
     from kiln.kernels.triton_linear import GemvConfig
 
     n, k, _ = PROJECTIONS[name]
     table = fused_gemv_config(n, k, m)
-    if m == 1:
-        cands = [GemvConfig(8, 1024, 8, 3), GemvConfig(4, 1024, 4, 3), GemvConfig(4, 512, 4, 4),
-                 GemvConfig(16, 512, 8, 3), GemvConfig(128, 256, 8, 3, dot=True), GemvConfig(64, 256, 4, 3, dot=True)]
-    else:
-        cands = [GemvConfig(32, 256, 4, 3), GemvConfig(32, 512, 4, 3), GemvConfig(64, 256, 4, 3),
-                 GemvConfig(32, 256, 4, 3, block_m=64), GemvConfig(64, 256, 4, 3, block_m=64),
-                 GemvConfig(128, 128, 4, 3, block_m=64)]
+    if m != 1:
+        return []  # the fused kernel runs at one row only
+    cands = [GemvConfig(*t) for t in ((4, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3), (16, 1024, 8, 3),
+                                      (32, 512, 8, 3), (32, 256, 8, 3), (64, 256, 8, 3))]
     return [c for c in cands if k % c.block_k == 0 and c != table]
 
 
@@ -118,7 +120,7 @@ def main() -> None:
             n, k, _ = PROJECTIONS[name]
             entry = {"chain_us": time_layers(m, args.layers, False, [name]),
                      "fused_us": time_layers(m, args.layers, True, [name]),
-                     "config": dataclasses.asdict(fused_gemv_config(n, k, m))}
+                     "config": _asdict(fused_gemv_config(n, k, m))}
             entry["fused_tb_s"] = n * k / entry["fused_us"] / 1e6
             if args.sweep:
                 entry["sweep"] = []

@@ -1,30 +1,35 @@
-"""CUDA kernels for kiln.kernels.fp8_fused_linear's ops: FP8 GEMVs that compute their own input.
+"""CUDA kernel for kiln.kernels.fp8_fused_linear's ops: an FP8 GEMV that computes its own input.
 
-At 1..FUSED_GEMV_MAX_ROWS rows each op is one launch of a GEMV with the tilings of
-kiln.kernels.triton_fp8's (the same tables, shared memory refitted for a 16-bit input tile),
-whose K loop builds each tile of the projection's input from the producer's inputs:
+At one row (decode at batch 1) each op is one launch of a GEMV, triton_fp8's row kernel
+(CUDA cores, float32 sums, the weight's first tile loaded before the PDL wait), whose K loop
+builds each tile of the projection's input from the producer's inputs:
 
-    RMS_NORM       x * norm_weight                   (x 1/rms at the end, per row)
+    RMS_NORM       x * norm_weight                   (x 1/rms at the end)
     ADD_RMS_NORM   (x + residual) * norm_weight      (the same; program 0 writes x + residual)
     SILU_AND_MUL   silu(gate) * up
     PLAIN          x                                 (the attention output before o_proj)
 
-and multiplies it with the e4m3 weight tile widened to 16 bits: no activation quantization
+and multiplies it with the e4m3 weight widened to float32: no activation quantization
 (kiln.kernels.fp8_fused_linear's doc says why that is sound). The RMSNorm needs the row's
 mean square, which only the whole row gives: every program sums the squares of the row as
 its K loop reads it (each reads the whole row anyway) and scales its sums by 1/rms at the
-end, so nothing is read twice. Elsewhere (more rows, a dtype or layout the kernels do not
-take) the op runs its chain: the `*_quant_fp8` kernel, then `kiln::fp8_linear`.
+end, so nothing is read twice.
 
-One row runs on the CUDA cores in float32 (as triton_fp8's row kernel); 2-16 rows, and one
-row where the table says `dot`, through tl.dot in the activation's 16-bit dtype (a 16- or
-64-row tile, rows past M masked). KILN_FP8_FUSED_GEMV_MAX_ROWS in the environment (read once,
-at import; 0 turns the fused kernels off: every op runs its chain) sets the row limit.
+Where it pays, measured on the H200 (bench/fp8_fused_gemv.py, Llama-3-8B shapes, CUDA graphs
+under PDL; bench/RESULTS.md V3), against the chain (the `*_quant_fp8` kernel, then the FP8
+GEMV): o 6.3 against 8.8 us, qkv 10.2 against 11.0, down 18.7 against 19.1; gate/up 34.8 at
+best against 32.1 (its chain's GEMV is the faster tl.dot kernel: gate/up keeps the chain,
+FUSED_ROW_TABLE's None). At 2-16 rows the same prologue in the tl.dot kernels (16- and
+64-row tiles, the dot in 16 bits) was 1.0-14x slower than the chain at every projection
+(eight rows: o 10.4 against 10.5 us, qkv 38.9 against 11.9, down 114 against 24): the input
+tile built in registers must be moved into the MMA's operand layout, per program. So above
+one row every op runs its chain. KILN_FP8_FUSED_GEMV=0 in the environment (read once, at
+import) runs the chains at one row too.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 
 import torch
@@ -37,14 +42,26 @@ from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm
                                            quantize_fp8_linear_chain, rms_norm_fp8_linear, rms_norm_fp8_linear_chain,
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
-from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
-from kiln.kernels.triton_fp8 import fp8_gemv_config
-from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_shared_memory
+from kiln.kernels.triton_common import GEMV_EARLY_TILE, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_linear import GemvConfig, fit_block_k
 
-FUSED_GEMV_MAX_ROWS = int(os.environ.get("KILN_FP8_FUSED_GEMV_MAX_ROWS", "16"))
+FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
+
+# One-row tilings, (largest N, largest K, config or None: the chain); the first row that
+# fits wins. From the H200 sweep of 2026-12-03 (module doc): wider column tiles than the
+# unfused row kernel's for QKV (each program builds the input once for more columns).
+FUSED_ROW_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
+    (4096, 4096, GemvConfig(4, 1024, 4, 3)),       # o 4096 x 4096
+    (4096, math.inf, GemvConfig(8, 1024, 8, 3)),   # down 4096 x 14336
+    (8192, math.inf, GemvConfig(16, 512, 8, 3)),   # qkv 6144 x 4096
+    (math.inf, math.inf, None),                    # gate/up 28672 x 4096: the chain
+)
 
 # What the K loop computes from the op's inputs (module doc).
 PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
+# The same as the kernels see them (a global a kernel reads must be a constexpr).
+_PLAIN, _RMS_NORM, _ADD_RMS_NORM, _SILU_AND_MUL = (tl.constexpr(v) for v in (PLAIN, RMS_NORM, ADD_RMS_NORM,
+                                                                            SILU_AND_MUL))
 _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -55,16 +72,16 @@ def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.cons
     value is rounded to the activation dtype where the unfused chain rounds it."""
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-    if PROLOGUE == SILU_AND_MUL:
+    if PROLOGUE == _SILU_AND_MUL:
         g = x.to(tl.float32)
         u = tl.load(r_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
         a = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
         s = a
-    elif PROLOGUE == PLAIN:
+    elif PROLOGUE == _PLAIN:
         a = x.to(tl.float32)
         s = a
     else:
-        if PROLOGUE == ADD_RMS_NORM:
+        if PROLOGUE == _ADD_RMS_NORM:
             r = tl.load(r_ptr + r_offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # summed = x + residual, in dt
         s = x.to(tl.float32)
@@ -90,9 +107,9 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
     if EARLY_TILE:
         a, s = _input_tile(x_ptr, r_ptr, g_ptr, first, first, first, first < K, PROLOGUE)
         acc += w_first.to(tl.float32) * a[None, :]
-        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
             squares += s * s
-        if PROLOGUE == ADD_RMS_NORM:
+        if PROLOGUE == _ADD_RMS_NORM:
             if tile == 0:
                 tl.store(sum_ptr + first, s.to(sum_ptr.dtype.element_ty))
         k_start = BLOCK_K
@@ -101,13 +118,13 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
         w = tl.load(w_rows + ks[None, :])
         a, s = _input_tile(x_ptr, r_ptr, g_ptr, ks, ks, ks, ks < K, PROLOGUE)
         acc += w.to(tl.float32) * a[None, :]
-        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+        if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
             squares += s * s
-        if PROLOGUE == ADD_RMS_NORM:
+        if PROLOGUE == _ADD_RMS_NORM:
             if tile == 0:
                 tl.store(sum_ptr + ks, s.to(sum_ptr.dtype.element_ty))
     sums = tl.sum(acc, axis=1)
-    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
+    if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
         sums = sums * tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
     out = sums * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
@@ -115,116 +132,51 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
     tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
-@triton.jit
-def _fused_gemv_dot_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_r,
-                           eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                           EARLY_TILE: tl.constexpr = False):
-    # Rows past M are masked to zero; the dot runs in the activation's dtype with the e4m3
-    # weight tile widened to it (exact: every e4m3 value is a float16 and a bfloat16).
-    tile = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    first = tl.arange(0, BLOCK_K)
-    if EARLY_TILE:
-        w_first = tl.load(w_rows + first[None, :])
-    wait_for_previous_kernel(PDL)
-    dt = x_ptr.dtype.element_ty
-    row_mask = rows[:, None] < M
-    x_rows = rows[:, None] * stride_x
-    r_rows = rows[:, None] * stride_r
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_start = 0
-    if EARLY_TILE:
-        a, s = _input_tile(x_ptr, r_ptr, g_ptr, x_rows + first[None, :], r_rows + first[None, :], first, row_mask,
-                           PROLOGUE)
-        acc = tl.dot(a.to(dt), tl.trans(w_first.to(dt)), acc)
-        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-            squares += tl.sum(s * s, axis=1)
-        if PROLOGUE == ADD_RMS_NORM:
-            if tile == 0:
-                tl.store(sum_ptr + rows[:, None] * K + first[None, :], s.to(sum_ptr.dtype.element_ty), mask=row_mask)
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + ks[None, :])
-        a, s = _input_tile(x_ptr, r_ptr, g_ptr, x_rows + ks[None, :], r_rows + ks[None, :], ks, row_mask, PROLOGUE)
-        acc = tl.dot(a.to(dt), tl.trans(w.to(dt)), acc)
-        if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-            squares += tl.sum(s * s, axis=1)
-        if PROLOGUE == ADD_RMS_NORM:
-            if tile == 0:
-                tl.store(sum_ptr + rows[:, None] * K + ks[None, :], s.to(sum_ptr.dtype.element_ty), mask=row_mask)
-    if PROLOGUE == RMS_NORM or PROLOGUE == ADD_RMS_NORM:
-        acc = acc * tl.math.rsqrt(squares / K + eps)[:, None]
-    acc = acc * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_mask & (cols[None, :] < N))
-
-
-def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
-    """The fused GEMV's tiling for m rows of [n, k], or None (the op runs its chain): the FP8
-    GEMV's (kiln.kernels.triton_fp8.fp8_gemv_config), unsplit, its staged tiles refitted for
-    a 16-bit input tile and a weight tile widened to 16 bits."""
-    if not 1 <= m <= FUSED_GEMV_MAX_ROWS:
+def fused_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
+    """The fused GEMV's tiling for m rows of [n, k], or None (the op runs its chain): one
+    row, FUSED_ROW_TABLE, a K tile that divides k."""
+    if m != 1 or not FUSED_GEMV:
         return None
-    config = fp8_gemv_config(n, k, m)
-    if config is None:
-        return None
-    config = dataclasses.replace(config, split_k=1)
-    if m > 1 or config.dot:
-        config = fit_shared_memory(config, 2, shared_memory, early_tile=GEMV_EARLY_TILE)
-    return config if k % config.block_k == 0 else None
+    config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
+    return None if config is None else fit_block_k(config, k)
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig | None, m: int, *others: torch.Tensor) -> bool:
-    return (config is not None and 1 <= m <= max(DOT_BLOCK_M, config.block_m) and x.dtype in _INPUT_DTYPES
+    return (config is not None and m == 1 and x.dtype in _INPUT_DTYPES
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight_scale.is_contiguous()
             and (bias is None or bias.is_contiguous())
             and all(t.dtype == x.dtype and t.device == x.device for t in others))
 
 
-def _rows2d(t: torch.Tensor, k: int) -> torch.Tensor:
-    t2 = t.reshape(-1, k)  # a view whenever the leading dimensions allow one
-    return t2 if t2.stride(1) == 1 else t2.contiguous()
+def _row(t: torch.Tensor, k: int) -> torch.Tensor:
+    """The one row of t as a contiguous [k] (a view when it is one already)."""
+    return t.reshape(k).contiguous()
 
 
 def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_weight: torch.Tensor | None,
             weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
             eps: float, config: GemvConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y [..., N] (and x + other for ADD_RMS_NORM) by one fused GEMV launch."""
+    """y [..., N] (and x + other for ADD_RMS_NORM) of one row, by one fused GEMV launch."""
     n, k = weight.shape
-    x2 = _rows2d(x, k)
-    m = x2.shape[0]
-    r2 = _rows2d(other, k) if other is not None else x2
-    g = norm_weight.contiguous() if norm_weight is not None else x2
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == ADD_RMS_NORM else None
-    ws = weight_scale.float()
+    x1 = _row(x, k)
+    r1 = _row(other, k) if other is not None else x1
+    g = norm_weight.contiguous() if norm_weight is not None else x1
+    y = torch.empty((1, n), dtype=out_dtype, device=x.device)
+    summed = torch.empty((1, k), dtype=x.dtype, device=x.device) if prologue == ADD_RMS_NORM else None
     b = bias if bias is not None else y  # never read without HAS_BIAS
-    grid = (triton.cdiv(n, config.block_n),)
-    common = dict(PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                  num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILE=GEMV_EARLY_TILE,
-                  **pdl_launch_args(x.device))
-    sum_out = summed if summed is not None else y
-    if m == 1 and not config.dot:
-        _fused_gemv_row_kernel[grid](x2, r2, g, sum_out, weight, ws, b, y, n, k, float(eps), **common)
-    else:
-        _fused_gemv_dot_kernel[grid](x2, r2, g, sum_out, weight, ws, b, y, m, n, k, x2.stride(0), r2.stride(0),
-                                     float(eps), BLOCK_M=config.block_m, **common)
-    y = y.view(*x.shape[:-1], n)
-    return y, (summed.view(x.shape) if summed is not None else None)
+    _fused_gemv_row_kernel[(triton.cdiv(n, config.block_n),)](
+        x1, r1, g, summed if summed is not None else y, weight, weight_scale.float(), b, y, n, k, float(eps),
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILE=GEMV_EARLY_TILE,
+        **pdl_launch_args(x.device))
+    return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
 
 def _config_for(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> tuple[int, GemvConfig | None]:
     n, k = weight.shape
     m = x.numel() // k if k else 0
-    return m, config or fused_gemv_config(n, k, m, max_shared_memory(x.device))
+    return m, config or fused_gemv_config(n, k, m)
 
 
 def rms_norm_fp8_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -3,10 +3,9 @@ ops' references are the unfused chains; the CUDA kernels' GEMVs (weight-only FP8
 sizes) against the float32 product of the unquantized input and the dequantized weight.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set before the
-kernel module is imported) with small tiles, in float16 (the interpreter's tl.dot on
-bfloat16 returns garbage, tests/test_kernels_triton_linear.py); the one-row kernel in
-bfloat16 too. On a GPU the same tests run on CUDA, and the `gpu` tests at the end take the
-Llama-3-8B shapes with the tables' tilings.
+kernel module is imported) with small tiles, in float16 and bfloat16. On a GPU the same
+tests run on CUDA, and the `gpu` tests at the end take the Llama-3-8B shapes with the
+table's tilings.
 """
 
 from __future__ import annotations
@@ -101,12 +100,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
-@pytest.mark.parametrize("m,dot,dtype,bias", [(1, False, torch.float16, True), (1, False, torch.bfloat16, False),
-                                              (1, True, torch.float16, False), (3, False, torch.float16, True)])
-def test_fused_gemv_is_the_weight_only_product(prologue, m, dot, dtype, bias):
-    n, k = 40, 128  # three column tiles of 16, the last partial; four K tiles of 32
+@pytest.mark.parametrize("dtype,bias", [(torch.float16, True), (torch.bfloat16, False)])
+def test_fused_gemv_is_the_weight_only_product(prologue, dtype, bias):
+    m, n, k = 1, 40, 128  # three column tiles of 16, the last partial; four K tiles of 32
     inputs, wq, ws, b = operands(prologue, m, n, k, dtype, bias)
-    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, dot=dot)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
     y, summed = run_triton(prologue, inputs, wq, ws, b, dtype, config)
     ref, ref_summed = weight_only_reference(prologue, inputs, wq, ws, b)
     assert y.shape == (1, m, n) and y.dtype == dtype
@@ -144,29 +142,30 @@ def test_ops_are_their_unfused_chains(prologue):
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_beyond_the_fused_sizes_the_chain_runs(prologue, monkeypatch):
-    # More rows than FUSED_GEMV_MAX_ROWS (here 2): the op's chain, exactly.
-    monkeypatch.setattr(triton_fused, "FUSED_GEMV_MAX_ROWS", 2)
-    assert triton_fused.fused_gemv_config(40, 128, 3) is None
-    inputs, wq, ws, b = operands(prologue, 3, 48, 64, torch.float16, bias=False, seed=3)
+@pytest.mark.parametrize("case", ["two rows", "turned off"])
+def test_elsewhere_the_chain_runs(prologue, case, monkeypatch):
+    # Above one row (or with KILN_FP8_FUSED_GEMV=0): the op's chain, exactly.
+    m = 2 if case == "two rows" else 1
+    if case == "turned off":
+        monkeypatch.setattr(triton_fused, "FUSED_GEMV", False)
+    assert triton_fused.fused_gemv_config(4096, 4096, m) is None
+    inputs, wq, ws, _ = operands(prologue, m, 48, 64, torch.float16, bias=False, seed=3)
+    inputs, wq, ws = [t.cpu() for t in inputs], wq.cpu(), ws.cpu()
     launched = []
     monkeypatch.setattr(triton_fused, "_launch", lambda *a, **k: launched.append(a))
-    y, summed = run_triton(prologue, [t.cpu() for t in inputs], wq.cpu(), ws.cpu(), None, torch.float16)
-    chain, chain_summed = run_op(prologue, [t.cpu() for t in inputs], wq.cpu(), ws.cpu(), None, torch.float16)
+    y, summed = run_triton(prologue, inputs, wq, ws, None, torch.float16)
+    chain, chain_summed = run_op(prologue, inputs, wq, ws, None, torch.float16)
     assert not launched and torch.equal(y, chain)
     if prologue == "add_rms_norm":
         assert torch.equal(summed, chain_summed)
 
 
-def test_fused_gemv_config_follows_the_fp8_tables():
-    from kiln.kernels.triton_fp8 import fp8_gemv_config
-
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        one = triton_fused.fused_gemv_config(n, k, 1)
-        assert one == fp8_gemv_config(n, k, 1)  # the one-row tilings as they are
-        eight = triton_fused.fused_gemv_config(n, k, 8, shared_memory=227 * 1024)
-        assert eight is not None and eight.block_n == fp8_gemv_config(n, k, 8).block_n and eight.split_k == 1
-    assert triton_fused.fused_gemv_config(4096, 4096, 17) is None
+def test_fused_row_table():
+    assert triton_fused.fused_gemv_config(4096, 4096, 1) == GemvConfig(4, 1024, 4, 3)  # o
+    assert triton_fused.fused_gemv_config(4096, 14336, 1) == GemvConfig(8, 1024, 8, 3)  # down
+    assert triton_fused.fused_gemv_config(6144, 4096, 1) == GemvConfig(16, 512, 8, 3)  # qkv
+    assert triton_fused.fused_gemv_config(28672, 4096, 1) is None  # gate/up: the chain's dot GEMV is faster
+    assert triton_fused.fused_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 3)  # 4,608 = 9 x 512
     assert triton_fused.fused_gemv_config(4096, 4000, 1) is None  # no K tile divides 4,000
 
 
@@ -184,24 +183,22 @@ def test_bad_input_is_refused_with_a_message():
         fused.quantize_fp8_linear(x, wq, ws[:3], None, torch.bfloat16)
 
 
-# ---- on the GPU: Llama-3-8B shapes, the tables' tilings --------------------------------------
+# ---- on the GPU: Llama-3-8B shapes, the table's tilings ---------------------------------------
 
 LLAMA3_8B = {"qkv": (6144, 4096, "add_rms_norm"), "o": (4096, 4096, "plain"),
-             "gate_up": (28672, 4096, "add_rms_norm"), "down": (4096, 14336, "silu_and_mul"),
-             "qkv_first": (6144, 4096, "rms_norm")}
+             "down": (4096, 14336, "silu_and_mul"), "qkv_first": (6144, 4096, "rms_norm")}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("m", [1, 2, 8, 16])
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B))
-def test_fused_gemv_llama3_shapes(name, m):
+def test_fused_gemv_llama3_shapes(name):
     n, k, prologue = LLAMA3_8B[name]
-    inputs, wq, ws, b = operands(prologue, m, n, k, torch.bfloat16, bias=name == "qkv", seed=11)
-    assert triton_fused.fused_gemv_config(n, k, m) is not None
+    inputs, wq, ws, b = operands(prologue, 1, n, k, torch.bfloat16, bias=name == "qkv", seed=11)
+    assert triton_fused.fused_gemv_config(n, k, 1) is not None
     y, summed = run_op(prologue, inputs, wq, ws, b, torch.bfloat16)  # the op, as the graph calls it
     ref, ref_summed = weight_only_reference(prologue, inputs, wq, ws, b)
-    assert relative_error(y.cpu(), ref) < 1e-2
+    assert relative_error(y.cpu(), ref) < 5e-3
     if summed is not None:
         assert torch.equal(summed.cpu(), ref_summed)
 
@@ -209,15 +206,16 @@ def test_fused_gemv_llama3_shapes(name, m):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_gemvs_replay_in_a_cuda_graph():
-    # A decode layer's chain of fused GEMVs (under PDL where on), captured and replayed:
+    # Two fused GEMVs, the second reading the first's output (under PDL where on), captured and replayed:
     # bit-equal to the eager launches.
-    n, k = 4096, 4096
-    inputs, wq, ws, _ = operands("add_rms_norm", 4, n, k, torch.bfloat16, bias=False, seed=5)
+    n, k = 6144, 4096
+    inputs, wq, ws, _ = operands("add_rms_norm", 1, n, k, torch.bfloat16, bias=False, seed=5)
+    wo, wos = quantize_fp8_rowwise(randn(k, n, seed=6, scale=n ** -0.5))
     x, r, g = inputs
 
     def chain():
         y, s = fused.add_rms_norm_fp8_linear(x, r, g, EPS, wq, ws, None, torch.bfloat16)
-        return fused.quantize_fp8_linear(y, wq, ws, None, torch.bfloat16), s
+        return fused.quantize_fp8_linear(y, wo, wos, None, torch.bfloat16), s
 
     eager = chain()
     stream = torch.cuda.Stream()
