@@ -90,6 +90,20 @@ def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.cons
 
 
 @triton.jit
+def _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE: tl.constexpr):
+    """One K tile: the input at ks built and multiplied with the weight tile w; the squares
+    of the residual sum kept for the rms; program 0 writes that sum (ADD_RMS_NORM)."""
+    a, s = _input_tile(x_ptr, r_ptr, g_ptr, ks, ks, ks, ks < K, PROLOGUE)
+    acc += w.to(tl.float32) * a[None, :]
+    if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
+        squares += s * s
+    if PROLOGUE == _ADD_RMS_NORM:
+        if tile == 0:
+            tl.store(sum_ptr + ks, s.to(sum_ptr.dtype.element_ty))
+    return acc, squares
+
+
+@triton.jit
 def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, eps,
                            PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
@@ -105,24 +119,12 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     k_start = 0
     if EARLY_TILE:
-        a, s = _input_tile(x_ptr, r_ptr, g_ptr, first, first, first, first < K, PROLOGUE)
-        acc += w_first.to(tl.float32) * a[None, :]
-        if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
-            squares += s * s
-        if PROLOGUE == _ADD_RMS_NORM:
-            if tile == 0:
-                tl.store(sum_ptr + first, s.to(sum_ptr.dtype.element_ty))
+        acc, squares = _accumulate(acc, squares, w_first, x_ptr, r_ptr, g_ptr, sum_ptr, first, K, tile, PROLOGUE)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
-        a, s = _input_tile(x_ptr, r_ptr, g_ptr, ks, ks, ks, ks < K, PROLOGUE)
-        acc += w.to(tl.float32) * a[None, :]
-        if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
-            squares += s * s
-        if PROLOGUE == _ADD_RMS_NORM:
-            if tile == 0:
-                tl.store(sum_ptr + ks, s.to(sum_ptr.dtype.element_ty))
+        acc, squares = _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE)
     sums = tl.sum(acc, axis=1)
     if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
         sums = sums * tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -144,6 +146,7 @@ def fused_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
 def _applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig | None, m: int, *others: torch.Tensor) -> bool:
     return (config is not None and m == 1 and x.dtype in _INPUT_DTYPES
+            and weight.shape[1] % config.block_k == 0  # the K loop's weight loads are unmasked
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight_scale.is_contiguous()
             and (bias is None or bias.is_contiguous())
             and all(t.dtype == x.dtype and t.device == x.device for t in others))
