@@ -455,6 +455,10 @@ def test_fuse_fp8_linear_inputs():
     assert torch.equal(run_graph(after), run_graph(before))
     # Off the CPU by default, as the other fusions.
     assert FuseFP8LinearInputsPass(on_cpu=False)(before.copy().graph_module, None) == {"skipped_on_cpu": 1}
+    # A tensor-parallel rank's graph: the same pairs (o and down before their all-reduce).
+    rank = graph_for_pass(config, "fuse_fp8_linear_inputs", enable=["quantize_fp8"], cpu_fusions=True,
+                          tp_size=2, tp_rank=1)
+    assert rank.copy().run_pass(FuseFP8LinearInputsPass(on_cpu=True)) == stats
 
 
 def test_fuse_fp8_linear_inputs_keeps_a_shared_quantized_input():
