@@ -217,7 +217,7 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
         # build catches a version where it would not.
         kwargs["experts_implementation"] = "batched_mm"
     with torch.device(device), hf_init.no_init_weights():
-        inline = not cls._can_set_attn_implementation()
+        inline = not cls._can_set_attn_implementation() or _alibi_in_mask(config)
         if inline:
             # transformers' own test: the model's attention classes never call
             # ALL_ATTENTION_FUNCTIONS. Build it as transformers would run it; capture then
@@ -242,6 +242,15 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     model.eval()
     model.config.use_cache = False
     return model
+
+
+def _alibi_in_mask(config: Any) -> bool:
+    """Falcon-RW: its ALiBi bias is added to the attention mask, which it needs built (the
+    "kiln" function has no mask function, so transformers builds none). transformers 5.25
+    moved Falcon's attention onto the attention-function interface, where it would reach the
+    marker without its bias: such a model is captured inline as before (SDPA with the mask),
+    and kiln.passes.inline_attention reads the slopes off the mask."""
+    return bool(getattr(config, "alibi", False))
 
 
 def parameter_shapes(config: Any) -> dict[str, torch.Size]:

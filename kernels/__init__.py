@@ -17,7 +17,8 @@ if __name__ == "kernels":
     # run from the checkout puts the working directory first). That name is Hugging Face's
     # `kernels` package, which transformers (>= 5.25 depends on it) imports while it builds a
     # model. Hand the import over to that package, found as if this folder were not on the
-    # path (or ModuleNotFoundError, as without this folder, where it is not installed).
+    # path. Where it is not installed this module stays empty: transformers (which then finds
+    # it by name) reads no version off it and leaves it alone.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -26,10 +27,9 @@ if __name__ == "kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _spec = _machinery.PathFinder.find_spec(
         "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _sys.modules["kernels"] = _module = _util.module_from_spec(_spec)  # the import returns this one
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _sys.modules["kernels"] = _module = _util.module_from_spec(_spec)  # the import returns this one
+        _spec.loader.exec_module(_module)
 else:
     import logging
 

@@ -180,6 +180,8 @@ def test_real_models_slopes_match_their_formulas(arch, expected):
     assert [m.args[3] for m in found] == list(range(config.num_hidden_layers))
     assert not captured.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.softmax.int)
     if expected is None:
-        assert all(len(m.args) == 7 for m in found) and "alibi_slopes" not in captured.constants
+        # No alibi_slopes argument (the marker's eighth). Falcon's rotary models are inline up
+        # to transformers 5.24 and call the attention-function interface from 5.25.
+        assert all(len(m.args) <= 7 for m in found) and "alibi_slopes" not in captured.constants
     else:
         torch.testing.assert_close(captured.constants["alibi_slopes"], expected(config).float(), rtol=1e-6, atol=0)
