@@ -694,15 +694,18 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
             try:
                 node.meta["val"] = node.target(*args, **kwargs)
             except Exception as e:
-                if not (node.target in _VIEWS and _fix_view(node, args, old, size_map)):
+                if not ((node.target in _VIEWS and _fix_view(node, args, old, size_map))
+                        or (node.target in _SIZES_ARG and _fix_sizes(node, args, size_map))):
                     raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) cannot take the "
                                      f"sharded shapes: {e}") from e
                 continue
             # A view that spells out the head count and puts -1 on the tokens (OPT's
             # `view(1, -1, num_heads, head_dim)`) does not fail on the rank's smaller input:
-            # it silently halves the tokens. Its other dimensions must keep their values.
+            # it silently halves the tokens. Its other dimensions must keep their values. A -1
+            # standing for a fixed size (Falcon's heads in transformers 5.25, `view(1, T, -1,
+            # head_dim)`) follows the rank's input, as it should.
             if (node.target in _VIEWS and isinstance(old, torch.Tensor) and not node.meta.pop(_RESIZED, False)
-                    and not _keeps_unsharded_dims(old, node.meta["val"], size_map)
+                    and not _keeps_unsharded_dims(old, node.meta["val"], size_map, _inferred_fixed_dims(node, old))
                     and not _fix_view(node, args, old, size_map)):
                 raise ValueError(f"shard_tensor_parallel: view {node.name} {list(node.args[1])} cannot take the "
                                  f"sharded shapes (it gives {tuple(node.meta['val'].shape)})")
@@ -768,13 +771,46 @@ def _same_dim(a: Any, b: Any) -> bool:
     return False
 
 
-def _keeps_unsharded_dims(old: torch.Tensor, new: torch.Tensor, size_map: dict[int, int]) -> bool:
+def _keeps_unsharded_dims(old: torch.Tensor, new: torch.Tensor, size_map: dict[int, int],
+                          free: frozenset[int] = frozenset()) -> bool:
     """Whether `new` (a view's value on the rank's shapes) differs from `old` (on the full
-    model's) only in dimensions that were full-model sizes (head counts, their widths)."""
+    model's) only in dimensions that were full-model sizes (head counts, their widths), or
+    in the dimensions `free` may change."""
     if old.dim() != new.dim():
         return False
-    return all(_same_dim(a, b) or (isinstance(a, int) and a in size_map and _same_dim(size_map[a], b))
-               for a, b in zip(old.shape, new.shape))
+    return all(i in free or _same_dim(a, b) or (isinstance(a, int) and a in size_map and _same_dim(size_map[a], b))
+               for i, (a, b) in enumerate(zip(old.shape, new.shape)))
+
+
+def _inferred_fixed_dims(node: torch.fx.Node, old: torch.Tensor) -> frozenset[int]:
+    """The dimensions a view leaves to -1 where the full model's size there is a fixed
+    number (not the token count, a symbol): they follow the sharded input."""
+    shape = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else ()
+    return frozenset(i for i, d in enumerate(shape)
+                     if isinstance(d, int) and d == -1 and i < old.dim() and isinstance(old.shape[i], int))
+
+
+# Ops that take a list of sizes, by the position of that list: a full-model count in it
+# (Falcon's `split([num_heads, 1, 1])` of its multi-query heads, Falcon-RW's
+# `unflatten(-2, (num_heads, 3))`, both in transformers 5.25) becomes the rank's.
+_SIZES_ARG = {aten.split_with_sizes.default: 1, aten.unflatten.int: 2}
+
+
+def _fix_sizes(node: torch.fx.Node, args: tuple[Any, ...], size_map: dict[int, int]) -> bool:
+    """Give an op of `_SIZES_ARG` the rank's counts where its sizes spell full-model ones,
+    if it then takes the rank's input."""
+    at = _SIZES_ARG[node.target]
+    sizes = list(node.args[at])
+    trial = [size_map.get(d, d) if isinstance(d, int) else d for d in sizes]
+    if trial == sizes:
+        return False
+    try:
+        val = node.target(*args[:at], trial, *args[at + 1:])
+    except Exception:
+        return False
+    node.args = (*node.args[:at], trial, *node.args[at + 1:])
+    node.meta["val"] = val
+    return True
 
 
 def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], old: Any, size_map: dict[int, int]) -> bool:
