@@ -701,12 +701,12 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
                 continue
             # A view that spells out the head count and puts -1 on the tokens (OPT's
             # `view(1, -1, num_heads, head_dim)`) does not fail on the rank's smaller input:
-            # it silently halves the tokens. Its other dimensions must keep their values. A -1
-            # standing for a fixed size (Falcon's heads in transformers 5.25, `view(1, T, -1,
-            # head_dim)`) follows the rank's input, as it should.
+            # it silently halves the tokens. Its other dimensions must keep their values. Only
+            # where no spelled-out count can be given the rank's may a -1 standing for a fixed
+            # size (Falcon's heads in transformers 5.25, `view(1, T, -1, head_dim)`) follow the
+            # rank's input: a bucket exported at a static token count has a fixed size there too.
             if (node.target in _VIEWS and isinstance(old, torch.Tensor) and not node.meta.pop(_RESIZED, False)
-                    and not _keeps_unsharded_dims(old, node.meta["val"], size_map, _inferred_fixed_dims(node, old))
-                    and not _fix_view(node, args, old, size_map)):
+                    and not _view_takes_rank_shapes(node, args, old, size_map)):
                 raise ValueError(f"shard_tensor_parallel: view {node.name} {list(node.args[1])} cannot take the "
                                  f"sharded shapes (it gives {tuple(node.meta['val'].shape)})")
     gm.recompile()
@@ -780,6 +780,15 @@ def _keeps_unsharded_dims(old: torch.Tensor, new: torch.Tensor, size_map: dict[i
         return False
     return all(i in free or _same_dim(a, b) or (isinstance(a, int) and a in size_map and _same_dim(size_map[a], b))
                for i, (a, b) in enumerate(zip(old.shape, new.shape)))
+
+
+def _view_takes_rank_shapes(node: torch.fx.Node, args: tuple[Any, ...], old: torch.Tensor,
+                            size_map: dict[int, int]) -> bool:
+    """Whether a view that ran on the rank's input (value in node.meta) is right there, or
+    can be made so by giving one spelled-out count the rank's (then rewritten in place)."""
+    return (_keeps_unsharded_dims(old, node.meta["val"], size_map)
+            or _fix_view(node, args, old, size_map)
+            or _keeps_unsharded_dims(old, node.meta["val"], size_map, _inferred_fixed_dims(node, old)))
 
 
 def _inferred_fixed_dims(node: torch.fx.Node, old: torch.Tensor) -> frozenset[int]:

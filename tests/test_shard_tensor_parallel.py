@@ -211,6 +211,32 @@ def test_falcon_transposed_matmul_by_layout() -> None:
         check_tp_size(grouped, 2)
 
 
+def _rank_view(shape: list[int], full_input: tuple[int, ...],
+               rank_input: tuple[int, ...]) -> tuple[torch.fx.Node, torch.Tensor]:
+    """A `view(x, shape)` node whose value was computed on the rank's input (as the pass
+    recomputes it), and the full model's value of it."""
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.aten.view.default, (graph.placeholder("x"), shape))
+    node.meta["val"] = torch.empty(rank_input).view(shape)
+    return node, torch.empty(full_input).view(shape)
+
+
+def test_a_view_gets_the_ranks_head_count_before_a_minus_one_may_follow() -> None:
+    """With the token count static (a bucket exported at its own shape), OPT's
+    `view(1, -1, heads, head_dim)` on the rank's half-width input would silently halve the
+    tokens: its spelled-out head count becomes the rank's. Falcon's `view(1, T, -1, head_dim)`
+    (transformers 5.25), with no count to give the rank's, leaves the heads to the -1."""
+    size_map = {4: 2, 64: 32}  # 4 heads of 16 on two ranks
+    node, full = _rank_view([1, -1, 4, 16], (1, 8, 64), (1, 8, 32))
+    assert tuple(node.meta["val"].shape) == (1, 4, 4, 16)  # tokens halved: wrong
+    assert shard_tp._view_takes_rank_shapes(node, (torch.empty(1, 8, 32), [1, -1, 4, 16]), full, size_map)
+    assert list(node.args[1]) == [1, -1, 2, 16] and tuple(node.meta["val"].shape) == (1, 8, 2, 16)
+
+    node, full = _rank_view([1, 8, -1, 16], (1, 8, 96), (1, 8, 64))  # 4 query heads + k + v -> 2 + k + v
+    assert shard_tp._view_takes_rank_shapes(node, (torch.empty(1, 8, 64), [1, 8, -1, 16]), full, size_map)
+    assert list(node.args[1]) == [1, 8, -1, 16] and tuple(node.meta["val"].shape) == (1, 8, 4, 16)
+
+
 def _through_logits(captured, config, tp_size: int = 1, tp_rank: int = 0) -> PhaseCapture:
     """`capture_through(config, "logits", inclusive=True)` of an already captured model (a
     copy of it): the graph of one rank, or the unsharded one, from one capture."""
