@@ -6,21 +6,21 @@
     silu_and_mul_fp8_linear(gate, up, weight, weight_scale, bias, out_dtype) -> y
     quantize_fp8_linear(x, weight, weight_scale, bias, out_dtype) -> y
 
-Each is the `kiln::*_quant_fp8` op (kiln.kernels.fp8) followed by `kiln::fp8_linear`, and the
-references below call exactly that chain (each op on its device's kernel): on CPU, and on CUDA above the decode sizes, the
-numbers are the unfused graph's. Why fuse: at decode (one to a few rows) every projection is
-bound by reading its weight, and the small kernel before it (the RMSNorm and its
-quantization, SiLU-and-mul and its quantization, the attention output's quantization) costs
-a launch of 2-3.5 us of latency for a few KB of work: ~0.34 ms of a 2.9 ms FP8 decode step
-of Llama-3-8B at batch 1 on the H200 (bench/RESULTS.md R2).
+Each is the `kiln::*_quant_fp8` op (kiln.kernels.fp8) followed by `kiln::fp8_linear`, and
+the references below call exactly that chain (each op on its device's kernel): on CPU, and
+on CUDA above one row, the numbers are the unfused graph's. Why fuse: at decode (one to a
+few rows) every projection is bound by reading its weight, and the small kernel before it
+(the RMSNorm and its quantization, SiLU-and-mul and its quantization, the attention output's
+quantization) costs a launch of 2-3.5 us of latency for a few KB of work: ~0.34 ms of a 2.9
+ms FP8 decode step of Llama-3-8B at batch 1 on the H200 (bench/RESULTS.md R2).
 
-On CUDA at 1..FUSED_GEMV_MAX_ROWS rows (kiln.kernels.triton_fp8_fused_linear) the GEMV reads
-the producer's inputs itself, computes the projection's input on the fly and multiplies it,
-unquantized, with the e4m3 weight widened in registers (weight-only FP8 at decode, as Marlin's
-FP8 kernels do): there is no row-wide maximum to find first, so the input never needs a pass
-of its own. That is at least as precise as the chain it replaces (the e4m3 rounding of the
-activation is gone), not bit-equal to it; the RMSNorm's 1/rms factor, one number per row,
-is applied to the GEMV's sums at the end.
+On CUDA at one row (kiln.kernels.triton_fp8_fused_linear) the GEMV reads the producer's
+inputs itself, computes the projection's input on the fly and multiplies it, unquantized,
+with the e4m3 weight widened in registers (weight-only FP8 at decode, as Marlin's FP8
+kernels do): there is no row-wide maximum to find first, so the input never needs a pass of
+its own. That is at least as precise as the chain it replaces (the e4m3 rounding of the
+activation is gone), not bit-equal to it; the RMSNorm's 1/rms factor, one number per row, is
+applied to the GEMV's sums at the end.
 """
 
 from __future__ import annotations
