@@ -72,7 +72,7 @@ SNAPSHOT_ATTRIBUTES = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "multi_query", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
     "tie_word_embeddings", "sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
-    "intermediate_size", "torch_dtype", "architectures",
+    "intermediate_size", "dtype", "architectures",
 )
 CONFIG_SNAPSHOT_FORMAT = "kiln-config-snapshot/1"
 
