@@ -325,8 +325,10 @@ def _read_logits(site: AttentionSite) -> tuple[float, int, torch.Tensor | None]:
     if runs[0].shape[-2:] != (t, t):
         raise InlineAttentionError(f"attention logits of shape {tuple(runs[0].shape)} at {t} tokens ({site.where})")
     bias, at_one, at_large = (r.reshape(heads, t, t) for r in runs)
-    # The model's own masking value (its dtype's minimum, or -inf) is far below any real logit.
-    floor = torch.finfo(site.q.meta["val"].dtype).min / 2
+    # The model's own masking value (its dtype's minimum, or -inf) is far below any real logit,
+    # also where the mask is added before the scaling (CodeGen in transformers 5.17:
+    # `(q.k + mask) / sqrt(head_dim)`), which divides it by up to the head size.
+    floor = torch.finfo(site.q.meta["val"].dtype).min / (2 * site.q.meta["val"].shape[-1])
     allowed = bias > floor
     rows = torch.arange(t, device=bias.device)
     causal = rows[None, :] <= rows[:, None]

@@ -59,6 +59,12 @@ def windowed_logits(module, scores, positions):
     return scores * 0.3 + causal_mask(positions, window=5)
 
 
+def mask_then_scale_logits(module, scores, positions):
+    # CodeGen's form in transformers 5.17: the mask added before the division by the scale,
+    # which takes the masked logits up to min / sqrt(head_dim).
+    return (scores + causal_mask(positions)) / (1 / 0.3)
+
+
 def learned_bias_logits(module, scores, positions):
     return scores * 0.3 + module.learned + causal_mask(positions)
 
@@ -111,7 +117,8 @@ def markers(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default))
 
 
-@pytest.mark.parametrize("logits,window,alibi", [(alibi_logits, 0, True), (windowed_logits, 5, False)])
+@pytest.mark.parametrize("logits,window,alibi", [(alibi_logits, 0, True), (windowed_logits, 5, False),
+                                                 (mask_then_scale_logits, 0, False)])
 def test_inline_attention_becomes_the_marker(logits, window, alibi):
     gm, module, constants = export_toy(logits)
     before = run(gm, module, constants, 13)
