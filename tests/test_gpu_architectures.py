@@ -11,6 +11,8 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     bloom        ALiBi (6 heads), attention written inline (capture's inline_attention pass)
     falcon_rw    ALiBi folded into the model's own SDPA mask
     falcon       multi-query, parallel block, attention through the model's own SDPA call
+    codegen      QKV in mp_num blocks; inline attention with the mask added before the scaling
+                 on transformers 5.17 (the GPU image's version), the interface's on 5.24+
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kiln.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon"]
+ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
+         "codegen"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
