@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import operator
 import os
 import sys
 from typing import Any
@@ -80,3 +81,15 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def move_output(graph: torch.fx.Graph, old: torch.fx.Node, source: torch.fx.Node, index: int,
+                after: torch.fx.Node) -> torch.fx.Node:
+    """Replace `old`, a getitem of an op being fused away, with getitem(source, index) placed
+    after `after` (the fused op's output the rest of the graph reads, e.g. a residual sum)."""
+    with graph.inserting_after(after):
+        new = graph.call_function(operator.getitem, (source, index))
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return new

@@ -30,7 +30,7 @@ import torch
 from kiln.kernels import fp8 as fp8_ops
 from kiln.kernels import fp8_fused_linear as fused_ops
 from kiln.passes.base import KilnPass, PassContext, PassStats
-from kiln.passes.fuse_common import CudaByDefault
+from kiln.passes.fuse_common import CudaByDefault, move_output
 
 # The op making a projection's quantized input -> the fused op taking that op's arguments
 # followed by fp8_linear's weight, weight scale, bias and output dtype.
@@ -91,11 +91,7 @@ class FuseFP8LinearInputsPass(CudaByDefault, KilnPass):
             graph.erase_node(xq)
             graph.erase_node(xs)
             for getitem in summed_out:  # getitem(producer, 2) -> getitem(new, 1)
-                with graph.inserting_after(y):
-                    summed = graph.call_function(operator.getitem, (new, 1))
-                summed.meta.update(getitem.meta)
-                getitem.replace_all_uses_with(summed)
-                graph.erase_node(getitem)
+                move_output(graph, getitem, new, 1, after=y)
             graph.erase_node(producer)
             stats[fused.name] += 1
         return stats

@@ -52,6 +52,7 @@ from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
+from kiln.passes.fuse_common import move_output
 from kiln.passes.prune_logits import find_lm_head
 from kiln.passes.weight_transforms import ConcatWeights, QuantizeFP8Weight, fp8_scale_name
 
@@ -226,11 +227,7 @@ def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[
         q.replace_all_uses_with(fused)  # getitem(q, 0 / 1) -> getitem(fused, 0 / 1)
         graph.erase_node(q)
         if residual_out is not None:
-            with graph.inserting_after(fused):
-                summed = graph.call_function(operator.getitem, (fused, 2))
-            summed.meta.update(residual_out.meta)
-            residual_out.replace_all_uses_with(summed)
-            graph.erase_node(residual_out)
+            move_output(graph, residual_out, fused, 2, after=fused)
         graph.erase_node(x)
         if producer is not x:
             graph.erase_node(producer)
