@@ -9,7 +9,7 @@
 #                                         arch_tests serve serve_fp8 serve_plot
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
-#                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide
+#                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -102,6 +102,9 @@ for stage in $STAGES; do
     tune_gemv_split_k)  # FP8 GEMVs with K split inside one launch (GemvConfig.split_k), the narrow projections
       run_stage tune_gemv_split_k 400 $PY bench/tune_gemv.py --fp8 --rows 8,1 --shapes o,down,qkv --sweep split_k \
         --out "$OUT/tune_gemv_split_k.json" ;;
+    tune_gemv_narrow)  # FP8 GEMVs at 8 and 16 rows, the 64-row tile on 16 columns or with deep pipelines
+      run_stage tune_gemv_narrow 400 $PY bench/tune_gemv.py --fp8 --rows 8,16 --shapes o,down,qkv --sweep narrow \
+        --out "$OUT/tune_gemv_narrow.json" ;;
     tune_gemv_wide)  # FP8 GEMVs at eight rows with the 64-row tile (warpgroup MMA) only
       run_stage tune_gemv_wide 400 $PY bench/tune_gemv.py --fp8 --rows 8 --shapes o,down,gate_up,qkv --sweep wide \
         --out "$OUT/tune_gemv_wide.json" ;;

@@ -12,7 +12,8 @@ against ~4 for the wide projections: this says whether a tiling closes that gap.
 
 At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvConfig.dot`);
 at every row count that kernel with a 64-row tile too (`GemvConfig.block_m`: warpgroup MMA).
-`--sweep wide` times only the 64-row tile, `--sweep split_k` only FP8 tilings that split K
+`--sweep wide` times only the 64-row tile, `--sweep narrow` only its 16-column and
+deep-pipeline tilings, `--sweep split_k` only FP8 tilings that split K
 (`GemvConfig.split_k`), `--sweep none` only the table's tiling and the baseline.
 With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
 scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
@@ -69,6 +70,14 @@ def sweep(m: int, fp8: bool = False, kind: str = "all") -> list[Any]:
             for t in itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3, 4))]
     if kind == "wide":
         return wide
+    if kind == "narrow":
+        # The 64-row tile on narrower columns and longer K tiles: o and down at 2-16 rows have
+        # 4,096 columns, 128 programs of the table's 32 for 132 SMs, each streaming its K alone
+        # at ~2.1-2.8 TB/s (S1); 16 columns give two programs an SM, deeper pipelines more
+        # bytes in flight each.
+        narrow = itertools.product((16,), (256, 512, 1024), (4,), (3, 4, 5, 6))
+        deep = itertools.product((32,), (512, 1024), (4,), (5, 6))
+        return [GemvConfig(*t, dot=m == 1, block_m=64) for t in itertools.chain(narrow, deep)]
     if m == 1:
         # Narrow tiles and long K tiles too: QKV and O (few programs) sat at 2.0-2.9 TB/s
         # with the last sweep's best. Then the tl.dot kernel at one row (`GemvConfig.dot`):
@@ -85,9 +94,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--fp8", action="store_true", help="kiln::fp8_linear's FP8 GEMVs against torch._scaled_mm")
-    parser.add_argument("--sweep", default="all", choices=["all", "wide", "split_k", "none"],
+    parser.add_argument("--sweep", default="all", choices=["all", "wide", "narrow", "split_k", "none"],
                         help="the tilings to time beside the table's and the baseline: every one, only the "
-                             "64-row tile (warpgroup MMA), only split K (--fp8), or none")
+                             "64-row tile (warpgroup MMA), only its 16-column and deep-pipeline tilings, "
+                             "only split K (--fp8), or none")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
