@@ -27,6 +27,7 @@ runs inside a captured CUDA graph (shapes are static per bucket) and never synch
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, decode_ro
 from kiln.kernels.triton_rope import rope_triton
 
 MAX_SPLITS = 16
+# A split's shortest share of the KV capacity, in KV tiles (choose_num_splits). Each tile a
+# program walks is a dependent load chain (block table, K, V), which is what a small-batch
+# decode's attention waits on; `KILN_ATTENTION_MIN_SPLIT_TILES` sets it for A/B runs.
+MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -373,8 +378,8 @@ def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t
     if programs >= num_sms:
         return 1
     splits = min(MAX_SPLITS, triton.cdiv(2 * num_sms, programs))
-    # No split shorter than two KV tiles at full capacity: tiny contexts gain nothing.
-    return max(1, min(splits, triton.cdiv(kv_capacity, 2 * block_n)))
+    # No split shorter than MIN_SPLIT_TILES KV tiles at full capacity: tiny contexts gain nothing.
+    return max(1, min(splits, triton.cdiv(kv_capacity, MIN_SPLIT_TILES * block_n)))
 
 
 def paged_attention_triton(
