@@ -28,7 +28,7 @@ runs inside a captured CUDA graph (shapes are static per bucket) and never synch
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -48,6 +48,12 @@ MAX_SPLITS = 16
 # program walks is a dependent load chain (block table, K, V), which is what a small-batch
 # decode's attention waits on; `KILN_ATTENTION_MIN_SPLIT_TILES` sets it for A/B runs.
 MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
+# Keys per iteration of the e4m3-MMA decode kernel for a small-batch decode over an FP8
+# cache, whose grid does not fill the GPU (0: the general kernel's split 64-key tiles, as
+# before). That kernel finds its sequence from its program id and loads K and V together: a
+# shorter chain of dependent loads than the general kernel's tile search. For A/B runs
+# (`KILN_ATTENTION_SMALL_DECODE_ROWS`).
+SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "0"))
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -344,6 +350,8 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     """
     if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
         return KEYS_AS_ROWS_DECODE
+    if num_tokens <= num_seqs and e4m3_mma and SMALL_DECODE_ROWS_BLOCK_N and d_pad <= 128:
+        return replace(KEYS_AS_ROWS_DECODE, block_n=SMALL_DECODE_ROWS_BLOCK_N)
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
                                v_trans=True, mask_all_blocks=True)
