@@ -49,11 +49,13 @@ MAX_SPLITS = 16
 # decode's attention waits on; `KILN_ATTENTION_MIN_SPLIT_TILES` sets it for A/B runs.
 MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # Keys per iteration of the e4m3-MMA decode kernel for a small-batch decode over an FP8
-# cache, whose grid does not fill the GPU (0: the general kernel's split 64-key tiles, as
-# before). That kernel finds its sequence from its program id and loads K and V together: a
-# shorter chain of dependent loads than the general kernel's tile search. For A/B runs
-# (`KILN_ATTENTION_SMALL_DECODE_ROWS`).
-SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "0"))
+# cache, whose grid does not fill the GPU and is split over the KV length (0: the general
+# kernel's 64-key tiles instead, as until 2026-12-03). That kernel finds its sequence from its
+# program id and loads K and V together, a shorter chain of dependent loads than the general
+# kernel's tile search: FP8 + FP8 KV decode 367.7 -> 375.4 tokens/s at batch 1 and 2,459.8 ->
+# 2,536.0 at batch 8 on one H200 (bench/RESULTS.md, W1; 64 keys: 373.6 / 2,549.7).
+# `KILN_ATTENTION_SMALL_DECODE_ROWS` sets it for A/B runs.
+SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "128"))
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -341,9 +343,10 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     Where the e4m3-MMA decode kernel can run (`e4m3_mma`: an FP8 cache on a GPU with e4m3
     tensor cores, and a call it supports, see `decode_fp8_supported`), a GPU-filling decode
     takes it instead, 128 keys per iteration on 4 warps, one stage: 0.561 ms against J4's
-    0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1); and in a
-    mixed step it takes the one-token sequences (`singles_as_rows`), which the general
-    kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
+    0.814 at 1,024 sequences, 0.114 against 0.139 at 64 (bench/RESULTS.md, L1); so does a
+    small-batch decode, split over the KV length (`SMALL_DECODE_ROWS_BLOCK_N` keys per
+    iteration; W1); and in a mixed step it takes the one-token sequences (`singles_as_rows`),
+    which the general kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
 
     Prefill tiles mask only the key blocks their rows see in part; decode tiles mask every
     block (`AttentionTiling.mask_all_blocks`).

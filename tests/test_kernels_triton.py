@@ -26,9 +26,9 @@ from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_common import converts_e4m3_in_hardware  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import (AttentionTiling, attend_paged_triton, choose_num_splits,  # noqa: E402
-                                                 choose_tiling, paged_attention_triton,
-                                                 rope_paged_attention_triton)
+from kiln.kernels.triton_paged_attention import (SMALL_DECODE_ROWS_BLOCK_N, AttentionTiling,  # noqa: E402
+                                                 attend_paged_triton, choose_num_splits, choose_tiling,
+                                                 paged_attention_triton, rope_paged_attention_triton)
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -491,6 +491,10 @@ def test_attention_tiling_choice():
     # with a sequence's KV heads side by side in its grid (N4).
     rows = choose_tiling(1024, 1024, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert rows == AttentionTiling(16, 128, 4, 1, widen_asm=True, keys_as_rows=True, heads_fastest=True)
+    # ... and small-batch decodes too, split over the KV length (W1: shorter load chains).
+    small = choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True, widen_asm=True, e4m3_mma=True)
+    assert small.keys_as_rows == bool(SMALL_DECODE_ROWS_BLOCK_N)  # KILN_ATTENTION_SMALL_DECODE_ROWS=0: off
+    assert not small.keys_as_rows or small.block_n == SMALL_DECODE_ROWS_BLOCK_N
     mixed = choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert not mixed.keys_as_rows and mixed.singles_as_rows  # a mixed step's decodes go to it
     assert not choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True).singles_as_rows
