@@ -46,7 +46,8 @@ from kiln.kernels.triton_rope import rope_triton
 MAX_SPLITS = 16
 # A split's shortest share of the KV capacity, in KV tiles (choose_num_splits). Each tile a
 # program walks is a dependent load chain (block table, K, V), which is what a small-batch
-# decode's attention waits on; `KILN_ATTENTION_MIN_SPLIT_TILES` sets it for A/B runs.
+# decode's attention waits on; `KILN_ATTENTION_MIN_SPLIT_TILES` sets it for A/B runs (one
+# tile: FP8 decode +0.9% at batch 1, -0.7% at 8 on the H200, bench/RESULTS.md W1).
 MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # Keys per iteration of the e4m3-MMA decode kernel for a small-batch decode over an FP8
 # cache, whose grid does not fill the GPU and is split over the KV length (0: the general
