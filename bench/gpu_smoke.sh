@@ -10,6 +10,7 @@
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
+#                                         fused_combine_ab
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -133,6 +134,18 @@ for stage in $STAGES; do
         KILN_PDL=$pdl run_stage pdl_ab_${i}_pdl$pdl 280 $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
           --no-baseline --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/pdl_ab_${i}_pdl$pdl.json"
       done ;;
+    fused_combine_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with the split decode merging its own splits
+                       # off and on (KILN_ATTENTION_FUSED_COMBINE), in the order of FUSED_COMBINE_AB_ORDER
+                       # (default "0 1 0 1"), after its kernel test on CUDA
+      run_stage fused_combine_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+        -k "merges_its_own_splits or keys_as_rows or needs_no_fill"
+      i=0
+      for fused in ${FUSED_COMBINE_AB_ORDER:-0 1 0 1}; do
+        i=$((i + 1))
+        KILN_ATTENTION_FUSED_COMBINE=$fused run_stage fused_combine_ab_${i}_fused$fused 280 $PY bench/latency.py \
+          --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
+          --out "$OUT/fused_combine_ab_${i}_fused$fused.json"
+      done ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -193,7 +206,7 @@ for stage in $STAGES; do
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab)"; status=2 ;;
+           "pdl_ab fused_combine_ab)"; status=2 ;;
   esac
 done
 exit $status

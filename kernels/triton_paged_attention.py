@@ -19,7 +19,8 @@ kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the valu
    MPT) adds slope[head] * (k_pos - q_pos) after that, behind the ALIBI flag likewise.
 3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
    length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
-   and log-sum-exp, and `_combine_splits_kernel` merges them.
+   and log-sum-exp, and `_combine_splits_kernel` merges them (or, with FUSED_COMBINE, the
+   e4m3-MMA decode kernel's last split of each token and KV head does).
 
 Every launch decision is taken from tensor shapes, never from tensor values, so the op
 runs inside a captured CUDA graph (shapes are static per bucket) and never synchronises.
@@ -37,9 +38,9 @@ import triton.language as tl
 from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
-from kiln.kernels.triton_common import (converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range, max_shared_memory,
-                                        multiprocessor_count, num_warps_for, pdl_launch_args, pow2_at_least,
-                                        wait_for_previous_kernel, zero_padded_rows)
+from kiln.kernels.triton_common import (SPLIT_K_COUNTERS, converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range,
+                                        max_shared_memory, multiprocessor_count, num_warps_for, pdl_launch_args,
+                                        pow2_at_least, split_k_counters, wait_for_previous_kernel, zero_padded_rows)
 from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, decode_rows_supported, launch_paged_decode_fp8
 from kiln.kernels.triton_rope import rope_triton
 
@@ -57,6 +58,12 @@ MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # 2,536.0 at batch 8 on one H200 (bench/RESULTS.md, W1; 64 keys: 373.6 / 2,549.7).
 # `KILN_ATTENTION_SMALL_DECODE_ROWS` sets it for A/B runs.
 SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "128"))
+# Whether a decode on the e4m3-MMA decode kernel, split over the KV length, merges its splits
+# in that kernel (the last split of each token and KV head to finish, counted on the split-K
+# arrival counters) instead of in `_combine_splits_kernel`: one launch fewer per layer, which
+# at batch 1-16 is ~1/30 of the attention's time. Off until measured on a GPU;
+# `KILN_ATTENTION_FUSED_COMBINE=1` turns it on for A/B runs.
+FUSED_COMBINE = os.environ.get("KILN_ATTENTION_FUSED_COMBINE", "0") != "0"
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -437,11 +444,14 @@ def attend_paged_triton(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    fuse_combine: bool | None = None,
 ) -> torch.Tensor:
     """Attention of q over the cache, whose slots for this step's tokens are already written
     (an FP8 cache's values times `kv_scale`, [2] float32 k_scale, v_scale; None: 1).
 
-    `num_splits` and `tiling` override the shape-based choices (tests, bench/tune_attention.py)."""
+    `num_splits`, `tiling` and `fuse_combine` (None: FUSED_COMBINE) override the shape-based
+    and default choices (tests, bench/tune_attention.py)."""
+    fuse_combine = FUSED_COMBINE if fuse_combine is None else fuse_combine
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     if hq % hkv:
@@ -485,10 +495,15 @@ def attend_paged_triton(
     else:
         part_out = part_lse = out  # unused by the kernel
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
+    # None: `_combine_splits_kernel` merges the splits (and zeroes the padded tokens' rows).
+    combine_counters = None
     if keys_as_rows:
+        if fuse_combine and num_splits > 1 and t * hkv <= SPLIT_K_COUNTERS:
+            combine_counters = split_k_counters(q.device)  # None while capturing, before it exists
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
-                                tiling.widen_asm, heads_fastest=tiling.heads_fastest)
+                                tiling.widen_asm, heads_fastest=tiling.heads_fastest,
+                                combine_counters=combine_counters)
     else:
         if singles_as_rows:
             rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
@@ -512,7 +527,7 @@ def attend_paged_triton(
             num_warps=num_warps,
             num_stages=tiling.num_stages, **pdl_launch_args(q.device),
         )
-    if num_splits > 1:
+    if num_splits > 1 and combine_counters is None:
         _combine_splits_kernel[(t, hq)](
             part_out, part_lse, out, query_start_loc, num_seqs,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),

@@ -31,8 +31,10 @@ explicit tiling until then (`AttentionTiling.keys_as_rows`).
 
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
-each with its own causal limit. In a mixed step (`SINGLE_TOKENS_ONLY`) the kernel takes only
-the one-token sequences and the general kernel the rest. Splits, sliding windows and the
+each with its own causal limit. With splits and arrival counters, the last split of each
+(token, KV head) to finish merges the partials (`_combine_if_last`). In a mixed step
+(`SINGLE_TOKENS_ONLY`) the kernel takes only the one-token sequences and the general kernel
+the rest. Splits, sliding windows and the
 FP8 scales as in the general kernel; soft-capping and ALiBi are not here (the launcher keeps
 those models on the general kernel).
 """
@@ -78,14 +80,51 @@ def _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh
 
 
 @triton.jit
+def _combine_if_last(out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_row, kv_head, num_kv_heads, heads, col_ok,
+                     stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                     NUM_SPLITS: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """After this program's partials are stored: count its arrival at (token, KV head); the
+    last split to arrive merges every split's partials into `out` (as `_combine_splits_kernel`
+    does, in split order) and resets the counter for the next launch."""
+    # Every thread's partials are stored before one thread's release of the count; the last
+    # program's acquire, and the barrier behind it, make all splits' visible to it.
+    tl.debug_barrier()
+    tile = q_row * num_kv_heads + kv_head
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_SPLITS - 1:
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([COLS], float("-inf"), tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
+            m = tl.maximum(m, tl.load(part_lse_ptr + split * stride_ls + q_row * stride_lt + heads, mask=col_ok,
+                                      other=float("-inf"), cache_modifier=".cg"))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([COLS], tl.float32)
+        acc_t = tl.zeros([HEAD_DIM, COLS], tl.float32)
+        for split in tl.static_range(NUM_SPLITS):
+            lse = tl.load(part_lse_ptr + split * stride_ls + q_row * stride_lt + heads, mask=col_ok,
+                          other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(lse - m_safe)  # 0 for a split that saw no key
+            part_t = tl.load(part_out_ptr + split * stride_ps + q_row * stride_pt + heads[None, :] * stride_ph
+                             + offs_d[:, None], mask=(col_ok & (lse > float("-inf")))[None, :], other=0.0,
+                             cache_modifier=".cg")
+            acc_t += part_t * w[None, :]
+            total += w
+        out_t = acc_t / tl.where(total > 0.0, total, 1.0)[None, :]
+        tl.store(out_ptr + q_row * stride_ot + heads[None, :] * stride_oh + offs_d[:, None],
+                 out_t.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
+        tl.store(count_ptr + tile, 0)
+
+
+@triton.jit
 def _attend_one_token(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
-    scale, sliding_window, q_row, ctx_len, kv_head, split,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
+    scale, sliding_window, q_row, ctx_len, kv_head, num_kv_heads, split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    E4M3: tl.constexpr,
+    E4M3: tl.constexpr, COMBINE: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -146,6 +185,10 @@ def _attend_one_token(
         tl.store(part_lse_ptr + split * stride_ls + q_row * stride_lt + heads, lse, mask=col_ok)
         tl.store(part_out_ptr + split * stride_ps + q_row * stride_pt + heads[None, :] * stride_ph
                  + offs_d[:, None], out_t, mask=col_ok[None, :])
+        if COMBINE:
+            _combine_if_last(out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_row, kv_head, num_kv_heads, heads,
+                             col_ok, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                             NUM_SPLITS, COLS, HEAD_DIM)
     else:
         tl.store(out_ptr + q_row * stride_ot + heads[None, :] * stride_oh + offs_d[:, None],
                  out_t.to(out_ptr.dtype.element_ty), mask=col_ok[None, :])
@@ -154,7 +197,7 @@ def _attend_one_token(
 # As the general kernel: values that change from step to step are not specialised on.
 @triton.jit(do_not_specialize=["stride_bt", "num_tokens"])
 def _paged_decode_fp8_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
     scale, sliding_window, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -163,22 +206,25 @@ def _paged_decode_fp8_kernel(
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
-    PDL: tl.constexpr = False,
+    COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
     else:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    if NUM_SPLITS == 1:
-        # The padded tokens' rows, spread over the sequence slots (with splits the combine
-        # zeroes them).
-        num_seq_slots = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(0)
-        zero_padded_rows(out_ptr, query_start_loc_ptr, num_seq_slots, num_tokens, seq, num_seq_slots, kv_head,
-                         stride_ot, stride_oh, GROUP, COLS, HEAD_DIM, HEAD_DIM)
+    if NUM_SPLITS == 1 or COMBINE:
+        if split == 0:
+            # The padded tokens' rows, spread over the sequence slots (with splits combined by
+            # `_combine_splits_kernel`, that kernel zeroes them).
+            num_seq_slots = tl.num_programs(1) if HEADS_FASTEST else tl.num_programs(0)
+            zero_padded_rows(out_ptr, query_start_loc_ptr, num_seq_slots, num_tokens, seq, num_seq_slots, kv_head,
+                             stride_ot, stride_oh, GROUP, COLS, HEAD_DIM, HEAD_DIM)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -187,11 +233,11 @@ def _paged_decode_fp8_kernel(
         return  # a mixed step's prefill: the general kernel's (see attend_paged_triton)
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, table, kv_scale_ptr,
-            scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, split,
-            stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
+            scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, num_kv_heads,
+            split, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3)
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE)
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -214,10 +260,14 @@ def launch_paged_decode_fp8(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
     widen_asm: bool, single_tokens_only: bool = False, heads_fastest: bool = False,
+    combine_counters: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
     With `single_tokens_only`, only the rows of sequences that bring one token this step. With
     num_splits == 1 the rows of padded tokens (after the last sequence's) are zeroed too.
+    With `combine_counters` (zero int32 arrival counters, one per token and KV head: see
+    `split_k_counters`) and splits, the last split of each (token, KV head) to finish merges
+    the partials into `out` itself, and the padded tokens' rows are zeroed: one launch fewer.
 
     The grid's first axis is launched first: by default the sequences, so the programs running
     at once read one KV head of many sequences, 128 bytes of each token's 1 KB row of K (Llama-3's
@@ -231,8 +281,12 @@ def launch_paged_decode_fp8(
     # A grid's second axis holds at most 65,535 programs: more sequences than that stay first.
     heads_fastest = heads_fastest and num_seqs <= 65535
     grid = (hkv, num_seqs, num_splits) if heads_fastest else (num_seqs, hkv, num_splits)
+    combine = combine_counters is not None and num_splits > 1 and not single_tokens_only
+    if combine and combine_counters.numel() < t * hkv:
+        raise ValueError(f"launch_paged_decode_fp8: {combine_counters.numel()} combine counters for {t} tokens x "
+                         f"{hkv} KV heads")
     _paged_decode_fp8_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse,
+        q, k_cache, v_cache, out, part_out, part_lse, combine_counters if combine else part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
         float(scale), int(sliding_window), t,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -241,6 +295,6 @@ def launch_paged_decode_fp8(
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
-        E4M3=kv_cache.dtype == torch.float8_e4m3fn,
+        E4M3=kv_cache.dtype == torch.float8_e4m3fn, COMBINE=combine,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device),
     )

@@ -705,6 +705,43 @@ def test_attention_output_needs_no_fill(monkeypatch, cache, tiling, decode, spli
     assert torch.equal(poisoned, zeroed) and not poisoned[real:].any()
 
 
+@pytest.mark.parametrize("cache,heads_fastest,window", [("fp8", True, 0), ("fp8", False, 20), ("bf16", True, 0)])
+def test_keys_as_rows_decode_merges_its_own_splits(monkeypatch, cache, heads_fastest, window):
+    # With fuse_combine the keys-as-rows decode kernel's last split of each (token, KV head)
+    # merges the partials itself and `_combine_splits_kernel` is not launched: the same output
+    # (to rounding: the splits are summed in order, not as a tree), the padded tokens' rows
+    # zeroed though every allocation holds NaN, and the arrival counters back at zero.
+    import kiln.kernels.triton_paged_attention as attention
+    from kiln.kernels.triton_common import SPLIT_K_COUNTERS
+
+    # (No more tokens than sequence slots: the launcher's condition for that kernel.)
+    batch = make_paged_batch(new_tokens=[1, 1, 0, 1, 1, 0, 0], cached=[40, 3, 0, 17, 64, 0, 0], hq=8, hkv=2, d=32,
+                             block_size=16, num_blocks=32, pad_tokens=3, seed=13, dtype=HALF)
+    batch = _fp8_cache(batch) if cache == "fp8" else batch
+    kv_scale = torch.tensor([0.5, 2.0], dtype=torch.float32, device=DEVICE) if cache == "fp8" else None
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and cache == "fp8"
+    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=True, heads_fastest=heads_fastest)
+    args = _attention_args(batch, window)
+    separate = attend_paged_triton(*args, num_splits=3, tiling=tiling, kv_scale=kv_scale, fuse_combine=False)
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("_combine_splits_kernel was launched")
+
+    counters = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(attention, "_combine_splits_kernel", NotLaunched())
+    monkeypatch.setattr(attention, "split_k_counters", lambda device: counters)
+    empty_like, empty = torch.empty_like, torch.empty
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    fused = attend_paged_triton(*args, num_splits=3, tiling=tiling, kv_scale=kv_scale, fuse_combine=True)
+    real = int(batch["query_start_loc"][-1])
+    assert batch["q"].shape[0] - real == 3 and not fused[real:].any()
+    assert fused[:real].abs().amax(dim=(1, 2)).min() > 0 and not separate[real:].any()
+    torch.testing.assert_close(fused.float(), separate.float(), atol=1e-3, rtol=2e-3)
+    assert not counters.any()
+
+
 @pytest.mark.parametrize("heads_fastest", [False, True])
 @pytest.mark.parametrize("single_tokens_only", [False, True])
 def test_paged_decode_fp8_zeroes_the_rows_of_padded_tokens(heads_fastest, single_tokens_only):
