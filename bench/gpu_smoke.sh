@@ -10,7 +10,7 @@
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
-#                                         fused_combine_ab
+#                                         fused_combine_ab small_rows_16bit_ab
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -146,6 +146,14 @@ for stage in $STAGES; do
           --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
           --out "$OUT/fused_combine_ab_${i}_fused$fused.json"
       done ;;
+    small_rows_16bit_ab)  # bf16 decode at batch 1 and 8 with small-batch decodes on the keys-as-rows kernel
+                          # off and on (KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0 / 128), order "0 128 0 128"
+      i=0
+      for keys in ${SMALL_ROWS_16BIT_AB_ORDER:-0 128 0 128}; do
+        i=$((i + 1))
+        KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=$keys run_stage small_rows_16bit_ab_${i}_keys$keys 280 $PY \
+          bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline --out "$OUT/small_rows_16bit_ab_${i}_keys$keys.json"
+      done ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -206,7 +214,7 @@ for stage in $STAGES; do
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab fused_combine_ab)"; status=2 ;;
+           "pdl_ab fused_combine_ab small_rows_16bit_ab)"; status=2 ;;
   esac
 done
 exit $status

@@ -58,6 +58,11 @@ MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # 2,536.0 at batch 8 on one H200 (bench/RESULTS.md, W1; 64 keys: 373.6 / 2,549.7).
 # `KILN_ATTENTION_SMALL_DECODE_ROWS` sets it for A/B runs.
 SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "128"))
+# The same for a small-batch decode over a 16-bit (bf16/f16) cache, on the keys-as-rows
+# kernel with the cache dtype's MMAs (0: the general kernel's 64-key tiles, the default).
+# The same shorter chain of dependent loads as above, not yet timed on a GPU:
+# `KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=128` (keys per iteration) for A/B runs.
+SMALL_DECODE_ROWS_16BIT_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT", "0"))
 # Whether a decode on the e4m3-MMA decode kernel, split over the KV length, merges its splits
 # in that kernel (the last split of each token and KV head to finish, counted on the split-K
 # arrival counters) instead of in `_combine_splits_kernel`: one launch fewer per layer, which
@@ -330,7 +335,8 @@ KEYS_AS_ROWS_DECODE = AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4
 
 
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
-                  fp8_cache: bool = False, widen_asm: bool = False, e4m3_mma: bool = False) -> AttentionTiling:
+                  fp8_cache: bool = False, widen_asm: bool = False, e4m3_mma: bool = False,
+                  rows_16bit: bool = False) -> AttentionTiling:
     """Decode-shaped steps (one token per sequence) get short tiles, prefills tall ones.
 
     Measured on an H200 (bench/tune_attention.py, Llama-3-8B heads, the throughput
@@ -355,6 +361,8 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     small-batch decode, split over the KV length (`SMALL_DECODE_ROWS_BLOCK_N` keys per
     iteration; W1); and in a mixed step it takes the one-token sequences (`singles_as_rows`),
     which the general kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
+    Over a 16-bit cache the keys-as-rows kernel (`rows_16bit`: a call it supports) takes a
+    small-batch decode only with `SMALL_DECODE_ROWS_16BIT_BLOCK_N` set (untimed).
 
     Prefill tiles mask only the key blocks their rows see in part; decode tiles mask every
     block (`AttentionTiling.mask_all_blocks`).
@@ -363,6 +371,8 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
         return KEYS_AS_ROWS_DECODE
     if num_tokens <= num_seqs and e4m3_mma and SMALL_DECODE_ROWS_BLOCK_N and d_pad <= 128:
         return replace(KEYS_AS_ROWS_DECODE, block_n=SMALL_DECODE_ROWS_BLOCK_N)
+    if num_tokens <= num_seqs and rows_16bit and SMALL_DECODE_ROWS_16BIT_BLOCK_N and not fills_gpu and d_pad <= 128:
+        return replace(KEYS_AS_ROWS_DECODE, block_n=SMALL_DECODE_ROWS_16BIT_BLOCK_N, widen_asm=False)
     if num_tokens <= num_seqs and fp8_cache and fills_gpu and d_pad <= 128:
         return AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4, num_stages=1, widen_asm=widen_asm,
                                v_trans=True, mask_all_blocks=True)
@@ -384,7 +394,8 @@ def default_tiling(q: torch.Tensor, kv_cache: torch.Tensor, num_seqs: int, softc
     return choose_tiling(t, num_seqs, pow2_at_least(d, 16), max_shared_memory(q.device),
                          num_seqs * kv_cache.shape[3] >= multiprocessor_count(q.device),
                          fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
-                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi))
+                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi),
+                         rows_16bit=kv_cache.element_size() == 2 and decode_rows_supported(kv_cache, d, softcap, alibi))
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,

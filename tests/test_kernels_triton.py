@@ -26,7 +26,8 @@ from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_common import converts_e4m3_in_hardware  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import (SMALL_DECODE_ROWS_BLOCK_N, AttentionTiling,  # noqa: E402
+from kiln.kernels.triton_paged_attention import (SMALL_DECODE_ROWS_16BIT_BLOCK_N,  # noqa: E402
+                                                 SMALL_DECODE_ROWS_BLOCK_N, AttentionTiling,
                                                  attend_paged_triton, choose_num_splits, choose_tiling,
                                                  paged_attention_triton, rope_paged_attention_triton)
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
@@ -495,6 +496,12 @@ def test_attention_tiling_choice():
     small = choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert small.keys_as_rows == bool(SMALL_DECODE_ROWS_BLOCK_N)  # KILN_ATTENTION_SMALL_DECODE_ROWS=0: off
     assert not small.keys_as_rows or small.block_n == SMALL_DECODE_ROWS_BLOCK_N
+    # Over a 16-bit cache, only with KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT (untimed), and only
+    # small-batch decodes.
+    small16 = choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, rows_16bit=True)
+    assert small16.keys_as_rows == bool(SMALL_DECODE_ROWS_16BIT_BLOCK_N)
+    assert not small16.keys_as_rows or (small16.block_n, small16.widen_asm) == (SMALL_DECODE_ROWS_16BIT_BLOCK_N, False)
+    assert not choose_tiling(256, 256, 128, h200_smem, fills_gpu=True, rows_16bit=True).keys_as_rows
     mixed = choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert not mixed.keys_as_rows and mixed.singles_as_rows  # a mixed step's decodes go to it
     assert not choose_tiling(8000, 256, 128, h200_smem, fills_gpu=True, fp8_cache=True).singles_as_rows
