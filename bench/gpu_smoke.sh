@@ -10,7 +10,7 @@
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
-#                                         fused_combine_ab small_rows_16bit_ab
+#                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -103,6 +103,11 @@ for stage in $STAGES; do
     tune_gemv_split_k)  # FP8 GEMVs with K split inside one launch (GemvConfig.split_k), the narrow projections
       run_stage tune_gemv_split_k 400 $PY bench/tune_gemv.py --fp8 --rows 8,1 --shapes o,down,qkv --sweep split_k \
         --out "$OUT/tune_gemv_split_k.json" ;;
+    tune_gemv_swap)  # FP8 GEMVs at 1 and 8 rows with the weight as the MMA's rows (GemvConfig.swap_ab), after its test
+      run_stage tune_gemv_swap_test 120 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton_linear.py \
+        -k "weight_as_the_mma_rows"
+      run_stage tune_gemv_swap 540 $PY bench/tune_gemv.py --fp8 --rows 1,8 --shapes o,down,qkv --sweep swap \
+        --out "$OUT/tune_gemv_swap.json" ;;
     tune_gemv_narrow)  # FP8 GEMVs at 8 and 16 rows, the 64-row tile on 16 columns or with deep pipelines
       run_stage tune_gemv_narrow 400 $PY bench/tune_gemv.py --fp8 --rows 8,16 --shapes o,down,qkv --sweep narrow \
         --out "$OUT/tune_gemv_narrow.json" ;;
@@ -214,7 +219,7 @@ for stage in $STAGES; do
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab fused_combine_ab small_rows_16bit_ab)"; status=2 ;;
+           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap)"; status=2 ;;
   esac
 done
 exit $status

@@ -14,7 +14,8 @@ At one row the sweep also takes the 2-16-row (tl.dot) kernel's tilings (`GemvCon
 at every row count that kernel with a 64-row tile too (`GemvConfig.block_m`: warpgroup MMA).
 `--sweep wide` times only the 64-row tile, `--sweep narrow` only its 16-column and
 deep-pipeline tilings, `--sweep split_k` only FP8 tilings that split K
-(`GemvConfig.split_k`), `--sweep none` only the table's tiling and the baseline.
+(`GemvConfig.split_k`), `--sweep swap` only FP8 tilings with the weight as the MMA's rows
+(`GemvConfig.swap_ab`), `--sweep none` only the table's tiling and the baseline.
 With `--fp8` the same for `kiln::fp8_linear`'s FP8 GEMVs (e4m3 weights with per-channel
 scales, per-token quantized rows; `kernels/triton_fp8.py`), against `torch._scaled_mm`: the
 row kernel's K tiles are twice the bf16 sweep's (one-byte weights, the same bytes a tile).
@@ -60,6 +61,12 @@ def sweep(m: int, fp8: bool = False, kind: str = "all") -> list[Any]:
         return []
     if kind == "split_k":
         return split_k_sweep(m) if fp8 else []
+    if kind == "swap":
+        # The FP8 weight tile as the MMA's rows (`GemvConfig.swap_ab`): 64 or 128 output
+        # columns a program (o and down, 4,096 columns: 64 or 32 programs unsplit, so K split
+        # in two too), rows as the 16 columns.
+        grid = itertools.product((64, 128), (256, 512), (4,), (3, 4, 5), (1, 2))
+        return [GemvConfig(n, k, w, st, swap_ab=True, split_k=sp) for n, k, w, st, sp in grid] if fp8 else []
 
     # Deeper pipelines too (5-6 stages): at eight rows o and down, one program an SM, streamed
     # at 1.9-2.5 TB/s with the table's 4 (R2).
@@ -94,10 +101,10 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--fp8", action="store_true", help="kiln::fp8_linear's FP8 GEMVs against torch._scaled_mm")
-    parser.add_argument("--sweep", default="all", choices=["all", "wide", "narrow", "split_k", "none"],
+    parser.add_argument("--sweep", default="all", choices=["all", "wide", "narrow", "split_k", "swap", "none"],
                         help="the tilings to time beside the table's and the baseline: every one, only the "
                              "64-row tile (warpgroup MMA), only its 16-column and deep-pipeline tilings, "
-                             "only split K (--fp8), or none")
+                             "only split K (--fp8), only the weight as the MMA's rows (--fp8), or none")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

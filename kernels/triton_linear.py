@@ -64,6 +64,11 @@ class GemvConfig:
     # table row uses it: on the H200 it was slower than the 64-row tile unsplit at every
     # Llama-3-8B projection and row count swept (bench/RESULTS.md S1-S2).
     split_k: int = 1
+    # FP8 at 2-16 rows only (kiln.kernels.triton_fp8's swap kernel): the weight tile as the
+    # MMA's M side (block_n of 64 or 128 output columns, a Hopper warpgroup's M) and the rows
+    # as its N side (16, rows past M masked), y^T = W x^T, instead of 64 rows of which 2-16
+    # are real. Untimed: for bench/tune_gemv.py --sweep swap; no table row takes it.
+    swap_ab: bool = False
 
 
 # Heuristic tables: (largest N, largest K, config); the first row that fits wins. Seeded with
@@ -119,7 +124,7 @@ def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
     FP8 kernel's): the sizes of sm_90 compiles. Fewer stages first, then shorter K tiles.
     The one-row kernel stages nothing."""
     def staged(c: GemvConfig) -> int:
-        buffers = c.num_stages + int(early_tile) if c.block_m >= 64 else c.num_stages - 1
+        buffers = c.num_stages + int(early_tile) if c.block_m >= 64 or c.swap_ab else c.num_stages - 1
         return buffers * (c.block_m + c.block_n) * c.block_k * element_size
 
     while shared_memory and staged(config) > shared_memory and config.num_stages > 2:

@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # stays set: the interpreter reads it at every launch
 
 import kiln.kernels  # noqa: E402,F401  (registers the ops)
+import triton  # noqa: E402
 from kiln.kernels import triton_linear  # noqa: E402
 from kiln.kernels.triton_linear import GEMV_MAX_ROWS, GemvConfig, choose_config, linear_triton  # noqa: E402
 
@@ -141,6 +142,32 @@ def test_fp8_gemv_split_k(m, dot, split_k):
     # A split whose share of K the tile does not divide is refused (the reference runs).
     assert triton_linear.fit_block_k(GemvConfig(16, 256, 4, 2, split_k=3), 4096) is None
     assert triton_linear.fit_block_k(GemvConfig(16, 256, 4, 2, split_k=7), 14336) == GemvConfig(16, 256, 4, 2, split_k=7)
+
+
+@pytest.mark.parametrize("m,n,split_k", [(1, 40, 1), (8, 100, 1), (16, 64, 2), (5, 130, 4)])
+def test_fp8_gemv_with_the_weight_as_the_mma_rows(m, n, split_k, monkeypatch):
+    # GemvConfig.swap_ab: y^T = W x^T, the weight tile as the MMA's 64 rows and the 1-16 rows
+    # of x as its 16 columns (rows past M masked): the reference's output within rounding,
+    # stored transposed into y's [M, N] (columns past N masked too), split K included.
+    from kiln.kernels import triton_fp8
+    from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
+
+    launched = []
+    swap = triton_fp8._fp8_gemv_swap_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return swap[grid]
+
+    monkeypatch.setattr(triton_fp8, "_fp8_gemv_swap_kernel", Recorded())
+    x, w, b = operands(m, n, 512, torch.float32, bias=True, seed=23)
+    (xq, xs), (wq, ws) = quantize_fp8_rows(x), quantize_fp8_rowwise(w)
+    config = GemvConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, swap_ab=True, split_k=split_k)
+    y = triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=config)
+    ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), b.cpu(), torch.float32)
+    assert launched == [(triton.cdiv(n, 64), split_k)] and y.shape == ref.shape
+    torch.testing.assert_close(y.cpu(), ref, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
