@@ -65,8 +65,8 @@ SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS
 SMALL_DECODE_ROWS_16BIT_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT", "0"))
 # Whether a decode on the e4m3-MMA decode kernel, split over the KV length, merges its splits
 # in that kernel (the last split of each token and KV head to finish, counted on the split-K
-# arrival counters) instead of in `_combine_splits_kernel`: one launch fewer per layer, which
-# at batch 1-16 is ~1/30 of the attention's time. Off until measured on a GPU;
+# arrival counters) instead of in `_combine_splits_kernel`: one launch fewer per layer (32 a
+# decode step at Llama-3-8B's shape). Off until measured on a GPU;
 # `KILN_ATTENTION_FUSED_COMBINE=1` turns it on for A/B runs.
 FUSED_COMBINE = os.environ.get("KILN_ATTENTION_FUSED_COMBINE", "0") != "0"
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
