@@ -322,54 +322,20 @@ def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    k_len = K // SPLIT_K  # as in the row kernel
-    rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K + split * k_len
-    first = tl.arange(0, BLOCK_K)
-    if EARLY_TILE:
-        w_first = tl.load(w_rows + first[None, :])
-    wait_for_previous_kernel(PDL)
-    x_rows = x_ptr + rows[:, None] * K + split * k_len
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_start = 0
-    if EARLY_TILE:
-        x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _e4m3_dot(x, w_first, acc, BLOCK_M)
-        k_start = BLOCK_K
-    for k0 in range(k_start, k_len, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + ks[None, :])
-        x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _e4m3_dot(x, w, acc, BLOCK_M)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    last = True
-    if SPLIT_K > 1:
-        last, acc = split_k_sum(acc, part_ptr, count_ptr, tile, split, rows[:, None] * N + cols[None, :], mask,
-                                M * N, SPLIT_K)
-    if last:
-        xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
-        ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-        acc = acc * xs[:, None] * ws[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+def _fp8_gemv_tile_dot(x, w, acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + x @ w^T, or with SWAP_AB its transpose acc^T + w @ x^T: the [BLOCK_N, BLOCK_K]
+    weight tile as the e4m3 MMA's M side (64 or 128 rows, a Hopper warpgroup's) and the
+    16-row tile of x as its N side. Both tiles are K-major as stored, as e4m3 MMAs need."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(x), acc)
+    return _e4m3_dot(x, w, acc, BLOCK_M)
 
 
 @triton.jit
-def _fp8_gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
-                          EARLY_TILE: tl.constexpr = False):
-    """`_fp8_gemv_dot_kernel` turned around (`GemvConfig.swap_ab`): acc^T = W x^T, the
-    [BLOCK_N, BLOCK_K] weight tile as the e4m3 MMA's M side and the [BLOCK_M, BLOCK_K] row
-    tile (16: the MMA's smallest N here) as its N side. Both are K-major as stored, as e4m3
-    MMAs need; the weight tile fills the warpgroup MMA's 64 rows instead of 2-16 of them."""
+def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+                         SWAP_AB: tl.constexpr = False):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K  # as in the row kernel
@@ -381,28 +347,40 @@ def _fp8_gemv_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, 
         w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     x_rows = x_ptr + rows[:, None] * K + split * k_len
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T's tile
+    if SWAP_AB:  # (a compile-time branch: the two accumulators never meet)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # y^T's tile (GemvConfig.swap_ab)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = 0
     if EARLY_TILE:
         x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = tl.dot(w_first, tl.trans(x), acc)
+        acc = _fp8_gemv_tile_dot(x, w_first, acc, BLOCK_M, SWAP_AB)
         k_start = BLOCK_K
     for k0 in range(k_start, k_len, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
-    mask = (cols[:, None] < N) & (rows[None, :] < M)
-    offs = rows[None, :] * N + cols[:, None]  # y is [M, N]: the tile is stored transposed
+        acc = _fp8_gemv_tile_dot(x, w, acc, BLOCK_M, SWAP_AB)
+    if SWAP_AB:  # y is [M, N]: the transposed tile is stored transposed
+        mask = (cols[:, None] < N) & (rows[None, :] < M)
+        offs = rows[None, :] * N + cols[:, None]
+    else:
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        offs = rows[:, None] * N + cols[None, :]
     last = True
     if SPLIT_K > 1:
         last, acc = split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, M * N, SPLIT_K)
     if last:
         xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
         ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
-        acc = acc * ws[:, None] * xs[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        if SWAP_AB:
+            acc = acc * ws[:, None] * xs[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        else:
+            acc = acc * xs[:, None] * ws[None, :]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -478,16 +456,13 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
-    elif config.swap_ab:
-        _fp8_gemv_swap_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, m, n, k, HAS_BIAS=bias is not None,
-                                    BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                    SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
-                                    EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
     else:
+        # The swap's rows are the MMA's N side: 16, the smallest tl.dot takes.
+        block_m = DOT_BLOCK_M if config.swap_ab else config.block_m
         _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, m, n, k, HAS_BIAS=bias is not None,
-                                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                    SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
-                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device))
+                                   EARLY_TILE=GEMV_EARLY_TILE, SWAP_AB=config.swap_ab, **pdl_launch_args(xq.device))
     return y.view(*xq.shape[:-1], n)
 
 

@@ -64,10 +64,10 @@ class GemvConfig:
     # table row uses it: on the H200 it was slower than the 64-row tile unsplit at every
     # Llama-3-8B projection and row count swept (bench/RESULTS.md S1-S2).
     split_k: int = 1
-    # FP8 at 2-16 rows only (kiln.kernels.triton_fp8's swap kernel): the weight tile as the
-    # MMA's M side (block_n of 64 or 128 output columns, a Hopper warpgroup's M) and the rows
-    # as its N side (16, rows past M masked), y^T = W x^T, instead of 64 rows of which 2-16
-    # are real. Untimed: for bench/tune_gemv.py --sweep swap; no table row takes it.
+    # FP8 only (kiln.kernels.triton_fp8's dot kernel, SWAP_AB), at 1-16 rows: the weight tile
+    # as the MMA's M side (block_n of 64 or 128 output columns, a Hopper warpgroup's M) and
+    # the rows as its N side (16, rows past M masked), y^T = W x^T, instead of 64 rows of
+    # which 2-16 are real. Untimed: for bench/tune_gemv.py --sweep swap; no table row takes it.
     swap_ab: bool = False
 
 

@@ -153,20 +153,22 @@ def test_fp8_gemv_with_the_weight_as_the_mma_rows(m, n, split_k, monkeypatch):
     from kiln.kernels.fp8 import fp8_linear_reference, quantize_fp8_rows, quantize_fp8_rowwise
 
     launched = []
-    swap = triton_fp8._fp8_gemv_swap_kernel
+    dot = triton_fp8._fp8_gemv_dot_kernel
 
     class Recorded:
         def __getitem__(self, grid):
-            launched.append(grid)
-            return swap[grid]
+            def launch(*args, **kwargs):
+                launched.append((grid, kwargs["SWAP_AB"], kwargs["BLOCK_M"]))
+                return dot[grid](*args, **kwargs)
+            return launch
 
-    monkeypatch.setattr(triton_fp8, "_fp8_gemv_swap_kernel", Recorded())
+    monkeypatch.setattr(triton_fp8, "_fp8_gemv_dot_kernel", Recorded())
     x, w, b = operands(m, n, 512, torch.float32, bias=True, seed=23)
     (xq, xs), (wq, ws) = quantize_fp8_rows(x), quantize_fp8_rowwise(w)
     config = GemvConfig(block_n=64, block_k=64, num_warps=4, num_stages=2, swap_ab=True, split_k=split_k)
     y = triton_fp8.fp8_linear_triton(xq, xs, wq, ws, b, torch.float32, config=config)
     ref = fp8_linear_reference(xq.cpu(), xs.cpu(), wq.cpu(), ws.cpu(), b.cpu(), torch.float32)
-    assert launched == [(triton.cdiv(n, 64), split_k)] and y.shape == ref.shape
+    assert launched == [((triton.cdiv(n, 64), split_k), True, 16)] and y.shape == ref.shape
     torch.testing.assert_close(y.cpu(), ref, atol=2e-3, rtol=2e-3)
 
 
