@@ -20,7 +20,7 @@ from kiln.runtime.config import EngineConfig
 from kiln.runtime.engine import LLMEngine
 from kiln.runtime.serving import template_sandbox
 from kiln.runtime.serving.app import ServerConfig, build_app
-from kiln.runtime.serving.template_sandbox import SandboxResult, render_in_sandbox
+from kiln.runtime.serving.template_sandbox import HOST_BUSY_TIMEOUT_S, SandboxResult, render_in_sandbox
 
 from runtime_text_model import text_model_dir
 
@@ -93,7 +93,9 @@ def test_a_spinning_template_is_cut_at_its_cpu_limit() -> None:
     t0 = time.monotonic()
     result = render(SPIN, 0.5)
     assert result == SandboxResult(timed_out=True)
-    assert time.monotonic() - t0 < 30
+    # Wall clock: the nice-10 child's 0.5 s of CPU, bounded on a loaded host by the
+    # sandbox's own wall-clock limits (start-up, render).
+    assert time.monotonic() - t0 < 2 * HOST_BUSY_TIMEOUT_S
 
 
 def test_template_errors_come_back() -> None:
