@@ -287,7 +287,7 @@ def start_pool_threads(pool: ThreadPoolExecutor, n: int) -> None:
     on the event loop, and `Thread.start` returns only once the loop's thread gets the GIL
     back from the new thread, which runs the submitted work first: C calls that hold the GIL
     throughout (decoding and parsing a 4 MB body) kept the loop, and /health, waiting for
-    them (105 ms and 331 ms measured in `Thread.start` on a loaded 2-core machine)."""
+    them (105 ms and 331 ms in `Thread.start`, under a profiler, on a loaded 2-core machine)."""
     barrier = threading.Barrier(n)  # each task waits for the others: n tasks, n threads
     for future in [pool.submit(barrier.wait) for _ in range(n)]:
         future.result()
