@@ -326,9 +326,13 @@ def _fp8_gemv_tile_dot(x, w, acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + x @ w^T, or with SWAP_AB its transpose acc^T + w @ x^T: the [BLOCK_N, BLOCK_K]
     weight tile as the e4m3 MMA's M side (64 or 128 rows, a Hopper warpgroup's) and the
     16-row tile of x as its N side. Both tiles are K-major as stored, as e4m3 MMAs need."""
+    # if/else, not an early return: Triton would still build the code after it, with the
+    # other orientation's shapes.
     if SWAP_AB:
-        return tl.dot(w, tl.trans(x), acc)
-    return _e4m3_dot(x, w, acc, BLOCK_M)
+        acc = tl.dot(w, tl.trans(x), acc)
+    else:
+        acc = _e4m3_dot(x, w, acc, BLOCK_M)
+    return acc
 
 
 @triton.jit

@@ -1,0 +1,67 @@
+"""Kernel variants that are off by default until a GPU times them compile for an H100/H200
+(sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
+numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
+compile rejects (the swap GEMV's first version built its early return's other branch with
+the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
+(Triton ships ptxas), only a fresh process that defines the kernels without the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_SCRIPT = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel
+from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
+
+def ptx(fn, consts, types, num_warps, num_stages):
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+
+found = {}
+gemv_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+              "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+for block_n, split_k in ((64, 1), (128, 2)):
+    code = ptx(_fp8_gemv_dot_kernel, dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k,
+                                          PDL=True, EARLY_TILE=True, SWAP_AB=True), gemv_types, 4, 3)
+    found[f"gemv swap {block_n} split {split_k}"] = sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code)))
+for e4m3 in (True, False):
+    cache = "*fp8e4nv" if e4m3 else "*bf16"
+    types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16", "part_out_ptr": "*fp32",
+             "part_lse_ptr": "*fp32", "count_ptr": "*i32", "kv_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32"}
+    for combine in (False, True):
+        consts = dict(KV_SCALE=e4m3, GROUP=4, COLS=8, BLOCK_N=128, HEAD_DIM=128, CACHE_BLOCK=16, NUM_SPLITS=4,
+                      WIDEN_ASM=e4m3, SINGLE_TOKENS_ONLY=False, HEADS_FASTEST=True, E4M3=e4m3, COMBINE=combine,
+                      PDL=True)
+        code = ptx(_paged_decode_fp8_kernel, consts, types, 4, 1)
+        found[f"decode e4m3={e4m3} combine={combine}"] = sorted(set(re.findall(r"atom\\.[.\\w]*", code)))
+print(json.dumps(found))
+"""
+
+
+def test_untimed_kernel_variants_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # (silences Triton's warning; the kernels do not depend on it)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    # GemvConfig.swap_ab: the weight tile as a warpgroup MMA's 64 rows, x's rows as its 16
+    # columns, both e4m3 as loaded (a 128-column tile: two such MMAs a K step).
+    for variant in ("gemv swap 64 split 1", "gemv swap 128 split 2"):
+        assert found[variant] == ["wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"], (variant, found[variant])
+    # KILN_ATTENTION_FUSED_COMBINE: one atomic a program (its arrival), none without it.
+    for e4m3 in (True, False):
+        assert found[f"decode e4m3={e4m3} combine=False"] == [], found
+        assert len(found[f"decode e4m3={e4m3} combine=True"]) == 1, found
