@@ -189,17 +189,26 @@ def split_k_counters(device: torch.device) -> torch.Tensor | None:
 
 
 @triton.jit
+def arrived_last(count_ptr, tile, SPLITS: tl.constexpr):
+    """After this program's stores of its partials: count its arrival at `tile`; whether it
+    is the last of the SPLITS programs there. The last reads the others' partials with
+    `cache_modifier=".cg"` (from L2, where their stores are, never a stale L1 line), then
+    resets the counter to zero for the next launch."""
+    # Every thread's partials are written before one thread's release of the count; the
+    # last program's acquire, and the barrier behind it, make all splits' visible to it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    return arrived == SPLITS - 1
+
+
+@triton.jit
 def split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, plane, SPLIT_K: tl.constexpr):
     """Store this program's partial sums `acc` (float32) at `offs` of split `split`'s plane
     (`plane` elements apart), then count the arrival at column tile `tile`. Returns (last,
     total): whether this program arrived last, and then the sum of every split's partials in
     split order (zeros otherwise). The last resets the tile's counter for the next launch."""
     tl.store(part_ptr + split * plane + offs, acc, mask=mask)
-    # Every thread's partials are written before one thread's release of the count; the
-    # last program's acquire, and the barrier behind it, make all splits' visible to it.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
+    last = arrived_last(count_ptr, tile, SPLIT_K)
     total = tl.zeros_like(acc)
     if last:
         for s in tl.static_range(SPLIT_K):

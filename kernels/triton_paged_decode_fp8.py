@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import (e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
+from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
 
 
@@ -86,16 +86,11 @@ def _combine_if_last(out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_row, kv_h
     """After this program's partials are stored: count its arrival at (token, KV head); the
     last split to arrive merges every split's partials into `out` (as `_combine_splits_kernel`
     does, in split order) and resets the counter for the next launch."""
-    # Every thread's partials are stored before one thread's release of the count; the last
-    # program's acquire, and the barrier behind it, make all splits' visible to it.
-    tl.debug_barrier()
     tile = q_row * num_kv_heads + kv_head
-    arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:
+    if arrived_last(count_ptr, tile, NUM_SPLITS):
         offs_d = tl.arange(0, HEAD_DIM)
         m = tl.full([COLS], float("-inf"), tl.float32)
         for split in tl.static_range(NUM_SPLITS):
-            # .cg: from L2, where the other programs' stores are, never a stale L1 line.
             m = tl.maximum(m, tl.load(part_lse_ptr + split * stride_ls + q_row * stride_lt + heads, mask=col_ok,
                                       other=float("-inf"), cache_modifier=".cg"))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
