@@ -11,6 +11,7 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap
+#                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
@@ -151,6 +152,17 @@ for stage in $STAGES; do
           --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
           --out "$OUT/fused_combine_ab_${i}_fused$fused.json"
       done ;;
+    gemv_tuned_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with a tune_gemv sweep's winners (KILN_FP8_GEMV_TUNED=
+                    # $GEMV_TUNED, a bench/tune_gemv.py --fp8 result) off and on, order GEMV_TUNED_AB_ORDER ("0 1 0 1")
+      [ -f "${GEMV_TUNED:-}" ] || { echo "gemv_tuned_ab: set GEMV_TUNED to a bench/tune_gemv.py --fp8 result"; status=2; continue; }
+      i=0
+      for tuned in ${GEMV_TUNED_AB_ORDER:-0 1 0 1}; do
+        i=$((i + 1))
+        path=$([ "$tuned" = 1 ] && echo "$GEMV_TUNED" || true)
+        KILN_FP8_GEMV_TUNED=$path run_stage gemv_tuned_ab_${i}_tuned$tuned 280 $PY bench/latency.py \
+          --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
+          --out "$OUT/gemv_tuned_ab_${i}_tuned$tuned.json"
+      done ;;
     small_rows_16bit_ab)  # bf16 decode at batch 1 and 8 with small-batch decodes on the keys-as-rows kernel
                           # off and on (KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0 / 128), order "0 128 0 128"
       i=0
@@ -219,7 +231,7 @@ for stage in $STAGES; do
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap)"; status=2 ;;
+           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab)"; status=2 ;;
   esac
 done
 exit $status

@@ -116,7 +116,10 @@ def main() -> None:
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    result: dict[str, Any] = {"benchmark": "tune_gemv", "env": bc.environment(), "fp8": args.fp8, "shapes": {}}
+    # shape_dims: for KILN_FP8_GEMV_TUNED (kernels/triton_fp8.py), which reads a result's winners
+    result: dict[str, Any] = {"benchmark": "tune_gemv", "env": bc.environment(), "fp8": args.fp8, "shapes": {},
+                              "shape_dims": {name: list(SHAPES[name]) for name in args.shapes.split(",")
+                                             if name in SHAPES}}
     baseline = "scaled_mm" if args.fp8 else "cublas"
     for name in args.shapes.split(","):
         if name not in SHAPES:

@@ -417,11 +417,54 @@ FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
 )
 
 
+def load_tuned_gemv_configs(path: str) -> dict[tuple[int, int, int], GemvConfig | None]:
+    """The best tiling per (n, k, rows) of a `bench/tune_gemv.py --fp8 --out PATH` file (None:
+    torch._scaled_mm was fastest). Raises ValueError naming what is wrong with the file."""
+    import json
+
+    try:
+        with open(path) as f:
+            sweep = json.load(f)
+        dims = sweep["shape_dims"]
+        tuned: dict[tuple[int, int, int], GemvConfig | None] = {}
+        for name, rows in sweep["shapes"].items():
+            n, k = dims[name]
+            for m, result in rows.items():
+                best = result["best"]["config"]
+                tuned[(int(n), int(k), int(m))] = GemvConfig(**best) if isinstance(best, dict) else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"KILN_FP8_GEMV_TUNED={path!r}: not a bench/tune_gemv.py --fp8 result with "
+                         f"shape_dims ({type(e).__name__}: {e})") from e
+    if not sweep.get("fp8"):
+        raise ValueError(f"KILN_FP8_GEMV_TUNED={path!r}: a bf16 sweep; run bench/tune_gemv.py with --fp8")
+    return tuned
+
+
+# KILN_FP8_GEMV_TUNED=<a bench/tune_gemv.py --fp8 result> (read once, at import): the sweep's
+# best tiling overrides the tables at the shapes it timed, at its row counts (one row: its
+# row 1; 2-16 rows: its nearest row count above one). For an A/B of a sweep's winners end to
+# end (bench/gpu_smoke.sh gemv_tuned_ab) before they go into the tables.
+FP8_GEMV_TUNED = (load_tuned_gemv_configs(os.environ["KILN_FP8_GEMV_TUNED"])
+                  if os.environ.get("KILN_FP8_GEMV_TUNED") else {})
+
+
+def _tuned_config(n: int, k: int, m: int) -> tuple[bool, GemvConfig | None]:
+    """(found, config) from FP8_GEMV_TUNED for this product."""
+    swept = [r for (tn, tk, r) in FP8_GEMV_TUNED if (tn, tk) == (n, k) and (r == 1) == (m == 1)]
+    if not swept:
+        return False, None
+    rows = min(swept, key=lambda r: abs(r - m))
+    return True, FP8_GEMV_TUNED[(n, k, rows)]
+
+
 def fp8_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
     """The GEMV tiling for an [m, k] x [n, k]^T FP8 product, or None (torch._scaled_mm).
     `shared_memory`: as for kiln.kernels.triton_linear.choose_config."""
     if not (1 <= m <= FP8_GEMV_MAX_ROWS and n >= 1 and k >= 1):
         return None
+    found, tuned = _tuned_config(n, k, m)
+    if found:
+        return tuned if tuned is None else fit_block_k(tuned, k)
     table = FP8_ROW_TABLE if m == 1 else FP8_DOT_TABLE
     config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
     if m > 1 or config.dot:

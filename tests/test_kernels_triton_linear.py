@@ -172,6 +172,36 @@ def test_fp8_gemv_with_the_weight_as_the_mma_rows(m, n, split_k, monkeypatch):
     torch.testing.assert_close(y.cpu(), ref, atol=2e-3, rtol=2e-3)
 
 
+def test_a_tune_gemv_result_overrides_the_fp8_tables_at_its_shapes(tmp_path, monkeypatch):
+    # KILN_FP8_GEMV_TUNED: bench/tune_gemv.py --fp8's winners replace the table's tiling at the
+    # shapes and row classes the sweep timed (one row; 2-16 rows from the nearest swept count);
+    # other shapes keep the tables; a winner of _scaled_mm means no GEMV; a bad file says so.
+    import json
+
+    from kiln.kernels import triton_fp8
+
+    swap = {"block_n": 64, "block_k": 512, "num_warps": 4, "num_stages": 4, "dot": False, "block_m": 16,
+            "split_k": 2, "swap_ab": True}
+    sweep = {"benchmark": "tune_gemv", "fp8": True, "shape_dims": {"o": [4096, 4096], "down": [4096, 14336]},
+             "shapes": {"o": {"1": {"best": {"config": "scaled_mm"}}, "8": {"best": {"config": swap}}},
+                        "down": {"8": {"best": {"config": swap}}}}}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(sweep))
+    tuned = triton_fp8.load_tuned_gemv_configs(str(path))
+    assert tuned[(4096, 4096, 8)] == GemvConfig(**swap) and tuned[(4096, 4096, 1)] is None
+    monkeypatch.setattr(triton_fp8, "FP8_GEMV_TUNED", tuned)
+    assert triton_fp8.fp8_gemv_config(4096, 4096, 12) == GemvConfig(**swap)
+    assert triton_fp8.fp8_gemv_config(4096, 4096, 1) is None  # _scaled_mm won
+    assert triton_fp8.fp8_gemv_config(4096, 14336, 1) == triton_fp8.FP8_ROW_TABLE[0][2]  # one row not swept
+    assert triton_fp8.fp8_gemv_config(6144, 4096, 8) == triton_fp8.FP8_DOT_TABLE[2][2]  # qkv not swept
+    path.write_text(json.dumps({**sweep, "fp8": False}))
+    with pytest.raises(ValueError, match="bf16 sweep"):
+        triton_fp8.load_tuned_gemv_configs(str(path))
+    path.write_text(json.dumps({"shapes": {}}))
+    with pytest.raises(ValueError, match="shape_dims"):
+        triton_fp8.load_tuned_gemv_configs(str(path))
+
+
 @pytest.mark.parametrize("m,dot", [(1, False), (1, True), (8, False)])
 def test_the_early_weight_tile_changes_no_bit(m, dot, monkeypatch):
     # GEMV_EARLY_TILE: the GEMVs (bf16 one row, FP8 row and dot kernels) load their first K
