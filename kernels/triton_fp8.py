@@ -403,17 +403,22 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
 # 2026-12-02 (S1, swept at eight rows) the 64-row tile, Hopper's e4m3 warpgroup MMA on the
 # tiles as they are: o 7.9 against the 16-row tile's 8.7 us, down 21.2 against 23.5, qkv
 # 10.0 against 11.6, gate/up 33.3 against 34.1. (Splitting K, GemvConfig.split_k, gained
-# only down at the 16-row tile: 22.2.)
+# only down at the 16-row tile: 22.2.) Since 2026-12-04 (X1-X2, swept at one and eight rows)
+# at 2-16 rows the weight tile as the MMA's 64 rows and x's rows as its 16 columns
+# (`swap_ab`: 64 columns a program, all 16 MMA columns could be rows, against 2-16 of the
+# 64-row tile's 64): o 7.6 against 7.9 us, down 19.4 against 21.2, qkv 9.5 against 10.5,
+# gate/up 35.3 against 35.7; decode at batch 8 +7.3% (2,723 against 2,537 tokens/s, two
+# alternating runs each). At one row the row kernel stays: the swap won only gate/up there,
+# by 1.5%, and batch 1 went 376.4 -> 373.5 with it.
 FP8_ROW_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
     (4096, math.inf, GemvConfig(8, 1024, 8, 3)),      # o 4096 x 4096, down 4096 x 14336
     (8192, math.inf, GemvConfig(4, 512, 4, 4)),       # qkv 6144 x 4096
     (math.inf, math.inf, GemvConfig(128, 256, 8, 3, dot=True)),   # gate_up 28672 x 4096
 )
 FP8_DOT_TABLE: tuple[tuple[float, float, GemvConfig], ...] = (
-    (4096, 4096, GemvConfig(32, 256, 4, 4, block_m=64)),       # o
-    (4096, math.inf, GemvConfig(32, 512, 4, 3, block_m=64)),   # down
-    (8192, math.inf, GemvConfig(64, 256, 4, 4, block_m=64)),   # qkv
-    (math.inf, math.inf, GemvConfig(128, 128, 4, 3, block_m=64)),  # gate_up
+    (4096, math.inf, GemvConfig(64, 512, 4, 4, swap_ab=True)),     # o, down
+    (8192, math.inf, GemvConfig(64, 256, 4, 5, swap_ab=True)),     # qkv
+    (math.inf, math.inf, GemvConfig(64, 256, 4, 4, swap_ab=True)),  # gate_up
 )
 
 

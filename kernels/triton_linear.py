@@ -67,7 +67,7 @@ class GemvConfig:
     # FP8 only (kiln.kernels.triton_fp8's dot kernel, SWAP_AB), at 1-16 rows: the weight tile
     # as the MMA's M side (block_n of 64 or 128 output columns, a Hopper warpgroup's M) and
     # the rows as its N side (16, rows past M masked), y^T = W x^T, instead of 64 rows of
-    # which 2-16 are real. Untimed: for bench/tune_gemv.py --sweep swap; no table row takes it.
+    # which 2-16 are real. The FP8 table's 2-16-row rows take it since bench/RESULTS.md X2.
     swap_ab: bool = False
 
 

@@ -11,6 +11,7 @@ kernel's bfloat16 is checked on the GPU (the `gpu` tests at the end).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -193,7 +194,7 @@ def test_a_tune_gemv_result_overrides_the_fp8_tables_at_its_shapes(tmp_path, mon
     assert triton_fp8.fp8_gemv_config(4096, 4096, 12) == GemvConfig(**swap)
     assert triton_fp8.fp8_gemv_config(4096, 4096, 1) is None  # _scaled_mm won
     assert triton_fp8.fp8_gemv_config(4096, 14336, 1) == triton_fp8.FP8_ROW_TABLE[0][2]  # one row not swept
-    assert triton_fp8.fp8_gemv_config(6144, 4096, 8) == triton_fp8.FP8_DOT_TABLE[2][2]  # qkv not swept
+    assert triton_fp8.fp8_gemv_config(6144, 4096, 8) == triton_fp8.FP8_DOT_TABLE[1][2]  # qkv not swept
     path.write_text(json.dumps({**sweep, "fp8": False}))
     with pytest.raises(ValueError, match="bf16 sweep"):
         triton_fp8.load_tuned_gemv_configs(str(path))
@@ -274,12 +275,13 @@ def test_heuristic_table_holds_the_h200_configs():
     from kiln.kernels.triton_fp8 import fp8_gemv_config
 
     fp8_row = {"qkv": (4, 512, 4, 4), "o": (8, 1024, 8, 3), "gate_up": (128, 256, 8, 3, True), "down": (8, 1024, 8, 3)}
-    # 2-16 rows: the 64-row tile (warpgroup MMA), the H200 sweep's best at eight rows (S1).
-    fp8_dot = {"qkv": (64, 256, 4, 4), "o": (32, 256, 4, 4), "gate_up": (128, 128, 4, 3), "down": (32, 512, 4, 3)}
+    # 2-16 rows: the weight tile as the MMA's 64 rows, x's rows as its 16 columns (swap_ab),
+    # the H200 sweep's best at eight rows (X1-X2).
+    fp8_dot = {"qkv": (64, 256, 4, 5), "o": (64, 512, 4, 4), "gate_up": (64, 256, 4, 4), "down": (64, 512, 4, 4)}
     for name, (n, k) in llama.items():
         if name != "lm_head":  # stays bf16 under quantization="fp8"
             assert fp8_gemv_config(n, k, 1) == GemvConfig(*fp8_row[name])
-            assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name], block_m=64)
+            assert fp8_gemv_config(n, k, 8) == GemvConfig(*fp8_dot[name], swap_ab=True)
     assert fp8_gemv_config(4096, 4608, 1) == GemvConfig(8, 512, 8, 3)  # 4,608 = 9 x 512
     assert fp8_gemv_config(4096, 4096, 17) is None  # _scaled_mm
     # 2-16 rows on a GPU of less shared memory (an L4's 99 KB): fewer stages, then shorter K
@@ -289,12 +291,16 @@ def test_heuristic_table_holds_the_h200_configs():
     assert choose_config(4096, 4096, 8, shared_memory=l4_smem) == GemvConfig(32, 512, 4, 3)
     assert choose_config(6144, 4096, 8, shared_memory=l4_smem) == GemvConfig(64, 256, 4, 3)
     assert choose_config(4096, 4096, 1, shared_memory=l4_smem) == GemvConfig(4, 1024, 4, 4)  # one row: nothing staged
-    # The 64-row tile keeps num_stages buffers and one for the early tile: (3 + 1) x (64 + 128)
-    # x 128 bytes = 96 KB for gate/up fits an L4; down's 4 x 96 x 512 does not.
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == GemvConfig(128, 128, 4, 3, block_m=64)
-    assert fp8_gemv_config(4096, 14336, 8, shared_memory=l4_smem) == GemvConfig(32, 256, 4, 2, block_m=64)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == GemvConfig(128, 64, 4, 2, block_m=64)
-    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == GemvConfig(128, 32, 4, 2, block_m=64)
+    # The swap keeps num_stages buffers and one for the early tile, of (16 + 64) x BLOCK_K
+    # bytes: gate/up's (4 + 1) x 80 x 256 = 100 KB is just over an L4's 99 KB, 4 x 80 x 256
+    # fits; down's 512-wide tile fits at no depth, so 256 at 2 stages. The 64-row tile the
+    # same way: (3 + 1) x (64 + 128) x 128 = 96 KB fits.
+    swap = functools.partial(GemvConfig, swap_ab=True)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=l4_smem) == swap(64, 256, 4, 3)
+    assert fp8_gemv_config(4096, 14336, 8, shared_memory=l4_smem) == swap(64, 256, 4, 2)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=64 * 1024) == swap(64, 256, 4, 2)
+    assert fp8_gemv_config(28672, 4096, 8, shared_memory=32 * 1024) == swap(64, 128, 4, 2)
+    assert triton_linear.fit_shared_memory(GemvConfig(128, 128, 4, 3, block_m=64), 1, l4_smem, early_tile=True) == GemvConfig(128, 128, 4, 3, block_m=64)
     # float32: half the K tile, the same bytes (the bf16 tiles overflow shared memory).
     assert choose_config(4096, 4096, 8, element_size=4) == GemvConfig(32, 256, 4, 4)
 
