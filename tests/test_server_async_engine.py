@@ -4,6 +4,7 @@ bound, and a failing engine step that takes down only the requests it was runnin
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -45,17 +46,38 @@ def test_concurrent_requests_batch_and_finish(engine: LLMEngine) -> None:
     assert steps < 20  # two requests of 10 tokens shared their steps
 
 
-def test_stream_yields_growing_outputs(engine: LLMEngine) -> None:
+def test_stream_yields_growing_outputs(engine: LLMEngine, monkeypatch) -> None:
+    # A stream keeps only the latest output, so a reader slower than the engine sees fewer:
+    # on a loaded 2-core CI machine the tiny model's six steps could all finish before the
+    # event loop woke the reader, which then saw [6] alone. Each step after the first here
+    # waits (up to 5 s) for the reader to have taken an output, as a reader keeping up would.
+    read = threading.Event()
+    step = engine.step
+    first = True
+
+    def paced_step():
+        nonlocal first
+        if not first:
+            read.wait(timeout=5.0)
+            read.clear()
+        first = False
+        return step()
+
+    monkeypatch.setattr(engine, "step", paced_step)
+
     async def main() -> list[int]:
         ae = AsyncLLMEngine(engine)
         await ae.start()
         stream = await ae.add_request("s", [3, 4, 5], greedy(6))
-        seen = [len(out.outputs[0].token_ids) async for out in stream]
+        seen = []
+        async for out in stream:
+            seen.append(len(out.outputs[0].token_ids))
+            read.set()
         await ae.shutdown()
         return seen
 
     seen = run(main())
-    assert seen == sorted(seen) and seen[-1] == 6 and len(seen) >= 2
+    assert seen == [1, 2, 3, 4, 5, 6], seen  # one output a step, none skipped, ending finished
 
 
 def test_refused_request_reports_to_its_caller_only(engine: LLMEngine) -> None:
