@@ -1,5 +1,6 @@
-"""Kernel variants that are off by default until a GPU times them compile for an H100/H200
-(sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
+"""Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
+2-16-row tiling; the decode kernel's in-kernel combine, off by default) compile for an
+H100/H200 (sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
 the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
