@@ -64,6 +64,21 @@ run_stage() {  # name, timeout seconds, command...
   [ $rc -eq 0 ] || status=1
 }
 
+# An A/B of bench/latency.py at batch 1 and 8: one run per entry of `order`, alternating, with
+# `variable` set to the entry; with `on_value`, set to it for entry 1 and empty for 0 (for a
+# variable whose value is a path). Each run: STAGE_<i>_<tag><entry>.log and .json.
+latency_ab() {  # stage, tag, variable, order, on_value, more bench/latency.py arguments...
+  local stage=$1 tag=$2 var=$3 order=$4 on=$5 i=0 entry value; shift 5
+  for entry in $order; do
+    i=$((i + 1))
+    value=$entry
+    [ -n "$on" ] && value=$([ "$entry" = 1 ] && echo "$on" || true)
+    run_stage "${stage}_${i}_$tag$entry" 280 env "$var=$value" $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
+      --no-baseline "$@" --out "$OUT/${stage}_${i}_$tag$entry.json"
+  done
+}
+FP8_ONLY=(--quantization fp8 --kv-cache-dtype fp8 --quantized-only)
+
 for stage in $STAGES; do
   case $stage in
     tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
@@ -134,43 +149,21 @@ for stage in $STAGES; do
         --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/fp8_latency.json" ;;
     pdl_ab)  # decode at batch 1 and 8, bf16 then FP8 + FP8 KV, with programmatic dependent launch off and on,
              # in the order of PDL_AB_ORDER (default "0 1 0 1")
-      i=0
-      for pdl in ${PDL_AB_ORDER:-0 1 0 1}; do
-        i=$((i + 1))
-        KILN_PDL=$pdl run_stage pdl_ab_${i}_pdl$pdl 280 $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
-          --no-baseline --quantization fp8 --kv-cache-dtype fp8 --out "$OUT/pdl_ab_${i}_pdl$pdl.json"
-      done ;;
+      latency_ab pdl_ab pdl KILN_PDL "${PDL_AB_ORDER:-0 1 0 1}" "" --quantization fp8 --kv-cache-dtype fp8 ;;
     fused_combine_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with the split decode merging its own splits
                        # off and on (KILN_ATTENTION_FUSED_COMBINE), in the order of FUSED_COMBINE_AB_ORDER
                        # (default "0 1 0 1"), after its kernel test on CUDA
       run_stage fused_combine_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
         -k "merges_its_own_splits or keys_as_rows or needs_no_fill"
-      i=0
-      for fused in ${FUSED_COMBINE_AB_ORDER:-0 1 0 1}; do
-        i=$((i + 1))
-        KILN_ATTENTION_FUSED_COMBINE=$fused run_stage fused_combine_ab_${i}_fused$fused 280 $PY bench/latency.py \
-          --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
-          --out "$OUT/fused_combine_ab_${i}_fused$fused.json"
-      done ;;
+      latency_ab fused_combine_ab fused KILN_ATTENTION_FUSED_COMBINE "${FUSED_COMBINE_AB_ORDER:-0 1 0 1}" "" \
+        "${FP8_ONLY[@]}" ;;
     gemv_tuned_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with a tune_gemv sweep's winners (KILN_FP8_GEMV_TUNED=
                     # $GEMV_TUNED, a bench/tune_gemv.py --fp8 result) off and on, order GEMV_TUNED_AB_ORDER ("0 1 0 1")
       [ -f "${GEMV_TUNED:-}" ] || { echo "gemv_tuned_ab: set GEMV_TUNED to a bench/tune_gemv.py --fp8 result"; status=2; continue; }
-      i=0
-      for tuned in ${GEMV_TUNED_AB_ORDER:-0 1 0 1}; do
-        i=$((i + 1))
-        path=$([ "$tuned" = 1 ] && echo "$GEMV_TUNED" || true)
-        KILN_FP8_GEMV_TUNED=$path run_stage gemv_tuned_ab_${i}_tuned$tuned 280 $PY bench/latency.py \
-          --batch-sizes 1,8 --steps 128 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only \
-          --out "$OUT/gemv_tuned_ab_${i}_tuned$tuned.json"
-      done ;;
+      latency_ab gemv_tuned_ab tuned KILN_FP8_GEMV_TUNED "${GEMV_TUNED_AB_ORDER:-0 1 0 1}" "$GEMV_TUNED" "${FP8_ONLY[@]}" ;;
     small_rows_16bit_ab)  # bf16 decode at batch 1 and 8 with small-batch decodes on the keys-as-rows kernel
                           # off and on (KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0 / 128), order "0 128 0 128"
-      i=0
-      for keys in ${SMALL_ROWS_16BIT_AB_ORDER:-0 128 0 128}; do
-        i=$((i + 1))
-        KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=$keys run_stage small_rows_16bit_ab_${i}_keys$keys 280 $PY \
-          bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline --out "$OUT/small_rows_16bit_ab_${i}_keys$keys.json"
-      done ;;
+      latency_ab small_rows_16bit_ab keys KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT "${SMALL_ROWS_16BIT_AB_ORDER:-0 128 0 128}" "" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
