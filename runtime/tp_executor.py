@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing import shared_memory
 from typing import Any, Callable
 
@@ -43,6 +44,8 @@ LIVENESS_POLL_S = 0.5
 WORKER_COMMAND = "import sys; from kiln.runtime.tp_worker import main; main(sys.argv[1:])"
 # How long shutdown waits for a worker to exit by itself before it is killed.
 SHUTDOWN_GRACE_S = 5.0
+# How long a worker's error report waits for a peer's exit to show (see _check_message).
+PEER_DEATH_GRACE_S = 1.0
 
 
 class PendingLogits:
@@ -247,6 +250,18 @@ class MultiprocExecutor(TensorParallelExecutor):
         logger.error("%s", self._failure)
         raise self._failure
 
+    def _peer_killed(self, rank: int, within_s: float) -> int | None:
+        """A rank other than `rank` whose process a signal ended, waiting up to `within_s` for one."""
+        deadline = time.monotonic() + within_s
+        while True:
+            for other, process in enumerate(self.processes):
+                code = process.poll() if other != rank else None
+                if code is not None and code < 0:
+                    return other
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _check_alive(self) -> None:
         for rank, process in enumerate(self.processes):
             if process.poll() is not None:
@@ -276,6 +291,15 @@ class MultiprocExecutor(TensorParallelExecutor):
         except (EOFError, OSError):
             self._fail(rank, self._death(rank))
         if kind == "error":
+            # A peer killed by a signal (OOM killer, SIGKILL, a segfault) breaks its partners'
+            # collectives (gloo: "Connection reset by peer"), and a partner's report can arrive
+            # before the peer's exit is seen: name the peer that died, the cause, rather than
+            # the rank that noticed. (A worker that raises reports first and exits with status
+            # 1; its partners' reports then name it by their own tracebacks.)
+            dead = self._peer_killed(rank, within_s=PEER_DEATH_GRACE_S)
+            if dead is not None:
+                self._fail(dead, f"{self._death(dead)}; rank {rank} then failed with: "
+                                 f"{str(value).strip().splitlines()[-1]}")
             self._fail(rank, f"failed:\n{value}")
         if kind != expected:
             self._fail(rank, f"sent {kind!r} where {expected!r} was expected (a bug in Kiln)")

@@ -9,13 +9,16 @@ the two ranks (the head is replicated)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -23,6 +26,7 @@ import pytest
 
 from kiln.runtime.llm import LLM
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.tp_executor import MultiprocExecutor
 from kiln.runtime.tp_worker import WorkerFailedError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -204,6 +208,42 @@ def test_killed_worker_fails_the_engine_naming_the_rank(
     with pytest.raises(WorkerFailedError, match="rank 1"):  # and stays failed
         llm.generate(PROMPTS, GREEDY)
     assert _all_exit(pids, within_s=10)
+
+
+def _executor_with(processes: list[subprocess.Popen[bytes]]) -> tuple[MultiprocExecutor, Any]:
+    """An executor over `processes` (stand-ins for workers) whose rank 0 talks through a pipe."""
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor._failure, executor.processes = None, processes
+    engine_end, worker_end = multiprocessing.Pipe()
+    executor.conns = [engine_end, None]
+    return executor, worker_end
+
+
+@pytest.mark.parametrize("peer", ["killed", "exited"])
+def test_a_partners_report_names_the_killed_peer_seen_after_it(peer: str) -> None:
+    """The race CI hit once: rank 1 is SIGKILLed, rank 0's collective breaks, and rank 0's error
+    report can arrive before rank 1's exit shows. The failure names rank 1, the cause. A peer
+    that exited by itself (a worker that raised reports, then exits 1) is not blamed."""
+    rank0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank1 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)" if peer == "killed"
+                              else "import time, sys; time.sleep(0.3); sys.exit(1)"])
+    executor, rank0_end = _executor_with([rank0, rank1])
+    try:
+        rank0_end.send(("error", "Traceback ...\nRuntimeError: Read error: Connection reset by peer\n"))
+        if peer == "killed":  # after the report is sent: its exit shows only while the engine reads it
+            threading.Timer(0.3, rank1.kill).start()
+        with pytest.raises(WorkerFailedError) as failed:
+            executor._check_message(0, executor.conns[0], "logits")
+        if peer == "killed":
+            assert failed.value.rank == 1
+            assert re.match(r"tensor-parallel worker rank 1 died .*killed by signal 9.*; rank 0 then failed "
+                            r"with: RuntimeError: Read error: Connection reset by peer$", str(failed.value))
+        else:
+            assert failed.value.rank == 0 and "rank 0 failed:\nTraceback" in str(failed.value)
+    finally:
+        for process in (rank0, rank1):
+            process.kill()
+            process.wait()
 
 
 def test_workers_exit_with_a_killed_engine(tmp_path: Path) -> None:
