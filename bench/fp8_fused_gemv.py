@@ -94,14 +94,16 @@ def alternatives(name: str, m: int) -> list[Any]:
 
     n, k, _ = PROJECTIONS[name]
     table = fused_gemv_config(n, k, m)
-    if m != 1:  # the swapped-MMA kernel (KILN_FP8_FUSED_GEMV_ROWS): 64 columns a program as X2's winners, K tiles and stages
-        swaps = [GemvConfig(*t, swap_ab=True) for t in ((64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4),
-                                                         (64, 256, 4, 5), (64, 512, 4, 3), (64, 512, 4, 4),
-                                                         (64, 256, 8, 4), (128, 256, 4, 3))]
+    # The swapped-MMA kernel (KILN_FP8_FUSED_GEMV_ROWS): 64 columns a program as X2's winners,
+    # K tiles and stages; at one row too (gate/up's chain there is the tl.dot GEMV).
+    swaps = [GemvConfig(*t, swap_ab=True) for t in ((64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4),
+                                                     (64, 256, 4, 5), (64, 512, 4, 3), (64, 512, 4, 4),
+                                                     (64, 256, 8, 4), (128, 256, 4, 3))]
+    if m != 1:
         return [c for c in swaps if k % c.block_k == 0 and c != table]
     cands = [GemvConfig(*t) for t in ((4, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3), (16, 1024, 8, 3),
                                       (32, 512, 8, 3), (32, 256, 8, 3), (64, 256, 8, 3))]
-    return [c for c in cands if k % c.block_k == 0 and c != table]
+    return [c for c in cands + swaps if k % c.block_k == 0 and c != table]
 
 
 def main() -> None:

@@ -26,7 +26,8 @@ tile built in registers must be moved into the MMA's operand layout, per program
 one row every op runs its chain by default. KILN_FP8_FUSED_GEMV=0 in the environment (read
 once, at import) runs the chains at one row too.
 
-At 2-16 rows, with KILN_FP8_FUSED_GEMV_ROWS=1 (off until timed on a GPU): the chain's own
+At 2-16 rows, with KILN_FP8_FUSED_GEMV_ROWS=1 (off until timed on a GPU; it also takes
+gate/up at one row, which the row table leaves to its chain): the chain's own
 GEMV there is the swapped-MMA kernel (GemvConfig.swap_ab: the e4m3 weight tile as a Hopper
 warpgroup MMA's 64 rows, straight from shared memory, the rows as its 16 columns), whose
 weight tile never passes through registers, unlike the 16-bit tiles the attempt above
@@ -219,15 +220,16 @@ def _fused_gemv_rows_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, 
 
 def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
     """The fused GEMV's tiling for m rows of [n, k], or None (the op runs its chain): one
-    row, FUSED_ROW_TABLE; 2-16 rows with KILN_FP8_FUSED_GEMV_ROWS=1, FUSED_DOT_TABLE (its
-    staged tiles within `shared_memory` bytes, 0: no limit); a K tile that divides k."""
+    row, FUSED_ROW_TABLE; with KILN_FP8_FUSED_GEMV_ROWS=1, FUSED_DOT_TABLE at 2-16 rows and
+    where the row table says None (its staged tiles within `shared_memory` bytes, 0: no
+    limit); a K tile that divides k."""
+    config = None
     if m == 1 and FUSED_GEMV:
-        table = FUSED_ROW_TABLE
-    elif 2 <= m <= FUSED_GEMV_MAX_ROWS and FUSED_GEMV_ROWS:
-        table = FUSED_DOT_TABLE
-    else:
-        return None
-    config = next(c for max_n, max_k, c in table if n <= max_n and k <= max_k)
+        config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
+    if config is None and 1 <= m <= FUSED_GEMV_MAX_ROWS and FUSED_GEMV_ROWS:
+        # Also at one row where the row table runs the chain (gate/up: its chain's GEMV is
+        # the tl.dot kernel, and the swap won gate/up at one row too, X2).
+        config = next(c for max_n, max_k, c in FUSED_DOT_TABLE if n <= max_n and k <= max_k)
     if config is not None and config.swap_ab:
         config = fit_shared_memory(config, 1, shared_memory, early_tile=GEMV_EARLY_TILE)
     return None if config is None else fit_block_k(config, k)
@@ -235,7 +237,7 @@ def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvCon
 
 def _applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig | None, m: int, *others: torch.Tensor) -> bool:
-    # One row: the row kernel; 2-16 rows: the swapped-MMA kernel, which needs a swap tiling.
+    # One row: the row kernel, or the swapped-MMA kernel with a swap tiling; 2-16 rows: that one.
     return (config is not None and (m == 1 or (2 <= m <= FUSED_GEMV_MAX_ROWS and config.swap_ab))
             and x.dtype in _INPUT_DTYPES
             and weight.shape[1] % config.block_k == 0  # the K loop's weight loads are unmasked
@@ -262,7 +264,7 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
     """y [..., N] (and x + other for ADD_RMS_NORM), by one fused GEMV launch."""
     n, k = weight.shape
     m = x.numel() // k
-    if m > 1:
+    if config.swap_ab:
         return _launch_rows(prologue, x, other, norm_weight, weight, weight_scale, bias, out_dtype, eps, config, m)
     x1 = _row(x, k)
     r1 = _row(other, k) if other is not None else x1
@@ -281,7 +283,7 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
 def _launch_rows(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                  eps: float, config: GemvConfig, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_launch` at 2-16 rows: the swapped-MMA kernel."""
+    """`_launch` with a swap tiling (1-16 rows): the swapped-MMA kernel."""
     n, k = weight.shape
     x2 = _rows(x, m, k)
     r2 = _rows(other, m, k) if other is not None else x2

@@ -166,8 +166,8 @@ ROWS_CONFIG = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, swap
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
-@pytest.mark.parametrize("m,dtype,bias", [(2, torch.float16, True), (5, torch.bfloat16, False),
-                                          (16, torch.bfloat16, True)])
+@pytest.mark.parametrize("m,dtype,bias", [(1, torch.bfloat16, True), (2, torch.float16, True),
+                                          (5, torch.bfloat16, False), (16, torch.bfloat16, True)])
 def test_fused_rows_gemv_is_the_product_of_its_e4m3_input(prologue, m, dtype, bias):
     n, k = 40, 128  # three column tiles of 16, the last partial; four K tiles of 32
     inputs, wq, ws, b = operands(prologue, m, n, k, dtype, bias, seed=m)
@@ -215,6 +215,9 @@ def test_fused_rows_table_is_off_by_default(monkeypatch):
     assert triton_fused.fused_gemv_config(6144, 4096, 2) == GemvConfig(64, 256, 4, 5, swap_ab=True)  # qkv
     assert triton_fused.fused_gemv_config(28672, 4096, 16) == GemvConfig(64, 256, 4, 4, swap_ab=True)  # gate_up
     assert triton_fused.fused_gemv_config(4096, 4096, 17) is None  # above 16 rows: the chain (_scaled_mm)
+    # One row: the row table's tilings, and the swap where it has none (gate/up).
+    assert triton_fused.fused_gemv_config(4096, 4096, 1) == GemvConfig(4, 1024, 4, 3)
+    assert triton_fused.fused_gemv_config(28672, 4096, 1) == GemvConfig(64, 256, 4, 4, swap_ab=True)
     # An L4's 99 KB of shared memory: fewer stages.
     assert triton_fused.fused_gemv_config(4096, 14336, 8, shared_memory=99 * 1024).num_stages < 4
 
@@ -264,11 +267,11 @@ def test_fused_gemv_llama3_shapes(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("rows", [2, 8, 16])
-@pytest.mark.parametrize("name", sorted(LLAMA3_8B))
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("name", sorted(LLAMA3_8B) + ["gate_up"])
 def test_fused_rows_gemv_llama3_shapes(name, rows):
-    # The 2-16-row kernel at FUSED_DOT_TABLE's tilings (whether or not KILN_FP8_FUSED_GEMV_ROWS is on).
-    n, k, prologue = LLAMA3_8B[name]
+    # The swapped-MMA kernel at FUSED_DOT_TABLE's tilings (whether or not KILN_FP8_FUSED_GEMV_ROWS is on).
+    n, k, prologue = {**LLAMA3_8B, "gate_up": (28672, 4096, "add_rms_norm")}[name]
     inputs, wq, ws, b = operands(prologue, rows, n, k, torch.bfloat16, bias=name == "qkv", seed=12)
     config = next(c for max_n, max_k, c in triton_fused.FUSED_DOT_TABLE if n <= max_n and k <= max_k)
     y, summed = run_triton(prologue, inputs, wq, ws, b, torch.bfloat16, config)
