@@ -164,10 +164,13 @@ for stage in $STAGES; do
     small_rows_16bit_ab)  # bf16 decode at batch 1 and 8 with small-batch decodes on the keys-as-rows kernel
                           # off and on (KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0 / 128), order "0 128 0 128"
       latency_ab small_rows_16bit_ab keys KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT "${SMALL_ROWS_16BIT_AB_ORDER:-0 128 0 128}" "" ;;
-    fused_rows_ab)  # FP8 + FP8 KV: the fused 2-16-row GEMVs (KILN_FP8_FUSED_GEMV_ROWS): their tests on CUDA,
+    fused_rows_ab)  # FP8 + FP8 KV: the fused 2-16-row GEMVs (KILN_FP8_FUSED_GEMV_ROWS): their tests on CUDA (and the
+                    # FP8 engine's greedy agreement with it on),
                     # the four projections at 1 and 8 rows against the chains (bench/fp8_fused_gemv.py, a few
                     # other tilings too), then decode at batch 1 and 8 off and on, order FUSED_ROWS_AB_ORDER ("0 1 0 1")
       run_stage fused_rows_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_fp8_fused_linear.py
+      run_stage fused_rows_engine 200 env KILN_FP8_FUSED_GEMV_ROWS=1 $PY -m pytest -q -p no:cacheprovider -s \
+        tests/test_gpu_fp8.py tests/test_fp8_fused_linear.py -k "engine or fused_rows"
       run_stage fused_rows_bench 300 env KILN_FP8_FUSED_GEMV_ROWS=1 $PY bench/fp8_fused_gemv.py --rows 1,8 --sweep \
         --out "$OUT/fused_rows_bench.json"
       latency_ab fused_rows_ab rows KILN_FP8_FUSED_GEMV_ROWS "${FUSED_ROWS_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}" ;;

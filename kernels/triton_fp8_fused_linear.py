@@ -163,7 +163,7 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
 @triton.jit
 def _accumulate_rows(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, x_rows, r_rows, sum_rows, row_mask, ks, tile,
                      FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PROLOGUE: tl.constexpr):
-    """One K tile of the 2-16-row kernel: the rows' input tile built, quantized to e4m3 with a
+    """One K tile of the swapped-MMA kernel: the rows' input tile built, quantized to e4m3 with a
     scale of its own per row (this tile's max|a|), multiplied on the e4m3 MMA with the weight
     tile as its M side, and added to acc [BLOCK_N, BLOCK_M] times those scales."""
     a, s = _input_tile(x_ptr, r_ptr, g_ptr, x_rows + ks[None, :], r_rows + ks[None, :], ks[None, :], row_mask,
@@ -184,7 +184,7 @@ def _fused_gemv_rows_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, 
                             eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
                             MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
-    # 2-16 rows: triton_fp8's dot kernel with SWAP_AB (y^T = W x^T, the [BLOCK_N, BLOCK_K] e4m3
+    # 1-16 rows: triton_fp8's dot kernel with SWAP_AB (y^T = W x^T, the [BLOCK_N, BLOCK_K] e4m3
     # weight tile as the warpgroup MMA's 64 rows, the rows as its 16 columns), its x tile
     # built here as the row kernel's is, then quantized per row and K tile (module doc).
     tile = tl.program_id(0)

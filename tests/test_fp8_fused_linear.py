@@ -144,8 +144,9 @@ def test_ops_are_their_unfused_chains(prologue):
 @pytest.mark.parametrize("prologue", PROLOGUES)
 @pytest.mark.parametrize("case", ["two rows", "turned off"])
 def test_elsewhere_the_chain_runs(prologue, case, monkeypatch):
-    # Above one row (or with KILN_FP8_FUSED_GEMV=0): the op's chain, exactly.
+    # Above one row (or with KILN_FP8_FUSED_GEMV=0), without KILN_FP8_FUSED_GEMV_ROWS: the op's chain, exactly.
     m = 2 if case == "two rows" else 1
+    monkeypatch.setattr(triton_fused, "FUSED_GEMV_ROWS", False)  # (the default)
     if case == "turned off":
         monkeypatch.setattr(triton_fused, "FUSED_GEMV", False)
     assert triton_fused.fused_gemv_config(4096, 4096, m) is None
@@ -208,8 +209,11 @@ def test_fused_rows_gemv_scales_each_k_tile_on_its_own():
 
 
 def test_fused_rows_table_is_off_by_default(monkeypatch):
-    assert not triton_fused.FUSED_GEMV_ROWS  # until a GPU times it (module doc)
+    # Off until a GPU times it (module doc), unless the environment turns it on.
+    assert triton_fused.FUSED_GEMV_ROWS == (os.environ.get("KILN_FP8_FUSED_GEMV_ROWS") == "1")
+    monkeypatch.setattr(triton_fused, "FUSED_GEMV_ROWS", False)
     assert triton_fused.fused_gemv_config(4096, 4096, 8) is None
+    assert triton_fused.fused_gemv_config(28672, 4096, 1) is None  # gate/up at one row: the chain
     monkeypatch.setattr(triton_fused, "FUSED_GEMV_ROWS", True)
     assert triton_fused.fused_gemv_config(4096, 4096, 8) == GemvConfig(64, 512, 4, 4, swap_ab=True)  # o
     assert triton_fused.fused_gemv_config(6144, 4096, 2) == GemvConfig(64, 256, 4, 5, swap_ab=True)  # qkv
@@ -222,7 +226,8 @@ def test_fused_rows_table_is_off_by_default(monkeypatch):
     assert triton_fused.fused_gemv_config(4096, 14336, 8, shared_memory=99 * 1024).num_stages < 4
 
 
-def test_fused_row_table():
+def test_fused_row_table(monkeypatch):
+    monkeypatch.setattr(triton_fused, "FUSED_GEMV_ROWS", False)  # (the default)
     assert triton_fused.fused_gemv_config(4096, 4096, 1) == GemvConfig(4, 1024, 4, 3)  # o
     assert triton_fused.fused_gemv_config(4096, 14336, 1) == GemvConfig(8, 1024, 8, 3)  # down
     assert triton_fused.fused_gemv_config(6144, 4096, 1) == GemvConfig(16, 512, 8, 3)  # qkv
