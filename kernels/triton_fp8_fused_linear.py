@@ -40,6 +40,7 @@ applied at the end, as at one row.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -55,7 +56,7 @@ from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from kiln.kernels.triton_fp8 import _reciprocal
-from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
+from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k
 
 FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
 # KILN_FP8_FUSED_GEMV_ROWS=1 (read once, at import): the fused ops at 2-16 rows too, by the
@@ -77,8 +78,11 @@ FUSED_ROW_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
 # 2-16-row tilings (the swapped-MMA kernel), as FUSED_ROW_TABLE: to start, the unfused FP8
 # GEMV's own 2-16-row tilings (kiln.kernels.triton_fp8.FP8_DOT_TABLE, swept on the H200 at
 # eight rows, X2), not yet swept for this kernel.
+# Down keeps 3 stages: with its two inputs (gate and up) staged beside the weight, 4 stages of
+# 512-wide K tiles need 232 KB of shared memory (sm_90 compile), over an H200's 227.
 FUSED_DOT_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
-    (4096, math.inf, GemvConfig(64, 512, 4, 4, swap_ab=True)),     # o, down
+    (4096, 4096, GemvConfig(64, 512, 4, 4, swap_ab=True)),         # o
+    (4096, math.inf, GemvConfig(64, 512, 4, 3, swap_ab=True)),     # down
     (8192, math.inf, GemvConfig(64, 256, 4, 5, swap_ab=True)),     # qkv
     (math.inf, math.inf, GemvConfig(64, 256, 4, 4, swap_ab=True)),  # gate_up
 )
@@ -218,11 +222,27 @@ def _fused_gemv_rows_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, 
     tl.store(y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
+def fit_fused_shared_memory(config: GemvConfig, inputs: int, shared_memory: int) -> GemvConfig:
+    """The swapped-MMA fused kernel's config with its staged tiles within `shared_memory`
+    bytes (0: no limit). Each stage holds the e4m3 weight tile and the 16 rows of each of the
+    prologue's `inputs` activation tensors (16-bit) and of the norm weight: an upper bound of
+    what Triton allocates, within ~10% of the sm_90 compiles' sizes at the Llama-3-8B tilings.
+    Fewer stages first, then shorter K tiles."""
+    def staged(c: GemvConfig) -> int:
+        return c.num_stages * c.block_k * (c.block_n + 2 * DOT_BLOCK_M * inputs + 2)
+
+    while shared_memory and staged(config) > shared_memory and config.num_stages > 2:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    while shared_memory and staged(config) > shared_memory and config.block_k > 32:
+        config = dataclasses.replace(config, block_k=config.block_k // 2)
+    return config
+
+
+def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0, inputs: int = 2) -> GemvConfig | None:
     """The fused GEMV's tiling for m rows of [n, k], or None (the op runs its chain): one
     row, FUSED_ROW_TABLE; with KILN_FP8_FUSED_GEMV_ROWS=1, FUSED_DOT_TABLE at 2-16 rows and
-    where the row table says None (its staged tiles within `shared_memory` bytes, 0: no
-    limit); a K tile that divides k."""
+    where the row table says None (its staged tiles, with `inputs` activation tensors read by
+    the prologue, within `shared_memory` bytes, 0: no limit); a K tile that divides k."""
     config = None
     if m == 1 and FUSED_GEMV:
         config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
@@ -231,7 +251,7 @@ def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvCon
         # the tl.dot kernel, and the swap won gate/up at one row too, X2).
         config = next(c for max_n, max_k, c in FUSED_DOT_TABLE if n <= max_n and k <= max_k)
     if config is not None and config.swap_ab:
-        config = fit_shared_memory(config, 1, shared_memory, early_tile=GEMV_EARLY_TILE)
+        config = fit_fused_shared_memory(config, inputs, shared_memory)
     return None if config is None else fit_block_k(config, k)
 
 
@@ -300,17 +320,19 @@ def _launch_rows(prologue: int, x: torch.Tensor, other: torch.Tensor | None, nor
     return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
 
-def _config_for(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> tuple[int, GemvConfig | None]:
+def _config_for(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None, inputs: int
+                ) -> tuple[int, GemvConfig | None]:
+    """(rows, tiling); `inputs`: the activation tensors the op's prologue reads."""
     n, k = weight.shape
     m = x.numel() // k if k else 0
-    return m, config or fused_gemv_config(n, k, m, max_shared_memory(x.device))
+    return m, config or fused_gemv_config(n, k, m, max_shared_memory(x.device), inputs)
 
 
 def rms_norm_fp8_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                                config: GemvConfig | None = None) -> torch.Tensor:
     """`config` overrides the tiling (tests, bench)."""
-    m, config = _config_for(x, weight, config)
+    m, config = _config_for(x, weight, config, inputs=1)
     if not _applies(x, weight, weight_scale, bias, config, m, norm_weight):
         return rms_norm_fp8_linear_chain(x, norm_weight, eps, weight, weight_scale, bias, out_dtype)
     return _launch(RMS_NORM, x, None, norm_weight, weight, weight_scale, bias, out_dtype, eps, config)[0]
@@ -320,7 +342,7 @@ def add_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm
                                    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                                    out_dtype: torch.dtype, config: GemvConfig | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, config = _config_for(x, weight, config)
+    m, config = _config_for(x, weight, config, inputs=2)
     if not _applies(x, weight, weight_scale, bias, config, m, residual, norm_weight):
         return add_rms_norm_fp8_linear_chain(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
     y, summed = _launch(ADD_RMS_NORM, x, residual, norm_weight, weight, weight_scale, bias, out_dtype, eps, config)
@@ -330,7 +352,7 @@ def add_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm
 def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                                    weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                                    config: GemvConfig | None = None) -> torch.Tensor:
-    m, config = _config_for(gate, weight, config)
+    m, config = _config_for(gate, weight, config, inputs=2)
     if not _applies(gate, weight, weight_scale, bias, config, m, up):
         return silu_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
     return _launch(SILU_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
@@ -339,7 +361,7 @@ def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight:
 def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                bias: torch.Tensor | None, out_dtype: torch.dtype,
                                config: GemvConfig | None = None) -> torch.Tensor:
-    m, config = _config_for(x, weight, config)
+    m, config = _config_for(x, weight, config, inputs=1)
     if not _applies(x, weight, weight_scale, bias, config, m):
         return quantize_fp8_linear_chain(x, weight, weight_scale, bias, out_dtype)
     return _launch(PLAIN, x, None, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]

@@ -222,8 +222,13 @@ def test_fused_rows_table_is_off_by_default(monkeypatch):
     # One row: the row table's tilings, and the swap where it has none (gate/up).
     assert triton_fused.fused_gemv_config(4096, 4096, 1) == GemvConfig(4, 1024, 4, 3)
     assert triton_fused.fused_gemv_config(28672, 4096, 1) == GemvConfig(64, 256, 4, 4, swap_ab=True)
-    # An L4's 99 KB of shared memory: fewer stages.
-    assert triton_fused.fused_gemv_config(4096, 14336, 8, shared_memory=99 * 1024).num_stages < 4
+    assert triton_fused.fused_gemv_config(4096, 14336, 8) == GemvConfig(64, 512, 4, 3, swap_ab=True)  # down
+    # Within the GPU's shared memory, counting the prologue's inputs: an H200's 227 KB takes
+    # 4 stages of o's 512-wide tiles with one input; an L4's 99 KB fewer stages, then shorter tiles.
+    h200, l4 = 227 * 1024, 99 * 1024
+    assert triton_fused.fused_gemv_config(4096, 4096, 8, h200, inputs=1) == GemvConfig(64, 512, 4, 4, swap_ab=True)
+    assert triton_fused.fused_gemv_config(4096, 4096, 8, h200, inputs=2).num_stages == 3
+    assert triton_fused.fused_gemv_config(4096, 14336, 8, l4, inputs=2) == GemvConfig(64, 256, 4, 2, swap_ab=True)
 
 
 def test_fused_row_table(monkeypatch):
