@@ -67,8 +67,8 @@ for prologue, n, k in ((0, 4096, 4096), (3, 4096, 14336), (1, 6144, 4096), (2, 6
                                                    BLOCK_K=config.block_k, FP8_MAX_C=448.0, MIN_SCALE_C=1e-12, PDL=True,
                                                    EARLY_TILE=True), fused_types, config.num_warps, config.num_stages)
     code = kernel.asm["ptx"]
-    found[f"fused rows {prologue} {n}"] = {"mma": sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", code))),
-                                          "local": len(re.findall(r"\.local", code)), "shared": kernel.metadata.shared}
+    found[f"fused rows {prologue} {n}"] = {"mma": sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
+                                          "local": len(re.findall(r"\\.local", code)), "shared": kernel.metadata.shared}
 print(json.dumps(found))
 """
 
