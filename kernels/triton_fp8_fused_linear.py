@@ -40,7 +40,6 @@ applied at the end, as at one row.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 
@@ -56,7 +55,7 @@ from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from kiln.kernels.triton_fp8 import _reciprocal
-from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k
+from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 
 FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
 # KILN_FP8_FUSED_GEMV_ROWS=1 (read once, at import): the fused ops at 2-16 rows too, by the
@@ -231,11 +230,7 @@ def fit_fused_shared_memory(config: GemvConfig, inputs: int, shared_memory: int)
     def staged(c: GemvConfig) -> int:
         return c.num_stages * c.block_k * (c.block_n + 2 * DOT_BLOCK_M * inputs + 2)
 
-    while shared_memory and staged(config) > shared_memory and config.num_stages > 2:
-        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    while shared_memory and staged(config) > shared_memory and config.block_k > 32:
-        config = dataclasses.replace(config, block_k=config.block_k // 2)
-    return config
+    return fit_shared_memory(config, 1, shared_memory, staged_bytes=staged)
 
 
 def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0, inputs: int = 2) -> GemvConfig | None:
