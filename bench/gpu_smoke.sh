@@ -239,12 +239,10 @@ for stage in $STAGES; do
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with
 # more, the files directly under it go back as one archive instead (gpu-out.tar.gz).
-files=("$OUT"/*)
-count=0
-for f in "${files[@]}"; do [ -f "$f" ] && count=$((count + 1)); done
+(cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu-out.tar.gz -printf '%P\n') > /tmp/gpu-out.list
+count=$(wc -l < /tmp/gpu-out.list)
 if [ "$count" -gt 8 ]; then
-  (cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu-out.tar.gz -printf '%P\n' > /tmp/gpu-out.list \
-     && tar -czf gpu-out.tar.gz -T /tmp/gpu-out.list && xargs -d '\n' rm -f < /tmp/gpu-out.list) \
+  (cd "$OUT" && tar -czf gpu-out.tar.gz -T /tmp/gpu-out.list && xargs -d '\n' rm -f < /tmp/gpu-out.list) \
     && echo "=== $count files under \$OUT: bundled into gpu-out.tar.gz"
 fi
 exit $status
