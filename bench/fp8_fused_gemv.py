@@ -4,16 +4,14 @@ the chains they replace, at the Llama-3-8B decode projections.
 A decode layer in FP8 runs, before each projection, a small kernel that makes its input: the
 RMSNorm with its e4m3 quantization before QKV and gate/up, SiLU-and-mul with it before
 down, the attention output's quantization before O. The fused ops do that inside the GEMV
-(weight-only FP8 at one row; at 2-16 rows with KILN_FP8_FUSED_GEMV_ROWS=1 in the environment,
-the swapped e4m3 MMA with the input quantized per K tile in the kernel; elsewhere, and where
-a table says so, the fused op runs the chain). This times, inside CUDA graphs (PDL as the engine runs it),
+(weight-only FP8, at one row; elsewhere, and where its table says so, the fused op runs
+the chain). This times, inside CUDA graphs (PDL as the engine runs it),
 `--layers` layers of the four projections with distinct weights (so each reads its weight
 from HBM, as a decode step does): the fused ops, and the chains (the `*_quant_fp8` kernel
 then `kiln::fp8_linear`'s GEMV). Also each projection alone, and with `--sweep` a few other
 tilings of each fused GEMV. JSON out: microseconds per layer and per projection.
 
     python bench/fp8_fused_gemv.py --rows 1,8 --out fp8-fused-gemv.json
-    KILN_FP8_FUSED_GEMV_ROWS=1 python bench/fp8_fused_gemv.py --rows 2,8,16 --sweep
 """
 
 from __future__ import annotations
@@ -94,16 +92,11 @@ def alternatives(name: str, m: int) -> list[Any]:
 
     n, k, _ = PROJECTIONS[name]
     table = fused_gemv_config(n, k, m)
-    # The swapped-MMA kernel (KILN_FP8_FUSED_GEMV_ROWS): 64 columns a program as X2's winners,
-    # K tiles and stages; at one row too (gate/up's chain there is the tl.dot GEMV).
-    swaps = [GemvConfig(*t, swap_ab=True) for t in ((64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 4, 4),
-                                                     (64, 256, 4, 5), (64, 512, 4, 3), (64, 512, 4, 4),
-                                                     (64, 256, 8, 4), (128, 256, 4, 3))]
     if m != 1:
-        return [c for c in swaps if k % c.block_k == 0 and c != table]
+        return []  # the fused kernel runs at one row only
     cands = [GemvConfig(*t) for t in ((4, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 8, 3), (16, 1024, 8, 3),
                                       (32, 512, 8, 3), (32, 256, 8, 3), (64, 256, 8, 3))]
-    return [c for c in cands + swaps if k % c.block_k == 0 and c != table]
+    return [c for c in cands if k % c.block_k == 0 and c != table]
 
 
 def main() -> None:

@@ -22,20 +22,17 @@ best against 32.1 (its chain's GEMV is the faster tl.dot kernel: gate/up keeps t
 FUSED_ROW_TABLE's None). At 2-16 rows the same prologue in the tl.dot kernels (16- and
 64-row tiles, the dot in 16 bits) was 1.0-14x slower than the chain at every projection
 (eight rows: o 10.4 against 10.5 us, qkv 38.9 against 11.9, down 114 against 24): the input
-tile built in registers must be moved into the MMA's operand layout, per program. So above
-one row every op runs its chain by default. KILN_FP8_FUSED_GEMV=0 in the environment (read
-once, at import) runs the chains at one row too.
-
-At 2-16 rows, with KILN_FP8_FUSED_GEMV_ROWS=1 (off until timed on a GPU; it also takes
-gate/up at one row, which the row table leaves to its chain): the chain's own
-GEMV there is the swapped-MMA kernel (GemvConfig.swap_ab: the e4m3 weight tile as a Hopper
-warpgroup MMA's 64 rows, straight from shared memory, the rows as its 16 columns), whose
-weight tile never passes through registers, unlike the 16-bit tiles the attempt above
-converted. The fused kernel keeps that and builds only the small [16, BLOCK_K] row tile, as
-the row kernel does, then quantizes it to e4m3 with a scale per row and K tile (that tile's
-max|a| / 448: no row-wide pass first) and adds each tile's MMA product times those scales.
-Finer scales than the chain's one per row, so at least as precise. The RMSNorm's 1/rms is
-applied at the end, as at one row.
+tile built in registers must be moved into the MMA's operand layout, per program. A second
+design (2026-12-04, X5; removed after it, in git history at `b73d077`) kept the swapped e4m3
+MMA of the chain's own 2-16-row GEMV (the weight tile in shared memory as the MMA's 64 rows)
+and built only the [16, BLOCK_K] row tile, quantized to e4m3 per row and K tile in the
+kernel: 2-4x slower than the chain at eight rows (o 15.2 against 9.9 us, qkv 35.3 against
+10.6, down 74 against 21, gate/up 80 against 33), decode at batch 8 2,718 -> 814 tokens/s.
+Its loops were software-pipelined (the weight and row tiles both copied ahead), but each K
+tile's per-row max, its scaled product (which cannot accumulate in the MMA) and the MMA's
+completion formed a serial chain longer than a tile's load. So above one row every op runs
+its chain. KILN_FP8_FUSED_GEMV=0 in the environment (read once, at import) runs the chains
+at one row too.
 """
 
 from __future__ import annotations
@@ -47,22 +44,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kiln.kernels.fp8 import FP8_DTYPE
 from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm_fp8_linear_chain,
                                            check_fused_weight, check_silu_and_mul_args, quantize_fp8_linear,
                                            quantize_fp8_linear_chain, rms_norm_fp8_linear, rms_norm_fp8_linear_chain,
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
-from kiln.kernels.triton_common import GEMV_EARLY_TILE, max_shared_memory, pdl_launch_args, wait_for_previous_kernel
-from kiln.kernels.triton_fp8 import _reciprocal
-from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
+from kiln.kernels.triton_common import GEMV_EARLY_TILE, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_linear import GemvConfig, fit_block_k
 
 FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
-# KILN_FP8_FUSED_GEMV_ROWS=1 (read once, at import): the fused ops at 2-16 rows too, by the
-# swapped-MMA kernel below (FUSED_DOT_TABLE); off until a GPU times it against the chains
-# (bench/fp8_fused_gemv.py --rows 8, bench/gpu_smoke.sh fused_rows_ab).
-FUSED_GEMV_ROWS = FUSED_GEMV and os.environ.get("KILN_FP8_FUSED_GEMV_ROWS", "0") == "1"
-FUSED_GEMV_MAX_ROWS = DOT_BLOCK_M
 
 # One-row tilings, (largest N, largest K, config or None: the chain); the first row that
 # fits wins. From the H200 sweep of 2026-12-03 (module doc): wider column tiles than the
@@ -72,18 +63,6 @@ FUSED_ROW_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
     (4096, math.inf, GemvConfig(8, 1024, 8, 3)),   # down 4096 x 14336
     (8192, math.inf, GemvConfig(16, 512, 8, 3)),   # qkv 6144 x 4096
     (math.inf, math.inf, None),                    # gate/up 28672 x 4096: the chain
-)
-
-# 2-16-row tilings (the swapped-MMA kernel), as FUSED_ROW_TABLE: to start, the unfused FP8
-# GEMV's own 2-16-row tilings (kiln.kernels.triton_fp8.FP8_DOT_TABLE, swept on the H200 at
-# eight rows, X2), not yet swept for this kernel.
-# Down keeps 3 stages: with its two inputs (gate and up) staged beside the weight, 4 stages of
-# 512-wide K tiles need 232 KB of shared memory (sm_90 compile), over an H200's 227.
-FUSED_DOT_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
-    (4096, 4096, GemvConfig(64, 512, 4, 4, swap_ab=True)),         # o
-    (4096, math.inf, GemvConfig(64, 512, 4, 3, swap_ab=True)),     # down
-    (8192, math.inf, GemvConfig(64, 256, 4, 5, swap_ab=True)),     # qkv
-    (math.inf, math.inf, GemvConfig(64, 256, 4, 4, swap_ab=True)),  # gate_up
 )
 
 # What the K loop computes from the op's inputs (module doc).
@@ -163,98 +142,18 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
     tl.store(y_ptr + cols, out.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
-@triton.jit
-def _accumulate_rows(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, x_rows, r_rows, sum_rows, row_mask, ks, tile,
-                     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, PROLOGUE: tl.constexpr):
-    """One K tile of the swapped-MMA kernel: the rows' input tile built, quantized to e4m3 with a
-    scale of its own per row (this tile's max|a|), multiplied on the e4m3 MMA with the weight
-    tile as its M side, and added to acc [BLOCK_N, BLOCK_M] times those scales."""
-    a, s = _input_tile(x_ptr, r_ptr, g_ptr, x_rows + ks[None, :], r_rows + ks[None, :], ks[None, :], row_mask,
-                       PROLOGUE)
-    scale = tl.maximum(tl.max(tl.abs(a), axis=1) / FP8_MAX_C, MIN_SCALE_C)
-    q = tl.minimum(tl.maximum(a * _reciprocal(scale)[:, None], -FP8_MAX_C), FP8_MAX_C)
-    acc += tl.dot(w, tl.trans(q.to(w.dtype))) * scale[None, :]
-    if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
-        squares += tl.sum(s * s, axis=1)
-    if PROLOGUE == _ADD_RMS_NORM:
-        if tile == 0:
-            tl.store(sum_ptr + sum_rows + ks[None, :], s.to(sum_ptr.dtype.element_ty), mask=row_mask)
-    return acc, squares
-
-
-@triton.jit
-def _fused_gemv_rows_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_r,
-                            eps, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX_C: tl.constexpr,
-                            MIN_SCALE_C: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
-    # 1-16 rows: triton_fp8's dot kernel with SWAP_AB (y^T = W x^T, the [BLOCK_N, BLOCK_K] e4m3
-    # weight tile as the warpgroup MMA's 64 rows, the rows as its 16 columns), its x tile
-    # built here as the row kernel's is, then quantized per row and K tile (module doc).
-    tile = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    first = tl.arange(0, BLOCK_K)
-    if EARLY_TILE:
-        w_first = tl.load(w_rows + first[None, :])
-    wait_for_previous_kernel(PDL)
-    row_mask = rows[:, None] < M
-    x_rows, r_rows, sum_rows = rows[:, None] * stride_x, rows[:, None] * stride_r, rows[:, None] * K
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_start = 0
-    if EARLY_TILE:
-        acc, squares = _accumulate_rows(acc, squares, w_first, x_ptr, r_ptr, g_ptr, sum_ptr, x_rows, r_rows, sum_rows,
-                                        row_mask, first, tile, FP8_MAX_C, MIN_SCALE_C, PROLOGUE)
-        k_start = BLOCK_K
-    for k0 in range(k_start, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + ks[None, :])
-        acc, squares = _accumulate_rows(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, x_rows, r_rows, sum_rows,
-                                        row_mask, ks, tile, FP8_MAX_C, MIN_SCALE_C, PROLOGUE)
-    if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
-        acc = acc * tl.math.rsqrt(squares / K + eps)[None, :]
-    acc = acc * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-    mask = (cols[:, None] < N) & (rows[None, :] < M)  # y is [M, N]: the tile is stored transposed
-    tl.store(y_ptr + rows[None, :] * N + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def fit_fused_shared_memory(config: GemvConfig, inputs: int, shared_memory: int) -> GemvConfig:
-    """The swapped-MMA fused kernel's config with its staged tiles within `shared_memory`
-    bytes (0: no limit). Each stage holds the e4m3 weight tile and the 16 rows of each of the
-    prologue's `inputs` activation tensors (16-bit) and of the norm weight: an upper bound of
-    what Triton allocates, within ~10% of the sm_90 compiles' sizes at the Llama-3-8B tilings.
-    Fewer stages first, then shorter K tiles."""
-    def staged(c: GemvConfig) -> int:
-        return c.num_stages * c.block_k * (c.block_n + 2 * DOT_BLOCK_M * inputs + 2)
-
-    return fit_shared_memory(config, 1, shared_memory, staged_bytes=staged)
-
-
-def fused_gemv_config(n: int, k: int, m: int, shared_memory: int = 0, inputs: int = 2) -> GemvConfig | None:
+def fused_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
     """The fused GEMV's tiling for m rows of [n, k], or None (the op runs its chain): one
-    row, FUSED_ROW_TABLE; with KILN_FP8_FUSED_GEMV_ROWS=1, FUSED_DOT_TABLE at 2-16 rows and
-    where the row table says None (its staged tiles, with `inputs` activation tensors read by
-    the prologue, within `shared_memory` bytes, 0: no limit); a K tile that divides k."""
-    config = None
-    if m == 1 and FUSED_GEMV:
-        config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
-    if config is None and 1 <= m <= FUSED_GEMV_MAX_ROWS and FUSED_GEMV_ROWS:
-        # Also at one row where the row table runs the chain (gate/up: its chain's GEMV is
-        # the tl.dot kernel, and the swap won gate/up at one row too, X2).
-        config = next(c for max_n, max_k, c in FUSED_DOT_TABLE if n <= max_n and k <= max_k)
-    if config is not None and config.swap_ab:
-        config = fit_fused_shared_memory(config, inputs, shared_memory)
+    row, FUSED_ROW_TABLE, a K tile that divides k."""
+    if m != 1 or not FUSED_GEMV:
+        return None
+    config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
     return None if config is None else fit_block_k(config, k)
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
              config: GemvConfig | None, m: int, *others: torch.Tensor) -> bool:
-    # One row: the row kernel, or the swapped-MMA kernel with a swap tiling; 2-16 rows: that one.
-    return (config is not None and (m == 1 or (2 <= m <= FUSED_GEMV_MAX_ROWS and config.swap_ab))
-            and x.dtype in _INPUT_DTYPES
+    return (config is not None and m == 1 and x.dtype in _INPUT_DTYPES
             and weight.shape[1] % config.block_k == 0  # the K loop's weight loads are unmasked
             and weight.dtype == FP8_DTYPE and weight.is_contiguous() and weight_scale.is_contiguous()
             and (bias is None or bias.is_contiguous())
@@ -266,21 +165,11 @@ def _row(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.reshape(k).contiguous()
 
 
-def _rows(t: torch.Tensor, m: int, k: int) -> torch.Tensor:
-    """t as [m, k] with unit stride along k (a view where it is one: a half of a merged
-    gate/up output keeps its row stride)."""
-    t2 = t.reshape(m, k)
-    return t2 if t2.stride(1) == 1 else t2.contiguous()
-
-
 def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_weight: torch.Tensor | None,
             weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
             eps: float, config: GemvConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y [..., N] (and x + other for ADD_RMS_NORM), by one fused GEMV launch."""
+    """y [..., N] (and x + other for ADD_RMS_NORM) of one row, by one fused GEMV launch."""
     n, k = weight.shape
-    m = x.numel() // k
-    if config.swap_ab:
-        return _launch_rows(prologue, x, other, norm_weight, weight, weight_scale, bias, out_dtype, eps, config, m)
     x1 = _row(x, k)
     r1 = _row(other, k) if other is not None else x1
     g = norm_weight.contiguous() if norm_weight is not None else x1
@@ -295,39 +184,17 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
     return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
 
-def _launch_rows(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_weight: torch.Tensor | None,
-                 weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                 eps: float, config: GemvConfig, m: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_launch` with a swap tiling (1-16 rows): the swapped-MMA kernel."""
-    n, k = weight.shape
-    x2 = _rows(x, m, k)
-    r2 = _rows(other, m, k) if other is not None else x2
-    g = norm_weight.contiguous() if norm_weight is not None else x2
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == ADD_RMS_NORM else None
-    b = bias if bias is not None else y  # never read without HAS_BIAS
-    _fused_gemv_rows_kernel[(triton.cdiv(n, config.block_n),)](
-        x2, r2, g, summed if summed is not None else y, weight, weight_scale.float(), b, y, m, n, k,
-        x2.stride(0), r2.stride(0), float(eps), PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        BLOCK_M=DOT_BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, FP8_MAX_C=FP8_MAX,
-        MIN_SCALE_C=MIN_SCALE, num_warps=config.num_warps, num_stages=config.num_stages,
-        EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
-    return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
-
-
-def _config_for(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None, inputs: int
-                ) -> tuple[int, GemvConfig | None]:
-    """(rows, tiling); `inputs`: the activation tensors the op's prologue reads."""
+def _config_for(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None) -> tuple[int, GemvConfig | None]:
     n, k = weight.shape
     m = x.numel() // k if k else 0
-    return m, config or fused_gemv_config(n, k, m, max_shared_memory(x.device), inputs)
+    return m, config or fused_gemv_config(n, k, m)
 
 
 def rms_norm_fp8_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                                weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                                config: GemvConfig | None = None) -> torch.Tensor:
     """`config` overrides the tiling (tests, bench)."""
-    m, config = _config_for(x, weight, config, inputs=1)
+    m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m, norm_weight):
         return rms_norm_fp8_linear_chain(x, norm_weight, eps, weight, weight_scale, bias, out_dtype)
     return _launch(RMS_NORM, x, None, norm_weight, weight, weight_scale, bias, out_dtype, eps, config)[0]
@@ -337,7 +204,7 @@ def add_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm
                                    weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                                    out_dtype: torch.dtype, config: GemvConfig | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    m, config = _config_for(x, weight, config, inputs=2)
+    m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m, residual, norm_weight):
         return add_rms_norm_fp8_linear_chain(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
     y, summed = _launch(ADD_RMS_NORM, x, residual, norm_weight, weight, weight_scale, bias, out_dtype, eps, config)
@@ -347,7 +214,7 @@ def add_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm
 def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                                    weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                                    config: GemvConfig | None = None) -> torch.Tensor:
-    m, config = _config_for(gate, weight, config, inputs=2)
+    m, config = _config_for(gate, weight, config)
     if not _applies(gate, weight, weight_scale, bias, config, m, up):
         return silu_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
     return _launch(SILU_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
@@ -356,7 +223,7 @@ def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight:
 def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                bias: torch.Tensor | None, out_dtype: torch.dtype,
                                config: GemvConfig | None = None) -> torch.Tensor:
-    m, config = _config_for(x, weight, config, inputs=1)
+    m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m):
         return quantize_fp8_linear_chain(x, weight, weight_scale, bias, out_dtype)
     return _launch(PLAIN, x, None, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]

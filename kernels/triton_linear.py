@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -114,8 +113,8 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2, shared_memory: 
     return fit_block_k(config, k)
 
 
-def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int, early_tile: bool = False,
-                      staged_bytes: Callable[[GemvConfig], int] | None = None) -> GemvConfig:
+def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
+                      early_tile: bool = False) -> GemvConfig:
     """The 2-16-row kernel's config with its staged tiles within `shared_memory` bytes (0: no
     limit). At a 16-row tile Triton stages num_stages - 1 buffers of the [16, BLOCK_K] row
     tile and the [BLOCK_N, BLOCK_K] weight tile (the sizes its out-of-resources errors
@@ -123,11 +122,8 @@ def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
     99 KB. At a 64-row tile (warpgroup MMA, both operands in shared memory) it keeps
     num_stages buffers, and one more for a tile loaded before the loop (`early_tile`, the
     FP8 kernel's): the sizes of sm_90 compiles. Fewer stages first, then shorter K tiles.
-    The one-row kernel stages nothing. `staged_bytes` replaces that size model (another
-    kernel's, e.g. the fused FP8 GEMV's)."""
+    The one-row kernel stages nothing."""
     def staged(c: GemvConfig) -> int:
-        if staged_bytes is not None:
-            return staged_bytes(c)
         buffers = c.num_stages + int(early_tile) if c.block_m >= 64 or c.swap_ab else c.num_stages - 1
         return buffers * (c.block_m + c.block_n) * c.block_k * element_size
 

@@ -59,10 +59,11 @@ MIN_SPLIT_TILES = int(os.environ.get("KILN_ATTENTION_MIN_SPLIT_TILES", "2"))
 # `KILN_ATTENTION_SMALL_DECODE_ROWS` sets it for A/B runs.
 SMALL_DECODE_ROWS_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS", "128"))
 # The same for a small-batch decode over a 16-bit (bf16/f16) cache, on the keys-as-rows
-# kernel with the cache dtype's MMAs (0: the general kernel's 64-key tiles, the default).
-# The same shorter chain of dependent loads as above, not yet timed on a GPU:
-# `KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=128` (keys per iteration) for A/B runs.
-SMALL_DECODE_ROWS_16BIT_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT", "0"))
+# kernel with the cache dtype's MMAs (0: the general kernel's 64-key tiles, as until
+# 2026-12-04). The same shorter chain of dependent loads as above: bf16 decode 247.2 -> 250.4
+# tokens/s at batch 1 and 1,746 -> 1,772 at batch 8 on one H200 (bench/RESULTS.md X6, two
+# alternating runs each). `KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT` sets it for A/B runs.
+SMALL_DECODE_ROWS_16BIT_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT", "128"))
 # Whether a decode on the e4m3-MMA decode kernel, split over the KV length, merges its splits
 # in that kernel (the last split of each token and KV head to finish, counted on the split-K
 # arrival counters) instead of in `_combine_splits_kernel`: one launch fewer per layer (32 a
@@ -362,7 +363,7 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     iteration; W1); and in a mixed step it takes the one-token sequences (`singles_as_rows`),
     which the general kernel's 64-row prefill tiles would run with 4 of 64 rows filled.
     Over a 16-bit cache the keys-as-rows kernel (`rows_16bit`: a call it supports) takes a
-    small-batch decode only with `SMALL_DECODE_ROWS_16BIT_BLOCK_N` set (untimed).
+    small-batch decode too (`SMALL_DECODE_ROWS_16BIT_BLOCK_N` keys per iteration; X6).
 
     Prefill tiles mask only the key blocks their rows see in part; decode tiles mask every
     block (`AttentionTiling.mask_all_blocks`).

@@ -496,7 +496,7 @@ def test_attention_tiling_choice():
     small = choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, fp8_cache=True, widen_asm=True, e4m3_mma=True)
     assert small.keys_as_rows == bool(SMALL_DECODE_ROWS_BLOCK_N)  # KILN_ATTENTION_SMALL_DECODE_ROWS=0: off
     assert not small.keys_as_rows or small.block_n == SMALL_DECODE_ROWS_BLOCK_N
-    # Over a 16-bit cache, only with KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT (untimed), and only
+    # Over a 16-bit cache too (X6; KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0: off), and only
     # small-batch decodes.
     small16 = choose_tiling(8, 8, 128, h200_smem, fills_gpu=False, rows_16bit=True)
     assert small16.keys_as_rows == bool(SMALL_DECODE_ROWS_16BIT_BLOCK_N)
