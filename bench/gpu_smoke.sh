@@ -10,7 +10,7 @@
 #                                         fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
-#                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap
+#                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -164,6 +164,12 @@ for stage in $STAGES; do
     small_rows_16bit_ab)  # bf16 decode at batch 1 and 8 with small-batch decodes on the keys-as-rows kernel
                           # off and on (KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT=0 / 128), order "0 128 0 128"
       latency_ab small_rows_16bit_ab keys KILN_ATTENTION_SMALL_DECODE_ROWS_16BIT "${SMALL_ROWS_16BIT_AB_ORDER:-0 128 0 128}" "" ;;
+    norm_early_weight_ab)  # the RMSNorm kernels' weight loaded before the PDL wait (KILN_NORM_EARLY_WEIGHT): its
+                           # test on CUDA, then FP8 + FP8 KV and bf16 decode at batch 1 and 8, off / on alternating
+      run_stage norm_early_weight_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+        -k "norm_weight_loaded_early or rms_norm"
+      latency_ab norm_early_weight_ab fp8w KILN_NORM_EARLY_WEIGHT "${NORM_EARLY_WEIGHT_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
+      latency_ab norm_early_weight_ab bf16w KILN_NORM_EARLY_WEIGHT "${NORM_EARLY_WEIGHT_AB_ORDER:-0 1 0 1}" "" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -224,7 +230,7 @@ for stage in $STAGES; do
       echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab)"; status=2 ;;
+           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -35,6 +35,12 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # at 8; bf16 +1.2% at batch 1 (its 2-16-row kernel does without: -5% at 8 with it).
 # KILN_GEMV_EARLY_TILE=0 in the environment (read once, at import) loads every tile after the wait.
 GEMV_EARLY_TILE = os.environ.get("KILN_GEMV_EARLY_TILE", "1") != "0"
+# The same for the RMSNorm kernels (kiln::rms_norm / add_rms_norm and their FP8-quantizing
+# forms, two launches a decoder layer): their norm weight is loaded before the wait instead
+# of after the row's sum of squares, where its load's latency sits on the step's critical
+# path. Off until timed on a GPU: KILN_NORM_EARLY_WEIGHT=1 (read once, at import) turns it on
+# (`bash bench/gpu_smoke.sh norm_early_weight_ab`).
+NORM_EARLY_WEIGHT = os.environ.get("KILN_NORM_EARLY_WEIGHT", "0") == "1"
 
 
 def pow2_at_least(n: int, minimum: int = 2) -> int:

@@ -29,10 +29,10 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import (GEMV_EARLY_TILE, max_shared_memory, num_warps_for, pdl_launch_args,
+from kiln.kernels.triton_common import (GEMV_EARLY_TILE, NORM_EARLY_WEIGHT, max_shared_memory, num_warps_for, pdl_launch_args,
                                         pow2_at_least, split_k_counters, split_k_sum, wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
-from kiln.kernels.triton_norm import _rows_view
+from kiln.kernels.triton_norm import _rms_norm_row, _rows_view
 
 
 @triton.jit
@@ -94,27 +94,16 @@ def _rms_norm_quant_kernel(
     rows_inner, n_cols, eps,
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False,
 ):
-    wait_for_previous_kernel(PDL)
     # kiln.kernels.triton_norm's RMSNorm (one row per program, the row in one block), then the
     # row's e4m3 quantization while it is still in registers: the normed row never goes to memory.
     row = tl.program_id(0)
-    outer = row // rows_inner
-    inner = row % rows_inner
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    variance = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    x, out, cols, mask = _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
+                                       stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT)
     # Rounded to the norm's output dtype, as the unfused graph's rms_norm output is.
-    out = (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype).to(tl.float32)
+    out = out.to(x.dtype).to(tl.float32)
     scale = tl.maximum(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=0) / FP8_MAX_C, MIN_SCALE_C)
     tl.store(scale_ptr + row, scale)
     q = tl.minimum(tl.maximum(out * _reciprocal(scale), -FP8_MAX_C), FP8_MAX_C)
@@ -139,7 +128,7 @@ def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
         x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=num_warps_for(block), **pdl_launch_args(x.device),
+        num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device),
     )
     return xq, scale, summed
 

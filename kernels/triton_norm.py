@@ -18,23 +18,24 @@ from kiln.kernels.layer_norm import check_layer_norm_args
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
-from kiln.kernels.triton_common import num_warps_for, pdl_launch_args, pow2_at_least, wait_for_previous_kernel
+from kiln.kernels.triton_common import (NORM_EARLY_WEIGHT, num_warps_for, pdl_launch_args, pow2_at_least,
+                                        wait_for_previous_kernel)
 
 
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    rows_inner, n_cols, eps,
-    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    wait_for_previous_kernel(PDL)
-    row = tl.program_id(0)
-    outer = row // rows_inner
-    inner = row % rows_inner
+def _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
+                  stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY_WEIGHT: tl.constexpr):
+    """One program's row: (x, or x + residual as stored to sum_ptr; its RMSNorm times the
+    weight in float32, unrounded; the columns; their mask). With EARLY_WEIGHT the norm weight
+    is loaded before the PDL wait (it is no earlier kernel's output; triton_common)."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if EARLY_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    wait_for_previous_kernel(PDL)
+    outer = row // rows_inner
+    inner = row % rows_inner
     x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + outer * stride_r_outer + inner * stride_r_inner + cols, mask=mask, other=0.0)
@@ -44,8 +45,23 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / n_cols
     normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * w.to(tl.float32)
+    if not EARLY_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return x, normed.to(tl.float32) * w.to(tl.float32), cols, mask
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False,
+):
+    row = tl.program_id(0)
+    _, out, cols, mask = _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
+                                       stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
+                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT)
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -81,7 +97,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
-        **pdl_launch_args(x.device),
+        EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device),
     )
     return out, summed
 

@@ -1,6 +1,6 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
-2-16-row tiling; the decode kernel's in-kernel combine, off by default) compile for an
-H100/H200 (sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
+2-16-row tiling; the decode kernel's in-kernel combine and the RMSNorm kernels' early weight
+load, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
 the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
@@ -19,7 +19,9 @@ import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel
+from kiln.kernels.triton_norm import _rms_norm_kernel
 from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
+from kiln.kernels.triton_fp8 import _rms_norm_quant_kernel
 
 def ptx(fn, consts, types, num_warps, num_stages):
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -27,7 +29,7 @@ def ptx(fn, consts, types, num_warps, num_stages):
     # strides, and the GEMVs' N and K (without K's, no load of a weight tile is known to be
     # aligned, and nothing is pipelined).
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")}
+             if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "n_cols")}
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
@@ -51,6 +53,15 @@ for e4m3 in (True, False):
                       PDL=True)
         code = ptx(_paged_decode_fp8_kernel, consts, types, 4, 1)
         found[f"decode e4m3={e4m3} combine={combine}"] = sorted(set(re.findall(r"atom\\.[.\\w]*", code)))
+# KILN_NORM_EARLY_WEIGHT: the RMSNorm kernels' global loads before the PDL wait (a Llama row).
+norm_types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+              "sum_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+for fn, consts in ((_rms_norm_kernel, {}), (_rms_norm_quant_kernel, dict(FP8_MAX_C=448.0, MIN_SCALE_C=1e-12))):
+    for early in (False, True):
+        code = ptx(fn, dict(consts, HAS_RESIDUAL=True, BLOCK=4096, PDL=True, EARLY_WEIGHT=early), norm_types, 8, 1)
+        body = code[code.index(".entry"):]
+        found[f"{fn.__name__} early={early}"] = [len(re.findall(r"ld\\.global", body[:body.index("griddepcontrol.wait")])),
+                                                 len(re.findall(r"ld\\.global", body))]
 print(json.dumps(found))
 """
 
@@ -65,6 +76,11 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
     # columns, both e4m3 as loaded (a 128-column tile: two such MMAs a K step).
     for variant in ("gemv swap 64 split 1", "gemv swap 128 split 2"):
         assert found[variant] == ["wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"], (variant, found[variant])
+    # KILN_NORM_EARLY_WEIGHT: only the norm weight's loads (two 16-byte vectors a thread) move
+    # before the PDL wait; without it nothing is loaded before the wait.
+    for name in ("_rms_norm_kernel", "_rms_norm_quant_kernel"):
+        late, early = found[f"{name} early=False"], found[f"{name} early=True"]
+        assert late[0] == 0 and early[0] == 2 and early[1] == late[1] == 6, (name, late, early)
     # KILN_ATTENTION_FUSED_COMBINE: one atomic a program (its arrival), none without it.
     for e4m3 in (True, False):
         assert found[f"decode e4m3={e4m3} combine=False"] == [], found

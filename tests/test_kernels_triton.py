@@ -897,6 +897,27 @@ def test_rms_norm_quant_fp8(residual):
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
 
 
+@pytest.mark.parametrize("kind", ["rms_norm", "add_rms_norm", "rms_norm_quant", "add_rms_norm_quant"])
+def test_norm_weight_loaded_early_changes_nothing(kind, monkeypatch):
+    # KILN_NORM_EARLY_WEIGHT: the norm weight loaded before the PDL wait (under PDL on a GPU)
+    # instead of after the sum of squares: the same outputs, bit for bit.
+    from kiln.kernels import triton_fp8, triton_norm
+
+    x, r, w = randn(3, 5, 96, seed=65, dtype=HALF) * 4, randn(3, 5, 96, seed=66, dtype=HALF), randn(96, seed=67,
+                                                                                                   dtype=HALF)
+    launch = {"rms_norm": lambda: (rms_norm_triton(x, w, 1e-6),),
+              "add_rms_norm": lambda: add_rms_norm_triton(x, r, w, 1e-6),
+              "rms_norm_quant": lambda: triton_fp8.rms_norm_quant_fp8_triton(x, w, 1e-6),
+              "add_rms_norm_quant": lambda: triton_fp8.add_rms_norm_quant_fp8_triton(x, r, w, 1e-6)}[kind]
+    outputs = []
+    for early in (False, True):
+        monkeypatch.setattr(triton_norm, "NORM_EARLY_WEIGHT", early)
+        monkeypatch.setattr(triton_fp8, "NORM_EARLY_WEIGHT", early)
+        outputs.append([t.float() for t in launch()])
+    for late, early in zip(*outputs):
+        assert torch.equal(late, early)
+
+
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_silu_and_mul_quant_fp8(one_pass):
     from kiln.kernels.fp8 import silu_and_mul_quant_fp8
