@@ -29,8 +29,9 @@ from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_activation import _rows
-from kiln.kernels.triton_common import (GEMV_EARLY_TILE, NORM_EARLY_WEIGHT, max_shared_memory, num_warps_for, pdl_launch_args,
-                                        pow2_at_least, split_k_counters, split_k_sum, wait_for_previous_kernel)
+from kiln.kernels.triton_common import (GEMV_EARLY_TILE, NORM_EARLY_WEIGHT, max_shared_memory, num_warps_for,
+                                        pdl_launch_args, pow2_at_least, split_k_counters, split_k_sum,
+                                        wait_for_previous_kernel)
 from kiln.kernels.triton_linear import DOT_BLOCK_M, GemvConfig, fit_block_k, fit_shared_memory
 from kiln.kernels.triton_norm import _rms_norm_row, _rows_view
 

@@ -1,6 +1,7 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
 2-16-row tiling; the decode kernel's in-kernel combine and the RMSNorm kernels' early weight
-load, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant to use. The interpreter runs them on CPU (their
+load, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
+to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
 the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
@@ -18,10 +19,9 @@ _SCRIPT = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel
+from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel
 from kiln.kernels.triton_norm import _rms_norm_kernel
 from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
-from kiln.kernels.triton_fp8 import _rms_norm_quant_kernel
 
 def ptx(fn, consts, types, num_warps, num_stages):
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
