@@ -37,10 +37,11 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 GEMV_EARLY_TILE = os.environ.get("KILN_GEMV_EARLY_TILE", "1") != "0"
 # The same for the RMSNorm kernels (kiln::rms_norm / add_rms_norm and their FP8-quantizing
 # forms, two launches a decoder layer): their norm weight is loaded before the wait instead
-# of after the row's sum of squares, where its load's latency sits on the step's critical
-# path. Off until timed on a GPU: KILN_NORM_EARLY_WEIGHT=1 (read once, at import) turns it on
-# (`bash bench/gpu_smoke.sh norm_early_weight_ab`).
-NORM_EARLY_WEIGHT = os.environ.get("KILN_NORM_EARLY_WEIGHT", "0") == "1"
+# of after the row's sum of squares, where its load's latency sat on the step's critical
+# path. On the H200 (bench/RESULTS.md, Y1, alternating): bf16 decode +0.5% at batch 1, +0.4%
+# at 8; FP8 + FP8 KV +0.05% / +0.2%. KILN_NORM_EARLY_WEIGHT=0 (read once, at import) loads it
+# after the sum of squares again.
+NORM_EARLY_WEIGHT = os.environ.get("KILN_NORM_EARLY_WEIGHT", "1") != "0"
 
 
 def pow2_at_least(n: int, minimum: int = 2) -> int:
