@@ -11,6 +11,7 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
+#                                         fused_rope_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -170,6 +171,15 @@ for stage in $STAGES; do
         -k "norm_weight_loaded_early or rms_norm"
       latency_ab norm_early_weight_ab fp8w KILN_NORM_EARLY_WEIGHT "${NORM_EARLY_WEIGHT_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
       latency_ab norm_early_weight_ab bf16w KILN_NORM_EARLY_WEIGHT "${NORM_EARLY_WEIGHT_AB_ORDER:-0 1 0 1}" "" ;;
+    fused_rope_ab)  # RoPE and the new tokens' cache write inside the keys-as-rows decode kernel
+                    # (KILN_ATTENTION_FUSED_ROPE): its kernel tests on CUDA, the bf16 parity and FP8 tests with
+                    # it on, then FP8 + FP8 KV and bf16 decode at batch 1 and 8, off / on alternating (~8 min)
+      run_stage fused_rope_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+        -k "rope or keys_as_rows or rows_over or merges_its_own"
+      KILN_ATTENTION_FUSED_ROPE=1 run_stage fused_rope_parity 300 $PY -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_gpu_fusion_parity.py tests/test_gpu_fp8.py -k "bfloat16 or fp8"
+      latency_ab fused_rope_ab fp8w KILN_ATTENTION_FUSED_ROPE "${FUSED_ROPE_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
+      latency_ab fused_rope_ab bf16w KILN_ATTENTION_FUSED_ROPE "${FUSED_ROPE_AB_ORDER:-0 1 0 1}" "" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;

@@ -2,7 +2,8 @@
 
 Layout and meaning of the arguments are documented in `kiln.kernels.paged_attention`.
 One call is up to three launches (for `kiln::rope_paged_attention` the first is the RoPE
-kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the values itself):
+kernel of `kiln.kernels.triton_rope`, which writes the rotated keys and the values itself;
+with FUSED_ROPE a decode on the keys-as-rows kernel does both in that kernel, one launch):
 
 1. `_write_kv_kernel`: scatter the step's K/V rows into their cache slots.
 2. `_paged_attention_kernel`: one program per (query tile, KV head, KV split). A query
@@ -41,8 +42,10 @@ from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged
 from kiln.kernels.triton_common import (SPLIT_K_COUNTERS, converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range,
                                         max_shared_memory, multiprocessor_count, num_warps_for, pdl_launch_args,
                                         pow2_at_least, split_k_counters, wait_for_previous_kernel, zero_padded_rows)
-from kiln.kernels.triton_paged_decode_fp8 import decode_fp8_supported, decode_rows_supported, launch_paged_decode_fp8
-from kiln.kernels.triton_rope import rope_triton
+from kiln.kernels.triton_paged_decode_fp8 import (NewTokensKV, decode_fp8_supported, decode_rows_supported,
+                                                  launch_paged_decode_fp8)
+from kiln.kernels.rope import check_rope_args
+from kiln.kernels.triton_rope import rope_kernel_applies, rope_triton
 
 MAX_SPLITS = 16
 # A split's shortest share of the KV capacity, in KV tiles (choose_num_splits). Each tile a
@@ -70,6 +73,12 @@ SMALL_DECODE_ROWS_16BIT_BLOCK_N = int(os.environ.get("KILN_ATTENTION_SMALL_DECOD
 # decode step at Llama-3-8B's shape). Off until measured on a GPU;
 # `KILN_ATTENTION_FUSED_COMBINE=1` turns it on for A/B runs.
 FUSED_COMBINE = os.environ.get("KILN_ATTENTION_FUSED_COMBINE", "0") != "0"
+# Whether `kiln::rope_paged_attention` (without q/k norms) runs a decode that the keys-as-rows
+# kernel takes in that one launch: each program rotates its query heads and writes the step's
+# rotated keys and values of its KV head into the cache before reading it, instead of the RoPE
+# kernel's launch first (32 launches fewer a decode step at Llama-3-8B's shape). Off until
+# measured on a GPU; `KILN_ATTENTION_FUSED_ROPE=1` turns it on for A/B runs.
+FUSED_ROPE = os.environ.get("KILN_ATTENTION_FUSED_ROPE", "0") != "0"
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -457,9 +466,12 @@ def attend_paged_triton(
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
     fuse_combine: bool | None = None,
+    new_kv: NewTokensKV | None = None,
 ) -> torch.Tensor:
     """Attention of q over the cache, whose slots for this step's tokens are already written
-    (an FP8 cache's values times `kv_scale`, [2] float32 k_scale, v_scale; None: 1).
+    (an FP8 cache's values times `kv_scale`, [2] float32 k_scale, v_scale; None: 1). With
+    `new_kv` they are not yet, and with its cos/sin q is not yet rotated: the keys-as-rows
+    decode kernel does both itself; any other launch gets them done first.
 
     `num_splits`, `tiling` and `fuse_combine` (None: FUSED_COMBINE) override the shape-based
     and default choices (tests, bench/tune_attention.py)."""
@@ -474,6 +486,12 @@ def attend_paged_triton(
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]
+    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
+    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
+    keys_as_rows = tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits
+    if new_kv is not None and not (keys_as_rows and t > 0):
+        q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)
+        new_kv = None
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
     cache_block = kv_cache.shape[2]
@@ -482,10 +500,6 @@ def attend_paged_triton(
     d_pad = pow2_at_least(d, 16)
     num_sms = multiprocessor_count(q.device)
     e4m3_hardware = converts_e4m3_in_hardware(q.device)  # sm_89 and newer: e4m3 widening and MMAs
-    # The keys-as-rows kernel runs e4m3 and 16-bit caches; only the e4m3 one is a default
-    # choice (choose_tiling), a 16-bit one only an explicit tiling's (bench/tune_attention.py).
-    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
-    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
     block_t = max(1, tiling.tile_rows // group_pad)
     block_m = block_t * group_pad
     block_n = tiling.block_n
@@ -494,7 +508,6 @@ def attend_paged_triton(
                                        num_sms)
     num_tiles = t // block_t + num_seqs
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    keys_as_rows = tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits
     singles_as_rows = not keys_as_rows and tiling.singles_as_rows and rows_kernel_fits
     # Nothing is pre-filled. With splits, the combine writes every row of `out` (padded tokens
     # as zeros) and each split every partial a real token needs: at small-batch decode, two
@@ -515,7 +528,7 @@ def attend_paged_triton(
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
                                 tiling.widen_asm, heads_fastest=tiling.heads_fastest,
-                                combine_counters=combine_counters)
+                                combine_counters=combine_counters, new_kv=new_kv)
     else:
         if singles_as_rows:
             rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
@@ -550,6 +563,18 @@ def attend_paged_triton(
     return out
 
 
+def _write_new_kv_first(q: torch.Tensor, new_kv: NewTokensKV, kv_cache: torch.Tensor,
+                        kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """What the keys-as-rows kernel does with `new_kv`, done by the RoPE or the write kernel
+    before another attention launch: returns the query to attend with (rotated, with cos/sin)."""
+    if new_kv.cos is None:
+        write_kv_cache_triton(new_kv.k, new_kv.v, kv_cache, new_kv.slot_mapping, kv_scale)
+        return q
+    q_rot, _ = rope_triton(q, new_kv.k, new_kv.cos, new_kv.sin, None, None, 0.0,
+                           write_kv=(new_kv.v, kv_cache, new_kv.slot_mapping, kv_scale))
+    return q_rot
+
+
 def rope_paged_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -569,15 +594,27 @@ def rope_paged_attention_triton(
     num_splits: int | None = None,
     softcap: float = 0.0,
     kv_scale: torch.Tensor | None = None,
+    tiling: AttentionTiling | None = None,
+    fuse_rope: bool | None = None,
 ) -> torch.Tensor:
-    """RoPE whose kernel writes the rotated k and v into the cache, then attention."""
+    """RoPE whose kernel writes the rotated k and v into the cache, then attention; with
+    `fuse_rope` (None: FUSED_ROPE), no q/k norms and a decode on the keys-as-rows kernel, that
+    kernel alone. `num_splits` and `tiling` override the default choices (tests)."""
     check_kv_scale(kv_scale, kv_cache)
+    fuse_rope = FUSED_ROPE if fuse_rope is None else fuse_rope
+    if (fuse_rope and q_norm_weight is None and k_norm_weight is None and q.stride(-1) == 1
+            and rope_kernel_applies(q, k, cos, sin, None, None, (v, kv_cache, slot_mapping))):
+        check_rope_args(q, k, cos, sin)
+        # (attend_paged_triton runs the RoPE kernel first when the call is not such a decode.)
+        return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                                   num_splits, tiling, softcap=softcap, kv_scale=kv_scale,
+                                   new_kv=NewTokensKV(k, v, slot_mapping, cos, sin))
     q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps,
                            write_kv=(v, kv_cache, slot_mapping, kv_scale))
     if kv_cache.stride(-1) != 1:
         raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
     return attend_paged_triton(q_rot, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, softcap=softcap, kv_scale=kv_scale)
+                               num_splits, tiling, softcap=softcap, kv_scale=kv_scale)
 
 
 @paged_attention_op.register_kernel("cuda")

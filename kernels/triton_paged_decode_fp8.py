@@ -29,6 +29,11 @@ bf16 cache faster than the general kernel's one-token tiles (which fill 4 of the
 at a decode) is for `bench/tune_attention.py` to say: the launcher takes it only for an
 explicit tiling until then (`AttentionTiling.keys_as_rows`).
 
+With NEW_KV (`NewTokensKV`, `KILN_ATTENTION_FUSED_ROPE`) the kernel also does the step's
+cache write, and with ROPE the rotation of its query and keys (`kiln::rope_paged_attention`
+without q/k norms in one launch): every program writes its sequence's new keys and values
+of its KV head before a CTA barrier, then reads the cache as always.
+
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
 at a decode, but the launch decision only sees shapes) runs them one after the other,
 each with its own causal limit. With splits and arrival counters, the last split of each
@@ -41,20 +46,69 @@ those models on the general kernel).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
+from kiln.kernels.triton_rope import rotate_rounded
 
 
 @triton.jit
-def _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh,
-                KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, head_ok, stride_qt, stride_qh, stride_cos, stride_sin,
+                HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr):
+    """Token q_row's query heads `heads` as a [D, len(heads)] tile in the model dtype; with
+    ROPE rotated here, rounded as `kiln::rope` rounds (`rotate_rounded`)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = q_ptr + q_row * stride_qt + heads[None, :] * stride_qh
+    q_t = tl.load(base + offs_d[:, None], mask=head_ok[None, :], other=0.0)
+    if ROPE:
+        half = HEAD_DIM // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        q_partner = tl.load(base + partner[:, None], mask=head_ok[None, :], other=0.0)
+        cos = tl.load(cos_ptr + q_row * stride_cos + offs_d).to(tl.float32)
+        sin = tl.load(sin_ptr + q_row * stride_sin + offs_d).to(tl.float32)
+        q_t = rotate_rounded(q_t, q_partner, cos[:, None], tl.where(offs_d < half, -sin, sin)[:, None], NO_CONTRACT)
+    return q_t
+
+
+@triton.jit
+def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kv_scale_ptr, row,
+                  kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+                  stride_c_blk, stride_c_off, stride_c_h,
+                  HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, KV_SCALE: tl.constexpr, ROPE: tl.constexpr,
+                  NO_CONTRACT: tl.constexpr):
+    """Token `row`'s key (with ROPE rotated) and value of KV head `kv_head` into its cache
+    slot, as `kiln::rope`'s fused write (or `_write_kv_kernel`) would write them: an FP8
+    cache holds them divided by the layer's scales in float32, cast with saturation."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_base = k_new_ptr + row * stride_kt + kv_head * stride_kh
+    k = tl.load(k_base + offs_d)
+    if ROPE:
+        half = HEAD_DIM // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        cos = tl.load(cos_ptr + row * stride_cos + offs_d).to(tl.float32)
+        sin = tl.load(sin_ptr + row * stride_sin + offs_d).to(tl.float32)
+        k = rotate_rounded(k, tl.load(k_base + partner), cos, tl.where(offs_d < half, -sin, sin), NO_CONTRACT)
+    v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + offs_d)
+    if KV_SCALE:
+        k = k.to(tl.float32) / tl.load(kv_scale_ptr)
+        v = v.to(tl.float32) / tl.load(kv_scale_ptr + 1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
+    tl.store(k_cache_ptr + dest + offs_d, k.to(k_cache_ptr.dtype.element_ty))
+    tl.store(v_cache_ptr + dest + offs_d, v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh, stride_cos,
+                stride_sin, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr):
     """The query as the e4m3 MMA's [D, 2 COLS] operand (hi and lo terms), the weights of its
     two halves and each head's logit scale (module docstring)."""
-    offs_d = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, COLS)
     heads = kv_head * GROUP + cols
     # Columns [0, COLS) of the query operand are the hi terms of the heads, [COLS, 2 COLS)
@@ -62,8 +116,8 @@ def _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh
     # most 1/16 of hi's magnitude) times 16, and the logits take it back with weight 1/16.
     cols2 = tl.arange(0, 2 * COLS)
     heads2 = kv_head * GROUP + cols2 % COLS
-    q_t = tl.load(q_ptr + q_row * stride_qt + heads2[None, :] * stride_qh + offs_d[:, None],
-                  mask=(cols2 % COLS < GROUP)[None, :], other=0.0).to(tl.float32)  # [D, 2 COLS]
+    q_t = _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads2, cols2 % COLS < GROUP, stride_qt, stride_qh, stride_cos,
+                      stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(tl.float32)  # [D, 2 COLS]
     amax2 = tl.max(tl.abs(q_t), axis=0)
     mul2 = tl.where(amax2 > 0.0, 448.0 / amax2, 1.0)
     q_scaled = q_t * mul2[None, :]
@@ -71,8 +125,8 @@ def _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh
     q_split = tl.where((cols2 >= COLS)[None, :], (q_scaled - q_hi) * 16.0, q_scaled).to(tl.float8e4nv)
     half_weight = tl.where(cols2 >= COLS, 0.0625, 1.0)
     # The same per-head multiplier again, in the [COLS] layout of the softmax's statistics.
-    amax = tl.max(tl.abs(tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
-                                 mask=(cols < GROUP)[None, :], other=0.0).to(tl.float32)), axis=0)
+    amax = tl.max(tl.abs(_query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, cols < GROUP, stride_qt, stride_qh,
+                                     stride_cos, stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(tl.float32)), axis=0)
     mul = tl.where(amax > 0.0, 448.0 / amax, 1.0)
     # k_scale folds into the logits' scale, v_scale into the output, as in the general kernel.
     col_scale = (scale * tl.load(kv_scale_ptr) if KV_SCALE else scale) / mul
@@ -114,12 +168,12 @@ def _combine_if_last(out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_row, kv_h
 @triton.jit
 def _attend_one_token(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
-    scale, sliding_window, q_row, ctx_len, kv_head, num_kv_heads, split,
+    cos_ptr, sin_ptr, scale, sliding_window, q_row, ctx_len, kv_head, num_kv_heads, split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    E4M3: tl.constexpr, COMBINE: tl.constexpr,
+    E4M3: tl.constexpr, COMBINE: tl.constexpr, ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -127,12 +181,13 @@ def _attend_one_token(
     col_ok = cols < GROUP
     heads = kv_head * GROUP + cols
     if E4M3:
-        q_op, half_weight, col_scale = _e4m3_query(q_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh,
-                                                   KV_SCALE, GROUP, COLS, HEAD_DIM)
+        q_op, half_weight, col_scale = _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head,
+                                                   stride_qt, stride_qh, stride_cos, stride_sin, KV_SCALE, GROUP,
+                                                   COLS, HEAD_DIM, ROPE, NO_CONTRACT)
     else:
         # A 16-bit cache: the query as it is, in the cache's dtype (a bf16 model's own).
-        q_op = tl.load(q_ptr + q_row * stride_qt + heads[None, :] * stride_qh + offs_d[:, None],
-                       mask=col_ok[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
+        q_op = _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, col_ok, stride_qt, stride_qh, stride_cos,
+                           stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
         col_scale = tl.zeros([COLS], tl.float32) + scale
 
     kv_hi = ctx_len
@@ -194,14 +249,17 @@ def _attend_one_token(
 def _paged_decode_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
+    k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr,
     scale, sliding_window, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
-    COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
+    COMBINE: tl.constexpr = False, NEW_KV: tl.constexpr = False, ROPE: tl.constexpr = False,
+    NO_CONTRACT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
@@ -226,13 +284,43 @@ def _paged_decode_fp8_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if SINGLE_TOKENS_ONLY and n_new != 1:
         return  # a mixed step's prefill: the general kernel's (see attend_paged_triton)
+    if NEW_KV:
+        # The step's keys (rotated with ROPE) and values of this KV head, into the cache before
+        # they are read. Every split program of the sequence writes them (the same bytes),
+        # so each reads only its own writes: the CTA barrier orders them before its loads,
+        # and no program waits on another.
+        for tok in range(n_new):
+            _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kv_scale_ptr,
+                          (q_start + tok).to(tl.int64), kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_cos, stride_sin, stride_c_blk, stride_c_off, stride_c_h,
+                          HEAD_DIM, CACHE_BLOCK, KV_SCALE, ROPE, NO_CONTRACT)
+        tl.debug_barrier()
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
-            scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head, num_kv_heads,
-            split, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
-            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE)
+            cos_ptr, sin_ptr, scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head,
+            num_kv_heads, split, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
+            KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE, ROPE,
+            NO_CONTRACT)
+
+
+@dataclass(frozen=True)
+class NewTokensKV:
+    """The step's keys and values ([T, Hkv, D]) and their cache slots, for the decode kernel to
+    write into the cache itself before reading it (one launch fewer a layer than a write
+    kernel first); with `cos` and `sin` ([T, D]) it rotates the keys, and the query, first:
+    `kiln::rope_paged_attention` without q/k norms, in one launch."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
@@ -255,7 +343,7 @@ def launch_paged_decode_fp8(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, kv_scale: torch.Tensor | None,
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
     widen_asm: bool, single_tokens_only: bool = False, heads_fastest: bool = False,
-    combine_counters: torch.Tensor | None = None,
+    combine_counters: torch.Tensor | None = None, new_kv: NewTokensKV | None = None,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
     With `single_tokens_only`, only the rows of sequences that bring one token this step. With
@@ -267,7 +355,11 @@ def launch_paged_decode_fp8(
     The grid's first axis is launched first: by default the sequences, so the programs running
     at once read one KV head of many sequences, 128 bytes of each token's 1 KB row of K (Llama-3's
     8 heads x 128, e4m3). `heads_fastest` puts the KV heads first, so the programs of one
-    sequence's heads run side by side and read whole rows between them."""
+    sequence's heads run side by side and read whole rows between them.
+
+    With `new_kv` every program first writes its sequence's new keys (rotated, with cos/sin:
+    then `q` is the unrotated query) and values of its KV head into the cache: no token may be
+    another kernel's (`single_tokens_only` False)."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     group = hq // hkv
@@ -280,16 +372,38 @@ def launch_paged_decode_fp8(
     if combine and combine_counters.numel() < t * hkv:
         raise ValueError(f"launch_paged_decode_fp8: {combine_counters.numel()} combine counters for {t} tokens x "
                          f"{hkv} KV heads")
+    if new_kv is not None:
+        if single_tokens_only:
+            raise ValueError("launch_paged_decode_fp8: new_kv needs every token's sequence (single_tokens_only off)")
+        if new_kv.k.shape != (t, hkv, d) or new_kv.v.shape != (t, hkv, d) or new_kv.slot_mapping.shape != (t,):
+            raise ValueError(f"launch_paged_decode_fp8: new_kv's k/v must be [{t}, {hkv}, {d}] with {t} slots; got "
+                             f"{tuple(new_kv.k.shape)}, {tuple(new_kv.v.shape)}, {tuple(new_kv.slot_mapping.shape)}")
+        k_new, v_new = _last_dim_contiguous(new_kv.k), _last_dim_contiguous(new_kv.v)
+        slots = new_kv.slot_mapping
+        rope = new_kv.cos is not None
+        if rope and (new_kv.sin is None or new_kv.cos.shape != (t, d) or new_kv.sin.shape != (t, d)):
+            raise ValueError(f"launch_paged_decode_fp8: new_kv's cos and sin must both be [{t}, {d}]")
+        cos, sin = (_last_dim_contiguous(new_kv.cos), _last_dim_contiguous(new_kv.sin)) if rope else (q, q)
+    else:
+        k_new = v_new = slots = cos = sin = q  # unused by the kernel
+        rope = False
     _paged_decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, combine_counters if combine else part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
+        k_new, v_new, slots, cos, sin,
         float(scale), int(sliding_window), t,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0), sin.stride(0),
         KV_SCALE=kv_scale is not None, GROUP=group, COLS=pow2_at_least(group, 8), BLOCK_N=block_n,
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
         E4M3=kv_cache.dtype == torch.float8_e4m3fn, COMBINE=combine,
+        NEW_KV=new_kv is not None, ROPE=rope,
+        # RoPE's products rounded on their own as `kiln::rope` rounds them (its kernel compiles
+        # with contraction off); here only they are, by inline assembly (CUDA), so the rest of
+        # the kernel keeps its FMAs.
+        NO_CONTRACT=rope and q.is_cuda,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device),
     )

@@ -40,6 +40,29 @@ COMPILE_OPTIONS: Mapping[str, bool] = MappingProxyType({"enable_fp_fusion": Fals
 
 
 @triton.jit
+def _mul_rounded(a, b, NO_CONTRACT: tl.constexpr):
+    """a * b in float32, rounded on its own. With NO_CONTRACT (CUDA only: inline assembly, not
+    interpreted) by `mul.rn.f32`, which no compiler fuses with a later add: kernels that keep
+    floating-point contraction on for the rest of their math use it (see the module doc)."""
+    if NO_CONTRACT:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def rotate_rounded(x, x_partner, cos, signed_sin, NO_CONTRACT: tl.constexpr = False):
+    """RoPE of x (any shape, the model dtype) given each element's rotation partner (element
+    (d + D/2) mod D), cos and sin broadcast to it as float32, sin negated for d < D/2: the
+    eager graph's x * cos + rotate_half(x) * sin, rounded to the model dtype where it rounds."""
+    dt = x.dtype
+    a = _mul_rounded(x.to(tl.float32), cos, NO_CONTRACT).to(dt)
+    b = _mul_rounded(x_partner.to(tl.float32), signed_sin, NO_CONTRACT).to(dt)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _rotate_heads(
     x_base, out_base, n_heads, stride_h, out_stride_h, w_ptr, c, s, eps, scale_ptr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -62,9 +85,7 @@ def _rotate_heads(
         wr = tl.load(w_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
         x = ((xf * inv_rms[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt)
         xr = ((xr.to(tl.float32) * inv_rms[:, None]).to(dt).to(tl.float32) * wr[None, :]).to(dt)
-    a = (x.to(tl.float32) * c[None, :]).to(dt)
-    b = (xr.to(tl.float32) * sign[None, :] * s[None, :]).to(dt)
-    out = (a.to(tl.float32) + b.to(tl.float32)).to(dt)
+    out = rotate_rounded(x, xr, c[None, :], (sign * s)[None, :])
     if SCALED:
         # An FP8 cache holds k / k_scale: the rotated key rounded to the model dtype first,
         # then divided in float32 (as the reference's write), then the cast saturates.
@@ -109,6 +130,27 @@ def _rope_kernel(
                       kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, False)
 
 
+def rope_kernel_applies(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None, write_kv: tuple | None,
+) -> bool:
+    """Whether a Triton kernel rotates these (else torch's reference does, then the write):
+    one dtype throughout, a KV cache whose last dimension is contiguous, and no KV-scale
+    calibration under way for an FP8 cache."""
+    dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
+    if q_norm_weight is not None and k_norm_weight is not None:
+        dtypes |= {q_norm_weight.dtype, k_norm_weight.dtype}
+    if write_kv is None:
+        return len(dtypes) == 1
+    # An FP8 cache is written by the kernel too (the rotated k rounded in its own dtype, then
+    # divided by its scale and cast, as the reference's write_kv_cache does).
+    fp8_cache = write_kv[1].dtype == torch.float8_e4m3fn
+    dtypes |= {write_kv[0].dtype} if fp8_cache else {write_kv[0].dtype, write_kv[1].dtype}
+    # Mixed dtypes promote in ways the kernel does not mirror; rare enough to leave to torch.
+    # Start-up's KV-scale calibration records the rotated keys' amax: torch's path, once.
+    return len(dtypes) == 1 and write_kv[1].stride(-1) == 1 and not (fp8_cache and kv_amax_recording())
+
+
 def rope_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -125,19 +167,9 @@ def rope_triton(
     check_rope_args(q, k, cos, sin)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
-    dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
-    if q_norm_weight is not None:
-        dtypes |= {q_norm_weight.dtype, k_norm_weight.dtype}
     kv_scale = write_kv[3] if write_kv is not None and len(write_kv) > 3 else None
     fp8_cache = write_kv is not None and write_kv[1].dtype == torch.float8_e4m3fn
-    if write_kv is not None:
-        # An FP8 cache is written by the kernel too (the rotated k rounded in its own dtype,
-        # then divided by its scale and cast, as the reference's write_kv_cache does).
-        dtypes |= {write_kv[0].dtype} if fp8_cache else {write_kv[0].dtype, write_kv[1].dtype}
-    if (len(dtypes) != 1 or (write_kv is not None and write_kv[1].stride(-1) != 1)
-            or (fp8_cache and kv_amax_recording())):
-        # Mixed dtypes promote in ways the kernel does not mirror; rare enough to leave to torch.
-        # Start-up's KV-scale calibration records the rotated keys' amax: torch's path, once.
+    if not rope_kernel_applies(q, k, cos, sin, q_norm_weight, k_norm_weight, write_kv):
         q_out, k_out = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
         if write_kv is None:
             return q_out, k_out

@@ -1,6 +1,6 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
-2-16-row tiling; the decode kernel's in-kernel combine and the RMSNorm kernels' early weight
-load, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
+2-16-row tiling; the decode kernel's in-kernel combine and RoPE, off by default; the RMSNorm
+kernels' early weight load) compile for an H100/H200 (sm_90) with the instructions they are meant
 to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
@@ -46,13 +46,18 @@ for e4m3 in (True, False):
     cache = "*fp8e4nv" if e4m3 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16", "part_out_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "count_ptr": "*i32", "kv_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
-             "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32"}
-    for combine in (False, True):
+             "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32",
+             "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
+    for combine, rope in ((False, False), (True, False), (False, True)):
         consts = dict(KV_SCALE=e4m3, GROUP=4, COLS=8, BLOCK_N=128, HEAD_DIM=128, CACHE_BLOCK=16, NUM_SPLITS=4,
                       WIDEN_ASM=e4m3, SINGLE_TOKENS_ONLY=False, HEADS_FASTEST=True, E4M3=e4m3, COMBINE=combine,
-                      PDL=True)
+                      NEW_KV=rope, ROPE=rope, NO_CONTRACT=rope, PDL=True)
         code = ptx(_paged_decode_fp8_kernel, consts, types, 4, 1)
-        found[f"decode e4m3={e4m3} combine={combine}"] = sorted(set(re.findall(r"atom\\.[.\\w]*", code)))
+        body = code[code.index(".entry"):]
+        name = f"decode e4m3={e4m3}" + (" rope" if rope else f" combine={combine}")
+        found[name] = sorted(set(re.findall(r"atom\\.[.\\w]*", code)))
+        found[name + " counts"] = [body.count("mul.rn.f32"), len(re.findall(r"fma\\.rn\\.bf16", body)),
+                                   body.count(".local")]
 # KILN_NORM_EARLY_WEIGHT: the RMSNorm kernels' global loads before the PDL wait (a Llama row).
 norm_types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
               "sum_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
@@ -85,3 +90,9 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
     for e4m3 in (True, False):
         assert found[f"decode e4m3={e4m3} combine=False"] == [], found
         assert len(found[f"decode e4m3={e4m3} combine=True"]) == 1, found
+    # KILN_ATTENTION_FUSED_ROPE: RoPE's products by `mul.rn.f32` (the query's and the key's:
+    # 18 a thread over a 16-bit cache, 50 with the e4m3 query's three tiles), never fused into
+    # an FMA that skips their rounding to bf16; no spills to local memory either way.
+    for e4m3, products in ((True, 50), (False, 18)):
+        assert found[f"decode e4m3={e4m3} rope counts"] == [products, 0, 0], found
+        assert found[f"decode e4m3={e4m3} combine=False counts"] == [0, 0, 0], found

@@ -574,6 +574,48 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("cache,splits,window,rows", [("16bit", 1, 0, True), ("16bit", 3, 20, True),
+                                                      ("fp8", 1, 0, True), ("fp8", 2, 20, True), ("fp8", 2, 0, False)])
+def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cache, splits, window, rows):
+    # With fuse_rope the keys-as-rows decode kernel rotates its query heads and writes the
+    # step's rotated keys and values into the cache itself before reading it, in one launch:
+    # the same output and cache, bit for bit, as the RoPE kernel's launch first, with splits
+    # (every split writes the same bytes), a window, padded sequences and tokens, and one
+    # sequence that brings two tokens (its second attends to its first's key). Over another
+    # tiling (`rows` False) the RoPE kernel runs first, as without fuse_rope.
+    import kiln.kernels.triton_paged_attention as attention
+
+    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
+                             block_size=16, num_blocks=32, pad_tokens=1, seed=17 + splits, dtype=HALF)
+    fp8 = cache == "fp8"
+    batch = _fp8_cache(batch) if fp8 else batch
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if fp8 else None
+    t = batch["q"].shape[0]
+    cos, sin = (x.to(HALF) for x in _cos_sin(t, 32, seed=18))
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and fp8
+    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=rows, heads_fastest=True)
+
+    def run(fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        b = {k: v.clone() for k, v in batch.items()}
+        out = rope_paged_attention_triton(b["q"], b["k"], b["v"], cos, sin, None, None, 1e-6, b["kv_cache"],
+                                          b["slot_mapping"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                                          0.2, window, num_splits=splits, kv_scale=kv_scale, tiling=tiling,
+                                          fuse_rope=fuse)
+        return out, b["kv_cache"]
+
+    separate, separate_cache = run(False)
+    rope_calls = []
+    rope_triton_ = attention.rope_triton
+    monkeypatch.setattr(attention, "rope_triton", lambda *a, **kw: rope_calls.append(1) or rope_triton_(*a, **kw))
+    fused, fused_cache = run(True)
+    assert len(rope_calls) == (0 if rows else 1)
+    real = int(batch["query_start_loc"][-1])
+    assert fused[:real].abs().amax(dim=(1, 2)).min() > 0 and not fused[real:].any()
+    assert torch.equal(fused, separate)
+    assert_cache_matches(fused_cache, separate_cache, batch)
+    assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
+
+
 # ---- FP8 (issue 16): e4m3 KV cache, per-token activation quantization -----------------------
 
 FP8 = torch.float8_e4m3fn
