@@ -11,7 +11,7 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
-#                                         fused_rope_ab
+#                                         fused_rope_ab one_writer_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -180,6 +180,13 @@ for stage in $STAGES; do
         tests/test_gpu_fusion_parity.py tests/test_gpu_fp8.py -k "bfloat16 or fp8"
       latency_ab fused_rope_ab fp8w KILN_ATTENTION_FUSED_ROPE "${FUSED_ROPE_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
       latency_ab fused_rope_ab bf16w KILN_ATTENTION_FUSED_ROPE "${FUSED_ROPE_AB_ORDER:-0 1 0 1}" "" ;;
+    one_writer_ab)  # the fused RoPE's new keys written only by the split programs that read them
+                    # (KILN_ATTENTION_NEW_KV_ONE_WRITER): its tests on CUDA, then FP8 + FP8 KV and bf16 decode at
+                    # batch 1 and 8, off / on alternating (~6 min)
+      run_stage one_writer_test 200 env KILN_ATTENTION_NEW_KV_ONE_WRITER=1 $PY -m pytest -q -p no:cacheprovider \
+        tests/test_kernels_triton.py -k "rotates_and_writes or only_splits or keys_as_rows"
+      latency_ab one_writer_ab fp8w KILN_ATTENTION_NEW_KV_ONE_WRITER "${ONE_WRITER_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
+      latency_ab one_writer_ab bf16w KILN_ATTENTION_NEW_KV_ONE_WRITER "${ONE_WRITER_AB_ORDER:-0 1 0 1}" "" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;

@@ -46,6 +46,7 @@ those models on the general kernel).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,13 @@ import triton.language as tl
 from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
 from kiln.kernels.triton_rope import rotate_rounded
+
+# With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
+# decode, the last split of each sequence and KV head) write the new keys and values, and
+# only they wait at the CTA barrier; the others go straight to their cache reads. Off until
+# measured on a GPU (every split program writes them); `KILN_ATTENTION_NEW_KV_ONE_WRITER=1`
+# turns it on for A/B runs.
+NEW_KV_ONE_WRITER = os.environ.get("KILN_ATTENTION_NEW_KV_ONE_WRITER", "0") != "0"
 
 
 @triton.jit
@@ -101,6 +109,25 @@ def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_
     dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off + kv_head * stride_c_h
     tl.store(k_cache_ptr + dest + offs_d, k.to(k_cache_ptr.dtype.element_ty))
     tl.store(v_cache_ptr + dest + offs_d, v.to(v_cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _key_range(ctx_len, sliding_window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) that split `split` reads for the token at position ctx_len - 1."""
+    kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
+    return kv_split_range(kv_lo, ctx_len, split, NUM_SPLITS, BLOCK_N)
+
+
+@triton.jit
+def _reads_a_new_key(seq_len, n_new, sliding_window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether split `split` reads any of the keys at the sequence's n_new new positions
+    [seq_len - n_new, seq_len), for any of its new tokens."""
+    first_new = seq_len - n_new
+    reads = n_new < 0  # False
+    for tok in range(n_new):
+        lo, hi = _key_range(first_new + tok + 1, sliding_window, split, NUM_SPLITS, BLOCK_N)
+        reads = reads | ((lo < hi) & (hi > first_new))
+    return reads
 
 
 @triton.jit
@@ -190,9 +217,7 @@ def _attend_one_token(
                            stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
         col_scale = tl.zeros([COLS], tl.float32) + scale
 
-    kv_hi = ctx_len
-    kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
-    kv_lo, kv_hi = kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
+    kv_lo, kv_hi = _key_range(ctx_len, sliding_window, split, NUM_SPLITS, BLOCK_N)
 
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
@@ -259,7 +284,7 @@ def _paged_decode_fp8_kernel(
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
     COMBINE: tl.constexpr = False, NEW_KV: tl.constexpr = False, ROPE: tl.constexpr = False,
-    NO_CONTRACT: tl.constexpr = False, PDL: tl.constexpr = False,
+    NO_CONTRACT: tl.constexpr = False, ONE_WRITER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
@@ -286,15 +311,21 @@ def _paged_decode_fp8_kernel(
         return  # a mixed step's prefill: the general kernel's (see attend_paged_triton)
     if NEW_KV:
         # The step's keys (rotated with ROPE) and values of this KV head, into the cache before
-        # they are read. Every split program of the sequence writes them (the same bytes),
-        # so each reads only its own writes: the CTA barrier orders them before its loads,
-        # and no program waits on another.
-        for tok in range(n_new):
-            _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kv_scale_ptr,
-                          (q_start + tok).to(tl.int64), kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
-                          stride_cos, stride_sin, stride_c_blk, stride_c_off, stride_c_h,
-                          HEAD_DIM, CACHE_BLOCK, KV_SCALE, ROPE, NO_CONTRACT)
-        tl.debug_barrier()
+        # they are read. Every split program of the sequence that reads one of them (with
+        # ONE_WRITER; else every one) writes them all (the same bytes), so each reads only
+        # its own writes: the CTA barrier orders them before its loads, and no program waits
+        # on another.
+        if ONE_WRITER and NUM_SPLITS > 1:
+            writes = _reads_a_new_key(seq_len, n_new, sliding_window, split, NUM_SPLITS, BLOCK_N)
+        else:
+            writes = n_new > 0
+        if writes:
+            for tok in range(n_new):
+                _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
+                              kv_scale_ptr, (q_start + tok).to(tl.int64), kv_head, stride_kt, stride_kh, stride_vt,
+                              stride_vh, stride_cos, stride_sin, stride_c_blk, stride_c_off, stride_c_h,
+                              HEAD_DIM, CACHE_BLOCK, KV_SCALE, ROPE, NO_CONTRACT)
+            tl.debug_barrier()
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
@@ -400,7 +431,7 @@ def launch_paged_decode_fp8(
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
         E4M3=kv_cache.dtype == torch.float8_e4m3fn, COMBINE=combine,
-        NEW_KV=new_kv is not None, ROPE=rope,
+        NEW_KV=new_kv is not None, ROPE=rope, ONE_WRITER=NEW_KV_ONE_WRITER and new_kv is not None,
         # RoPE's products rounded on their own as `kiln::rope` rounds them (its kernel compiles
         # with contraction off); here only they are, by inline assembly (CUDA), so the rest of
         # the kernel keeps its FMAs.

@@ -51,7 +51,7 @@ for e4m3 in (True, False):
     for combine, rope in ((False, False), (True, False), (False, True)):
         consts = dict(KV_SCALE=e4m3, GROUP=4, COLS=8, BLOCK_N=128, HEAD_DIM=128, CACHE_BLOCK=16, NUM_SPLITS=4,
                       WIDEN_ASM=e4m3, SINGLE_TOKENS_ONLY=False, HEADS_FASTEST=True, E4M3=e4m3, COMBINE=combine,
-                      NEW_KV=rope, ROPE=rope, NO_CONTRACT=rope, PDL=True)
+                      NEW_KV=rope, ROPE=rope, NO_CONTRACT=rope, ONE_WRITER=rope, PDL=True)
         code = ptx(_paged_decode_fp8_kernel, consts, types, 4, 1)
         body = code[code.index(".entry"):]
         name = f"decode e4m3={e4m3}" + (" rope" if rope else f" combine={combine}")

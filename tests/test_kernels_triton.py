@@ -19,6 +19,9 @@ if not torch.cuda.is_available():
     # Stays set for the session: the interpreter reads it again at every launch.
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402  (after TRITON_INTERPRET: triton.language's own jit functions are defined at import)
+import triton.language as tl  # noqa: E402
+
 from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference  # noqa: E402
 from kiln.kernels.paged_attention import paged_attention_reference  # noqa: E402
 from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
@@ -30,6 +33,7 @@ from kiln.kernels.triton_paged_attention import (SMALL_DECODE_ROWS_16BIT_BLOCK_N
                                                  SMALL_DECODE_ROWS_BLOCK_N, AttentionTiling,
                                                  attend_paged_triton, choose_num_splits, choose_tiling,
                                                  paged_attention_triton, rope_paged_attention_triton)
+from kiln.kernels.triton_paged_decode_fp8 import _key_range, _reads_a_new_key  # noqa: E402
 from kiln.kernels.triton_rope import rope_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -574,16 +578,21 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cache,splits,window,rows", [("16bit", 1, 0, True), ("16bit", 3, 20, True),
-                                                      ("fp8", 1, 0, True), ("fp8", 2, 20, True), ("fp8", 2, 0, False)])
-def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cache, splits, window, rows):
+@pytest.mark.parametrize("cache,splits,window,rows,one_writer", [
+    ("16bit", 1, 0, True, False), ("16bit", 3, 20, True, False), ("16bit", 3, 20, True, True),
+    ("fp8", 1, 0, True, False), ("fp8", 2, 20, True, False), ("fp8", 3, 0, True, True), ("fp8", 2, 0, False, False)])
+def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cache, splits, window, rows, one_writer):
     # With fuse_rope the keys-as-rows decode kernel rotates its query heads and writes the
     # step's rotated keys and values into the cache itself before reading it, in one launch:
     # the same output and cache, bit for bit, as the RoPE kernel's launch first, with splits
-    # (every split writes the same bytes), a window, padded sequences and tokens, and one
-    # sequence that brings two tokens (its second attends to its first's key). Over another
-    # tiling (`rows` False) the RoPE kernel runs first, as without fuse_rope.
+    # (every split writes the same bytes; with `one_writer` only those that read a new key),
+    # a window, padded sequences and tokens, and one sequence that brings two tokens (its
+    # second attends to its first's key). Over another tiling (`rows` False) the RoPE kernel
+    # runs first, as without fuse_rope.
     import kiln.kernels.triton_paged_attention as attention
+    import kiln.kernels.triton_paged_decode_fp8 as decode
+
+    monkeypatch.setattr(decode, "NEW_KV_ONE_WRITER", one_writer)
 
     batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
                              block_size=16, num_blocks=32, pad_tokens=1, seed=17 + splits, dtype=HALF)
@@ -614,6 +623,50 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     assert torch.equal(fused, separate)
     assert_cache_matches(fused_cache, separate_cache, batch)
     assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
+
+
+@triton.jit
+def _key_ranges_kernel(seq_lens_ptr, n_new_ptr, writes_ptr, ranges_ptr, window, NUM_SPLITS: tl.constexpr,
+                       BLOCK_N: tl.constexpr, MAX_NEW: tl.constexpr):
+    """Per (sequence, split): whether it writes the new keys (`_reads_a_new_key`), and the key
+    range it reads for each new token (`_key_range`, as the attention loop)."""
+    seq = tl.program_id(0)
+    split = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_new = tl.load(n_new_ptr + seq)
+    writes = _reads_a_new_key(seq_len, n_new, window, split, NUM_SPLITS, BLOCK_N)
+    tl.store(writes_ptr + seq * NUM_SPLITS + split, writes.to(tl.int32))
+    for tok in range(n_new):
+        lo, hi = _key_range(seq_len - n_new + tok + 1, window, split, NUM_SPLITS, BLOCK_N)
+        base = ranges_ptr + ((seq * NUM_SPLITS + split) * MAX_NEW + tok) * 2
+        tl.store(base, lo)
+        tl.store(base + 1, hi)
+
+
+def test_only_splits_that_read_a_new_key_write_them():
+    # NEW_KV_ONE_WRITER: a split program writes the step's new keys only if it reads one of
+    # them, and reads nothing it has not written itself (the interpreter runs programs one
+    # after another, so the test above cannot see a missing writer; a GPU would race). Here,
+    # for contexts, new-token counts and windows around the split and tile edges: every key
+    # range a program reads (`_key_range`, the attention loop's) that holds a new position
+    # belongs to a writer, and every sequence with new tokens has one.
+    seq_lens = [1, 2, 31, 32, 33, 64, 65, 95, 96, 97, 200, 3, 40]
+    n_new = [1, 2, 1, 1, 1, 1, 1, 3, 1, 2, 1, 3, 0]
+    for splits, block_n, window in ((3, 32, 0), (4, 16, 0), (3, 32, 20), (5, 16, 7), (2, 64, 0)):
+        n = len(seq_lens)
+        writes = torch.full((n, splits), -1, dtype=torch.int32, device=DEVICE)
+        ranges = torch.full((n, splits, 3, 2), -1, dtype=torch.int32, device=DEVICE)
+        _key_ranges_kernel[(n, splits)](torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                                   torch.tensor(n_new, dtype=torch.int32, device=DEVICE), writes, ranges, window,
+                                   NUM_SPLITS=splits, BLOCK_N=block_n, MAX_NEW=3)
+        writes, ranges = writes.cpu(), ranges.cpu()
+        assert set(writes.flatten().tolist()) <= {0, 1}
+        for i, (length, new) in enumerate(zip(seq_lens, n_new)):
+            assert bool(writes[i].any()) == (new > 0), (splits, block_n, window, i)
+            for split in range(splits):
+                reads_new = any(lo < hi and hi > length - new for lo, hi in ranges[i, split, :new].tolist())
+                assert bool(writes[i, split]) == reads_new, (splits, block_n, window, i, split)
+        assert 0 < int(writes.sum()) < int((torch.tensor(n_new) > 0).sum()) * splits  # fewer writers than programs
 
 
 # ---- FP8 (issue 16): e4m3 KV cache, per-token activation quantization -----------------------
