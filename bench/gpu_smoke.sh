@@ -11,7 +11,7 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
-#                                         fused_rope_ab one_writer_ab
+#                                         fused_rope_ab one_writer_ab fused_rope_norms_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -187,6 +187,15 @@ for stage in $STAGES; do
         tests/test_kernels_triton.py -k "rotates_and_writes or only_splits or keys_as_rows"
       latency_ab one_writer_ab fp8w KILN_ATTENTION_NEW_KV_ONE_WRITER "${ONE_WRITER_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}"
       latency_ab one_writer_ab bf16w KILN_ATTENTION_NEW_KV_ONE_WRITER "${ONE_WRITER_AB_ORDER:-0 1 0 1}" "" ;;
+    fused_rope_norms_ab)  # Qwen3's q/k norms in the keys-as-rows decode kernel too (KILN_ATTENTION_FUSED_ROPE_NORMS):
+                          # its tests on CUDA, then Qwen3-8B-shaped bf16 and FP8 + FP8 KV decode at batch 1 and 8,
+                          # off / on alternating (~7 min)
+      run_stage fused_rope_norms_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
+        -k "rotates_and_writes or rope"
+      latency_ab fused_rope_norms_ab bf16w KILN_ATTENTION_FUSED_ROPE_NORMS "${FUSED_ROPE_NORMS_AB_ORDER:-0 1 0 1}" "" \
+        --model bench/qwen3_8b.json
+      latency_ab fused_rope_norms_ab fp8w KILN_ATTENTION_FUSED_ROPE_NORMS "${FUSED_ROPE_NORMS_AB_ORDER:-0 1 0 1}" "" \
+        --model bench/qwen3_8b.json "${FP8_ONLY[@]}" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;

@@ -80,6 +80,10 @@ FUSED_COMBINE = os.environ.get("KILN_ATTENTION_FUSED_COMBINE", "0") != "0"
 # (bench/RESULTS.md Y2, two alternating runs each): FP8 + FP8 KV decode +0.5% at batch 1,
 # +1.3% at 8; bf16 -0.2% / +1.4%. `KILN_ATTENTION_FUSED_ROPE=0` launches the RoPE kernel first.
 FUSED_ROPE = os.environ.get("KILN_ATTENTION_FUSED_ROPE", "1") != "0"
+# The same with Qwen3's per-head q/k norms, applied in that kernel before the rotation. Off
+# until measured on a GPU (the RoPE kernel first, as before); `KILN_ATTENTION_FUSED_ROPE_NORMS=1`
+# turns it on for A/B runs (`bash bench/gpu_smoke.sh fused_rope_norms_ab`).
+FUSED_ROPE_NORMS = os.environ.get("KILN_ATTENTION_FUSED_ROPE_NORMS", "0") != "0"
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -571,8 +575,8 @@ def _write_new_kv_first(q: torch.Tensor, new_kv: NewTokensKV, kv_cache: torch.Te
     if new_kv.cos is None:
         write_kv_cache_triton(new_kv.k, new_kv.v, kv_cache, new_kv.slot_mapping, kv_scale)
         return q
-    q_rot, _ = rope_triton(q, new_kv.k, new_kv.cos, new_kv.sin, None, None, 0.0,
-                           write_kv=(new_kv.v, kv_cache, new_kv.slot_mapping, kv_scale))
+    q_rot, _ = rope_triton(q, new_kv.k, new_kv.cos, new_kv.sin, new_kv.q_norm_weight, new_kv.k_norm_weight,
+                           new_kv.eps, write_kv=(new_kv.v, kv_cache, new_kv.slot_mapping, kv_scale))
     return q_rot
 
 
@@ -597,19 +601,25 @@ def rope_paged_attention_triton(
     kv_scale: torch.Tensor | None = None,
     tiling: AttentionTiling | None = None,
     fuse_rope: bool | None = None,
+    fuse_norms: bool | None = None,
 ) -> torch.Tensor:
     """RoPE whose kernel writes the rotated k and v into the cache, then attention; with
-    `fuse_rope` (None: FUSED_ROPE), no q/k norms and a decode on the keys-as-rows kernel, that
-    kernel alone. `num_splits` and `tiling` override the default choices (tests)."""
+    `fuse_rope` (None: FUSED_ROPE) and a decode on the keys-as-rows kernel, that kernel alone
+    (with q/k norms only with `fuse_norms`, None: FUSED_ROPE_NORMS). `num_splits` and `tiling`
+    override the default choices (tests)."""
     check_kv_scale(kv_scale, kv_cache)
     fuse_rope = FUSED_ROPE if fuse_rope is None else fuse_rope
-    if (fuse_rope and q_norm_weight is None and k_norm_weight is None and q.stride(-1) == 1
-            and rope_kernel_applies(q, k, cos, sin, None, None, (v, kv_cache, slot_mapping))):
+    fuse_norms = FUSED_ROPE_NORMS if fuse_norms is None else fuse_norms
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
+    if (fuse_rope and (q_norm_weight is None or fuse_norms) and q.stride(-1) == 1
+            and rope_kernel_applies(q, k, cos, sin, q_norm_weight, k_norm_weight, (v, kv_cache, slot_mapping))):
         check_rope_args(q, k, cos, sin)
         # (attend_paged_triton runs the RoPE kernel first when the call is not such a decode.)
         return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
                                    num_splits, tiling, softcap=softcap, kv_scale=kv_scale,
-                                   new_kv=NewTokensKV(k, v, slot_mapping, cos, sin))
+                                   new_kv=NewTokensKV(k, v, slot_mapping, cos, sin, q_norm_weight, k_norm_weight,
+                                                      float(eps)))
     q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps,
                            write_kv=(v, kv_cache, slot_mapping, kv_scale))
     if kv_cache.stride(-1) != 1:

@@ -30,8 +30,8 @@ at a decode) is for `bench/tune_attention.py` to say: the launcher takes it only
 explicit tiling until then (`AttentionTiling.keys_as_rows`).
 
 With NEW_KV (`NewTokensKV`, `KILN_ATTENTION_FUSED_ROPE`) the kernel also does the step's
-cache write, and with ROPE the rotation of its query and keys (`kiln::rope_paged_attention`
-without q/k norms in one launch): every program writes its sequence's new keys and values
+cache write, and with ROPE the rotation of its query and keys, after Qwen3's per-head norms
+with HAS_NORM (`kiln::rope_paged_attention` in one launch): every program writes its sequence's new keys and values
 of its KV head before a CTA barrier, then reads the cache as always.
 
 One program per (sequence, KV head, split); a sequence bringing more than one token (never
@@ -55,7 +55,7 @@ import triton.language as tl
 
 from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
-from kiln.kernels.triton_rope import rotate_rounded
+from kiln.kernels.triton_rope import _mul_rounded, rms_normed_rounded, rotate_rounded
 
 # With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
 # decode, the last split of each sequence and KV head) write the new keys and values, and
@@ -66,10 +66,19 @@ NEW_KV_ONE_WRITER = os.environ.get("KILN_ATTENTION_NEW_KV_ONE_WRITER", "0") != "
 
 
 @triton.jit
-def _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, head_ok, stride_qt, stride_qh, stride_cos, stride_sin,
-                HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr):
+def _inv_rms(x, eps, axis: tl.constexpr, HEAD_DIM: tl.constexpr, NO_CONTRACT: tl.constexpr):
+    """1 / rms of each head of x along `axis` (its head dimension), float32."""
+    xf = x.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(_mul_rounded(xf, xf, NO_CONTRACT), axis=axis) / HEAD_DIM + eps)
+
+
+@triton.jit
+def _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, head_ok, stride_qt, stride_qh, stride_cos,
+                stride_sin, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+                NO_CONTRACT: tl.constexpr):
     """Token q_row's query heads `heads` as a [D, len(heads)] tile in the model dtype; with
-    ROPE rotated here, rounded as `kiln::rope` rounds (`rotate_rounded`)."""
+    ROPE rotated here (after the per-head norm with HAS_NORM), rounded as `kiln::rope` rounds
+    (`rotate_rounded`, `rms_normed_rounded`)."""
     offs_d = tl.arange(0, HEAD_DIM)
     base = q_ptr + q_row * stride_qt + heads[None, :] * stride_qh
     q_t = tl.load(base + offs_d[:, None], mask=head_ok[None, :], other=0.0)
@@ -77,6 +86,11 @@ def _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, head_ok, stride_qt, strid
         half = HEAD_DIM // 2
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         q_partner = tl.load(base + partner[:, None], mask=head_ok[None, :], other=0.0)
+        if HAS_NORM:
+            inv_rms = _inv_rms(q_t, eps, 0, HEAD_DIM, NO_CONTRACT)[None, :]
+            q_t = rms_normed_rounded(q_t, inv_rms, tl.load(qw_ptr + offs_d).to(tl.float32)[:, None], NO_CONTRACT)
+            q_partner = rms_normed_rounded(q_partner, inv_rms, tl.load(qw_ptr + partner).to(tl.float32)[:, None],
+                                           NO_CONTRACT)
         cos = tl.load(cos_ptr + q_row * stride_cos + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + q_row * stride_sin + offs_d).to(tl.float32)
         q_t = rotate_rounded(q_t, q_partner, cos[:, None], tl.where(offs_d < half, -sin, sin)[:, None], NO_CONTRACT)
@@ -84,11 +98,11 @@ def _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, head_ok, stride_qt, strid
 
 
 @triton.jit
-def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kv_scale_ptr, row,
-                  kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kw_ptr, eps,
+                  kv_scale_ptr, row, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                   stride_c_blk, stride_c_off, stride_c_h,
                   HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, KV_SCALE: tl.constexpr, ROPE: tl.constexpr,
-                  NO_CONTRACT: tl.constexpr):
+                  HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr):
     """Token `row`'s key (with ROPE rotated) and value of KV head `kv_head` into its cache
     slot, as `kiln::rope`'s fused write (or `_write_kv_kernel`) would write them: an FP8
     cache holds them divided by the layer's scales in float32, cast with saturation."""
@@ -100,7 +114,12 @@ def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         cos = tl.load(cos_ptr + row * stride_cos + offs_d).to(tl.float32)
         sin = tl.load(sin_ptr + row * stride_sin + offs_d).to(tl.float32)
-        k = rotate_rounded(k, tl.load(k_base + partner), cos, tl.where(offs_d < half, -sin, sin), NO_CONTRACT)
+        k_partner = tl.load(k_base + partner)
+        if HAS_NORM:
+            inv_rms = _inv_rms(k, eps, 0, HEAD_DIM, NO_CONTRACT)
+            k = rms_normed_rounded(k, inv_rms, tl.load(kw_ptr + offs_d).to(tl.float32), NO_CONTRACT)
+            k_partner = rms_normed_rounded(k_partner, inv_rms, tl.load(kw_ptr + partner).to(tl.float32), NO_CONTRACT)
+        k = rotate_rounded(k, k_partner, cos, tl.where(offs_d < half, -sin, sin), NO_CONTRACT)
     v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + offs_d)
     if KV_SCALE:
         k = k.to(tl.float32) / tl.load(kv_scale_ptr)
@@ -131,9 +150,9 @@ def _reads_a_new_key(seq_len, n_new, sliding_window, split, NUM_SPLITS: tl.const
 
 
 @triton.jit
-def _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh, stride_cos,
-                stride_sin, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr):
+def _e4m3_query(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, kv_scale_ptr, scale, q_row, kv_head, stride_qt, stride_qh,
+                stride_cos, stride_sin, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr, NO_CONTRACT: tl.constexpr):
     """The query as the e4m3 MMA's [D, 2 COLS] operand (hi and lo terms), the weights of its
     two halves and each head's logit scale (module docstring)."""
     cols = tl.arange(0, COLS)
@@ -143,8 +162,9 @@ def _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head, st
     # most 1/16 of hi's magnitude) times 16, and the logits take it back with weight 1/16.
     cols2 = tl.arange(0, 2 * COLS)
     heads2 = kv_head * GROUP + cols2 % COLS
-    q_t = _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads2, cols2 % COLS < GROUP, stride_qt, stride_qh, stride_cos,
-                      stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(tl.float32)  # [D, 2 COLS]
+    q_t = _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads2, cols2 % COLS < GROUP, stride_qt,
+                      stride_qh, stride_cos, stride_sin, HEAD_DIM, ROPE, HAS_NORM,
+                      NO_CONTRACT).to(tl.float32)  # [D, 2 COLS]
     amax2 = tl.max(tl.abs(q_t), axis=0)
     mul2 = tl.where(amax2 > 0.0, 448.0 / amax2, 1.0)
     q_scaled = q_t * mul2[None, :]
@@ -152,8 +172,9 @@ def _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head, st
     q_split = tl.where((cols2 >= COLS)[None, :], (q_scaled - q_hi) * 16.0, q_scaled).to(tl.float8e4nv)
     half_weight = tl.where(cols2 >= COLS, 0.0625, 1.0)
     # The same per-head multiplier again, in the [COLS] layout of the softmax's statistics.
-    amax = tl.max(tl.abs(_query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, cols < GROUP, stride_qt, stride_qh,
-                                     stride_cos, stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(tl.float32)), axis=0)
+    amax = tl.max(tl.abs(_query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, cols < GROUP, stride_qt,
+                                     stride_qh, stride_cos, stride_sin, HEAD_DIM, ROPE, HAS_NORM,
+                                     NO_CONTRACT).to(tl.float32)), axis=0)
     mul = tl.where(amax > 0.0, 448.0 / amax, 1.0)
     # k_scale folds into the logits' scale, v_scale into the output, as in the general kernel.
     col_scale = (scale * tl.load(kv_scale_ptr) if KV_SCALE else scale) / mul
@@ -195,12 +216,13 @@ def _combine_if_last(out_ptr, part_out_ptr, part_lse_ptr, count_ptr, q_row, kv_h
 @triton.jit
 def _attend_one_token(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
-    cos_ptr, sin_ptr, scale, sliding_window, q_row, ctx_len, kv_head, num_kv_heads, split,
+    cos_ptr, sin_ptr, qw_ptr, eps, scale, sliding_window, q_row, ctx_len, kv_head, num_kv_heads, split,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
-    E4M3: tl.constexpr, COMBINE: tl.constexpr, ROPE: tl.constexpr, NO_CONTRACT: tl.constexpr,
+    E4M3: tl.constexpr, COMBINE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
+    NO_CONTRACT: tl.constexpr,
 ):
     """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
     offs_d = tl.arange(0, HEAD_DIM)
@@ -208,13 +230,14 @@ def _attend_one_token(
     col_ok = cols < GROUP
     heads = kv_head * GROUP + cols
     if E4M3:
-        q_op, half_weight, col_scale = _e4m3_query(q_ptr, cos_ptr, sin_ptr, kv_scale_ptr, scale, q_row, kv_head,
-                                                   stride_qt, stride_qh, stride_cos, stride_sin, KV_SCALE, GROUP,
-                                                   COLS, HEAD_DIM, ROPE, NO_CONTRACT)
+        q_op, half_weight, col_scale = _e4m3_query(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, kv_scale_ptr, scale, q_row,
+                                                   kv_head, stride_qt, stride_qh, stride_cos, stride_sin, KV_SCALE,
+                                                   GROUP, COLS, HEAD_DIM, ROPE, HAS_NORM, NO_CONTRACT)
     else:
         # A 16-bit cache: the query as it is, in the cache's dtype (a bf16 model's own).
-        q_op = _query_tile(q_ptr, cos_ptr, sin_ptr, q_row, heads, col_ok, stride_qt, stride_qh, stride_cos,
-                           stride_sin, HEAD_DIM, ROPE, NO_CONTRACT).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
+        q_op = _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, col_ok, stride_qt, stride_qh,
+                           stride_cos, stride_sin, HEAD_DIM, ROPE, HAS_NORM,
+                           NO_CONTRACT).to(k_cache_ptr.dtype.element_ty)  # [D, COLS]
         col_scale = tl.zeros([COLS], tl.float32) + scale
 
     kv_lo, kv_hi = _key_range(ctx_len, sliding_window, split, NUM_SPLITS, BLOCK_N)
@@ -274,8 +297,8 @@ def _attend_one_token(
 def _paged_decode_fp8_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, kv_scale_ptr,
-    k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr,
-    scale, sliding_window, num_tokens,
+    k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+    scale, sliding_window, num_tokens, eps,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -284,7 +307,8 @@ def _paged_decode_fp8_kernel(
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
     COMBINE: tl.constexpr = False, NEW_KV: tl.constexpr = False, ROPE: tl.constexpr = False,
-    NO_CONTRACT: tl.constexpr = False, ONE_WRITER: tl.constexpr = False, PDL: tl.constexpr = False,
+    HAS_NORM: tl.constexpr = False, NO_CONTRACT: tl.constexpr = False, ONE_WRITER: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
@@ -321,33 +345,39 @@ def _paged_decode_fp8_kernel(
             writes = n_new > 0
         if writes:
             for tok in range(n_new):
-                _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr,
+                _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_ptr, sin_ptr, kw_ptr, eps,
                               kv_scale_ptr, (q_start + tok).to(tl.int64), kv_head, stride_kt, stride_kh, stride_vt,
                               stride_vh, stride_cos, stride_sin, stride_c_blk, stride_c_off, stride_c_h,
-                              HEAD_DIM, CACHE_BLOCK, KV_SCALE, ROPE, NO_CONTRACT)
+                              HEAD_DIM, CACHE_BLOCK, KV_SCALE, ROPE, HAS_NORM, NO_CONTRACT)
             tl.debug_barrier()
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
-            cos_ptr, sin_ptr, scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1, kv_head,
+            cos_ptr, sin_ptr, qw_ptr, eps, scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1,
+            kv_head,
             num_kv_heads, split, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
             KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE, ROPE,
-            NO_CONTRACT)
+            HAS_NORM, NO_CONTRACT)
 
 
 @dataclass(frozen=True)
 class NewTokensKV:
     """The step's keys and values ([T, Hkv, D]) and their cache slots, for the decode kernel to
     write into the cache itself before reading it (one launch fewer a layer than a write
-    kernel first); with `cos` and `sin` ([T, D]) it rotates the keys, and the query, first:
-    `kiln::rope_paged_attention` without q/k norms, in one launch."""
+    kernel first); with `cos` and `sin` ([T, D]) it rotates the keys, and the query, first
+    (after Qwen3's per-head norms, given their weights): `kiln::rope_paged_attention` in one
+    launch."""
 
     k: torch.Tensor
     v: torch.Tensor
     slot_mapping: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # Qwen3's per-head q/k norms ([D] each), applied before the rotation (only with cos/sin).
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -415,14 +445,19 @@ def launch_paged_decode_fp8(
         if rope and (new_kv.sin is None or new_kv.cos.shape != (t, d) or new_kv.sin.shape != (t, d)):
             raise ValueError(f"launch_paged_decode_fp8: new_kv's cos and sin must both be [{t}, {d}]")
         cos, sin = (_last_dim_contiguous(new_kv.cos), _last_dim_contiguous(new_kv.sin)) if rope else (q, q)
+        has_norm = rope and new_kv.q_norm_weight is not None
+        if has_norm and (new_kv.k_norm_weight is None or new_kv.q_norm_weight.shape != (d,)
+                         or new_kv.k_norm_weight.shape != (d,)):
+            raise ValueError(f"launch_paged_decode_fp8: new_kv's q and k norm weights must both be [{d}]")
+        qw, kw = (new_kv.q_norm_weight.contiguous(), new_kv.k_norm_weight.contiguous()) if has_norm else (q, q)
     else:
-        k_new = v_new = slots = cos = sin = q  # unused by the kernel
-        rope = False
+        k_new = v_new = slots = cos = sin = qw = kw = q  # unused by the kernel
+        rope = has_norm = False
     _paged_decode_fp8_kernel[grid](
         q, k_cache, v_cache, out, part_out, part_lse, combine_counters if combine else part_lse,
         block_tables, seq_lens, query_start_loc, kv_scale if kv_scale is not None else q,
-        k_new, v_new, slots, cos, sin,
-        float(scale), int(sliding_window), t,
+        k_new, v_new, slots, cos, sin, qw, kw,
+        float(scale), int(sliding_window), t, float(new_kv.eps if has_norm else 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -431,7 +466,7 @@ def launch_paged_decode_fp8(
         HEAD_DIM=d, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits, WIDEN_ASM=widen_asm,
         SINGLE_TOKENS_ONLY=single_tokens_only, HEADS_FASTEST=heads_fastest,
         E4M3=kv_cache.dtype == torch.float8_e4m3fn, COMBINE=combine,
-        NEW_KV=new_kv is not None, ROPE=rope, ONE_WRITER=NEW_KV_ONE_WRITER and new_kv is not None,
+        NEW_KV=new_kv is not None, ROPE=rope, HAS_NORM=has_norm, ONE_WRITER=NEW_KV_ONE_WRITER and new_kv is not None,
         # RoPE's products rounded on their own as `kiln::rope` rounds them (its kernel compiles
         # with contraction off); here only they are, by inline assembly (CUDA), so the rest of
         # the kernel keeps its FMAs.

@@ -63,6 +63,16 @@ def rotate_rounded(x, x_partner, cos, signed_sin, NO_CONTRACT: tl.constexpr = Fa
 
 
 @triton.jit
+def rms_normed_rounded(x, inv_rms, w, NO_CONTRACT: tl.constexpr = False):
+    """Qwen3's per-head q/k norm of x (the model dtype) given its 1/rms and the norm weight
+    (both float32, broadcast to x): rounded to the model dtype after each product, as the
+    eager graph's separate ops round."""
+    dt = x.dtype
+    return _mul_rounded(_mul_rounded(x.to(tl.float32), inv_rms, NO_CONTRACT).to(dt).to(tl.float32), w,
+                        NO_CONTRACT).to(dt)
+
+
+@triton.jit
 def _rotate_heads(
     x_base, out_base, n_heads, stride_h, out_stride_h, w_ptr, c, s, eps, scale_ptr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -83,8 +93,8 @@ def _rotate_heads(
         inv_rms = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         wr = tl.load(w_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
-        x = ((xf * inv_rms[:, None]).to(dt).to(tl.float32) * w[None, :]).to(dt)
-        xr = ((xr.to(tl.float32) * inv_rms[:, None]).to(dt).to(tl.float32) * wr[None, :]).to(dt)
+        x = rms_normed_rounded(x, inv_rms[:, None], w[None, :])
+        xr = rms_normed_rounded(xr, inv_rms[:, None], wr[None, :])
     out = rotate_rounded(x, xr, c[None, :], (sign * s)[None, :])
     if SCALED:
         # An FP8 cache holds k / k_scale: the rotated key rounded to the model dtype first,

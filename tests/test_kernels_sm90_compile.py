@@ -48,13 +48,14 @@ for e4m3 in (True, False):
              "part_lse_ptr": "*fp32", "count_ptr": "*i32", "kv_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32",
              "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
-    for combine, rope in ((False, False), (True, False), (False, True)):
+    types.update(qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+    for combine, rope, norm in ((False, False, False), (True, False, False), (False, True, False), (False, True, True)):
         consts = dict(KV_SCALE=e4m3, GROUP=4, COLS=8, BLOCK_N=128, HEAD_DIM=128, CACHE_BLOCK=16, NUM_SPLITS=4,
                       WIDEN_ASM=e4m3, SINGLE_TOKENS_ONLY=False, HEADS_FASTEST=True, E4M3=e4m3, COMBINE=combine,
-                      NEW_KV=rope, ROPE=rope, NO_CONTRACT=rope, ONE_WRITER=rope, PDL=True)
+                      NEW_KV=rope, ROPE=rope, HAS_NORM=norm, NO_CONTRACT=rope, ONE_WRITER=rope, PDL=True)
         code = ptx(_paged_decode_fp8_kernel, consts, types, 4, 1)
         body = code[code.index(".entry"):]
-        name = f"decode e4m3={e4m3}" + (" rope" if rope else f" combine={combine}")
+        name = f"decode e4m3={e4m3}" + ((" rope norm" if norm else " rope") if rope else f" combine={combine}")
         found[name] = sorted(set(re.findall(r"atom\\.[.\\w]*", code)))
         found[name + " counts"] = [body.count("mul.rn.f32"), len(re.findall(r"fma\\.rn\\.bf16", body)),
                                    body.count(".local")]
@@ -91,8 +92,10 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
         assert found[f"decode e4m3={e4m3} combine=False"] == [], found
         assert len(found[f"decode e4m3={e4m3} combine=True"]) == 1, found
     # KILN_ATTENTION_FUSED_ROPE: RoPE's products by `mul.rn.f32` (the query's and the key's:
-    # 18 a thread over a 16-bit cache, 50 with the e4m3 query's three tiles), never fused into
-    # an FMA that skips their rounding to bf16; no spills to local memory either way.
-    for e4m3, products in ((True, 50), (False, 18)):
+    # 18 a thread over a 16-bit cache, 50 with the e4m3 query's three tiles; with the q/k
+    # norms' squares and products, KILN_ATTENTION_FUSED_ROPE_NORMS, 63 and 175), never fused
+    # into an FMA that skips their rounding to bf16; no spills to local memory either way.
+    for e4m3, products, with_norms in ((True, 50, 175), (False, 18, 63)):
         assert found[f"decode e4m3={e4m3} rope counts"] == [products, 0, 0], found
+        assert found[f"decode e4m3={e4m3} rope norm counts"] == [with_norms, 0, 0], found
         assert found[f"decode e4m3={e4m3} combine=False counts"] == [0, 0, 0], found

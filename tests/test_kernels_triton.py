@@ -578,17 +578,20 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("cache,splits,window,rows,one_writer", [
-    ("16bit", 1, 0, True, False), ("16bit", 3, 20, True, False), ("16bit", 3, 20, True, True),
-    ("fp8", 1, 0, True, False), ("fp8", 2, 20, True, False), ("fp8", 3, 0, True, True), ("fp8", 2, 0, False, False)])
-def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cache, splits, window, rows, one_writer):
+@pytest.mark.parametrize("cache,splits,window,rows,one_writer,norm", [
+    ("16bit", 1, 0, True, False, False), ("16bit", 3, 20, True, False, False), ("16bit", 3, 20, True, True, False),
+    ("fp8", 1, 0, True, False, False), ("fp8", 2, 20, True, False, False), ("fp8", 3, 0, True, True, False),
+    ("fp8", 2, 0, False, False, False), ("16bit", 2, 0, True, False, True), ("fp8", 3, 20, True, True, True),
+    ("fp8", 1, 0, False, False, True)])
+def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cache, splits, window, rows, one_writer,
+                                                               norm):
     # With fuse_rope the keys-as-rows decode kernel rotates its query heads and writes the
     # step's rotated keys and values into the cache itself before reading it, in one launch:
     # the same output and cache, bit for bit, as the RoPE kernel's launch first, with splits
     # (every split writes the same bytes; with `one_writer` only those that read a new key),
     # a window, padded sequences and tokens, and one sequence that brings two tokens (its
     # second attends to its first's key). Over another tiling (`rows` False) the RoPE kernel
-    # runs first, as without fuse_rope.
+    # runs first, as without fuse_rope. With Qwen3's q/k norms (`norm`) too.
     import kiln.kernels.triton_paged_attention as attention
     import kiln.kernels.triton_paged_decode_fp8 as decode
 
@@ -601,15 +604,16 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if fp8 else None
     t = batch["q"].shape[0]
     cos, sin = (x.to(HALF) for x in _cos_sin(t, 32, seed=18))
+    norms = (randn(32, seed=19, dtype=HALF), randn(32, seed=20, dtype=HALF)) if norm else (None, None)
     widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and fp8
     tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=rows, heads_fastest=True)
 
     def run(fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         b = {k: v.clone() for k, v in batch.items()}
-        out = rope_paged_attention_triton(b["q"], b["k"], b["v"], cos, sin, None, None, 1e-6, b["kv_cache"],
+        out = rope_paged_attention_triton(b["q"], b["k"], b["v"], cos, sin, *norms, 1e-6, b["kv_cache"],
                                           b["slot_mapping"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
                                           0.2, window, num_splits=splits, kv_scale=kv_scale, tiling=tiling,
-                                          fuse_rope=fuse)
+                                          fuse_rope=fuse, fuse_norms=fuse)
         return out, b["kv_cache"]
 
     separate, separate_cache = run(False)
@@ -620,8 +624,16 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     assert len(rope_calls) == (0 if rows else 1)
     real = int(batch["query_start_loc"][-1])
     assert fused[:real].abs().amax(dim=(1, 2)).min() > 0 and not fused[real:].any()
-    assert torch.equal(fused, separate)
-    assert_cache_matches(fused_cache, separate_cache, batch)
+    if norm and DEVICE != "cpu":
+        # Compiled, the norms' sums of squares run in another order than the RoPE kernel's
+        # (another tile layout): a rounding of the normed q or k may flip, and with it one
+        # e4m3 step of a cached key.
+        torch.testing.assert_close(fused, separate, atol=2e-3, rtol=2e-3)
+        assert_cache_matches(fused_cache.float(), separate_cache.float(), batch, atol=1e-3,
+                             rtol=0.13 if fp8 else 1e-3)
+    else:
+        assert torch.equal(fused, separate)
+        assert_cache_matches(fused_cache, separate_cache, batch)
     assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
 
 
