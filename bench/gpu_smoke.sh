@@ -192,6 +192,8 @@ for stage in $STAGES; do
                           # off / on alternating (~7 min)
       run_stage fused_rope_norms_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
         -k "rotates_and_writes or rope"
+      KILN_ATTENTION_FUSED_ROPE_NORMS=1 run_stage fused_rope_norms_parity 200 $PY -m pytest -q -p no:cacheprovider \
+        -m gpu tests/test_gpu_fusion_parity.py -k "bfloat16 and qwen3"
       latency_ab fused_rope_norms_ab bf16w KILN_ATTENTION_FUSED_ROPE_NORMS "${FUSED_ROPE_NORMS_AB_ORDER:-0 1 0 1}" "" \
         --model bench/qwen3_8b.json
       latency_ab fused_rope_norms_ab fp8w KILN_ATTENTION_FUSED_ROPE_NORMS "${FUSED_ROPE_NORMS_AB_ORDER:-0 1 0 1}" "" \
