@@ -55,7 +55,7 @@ import triton.language as tl
 
 from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
-from kiln.kernels.triton_rope import _mul_rounded, rms_normed_rounded, rotate_rounded
+from kiln.kernels.triton_rope import mul_rounded, rms_normed_rounded, rotate_rounded
 
 # With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
 # decode, the last split of each sequence and KV head) write the new keys and values, and
@@ -69,7 +69,7 @@ NEW_KV_ONE_WRITER = os.environ.get("KILN_ATTENTION_NEW_KV_ONE_WRITER", "0") != "
 def _inv_rms(x, eps, axis: tl.constexpr, HEAD_DIM: tl.constexpr, NO_CONTRACT: tl.constexpr):
     """1 / rms of each head of x along `axis` (its head dimension), float32."""
     xf = x.to(tl.float32)
-    return tl.math.rsqrt(tl.sum(_mul_rounded(xf, xf, NO_CONTRACT), axis=axis) / HEAD_DIM + eps)
+    return tl.math.rsqrt(tl.sum(mul_rounded(xf, xf, NO_CONTRACT), axis=axis) / HEAD_DIM + eps)
 
 
 @triton.jit
@@ -353,9 +353,9 @@ def _paged_decode_fp8_kernel(
     for tok in range(n_new):  # one token at a decode; none for a padded sequence
         _attend_one_token(
             q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, count_ptr, table, kv_scale_ptr,
-            cos_ptr, sin_ptr, qw_ptr, eps, scale, sliding_window, (q_start + tok).to(tl.int64), seq_len - n_new + tok + 1,
-            kv_head,
-            num_kv_heads, split, stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
+            cos_ptr, sin_ptr, qw_ptr, eps, scale, sliding_window, (q_start + tok).to(tl.int64),
+            seq_len - n_new + tok + 1, kv_head, num_kv_heads, split,
+            stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
             KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE, ROPE,
             HAS_NORM, NO_CONTRACT)

@@ -40,7 +40,7 @@ COMPILE_OPTIONS: Mapping[str, bool] = MappingProxyType({"enable_fp_fusion": Fals
 
 
 @triton.jit
-def _mul_rounded(a, b, NO_CONTRACT: tl.constexpr):
+def mul_rounded(a, b, NO_CONTRACT: tl.constexpr):
     """a * b in float32, rounded on its own. With NO_CONTRACT (CUDA only: inline assembly, not
     interpreted) by `mul.rn.f32`, which no compiler fuses with a later add: kernels that keep
     floating-point contraction on for the rest of their math use it (see the module doc)."""
@@ -57,8 +57,8 @@ def rotate_rounded(x, x_partner, cos, signed_sin, NO_CONTRACT: tl.constexpr = Fa
     (d + D/2) mod D), cos and sin broadcast to it as float32, sin negated for d < D/2: the
     eager graph's x * cos + rotate_half(x) * sin, rounded to the model dtype where it rounds."""
     dt = x.dtype
-    a = _mul_rounded(x.to(tl.float32), cos, NO_CONTRACT).to(dt)
-    b = _mul_rounded(x_partner.to(tl.float32), signed_sin, NO_CONTRACT).to(dt)
+    a = mul_rounded(x.to(tl.float32), cos, NO_CONTRACT).to(dt)
+    b = mul_rounded(x_partner.to(tl.float32), signed_sin, NO_CONTRACT).to(dt)
     return (a.to(tl.float32) + b.to(tl.float32)).to(dt)
 
 
@@ -68,7 +68,7 @@ def rms_normed_rounded(x, inv_rms, w, NO_CONTRACT: tl.constexpr = False):
     (both float32, broadcast to x): rounded to the model dtype after each product, as the
     eager graph's separate ops round."""
     dt = x.dtype
-    return _mul_rounded(_mul_rounded(x.to(tl.float32), inv_rms, NO_CONTRACT).to(dt).to(tl.float32), w,
+    return mul_rounded(mul_rounded(x.to(tl.float32), inv_rms, NO_CONTRACT).to(dt).to(tl.float32), w,
                         NO_CONTRACT).to(dt)
 
 
