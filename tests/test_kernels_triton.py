@@ -637,6 +637,32 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
 
 
+@pytest.mark.parametrize("cache,splits", [("16bit", 3), ("fp8", 2)])
+def test_keys_as_rows_decode_writes_the_new_tokens_without_rope(cache, splits):
+    # `NewTokensKV` without cos/sin: the kernel writes the step's keys and values as they are,
+    # as `paged_attention_triton`'s write kernel would, then attends: the same output and
+    # cache, bit for bit.
+    from kiln.kernels.triton_paged_decode_fp8 import NewTokensKV
+
+    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
+                             block_size=16, num_blocks=32, pad_tokens=1, seed=23, dtype=HALF)
+    batch = _fp8_cache(batch) if cache == "fp8" else batch
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if cache == "fp8" else None
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and cache == "fp8"
+    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=True, heads_fastest=True)
+    separate = {k: v.clone() for k, v in batch.items()}
+    ref = paged_attention_triton(**separate, scale=0.2, sliding_window=0, num_splits=splits, tiling=tiling,
+                                 kv_scale=kv_scale)
+    fused = {k: v.clone() for k, v in batch.items()}
+    out = attend_paged_triton(*_attention_args(fused), num_splits=splits, tiling=tiling, kv_scale=kv_scale,
+                              new_kv=NewTokensKV(fused["k"], fused["v"], fused["slot_mapping"]))
+    real = int(batch["query_start_loc"][-1])
+    assert out[:real].abs().amax(dim=(1, 2)).min() > 0
+    assert torch.equal(out, ref)
+    assert_cache_matches(fused["kv_cache"], separate["kv_cache"], batch)
+    assert not torch.equal(fused["kv_cache"], batch["kv_cache"])
+
+
 @triton.jit
 def _key_ranges_kernel(seq_lens_ptr, n_new_ptr, writes_ptr, ranges_ptr, window, NUM_SPLITS: tl.constexpr,
                        BLOCK_N: tl.constexpr, MAX_NEW: tl.constexpr):
