@@ -24,10 +24,10 @@ hit an illegal address, and reading V as if the cache stored it transposed ran 3
 bench/RESULTS.md, L2 and L3.)
 
 The same turn runs over a 16-bit (bf16/f16) cache with the cache dtype's MMAs (`E4M3`
-False): s^T = K q^T with the query as it is (no split), out^T += V^T p. Whether it reads a
-bf16 cache faster than the general kernel's one-token tiles (which fill 4 of their 16 rows
-at a decode) is for `bench/tune_attention.py` to say: the launcher takes it only for an
-explicit tiling until then (`AttentionTiling.keys_as_rows`).
+False): s^T = K q^T with the query as it is (no split), out^T += V^T p. The launcher gives
+it the small-batch decodes over such a cache (bench/RESULTS.md X6: +1.3% / +1.4% bf16 decode
+at batch 1 / 8); a GPU-filling decode keeps the general kernel's one-token tiles, faster
+there (Q3, `bench/tune_attention.py --decode-sweep rows`).
 
 With NEW_KV (`NewTokensKV`, `KILN_ATTENTION_FUSED_ROPE`) the kernel also does the step's
 cache write, and with ROPE the rotation of its query and keys, after Qwen3's per-head norms
