@@ -578,6 +578,20 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)
 
 
+def _new_tokens_decode(cache: str, seed: int, keys_as_rows: bool = True
+                       ) -> tuple[dict, torch.Tensor | None, AttentionTiling]:
+    """A decode step for the keys-as-rows kernel writing the new tokens itself: padded
+    sequences and a padded token, one sequence bringing two tokens; over a 16-bit or e4m3
+    cache (scales far from 1); the kernel's tiling (or, keys_as_rows False, the general one)."""
+    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
+                             block_size=16, num_blocks=32, pad_tokens=1, seed=seed, dtype=HALF)
+    fp8 = cache == "fp8"
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if fp8 else None
+    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and fp8
+    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=keys_as_rows, heads_fastest=True)
+    return (_fp8_cache(batch) if fp8 else batch), kv_scale, tiling
+
+
 @pytest.mark.parametrize("cache,splits,window,rows,one_writer,norm", [
     ("16bit", 1, 0, True, False, False), ("16bit", 3, 20, True, False, False), ("16bit", 3, 20, True, True, False),
     ("fp8", 1, 0, True, False, False), ("fp8", 2, 20, True, False, False), ("fp8", 3, 0, True, True, False),
@@ -597,16 +611,11 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
 
     monkeypatch.setattr(decode, "NEW_KV_ONE_WRITER", one_writer)
 
-    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
-                             block_size=16, num_blocks=32, pad_tokens=1, seed=17 + splits, dtype=HALF)
+    batch, kv_scale, tiling = _new_tokens_decode(cache, seed=17 + splits, keys_as_rows=rows)
     fp8 = cache == "fp8"
-    batch = _fp8_cache(batch) if fp8 else batch
-    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if fp8 else None
     t = batch["q"].shape[0]
     cos, sin = (x.to(HALF) for x in _cos_sin(t, 32, seed=18))
     norms = (randn(32, seed=19, dtype=HALF), randn(32, seed=20, dtype=HALF)) if norm else (None, None)
-    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and fp8
-    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=rows, heads_fastest=True)
 
     def run(fuse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         b = {k: v.clone() for k, v in batch.items()}
@@ -644,12 +653,7 @@ def test_keys_as_rows_decode_writes_the_new_tokens_without_rope(cache, splits):
     # cache, bit for bit.
     from kiln.kernels.triton_paged_decode_fp8 import NewTokensKV
 
-    batch = make_paged_batch(new_tokens=[1, 1, 0, 2, 1, 1, 0], cached=[40, 3, 0, 17, 64, 29, 0], hq=8, hkv=2, d=32,
-                             block_size=16, num_blocks=32, pad_tokens=1, seed=23, dtype=HALF)
-    batch = _fp8_cache(batch) if cache == "fp8" else batch
-    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE) if cache == "fp8" else None
-    widen = converts_e4m3_in_hardware(torch.device(DEVICE)) and cache == "fp8"
-    tiling = AttentionTiling(16, 32, 4, 1, widen_asm=widen, keys_as_rows=True, heads_fastest=True)
+    batch, kv_scale, tiling = _new_tokens_decode(cache, seed=23)
     separate = {k: v.clone() for k, v in batch.items()}
     ref = paged_attention_triton(**separate, scale=0.2, sliding_window=0, num_splits=splits, tiling=tiling,
                                  kv_scale=kv_scale)
