@@ -610,22 +610,20 @@ def rope_paged_attention_triton(
     check_kv_scale(kv_scale, kv_cache)
     fuse_rope = FUSED_ROPE if fuse_rope is None else fuse_rope
     fuse_norms = FUSED_ROPE_NORMS if fuse_norms is None else fuse_norms
+    check_rope_args(q, k, cos, sin)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
-    if (fuse_rope and (q_norm_weight is None or fuse_norms) and q.stride(-1) == 1
+    new_kv = NewTokensKV(k, v, slot_mapping, cos, sin, q_norm_weight, k_norm_weight, float(eps))
+    if not (fuse_rope and (q_norm_weight is None or fuse_norms) and q.stride(-1) == 1
             and rope_kernel_applies(q, k, cos, sin, q_norm_weight, k_norm_weight, (v, kv_cache, slot_mapping))):
-        check_rope_args(q, k, cos, sin)
-        # (attend_paged_triton runs the RoPE kernel first when the call is not such a decode.)
-        return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                   num_splits, tiling, softcap=softcap, kv_scale=kv_scale,
-                                   new_kv=NewTokensKV(k, v, slot_mapping, cos, sin, q_norm_weight, k_norm_weight,
-                                                      float(eps)))
-    q_rot, _ = rope_triton(q, k, cos, sin, q_norm_weight, k_norm_weight, eps,
-                           write_kv=(v, kv_cache, slot_mapping, kv_scale))
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
-    return attend_paged_triton(q_rot, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling, softcap=softcap, kv_scale=kv_scale)
+        q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)  # the RoPE kernel's launch (or torch's)
+        new_kv = None
+        if kv_cache.stride(-1) != 1:
+            raise ValueError("rope_paged_attention: the KV cache's last dimension must be contiguous")
+    # (With new_kv, attend_paged_triton still runs the RoPE kernel first when the call is not
+    # a decode on the keys-as-rows kernel.)
+    return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
+                               num_splits, tiling, softcap=softcap, kv_scale=kv_scale, new_kv=new_kv)
 
 
 @paged_attention_op.register_kernel("cuda")

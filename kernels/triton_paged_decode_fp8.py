@@ -73,6 +73,18 @@ def _inv_rms(x, eps, axis: tl.constexpr, HEAD_DIM: tl.constexpr, NO_CONTRACT: tl
 
 
 @triton.jit
+def _rotation(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HEAD_DIM: tl.constexpr):
+    """Token `row`'s RoPE factors over the head dimension: each element's rotation partner
+    ((d + D/2) mod D), cos, and sin negated for d < D/2 (float32; `rotate_rounded`'s)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    half = HEAD_DIM // 2
+    partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+    cos = tl.load(cos_ptr + row * stride_cos + offs_d).to(tl.float32)
+    sin = tl.load(sin_ptr + row * stride_sin + offs_d).to(tl.float32)
+    return partner, cos, tl.where(offs_d < half, -sin, sin)
+
+
+@triton.jit
 def _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, head_ok, stride_qt, stride_qh, stride_cos,
                 stride_sin, HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
                 NO_CONTRACT: tl.constexpr):
@@ -83,17 +95,14 @@ def _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, head_ok, str
     base = q_ptr + q_row * stride_qt + heads[None, :] * stride_qh
     q_t = tl.load(base + offs_d[:, None], mask=head_ok[None, :], other=0.0)
     if ROPE:
-        half = HEAD_DIM // 2
-        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        partner, cos, signed_sin = _rotation(cos_ptr, sin_ptr, q_row, stride_cos, stride_sin, HEAD_DIM)
         q_partner = tl.load(base + partner[:, None], mask=head_ok[None, :], other=0.0)
         if HAS_NORM:
             inv_rms = _inv_rms(q_t, eps, 0, HEAD_DIM, NO_CONTRACT)[None, :]
             q_t = rms_normed_rounded(q_t, inv_rms, tl.load(qw_ptr + offs_d).to(tl.float32)[:, None], NO_CONTRACT)
             q_partner = rms_normed_rounded(q_partner, inv_rms, tl.load(qw_ptr + partner).to(tl.float32)[:, None],
                                            NO_CONTRACT)
-        cos = tl.load(cos_ptr + q_row * stride_cos + offs_d).to(tl.float32)
-        sin = tl.load(sin_ptr + q_row * stride_sin + offs_d).to(tl.float32)
-        q_t = rotate_rounded(q_t, q_partner, cos[:, None], tl.where(offs_d < half, -sin, sin)[:, None], NO_CONTRACT)
+        q_t = rotate_rounded(q_t, q_partner, cos[:, None], signed_sin[:, None], NO_CONTRACT)
     return q_t
 
 
@@ -110,16 +119,13 @@ def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_
     k_base = k_new_ptr + row * stride_kt + kv_head * stride_kh
     k = tl.load(k_base + offs_d)
     if ROPE:
-        half = HEAD_DIM // 2
-        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
-        cos = tl.load(cos_ptr + row * stride_cos + offs_d).to(tl.float32)
-        sin = tl.load(sin_ptr + row * stride_sin + offs_d).to(tl.float32)
+        partner, cos, signed_sin = _rotation(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HEAD_DIM)
         k_partner = tl.load(k_base + partner)
         if HAS_NORM:
             inv_rms = _inv_rms(k, eps, 0, HEAD_DIM, NO_CONTRACT)
             k = rms_normed_rounded(k, inv_rms, tl.load(kw_ptr + offs_d).to(tl.float32), NO_CONTRACT)
             k_partner = rms_normed_rounded(k_partner, inv_rms, tl.load(kw_ptr + partner).to(tl.float32), NO_CONTRACT)
-        k = rotate_rounded(k, k_partner, cos, tl.where(offs_d < half, -sin, sin), NO_CONTRACT)
+        k = rotate_rounded(k, k_partner, cos, signed_sin, NO_CONTRACT)
     v = tl.load(v_new_ptr + row * stride_vt + kv_head * stride_vh + offs_d)
     if KV_SCALE:
         k = k.to(tl.float32) / tl.load(kv_scale_ptr)

@@ -1,6 +1,6 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
-2-16-row tiling; the decode kernel's in-kernel combine and RoPE, off by default; the RMSNorm
-kernels' early weight load) compile for an H100/H200 (sm_90) with the instructions they are meant
+2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
+off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed) compile for an H100/H200 (sm_90) with the instructions they are meant
 to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
@@ -47,8 +47,8 @@ for e4m3 in (True, False):
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16", "part_out_ptr": "*fp32",
              "part_lse_ptr": "*fp32", "count_ptr": "*i32", "kv_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
              "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "scale": "fp32",
-             "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16"}
-    types.update(qw_ptr="*bf16", kw_ptr="*bf16", eps="fp32")
+             "k_new_ptr": "*bf16", "v_new_ptr": "*bf16", "slot_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+             "qw_ptr": "*bf16", "kw_ptr": "*bf16", "eps": "fp32"}
     for combine, rope, norm in ((False, False, False), (True, False, False), (False, True, False), (False, True, True)):
         consts = dict(KV_SCALE=e4m3, GROUP=4, COLS=8, BLOCK_N=128, HEAD_DIM=128, CACHE_BLOCK=16, NUM_SPLITS=4,
                       WIDEN_ASM=e4m3, SINGLE_TOKENS_ONLY=False, HEADS_FASTEST=True, E4M3=e4m3, COMBINE=combine,
