@@ -80,10 +80,13 @@ FUSED_COMBINE = os.environ.get("KILN_ATTENTION_FUSED_COMBINE", "0") != "0"
 # (bench/RESULTS.md Y2, two alternating runs each): FP8 + FP8 KV decode +0.5% at batch 1,
 # +1.3% at 8; bf16 -0.2% / +1.4%. `KILN_ATTENTION_FUSED_ROPE=0` launches the RoPE kernel first.
 FUSED_ROPE = os.environ.get("KILN_ATTENTION_FUSED_ROPE", "1") != "0"
-# The same with Qwen3's per-head q/k norms, applied in that kernel before the rotation. Off
-# until measured on a GPU (the RoPE kernel first, as before); `KILN_ATTENTION_FUSED_ROPE_NORMS=1`
-# turns it on for A/B runs (`bash bench/gpu_smoke.sh fused_rope_norms_ab`).
-FUSED_ROPE_NORMS = os.environ.get("KILN_ATTENTION_FUSED_ROPE_NORMS", "0") != "0"
+# The same with Qwen3's per-head q/k norms, applied in that kernel before the rotation, for a
+# decode of at least this many tokens (0: never). On one H200 at Qwen3-8B's shape (bench/RESULTS.md
+# Z2, two alternating runs each) fusing every decode gained at batch 8 (bf16 +1.6%, FP8 + FP8 KV
+# +0.4%) and lost at batch 1 (-0.4%, both): a one-token decode has the most split programs, each
+# normalizing and rotating the new key before its first cache read, while the RoPE kernel's
+# launch it saves is short under PDL. `KILN_ATTENTION_FUSED_ROPE_NORMS=N` sets the threshold.
+FUSED_ROPE_NORMS_MIN_TOKENS = int(os.environ.get("KILN_ATTENTION_FUSED_ROPE_NORMS", "2"))
 # Rows (tokens x grouped heads) per query tile: decode-shaped steps use short tiles (one
 # token per sequence), prefills tall ones.
 DECODE_TILE_ROWS = 16
@@ -605,11 +608,12 @@ def rope_paged_attention_triton(
 ) -> torch.Tensor:
     """RoPE whose kernel writes the rotated k and v into the cache, then attention; with
     `fuse_rope` (None: FUSED_ROPE) and a decode on the keys-as-rows kernel, that kernel alone
-    (with q/k norms only with `fuse_norms`, None: FUSED_ROPE_NORMS). `num_splits` and `tiling`
-    override the default choices (tests)."""
+    (with q/k norms only with `fuse_norms`, None: at FUSED_ROPE_NORMS_MIN_TOKENS tokens or more).
+    `num_splits` and `tiling` override the default choices (tests)."""
     check_kv_scale(kv_scale, kv_cache)
     fuse_rope = FUSED_ROPE if fuse_rope is None else fuse_rope
-    fuse_norms = FUSED_ROPE_NORMS if fuse_norms is None else fuse_norms
+    if fuse_norms is None:
+        fuse_norms = 0 < FUSED_ROPE_NORMS_MIN_TOKENS <= q.shape[0]
     check_rope_args(q, k, cos, sin)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")

@@ -646,6 +646,34 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
 
 
+@pytest.mark.parametrize("min_tokens,new_tokens,fused", [(2, [1], False), (2, [1, 1], True), (0, [1, 1], False),
+                                                       (1, [1], True)])
+def test_norms_fuse_into_the_decode_kernel_from_a_token_count(monkeypatch, min_tokens, new_tokens, fused):
+    # With q/k norms and fuse_norms left to the default, the decode kernel takes the norms and
+    # RoPE only for a decode of FUSED_ROPE_NORMS_MIN_TOKENS tokens or more (0: never); else the
+    # RoPE kernel runs first. Either way the same output.
+    import kiln.kernels.triton_paged_attention as attention
+
+    monkeypatch.setattr(attention, "FUSED_ROPE_NORMS_MIN_TOKENS", min_tokens)
+    batch = make_paged_batch(new_tokens=new_tokens, cached=[9, 20][:len(new_tokens)], hq=4, hkv=2, d=32,
+                             block_size=16, num_blocks=8, seed=31, dtype=HALF)
+    tiling = AttentionTiling(16, 32, 4, 1, keys_as_rows=True, heads_fastest=True)
+    cos, sin = (x.to(HALF) for x in _cos_sin(len(new_tokens), 32, seed=32))
+    norms = (randn(32, seed=33, dtype=HALF), randn(32, seed=34, dtype=HALF))
+    rope_calls = []
+    rope_triton_ = attention.rope_triton
+    monkeypatch.setattr(attention, "rope_triton", lambda *a, **kw: rope_calls.append(1) or rope_triton_(*a, **kw))
+    b = {k: v.clone() for k, v in batch.items()}
+    out = rope_paged_attention_triton(b["q"], b["k"], b["v"], cos, sin, *norms, 1e-6, b["kv_cache"],
+                                      b["slot_mapping"], b["block_tables"], b["seq_lens"], b["query_start_loc"],
+                                      0.2, 0, num_splits=2, tiling=tiling)
+    assert len(rope_calls) == (0 if fused else 1)
+    q_rot, k_rot = rope_reference(batch["q"], batch["k"], cos, sin, *norms, 1e-6)
+    ref = paged_attention_reference(q_rot, k_rot, batch["v"], batch["kv_cache"], batch["slot_mapping"],
+                                    batch["block_tables"], batch["seq_lens"], batch["query_start_loc"], 0.2, 0, 0.0)
+    assert_attention_close(out, ref, batch, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("cache,splits", [("16bit", 3), ("fp8", 2)])
 def test_keys_as_rows_decode_writes_the_new_tokens_without_rope(cache, splits):
     # `NewTokensKV` without cos/sin: the kernel writes the step's keys and values as they are,
