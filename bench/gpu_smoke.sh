@@ -189,7 +189,8 @@ for stage in $STAGES; do
       latency_ab one_writer_ab bf16w KILN_ATTENTION_NEW_KV_ONE_WRITER "${ONE_WRITER_AB_ORDER:-0 1 0 1}" "" ;;
     fused_rope_norms_ab)  # Qwen3's q/k norms in the keys-as-rows decode kernel too (KILN_ATTENTION_FUSED_ROPE_NORMS):
                           # its tests on CUDA, then Qwen3-8B-shaped bf16 and FP8 + FP8 KV decode at batch 1 and 8,
-                          # off / on alternating (~7 min)
+                          # off / on alternating (~7 min; the variable is the fewest decode tokens fused, 0 never,
+                          # default 2: FUSED_ROPE_NORMS_AB_ORDER="0 2 1 2" times the default against both)
       run_stage fused_rope_norms_test 200 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py \
         -k "rotates_and_writes or rope"
       KILN_ATTENTION_FUSED_ROPE_NORMS=1 run_stage fused_rope_norms_parity 200 $PY -m pytest -q -p no:cacheprovider \

@@ -59,9 +59,9 @@ from kiln.kernels.triton_rope import mul_rounded, rms_normed_rounded, rotate_rou
 
 # With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
 # decode, the last split of each sequence and KV head) write the new keys and values, and
-# only they wait at the CTA barrier; the others go straight to their cache reads. Off until
-# measured on a GPU (every split program writes them); `KILN_ATTENTION_NEW_KV_ONE_WRITER=1`
-# turns it on for A/B runs.
+# only they wait at the CTA barrier; the others go straight to their cache reads. Off: on one
+# H200 (bench/RESULTS.md Z1, alternating runs) FP8 + FP8 KV decode -0.2% at batch 1 and 8, bf16
+# +0.05% / +0.3%; `KILN_ATTENTION_NEW_KV_ONE_WRITER=1` turns it on.
 NEW_KV_ONE_WRITER = os.environ.get("KILN_ATTENTION_NEW_KV_ONE_WRITER", "0") != "0"
 
 
