@@ -28,6 +28,17 @@ except ImportError:  # pragma: no cover - both Tritons Kiln runs on have it
 # On the H200 (bench/RESULTS.md, Q1): decode at batch 1 +4.7% (bf16) and +6.8% (FP8).
 # KILN_PDL=0 in the environment (read once, at import) launches them plainly.
 PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
+# Where a kernel lets the next one launch: after its wait (the default), so at most two
+# kernels are resident at once (one running, the next at its wait), or right before it
+# (`PDL_TRIGGER_FIRST`), so the kernel after the next can launch while the running one still
+# runs, and its programs' loads before the wait (the GEMVs' first weight tiles) overlap it:
+# at batch 1 the o projection's weights could stream during attention, which leaves most of
+# the memory system idle. Correct either way: every kernel's wait returns only once the
+# kernel before it has completed, which in turn waited for the one before. Off until timed on
+# a GPU; `KILN_PDL_EARLY_TRIGGER=1` (read once, at import) turns it on for A/B runs
+# (`bash bench/gpu_smoke.sh pdl_prefetch_ab`).
+PDL_EARLY_TRIGGER = os.environ.get("KILN_PDL_EARLY_TRIGGER", "0") != "0"
+PDL_TRIGGER_FIRST = 2  # the value of a kernel's `PDL` constexpr for it
 # The GEMVs (bf16 one row; FP8 one row and 2-16 rows) load their first K tile of weights
 # before that wait (the weights are no earlier kernel's output): under PDL the loads of every
 # program launched early are in flight while the previous kernel finishes, instead of
@@ -102,17 +113,24 @@ def uses_pdl(device: torch.device) -> bool:
 def pdl_launch_args(device: torch.device) -> dict:
     """Keyword arguments for a launch of a kernel taking a `PDL: tl.constexpr` (which it passes
     to `wait_for_previous_kernel`): {PDL, launch_pdl} where `uses_pdl`, else nothing (the
-    kernel's default, PDL=False: the interpreter runs no griddepcontrol)."""
-    return {"PDL": True, "launch_pdl": True} if uses_pdl(device) else {}
+    kernel's default, PDL=False: the interpreter runs no griddepcontrol); PDL is
+    PDL_TRIGGER_FIRST with PDL_EARLY_TRIGGER."""
+    if not uses_pdl(device):
+        return {}
+    return {"PDL": PDL_TRIGGER_FIRST if PDL_EARLY_TRIGGER else True, "launch_pdl": True}
 
 
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
     """With PDL: wait until the kernel before this one has completed and its memory is
-    visible, then let the next kernel's programs launch (they wait in turn). A kernel
-    launched with `launch_pdl` must call this before it reads anything an earlier kernel
-    wrote, and before it writes anything (computing addresses may come first)."""
-    if PDL:
+    visible, then let the next kernel's programs launch (they wait in turn); with PDL ==
+    PDL_TRIGGER_FIRST, let them launch first, then wait. A kernel launched with `launch_pdl`
+    must call this before it reads anything an earlier kernel wrote, and before it writes
+    anything (computing addresses, and loading weights, may come first)."""
+    if PDL == 2:  # PDL_TRIGGER_FIRST (a jit function reads no module global but a constexpr)
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 

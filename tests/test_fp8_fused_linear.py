@@ -125,6 +125,34 @@ def test_fused_gemv_is_the_weight_only_product(prologue, dtype, bias):
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
+def test_weight_tiles_loaded_before_the_wait_change_nothing_but_the_sum_order(prologue, monkeypatch):
+    # FUSED_GEMV_EARLY_TILES: 0 or 1 tiles before the PDL wait run the same sums in the same
+    # order (bit-equal); 2 or all 4 are summed as one block, then into the loop's tile: as
+    # close to the product as the loop alone, and the residual sum (ADD_RMS_NORM) the same.
+    inputs, wq, ws, b = operands(prologue, 1, 40, 128, torch.bfloat16, bias=True, seed=13)
+    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
+    ref, _ = weight_only_reference(prologue, inputs, wq, ws, b)
+    runs = {}
+    for tiles in (0, 1, 2, 4):
+        monkeypatch.setattr(triton_fused, "FUSED_GEMV_EARLY_TILES", tiles)
+        runs[tiles] = run_triton(prologue, inputs, wq, ws, b, torch.bfloat16, config)
+    assert torch.equal(runs[0][0], runs[1][0])
+    for tiles in (2, 4):
+        y, summed = runs[tiles]
+        assert relative_error(y.cpu(), ref) < (2e-2 if DEVICE == "cpu" else 5e-3)
+        torch.testing.assert_close(y, runs[1][0], atol=2e-2, rtol=2e-2)
+        if prologue == "add_rms_norm":
+            assert torch.equal(summed, runs[1][1])
+
+
+def test_early_tiles_are_a_power_of_two_within_k():
+    config = GemvConfig(4, 1024, 4, 3)
+    assert [triton_fused.early_tiles(config, 4096, n) for n in (0, 1, 2, 3, 4, 8)] == [0, 1, 2, 2, 4, 4]
+    assert triton_fused.early_tiles(config, 14336, 16) == 8  # 14 tiles: 8 of them
+    assert triton_fused.early_tiles(GemvConfig(16, 512, 8, 3), 4096, 4) == 4
+
+
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_ops_are_their_unfused_chains(prologue):
     inputs, wq, ws, b = operands(prologue, 5, 48, 64, torch.bfloat16, bias=True, seed=7)
     inputs, wq, ws, b = [t.cpu() for t in inputs], wq.cpu(), ws.cpu(), b.cpu()
@@ -192,7 +220,9 @@ LLAMA3_8B = {"qkv": (6144, 4096, "add_rms_norm"), "o": (4096, 4096, "plain"),
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B))
-def test_fused_gemv_llama3_shapes(name):
+@pytest.mark.parametrize("early_tiles", [1, 4])
+def test_fused_gemv_llama3_shapes(name, early_tiles, monkeypatch):
+    monkeypatch.setattr(triton_fused, "FUSED_GEMV_EARLY_TILES", early_tiles)  # (4: KILN_FP8_FUSED_GEMV_EARLY_TILES)
     n, k, prologue = LLAMA3_8B[name]
     inputs, wq, ws, b = operands(prologue, 1, n, k, torch.bfloat16, bias=name == "qkv", seed=11)
     assert triton_fused.fused_gemv_config(n, k, 1) is not None

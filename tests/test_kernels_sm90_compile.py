@@ -1,6 +1,7 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
 2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
-off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed) compile for an H100/H200 (sm_90) with the instructions they are meant
+off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed; the
+early PDL trigger and the fused GEMV's deeper early weight loads, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
 to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
@@ -20,6 +21,7 @@ import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel
+from kiln.kernels.triton_fp8_fused_linear import _fused_gemv_row_kernel
 from kiln.kernels.triton_norm import _rms_norm_kernel
 from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
 
@@ -68,6 +70,22 @@ for fn, consts in ((_rms_norm_kernel, {}), (_rms_norm_quant_kernel, dict(FP8_MAX
         body = code[code.index(".entry"):]
         found[f"{fn.__name__} early={early}"] = [len(re.findall(r"ld\\.global", body[:body.index("griddepcontrol.wait")])),
                                                  len(re.findall(r"ld\\.global", body))]
+# KILN_FP8_FUSED_GEMV_EARLY_TILES: the one-row fused GEMV at o's and qkv's tilings (triton_fp8_fused_linear's
+# table) with 1 and 4 weight tiles loaded before the wait.
+fused_types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": "*fp8e4nv",
+               "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "eps": "fp32"}
+for name, block_n, block_k, warps, prologue in (("o", 4, 1024, 4, 0), ("qkv", 16, 512, 8, 2)):
+    for tiles in (1, 4):
+        code = ptx(_fused_gemv_row_kernel, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                PDL=True, EARLY_TILES=tiles), fused_types, warps, 3)
+        body = code[code.index(".entry"):]
+        found[f"fused gemv {name} early={tiles}"] = [
+            len(re.findall(r"ld\.global", body[:body.index("griddepcontrol.wait")])), body.count(".local")]
+# KILN_PDL_EARLY_TRIGGER: PDL == 2 lets the next kernel launch before the wait, True after it.
+for pdl in (True, 2):
+    code = ptx(_rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=4096, PDL=pdl, EARLY_WEIGHT=True), norm_types, 8, 1)
+    found[f"pdl={pdl} order"] = sorted(("wait", "launch"), key=lambda op: code.index(
+        "griddepcontrol." + ("wait" if op == "wait" else "launch_dependents")))
 print(json.dumps(found))
 """
 
@@ -87,6 +105,14 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
     for name in ("_rms_norm_kernel", "_rms_norm_quant_kernel"):
         late, early = found[f"{name} early=False"], found[f"{name} early=True"]
         assert late[0] == 0 and early[0] == 2 and early[1] == late[1] == 6, (name, late, early)
+    # KILN_FP8_FUSED_GEMV_EARLY_TILES: a 16-byte load a thread for each tile before the wait
+    # (o: 4 rows x 1,024 bytes over 128 threads, twice; qkv: 16 x 512 over 256), four tiles
+    # four times as many; nothing spilled to local memory.
+    for name in ("o", "qkv"):
+        assert found[f"fused gemv {name} early=1"] == [2, 0], found
+        assert found[f"fused gemv {name} early=4"] == [8, 0], found
+    # KILN_PDL_EARLY_TRIGGER: the trigger before the wait, and only with it.
+    assert found["pdl=True order"] == ["wait", "launch"] and found["pdl=2 order"] == ["launch", "wait"], found
     # KILN_ATTENTION_FUSED_COMBINE: one atomic a program (its arrival), none without it.
     for e4m3 in (True, False):
         assert found[f"decode e4m3={e4m3} combine=False"] == [], found

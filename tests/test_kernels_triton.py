@@ -1278,19 +1278,27 @@ def test_pdl_only_where_the_gpu_has_it(monkeypatch):
         hopper = torch.cuda.get_device_capability() >= (9, 0)
         expected = {"PDL": True, "launch_pdl": True} if hopper and triton_common.PDL_ENABLED else {}
         assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
+        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", True)
+        if expected:
+            expected["PDL"] = triton_common.PDL_TRIGGER_FIRST
+        assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
     monkeypatch.setattr(triton_common, "PDL_ENABLED", False)
     assert triton_common.pdl_launch_args(torch.device(DEVICE)) == {}
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch):
+@pytest.mark.parametrize("early_trigger", [False, True])
+def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, early_trigger):
     # 128 kernels, each reading what the one before wrote: a kernel that did not wait for its
-    # predecessor (griddepcontrol.wait) would read a half-written input in some replay.
+    # predecessor (griddepcontrol.wait) would read a half-written input in some replay. With
+    # `early_trigger` (PDL_EARLY_TRIGGER) each lets the next launch before its own wait, so
+    # a kernel two back may still run while one waits.
     from kiln.kernels import triton_common, triton_linear
     from kiln.kernels.triton_linear import linear_triton
 
     if not triton_common.uses_pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or newer (and KILN_PDL unset or 1)")
+    monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", early_trigger)
     weights = [randn(2048, 2048, seed=900 + i, dtype=torch.bfloat16) / 40 for i in range(4)]
     norm_weight = randn(2048, seed=910, dtype=torch.bfloat16)
     x0 = randn(1, 2048, seed=911, dtype=torch.bfloat16)
