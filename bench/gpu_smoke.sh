@@ -12,6 +12,7 @@
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab
+#                                         weight_only_o_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -217,6 +218,12 @@ for stage in $STAGES; do
           --no-baseline "${FP8_ONLY[@]}" --out "$OUT/pdl_prefetch_ab_${i}_fp8_$tag.json"
       done
       latency_ab pdl_prefetch_ab bf16t KILN_PDL_EARLY_TRIGGER "${PDL_TRIGGER_AB_ORDER:-0 1 0 1}" "" ;;
+    weight_only_o_ab)  # quantize_fp8_linear (o) at 2-16 rows as one weight-only GEMV (KILN_FP8_WEIGHT_ONLY_GEMV):
+                       # its tests and the FP8 engine's on CUDA with it on, then FP8 + FP8 KV decode at batch 1
+                       # and 8 with it 0 / 1 / 0 / 1 (~4 min)
+      run_stage weight_only_o_tests 300 env KILN_FP8_WEIGHT_ONLY_GEMV=1 $PY -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_fp8_fused_linear.py tests/test_gpu_fp8.py
+      latency_ab weight_only_o_ab fp8w KILN_FP8_WEIGHT_ONLY_GEMV "${WEIGHT_ONLY_O_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -278,7 +285,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab weight_only_o_ab)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

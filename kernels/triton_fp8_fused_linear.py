@@ -51,9 +51,19 @@ from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_common import GEMV_EARLY_TILE, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_fp8 import fp8_weight_only_linear_triton
 from kiln.kernels.triton_linear import GemvConfig, fit_block_k
 
 FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
+# At 2-16 rows `kiln::quantize_fp8_linear` (Llama's o projection: the attention output, which
+# no kernel of Kiln's produces quantized) is a chain of two launches, the per-token
+# quantization and the FP8 GEMV. With this, one: triton_fp8's dot kernel multiplies the 16-bit
+# activation itself with the e4m3 weight in float16 MMAs (weight-only, as this module's
+# one-row kernel; numerically closer to the unquantized product than the chain). A launch of
+# ~2-3 us a layer fewer at batch 8, against 16-bit MMAs on converted tiles instead of e4m3
+# ones. Off until timed on a GPU; `KILN_FP8_WEIGHT_ONLY_GEMV=1` for A/B runs
+# (`bash bench/gpu_smoke.sh weight_only_o_ab`).
+WEIGHT_ONLY_GEMV = os.environ.get("KILN_FP8_WEIGHT_ONLY_GEMV", "0") != "0"
 # How many of a program's first K tiles of weights it loads before the PDL wait (1: the
 # first tile, as every GEMV with GEMV_EARLY_TILE). More tiles stream more of the weight while
 # the kernel before runs: o's whole weight (4 tiles a program) during attention, with
@@ -251,6 +261,10 @@ def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_sca
                                config: GemvConfig | None = None) -> torch.Tensor:
     m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m):
+        if WEIGHT_ONLY_GEMV and m > 1 and x.dtype in _INPUT_DTYPES:
+            y = fp8_weight_only_linear_triton(x, weight, weight_scale, bias, out_dtype)
+            if y is not None:
+                return y
         return quantize_fp8_linear_chain(x, weight, weight_scale, bias, out_dtype)
     return _launch(PLAIN, x, None, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
 
