@@ -488,13 +488,20 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     n, k = weight.shape
     m = xq.numel() // k if k else 0
     config = config or fp8_gemv_config(n, k, m, max_shared_memory(xq.device))
-    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % (config.block_k * config.split_k)
-            or not weight.is_contiguous()
-            or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
+    if not (1 <= m <= DOT_BLOCK_M and _gemv_launchable(config, weight, weight_scale, bias)):
         return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
     xs = x_scale.reshape(m).contiguous().float()
     return _launch_gemv(xq.reshape(m, k).contiguous(), xs, weight, weight_scale, bias, out_dtype, config
                         ).view(*xq.shape[:-1], n)
+
+
+def _gemv_launchable(config: GemvConfig | None, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> bool:
+    """Whether `_launch_gemv` takes the e4m3 weight with `config` (None: no tiling): its K
+    tile divides K (the loop's loads are unmasked) and the operands are contiguous."""
+    return (config is not None and weight.dtype == FP8_DTYPE
+            and weight.shape[1] % (config.block_k * config.split_k) == 0 and weight.is_contiguous()
+            and weight_scale.is_contiguous() and (bias is None or bias.is_contiguous()))
 
 
 def _launch_gemv(x2: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -552,10 +559,8 @@ def fp8_weight_only_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_
     n, k = weight.shape
     m = x.numel() // k if k else 0
     config = config or fp8_weight_only_gemv_config(n, k, m, max_shared_memory(x.device))
-    if (config is None or not 2 <= m <= DOT_BLOCK_M or k % (config.block_k * config.split_k)
-            or x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != FP8_DTYPE
-            or not weight.is_contiguous() or not weight_scale.is_contiguous()
-            or (bias is not None and not bias.is_contiguous())):
+    if not (2 <= m <= DOT_BLOCK_M and x.dtype in (torch.bfloat16, torch.float16)
+            and _gemv_launchable(config, weight, weight_scale, bias)):
         return None
     return _launch_gemv(x.reshape(m, k).contiguous(), None, weight, weight_scale, bias, out_dtype, config
                         ).view(*x.shape[:-1], n)

@@ -261,7 +261,7 @@ def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_sca
                                config: GemvConfig | None = None) -> torch.Tensor:
     m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m):
-        if WEIGHT_ONLY_GEMV and m > 1 and x.dtype in _INPUT_DTYPES:
+        if WEIGHT_ONLY_GEMV:  # (None where it does not apply: one row, another dtype, a K no tile divides)
             y = fp8_weight_only_linear_triton(x, weight, weight_scale, bias, out_dtype)
             if y is not None:
                 return y
