@@ -1277,6 +1277,7 @@ def test_pdl_only_where_the_gpu_has_it(monkeypatch):
     if DEVICE == "cuda":
         hopper = torch.cuda.get_device_capability() >= (9, 0)
         expected = {"PDL": True, "launch_pdl": True} if hopper and triton_common.PDL_ENABLED else {}
+        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", False)  # whatever KILN_PDL_EARLY_TRIGGER says
         assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
         monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", True)
         if expected:
