@@ -12,7 +12,7 @@
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab
-#                                         weight_only_o_ab
+#                                         weight_only_o_ab pdl_trigger_families_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -218,6 +218,19 @@ for stage in $STAGES; do
           --no-baseline "${FP8_ONLY[@]}" --out "$OUT/pdl_prefetch_ab_${i}_fp8_$tag.json"
       done
       latency_ab pdl_prefetch_ab bf16t KILN_PDL_EARLY_TRIGGER "${PDL_TRIGGER_AB_ORDER:-0 1 0 1}" "" ;;
+    pdl_trigger_families_ab)  # which kernels' early PDL trigger makes bf16 decode's +1.7% at batch 1 (AA2, every
+                              # kernel) and which FP8's -2.1% at batch 8: bf16, then FP8 + FP8 KV decode at batch
+                              # 1 and 8 with KILN_PDL_EARLY_TRIGGER none / linear / the small kernels, twice (~7 min)
+      i=0
+      for mode in bf16 fp8; do
+        for entry in ${PDL_FAMILIES_AB_ORDER:-none:0 linear:linear small:norm,rope,attention,activation none:0 linear:linear small:norm,rope,attention,activation}; do
+          i=$((i + 1))
+          extra=(); [ $mode = fp8 ] && extra=("${FP8_ONLY[@]}")
+          run_stage "pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}" 280 env KILN_PDL_EARLY_TRIGGER="${entry#*:}" \
+            $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline "${extra[@]}" \
+            --out "$OUT/pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}.json"
+        done
+      done ;;
     weight_only_o_ab)  # quantize_fp8_linear (o) at 2-16 rows as one weight-only GEMV (KILN_FP8_WEIGHT_ONLY_GEMV):
                        # its tests and the FP8 engine's on CUDA with it on, then FP8 + FP8 KV decode at batch 1
                        # and 8 with it 0 / 1 / 0 / 1 (~4 min)

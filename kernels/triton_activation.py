@@ -63,7 +63,7 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, gelu_tanh: bool = 
     block = min(BLOCK_COLS, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
         g2, u2, out, n, g2.stride(0), u2.stride(0), BLOCK=block, GELU_TANH=gelu_tanh, num_warps=4,
-        **pdl_launch_args(out.device),
+        **pdl_launch_args(out.device, "activation"),
     )
     return out
 

@@ -34,11 +34,32 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # runs, and its programs' loads before the wait (the GEMVs' first weight tiles) overlap it:
 # at batch 1 the o projection's weights could stream during attention, which leaves most of
 # the memory system idle. Correct either way: every kernel's wait returns only once the
-# kernel before it has completed, which in turn waited for the one before. Off until timed on
-# a GPU; `KILN_PDL_EARLY_TRIGGER=1` (read once, at import) turns it on for A/B runs
-# (`bash bench/gpu_smoke.sh pdl_prefetch_ab`).
-PDL_EARLY_TRIGGER = os.environ.get("KILN_PDL_EARLY_TRIGGER", "0") != "0"
+# kernel before it has completed, which in turn waited for the one before. On the H200
+# (bench/RESULTS.md, AA2), in every kernel: bf16 decode +1.7% at batch 1 (+0.1% at 8), FP8 +
+# FP8 KV -0.4% / -2.1% (more programs resident at their waits crowd the running kernel), so
+# it is off by default, and chosen per kernel family for A/B runs: `KILN_PDL_EARLY_TRIGGER`
+# (read once, at import) is 0 (none), 1 (all), or a comma list of PDL_KERNEL_FAMILIES
+# (`bash bench/gpu_smoke.sh pdl_trigger_families_ab`).
+PDL_KERNEL_FAMILIES = ("norm", "rope", "attention", "linear", "activation", "fp8", "moe")
 PDL_TRIGGER_FIRST = 2  # the value of a kernel's `PDL` constexpr for it
+
+
+def parse_early_trigger(setting: str) -> frozenset[str]:
+    """The kernel families a KILN_PDL_EARLY_TRIGGER value names (see PDL_KERNEL_FAMILIES)."""
+    setting = setting.strip()
+    if setting in ("", "0"):
+        return frozenset()
+    if setting in ("1", "all"):
+        return frozenset(PDL_KERNEL_FAMILIES)
+    families = frozenset(name.strip() for name in setting.split(",") if name.strip())
+    unknown = sorted(families - set(PDL_KERNEL_FAMILIES))
+    if unknown:
+        raise ValueError(f"KILN_PDL_EARLY_TRIGGER={setting!r}: unknown kernel families {unknown}; "
+                         f"use 0, 1, or a comma list of {', '.join(PDL_KERNEL_FAMILIES)}")
+    return families
+
+
+PDL_EARLY_TRIGGER = parse_early_trigger(os.environ.get("KILN_PDL_EARLY_TRIGGER", "0"))
 # The GEMVs (bf16 one row; FP8 one row and 2-16 rows) load their first K tile of weights
 # before that wait (the weights are no earlier kernel's output): under PDL the loads of every
 # program launched early are in flight while the previous kernel finishes, instead of
@@ -110,14 +131,16 @@ def uses_pdl(device: torch.device) -> bool:
             and _capability(_cuda_index(device)) >= (9, 0))
 
 
-def pdl_launch_args(device: torch.device) -> dict:
+def pdl_launch_args(device: torch.device, family: str) -> dict:
     """Keyword arguments for a launch of a kernel taking a `PDL: tl.constexpr` (which it passes
     to `wait_for_previous_kernel`): {PDL, launch_pdl} where `uses_pdl`, else nothing (the
     kernel's default, PDL=False: the interpreter runs no griddepcontrol); PDL is
-    PDL_TRIGGER_FIRST with PDL_EARLY_TRIGGER."""
+    PDL_TRIGGER_FIRST where PDL_EARLY_TRIGGER names the kernel's `family`."""
+    if family not in PDL_KERNEL_FAMILIES:
+        raise ValueError(f"unknown PDL kernel family {family!r} (one of {PDL_KERNEL_FAMILIES})")
     if not uses_pdl(device):
         return {}
-    return {"PDL": PDL_TRIGGER_FIRST if PDL_EARLY_TRIGGER else True, "launch_pdl": True}
+    return {"PDL": PDL_TRIGGER_FIRST if family in PDL_EARLY_TRIGGER else True, "launch_pdl": True}
 
 
 @triton.jit

@@ -216,7 +216,7 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
         x1, r1, g, summed if summed is not None else y, weight, weight_scale.float(), b, y, n, k, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILES=early_tiles(config, k),
-        **pdl_launch_args(x.device))
+        **pdl_launch_args(x.device, "fp8"))
     return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
 

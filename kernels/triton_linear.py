@@ -232,12 +232,12 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _gemv_row_kernel[grid](x2, weight, b, y, n, k, HAS_BIAS=bias is not None,
                                BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device))
+                               EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x.device, "linear"))
     else:
         _gemv_dot_kernel[grid](x2, weight, b, y, m, n, k, x2.stride(0), HAS_BIAS=bias is not None,
                                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                num_warps=config.num_warps, num_stages=config.num_stages,
-                               **pdl_launch_args(x.device))
+                               **pdl_launch_args(x.device, "linear"))
     return y.view(*x.shape[:-1], n)
 
 

@@ -335,7 +335,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device),
+        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     weights = routing.weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
@@ -346,7 +346,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device),
+        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 

@@ -97,7 +97,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
-        EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device),
+        EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device, "norm"),
     )
     return out, summed
 
@@ -178,7 +178,7 @@ def add_layer_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=num_warps_for(block),
-        **pdl_launch_args(x.device),
+        **pdl_launch_args(x.device, "norm"),
     )
     return out, summed
 

@@ -313,7 +313,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
         hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad, KV_SCALE=kv_scale is not None,
-        num_warps=num_warps_for(h_pad * d_pad), **pdl_launch_args(k.device),
+        num_warps=num_warps_for(h_pad * d_pad), **pdl_launch_args(k.device, "attention"),
     )
 
 
@@ -558,7 +558,7 @@ def attend_paged_triton(
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
             SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks,
             num_warps=num_warps,
-            num_stages=tiling.num_stages, **pdl_launch_args(q.device),
+            num_stages=tiling.num_stages, **pdl_launch_args(q.device, "attention"),
         )
     if num_splits > 1 and combine_counters is None:
         _combine_splits_kernel[(t, hq)](
@@ -566,7 +566,7 @@ def attend_paged_triton(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits), HEAD_DIM=d, D_PAD=pow2_at_least(d),
-            num_warps=4, **pdl_launch_args(out.device),
+            num_warps=4, **pdl_launch_args(out.device, "attention"),
         )
     return out
 

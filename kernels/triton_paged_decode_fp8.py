@@ -477,5 +477,5 @@ def launch_paged_decode_fp8(
         # with contraction off); here only they are, by inline assembly (CUDA), so the rest of
         # the kernel keeps its FMAs.
         NO_CONTRACT=rope and q.is_cuda,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device, "attention"),
     )

@@ -218,7 +218,7 @@ def rope_triton(
         *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
         WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block, KV_SCALE=kv_scale is not None,
-        num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS, **pdl_launch_args(q.device),
+        num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS, **pdl_launch_args(q.device, "rope"),
     )
     return q_out, k_out
 

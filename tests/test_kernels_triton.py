@@ -1273,33 +1273,47 @@ def test_fp8_decode_tiling_moves_no_single_bytes_through_shared_memory():
 def test_pdl_only_where_the_gpu_has_it(monkeypatch):
     from kiln.kernels import triton_common
 
-    assert triton_common.pdl_launch_args(torch.device("cpu")) == {}
+    assert triton_common.pdl_launch_args(torch.device("cpu"), "norm") == {}
     if DEVICE == "cuda":
         hopper = torch.cuda.get_device_capability() >= (9, 0)
-        expected = {"PDL": True, "launch_pdl": True} if hopper and triton_common.PDL_ENABLED else {}
-        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", False)  # whatever KILN_PDL_EARLY_TRIGGER says
-        assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
-        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", True)
-        if expected:
-            expected["PDL"] = triton_common.PDL_TRIGGER_FIRST
-        assert triton_common.pdl_launch_args(torch.device("cuda")) == expected
+        later = {"PDL": True, "launch_pdl": True} if hopper and triton_common.PDL_ENABLED else {}
+        first = {"PDL": triton_common.PDL_TRIGGER_FIRST, "launch_pdl": True} if later else {}
+        # whatever KILN_PDL_EARLY_TRIGGER says
+        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", frozenset())
+        assert triton_common.pdl_launch_args(torch.device("cuda"), "linear") == later
+        monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", frozenset({"linear"}))
+        assert triton_common.pdl_launch_args(torch.device("cuda"), "linear") == first
+        assert triton_common.pdl_launch_args(torch.device("cuda"), "fp8") == later
+    with pytest.raises(ValueError, match="unknown PDL kernel family 'gemv'"):
+        triton_common.pdl_launch_args(torch.device(DEVICE), "gemv")
     monkeypatch.setattr(triton_common, "PDL_ENABLED", False)
-    assert triton_common.pdl_launch_args(torch.device(DEVICE)) == {}
+    assert triton_common.pdl_launch_args(torch.device(DEVICE), "norm") == {}
+
+
+def test_early_trigger_setting_names_kernel_families():
+    from kiln.kernels.triton_common import PDL_KERNEL_FAMILIES, parse_early_trigger
+
+    assert parse_early_trigger("0") == parse_early_trigger("") == frozenset()
+    assert parse_early_trigger("1") == parse_early_trigger("all") == frozenset(PDL_KERNEL_FAMILIES)
+    assert parse_early_trigger(" linear, norm ,") == {"linear", "norm"}
+    with pytest.raises(ValueError, match=r"unknown kernel families \['gemv'\]; use 0, 1, or a comma list of norm"):
+        parse_early_trigger("linear,gemv")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("early_trigger", [False, True])
+@pytest.mark.parametrize("early_trigger", ["0", "all", "linear"])
 def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, early_trigger):
     # 128 kernels, each reading what the one before wrote: a kernel that did not wait for its
-    # predecessor (griddepcontrol.wait) would read a half-written input in some replay. With
-    # `early_trigger` (PDL_EARLY_TRIGGER) each lets the next launch before its own wait, so
-    # a kernel two back may still run while one waits.
+    # predecessor (griddepcontrol.wait) would read a half-written input in some replay. Where
+    # `early_trigger` (a KILN_PDL_EARLY_TRIGGER value) names a kernel's family, it lets the next
+    # launch before its own wait, so a kernel two back may still run while one waits ("linear":
+    # the GEMVs trigger first, the norms after their wait).
     from kiln.kernels import triton_common, triton_linear
     from kiln.kernels.triton_linear import linear_triton
 
     if not triton_common.uses_pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs sm_90 or newer (and KILN_PDL unset or 1)")
-    monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", early_trigger)
+    monkeypatch.setattr(triton_common, "PDL_EARLY_TRIGGER", triton_common.parse_early_trigger(early_trigger))
     weights = [randn(2048, 2048, seed=900 + i, dtype=torch.bfloat16) / 40 for i in range(4)]
     norm_weight = randn(2048, seed=910, dtype=torch.bfloat16)
     x0 = randn(1, 2048, seed=911, dtype=torch.bfloat16)
