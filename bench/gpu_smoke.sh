@@ -11,8 +11,8 @@
 #                                         fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
-#                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab
-#                                         weight_only_o_ab pdl_trigger_families_ab
+#                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
+#                                         pdl_trigger_families_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -200,24 +200,10 @@ for stage in $STAGES; do
         --model bench/qwen3_8b.json
       latency_ab fused_rope_norms_ab fp8w KILN_ATTENTION_FUSED_ROPE_NORMS "${FUSED_ROPE_NORMS_AB_ORDER:-0 1 0 1}" "" \
         --model bench/qwen3_8b.json "${FP8_ONLY[@]}" ;;
-    pdl_prefetch_tests)  # the early PDL trigger's and the fused GEMVs' deeper early loads' tests on CUDA with both
-                         # on: the PDL chain, the fused GEMVs, the FP8 engine (a few minutes; its own device command)
-      run_stage pdl_prefetch_tests 400 env KILN_PDL_EARLY_TRIGGER=1 KILN_FP8_FUSED_GEMV_EARLY_TILES=4 $PY -m pytest -q \
-        -p no:cacheprovider -m gpu tests/test_kernels_triton.py tests/test_fp8_fused_linear.py tests/test_gpu_fp8.py \
-        -k "pdl or fused or weight_tiles or fp8" ;;
-    pdl_prefetch_ab)  # the early PDL trigger (KILN_PDL_EARLY_TRIGGER) and the one-row fused FP8 GEMVs' deeper
-                      # weight loads before the wait (KILN_FP8_FUSED_GEMV_EARLY_TILES): FP8 + FP8 KV decode at batch
-                      # 1 and 8 for trigger:tiles 0:1 (the defaults) 1:1 1:4 0:4, twice, then bf16 with the trigger
-                      # 0 / 1 / 0 / 1 (~6 min)
-      i=0
-      for entry in ${PDL_PREFETCH_AB_ORDER:-0:1 1:1 1:4 0:4 0:1 1:1 1:4 0:4}; do
-        i=$((i + 1))
-        tag="t${entry%%:*}e${entry##*:}"
-        run_stage "pdl_prefetch_ab_${i}_fp8_$tag" 280 env KILN_PDL_EARLY_TRIGGER="${entry%%:*}" \
-          KILN_FP8_FUSED_GEMV_EARLY_TILES="${entry##*:}" $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
-          --no-baseline "${FP8_ONLY[@]}" --out "$OUT/pdl_prefetch_ab_${i}_fp8_$tag.json"
-      done
-      latency_ab pdl_prefetch_ab bf16t KILN_PDL_EARLY_TRIGGER "${PDL_TRIGGER_AB_ORDER:-0 1 0 1}" "" ;;
+    pdl_trigger_tests)  # the early PDL trigger's tests on CUDA with it in every kernel: the PDL chain graph, the
+                        # fused and plain FP8 GEMVs, the FP8 engine (~2.5 min; its own device command)
+      run_stage pdl_trigger_tests 400 env KILN_PDL_EARLY_TRIGGER=1 $PY -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_kernels_triton.py tests/test_fp8_fused_linear.py tests/test_gpu_fp8.py -k "pdl or fused or fp8" ;;
     pdl_trigger_families_ab)  # which kernels' early PDL trigger makes bf16 decode's +1.7% at batch 1 (AA2, every
                               # kernel) and which FP8's -2.1% at batch 8: bf16, then FP8 + FP8 KV decode at batch
                               # 1 and 8 with KILN_PDL_EARLY_TRIGGER none / linear / the small kernels, twice (~7 min)
@@ -231,12 +217,6 @@ for stage in $STAGES; do
             --out "$OUT/pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}.json"
         done
       done ;;
-    weight_only_o_ab)  # quantize_fp8_linear (o) at 2-16 rows as one weight-only GEMV (KILN_FP8_WEIGHT_ONLY_GEMV):
-                       # its tests and the FP8 engine's on CUDA with it on, then FP8 + FP8 KV decode at batch 1
-                       # and 8 with it 0 / 1 / 0 / 1 (~4 min)
-      run_stage weight_only_o_tests 300 env KILN_FP8_WEIGHT_ONLY_GEMV=1 $PY -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_fp8_fused_linear.py tests/test_gpu_fp8.py
-      latency_ab weight_only_o_ab fp8w KILN_FP8_WEIGHT_ONLY_GEMV "${WEIGHT_ONLY_O_AB_ORDER:-0 1 0 1}" "" "${FP8_ONLY[@]}" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -298,7 +278,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_prefetch_tests pdl_prefetch_ab weight_only_o_ab)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -36,7 +36,7 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # the memory system idle. Correct either way: every kernel's wait returns only once the
 # kernel before it has completed, which in turn waited for the one before. On the H200
 # (bench/RESULTS.md, AA2), in every kernel: bf16 decode +1.7% at batch 1 (+0.1% at 8), FP8 +
-# FP8 KV -0.4% / -2.1% (more programs resident at their waits crowd the running kernel), so
+# FP8 KV -0.4% / -2.1% (more programs resident at their waits may crowd the running one), so
 # it is off by default, and chosen per kernel family for A/B runs: `KILN_PDL_EARLY_TRIGGER`
 # (read once, at import) is 0 (none), 1 (all), or a comma list of PDL_KERNEL_FAMILIES
 # (`bash bench/gpu_smoke.sh pdl_trigger_families_ab`).

@@ -312,22 +312,14 @@ def _e4m3_dot(x, w, acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemv_tile_dot(x, w, acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr, WEIGHT_ONLY: tl.constexpr = False):
+def _fp8_gemv_tile_dot(x, w, acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + x @ w^T, or with SWAP_AB its transpose acc^T + w @ x^T: the [BLOCK_N, BLOCK_K]
     weight tile as the e4m3 MMA's M side (64 or 128 rows, a Hopper warpgroup's) and the
-    16-row tile of x as its N side. Both tiles are K-major as stored, as e4m3 MMAs need.
-    WEIGHT_ONLY: x is the 16-bit activation itself, not e4m3; both tiles go to float16 (which
-    holds every e4m3 weight exactly, and a bf16 activation but for its last bits below 6e-5
-    and beyond 65,504, where it saturates) for a 16-bit MMA."""
-    if WEIGHT_ONLY:
-        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-        w = w.to(tl.float16)
+    16-row tile of x as its N side. Both tiles are K-major as stored, as e4m3 MMAs need."""
     # if/else, not an early return: Triton would still build the code after it, with the
     # other orientation's shapes.
     if SWAP_AB:
         acc = tl.dot(w, tl.trans(x), acc)
-    elif WEIGHT_ONLY:
-        acc = tl.dot(x, tl.trans(w), acc)
     else:
         acc = _e4m3_dot(x, w, acc, BLOCK_M)
     return acc
@@ -337,9 +329,7 @@ def _fp8_gemv_tile_dot(x, w, acc, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr, 
 def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
-                         SWAP_AB: tl.constexpr = False, WEIGHT_ONLY: tl.constexpr = False):
-    # WEIGHT_ONLY: x is the unquantized 16-bit activation and xs_ptr is not read (the
-    # product is x @ (w * ws)^T, as the one-row fused GEMVs' of triton_fp8_fused_linear).
+                         SWAP_AB: tl.constexpr = False):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     k_len = K // SPLIT_K  # as in the row kernel
@@ -358,13 +348,13 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
     k_start = 0
     if EARLY_TILE:
         x = tl.load(x_rows + first[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _fp8_gemv_tile_dot(x, w_first, acc, BLOCK_M, SWAP_AB, WEIGHT_ONLY)
+        acc = _fp8_gemv_tile_dot(x, w_first, acc, BLOCK_M, SWAP_AB)
         k_start = BLOCK_K
     for k0 in range(k_start, k_len, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         x = tl.load(x_rows + ks[None, :], mask=rows[:, None] < M, other=0.0)
-        acc = _fp8_gemv_tile_dot(x, w, acc, BLOCK_M, SWAP_AB, WEIGHT_ONLY)
+        acc = _fp8_gemv_tile_dot(x, w, acc, BLOCK_M, SWAP_AB)
     if SWAP_AB:  # y is [M, N]: the transposed tile is stored transposed
         mask = (cols[:, None] < N) & (rows[None, :] < M)
         offs = rows[None, :] * N + cols[:, None]
@@ -375,10 +365,7 @@ def _fp8_gemv_dot_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, part_ptr, c
     if SPLIT_K > 1:
         last, acc = split_k_sum(acc, part_ptr, count_ptr, tile, split, offs, mask, M * N, SPLIT_K)
     if last:
-        if WEIGHT_ONLY:
-            xs = tl.full([BLOCK_M], 1.0, tl.float32)
-        else:
-            xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
+        xs = tl.load(xs_ptr + rows, mask=rows < M, other=0.0)
         ws = tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
         if SWAP_AB:
             acc = acc * ws[:, None] * xs[None, :]
@@ -488,82 +475,37 @@ def fp8_linear_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
     n, k = weight.shape
     m = xq.numel() // k if k else 0
     config = config or fp8_gemv_config(n, k, m, max_shared_memory(xq.device))
-    if not (1 <= m <= DOT_BLOCK_M and _gemv_launchable(config, weight, weight_scale, bias)):
+    if (config is None or not 1 <= m <= DOT_BLOCK_M or k % (config.block_k * config.split_k)
+            or not weight.is_contiguous()
+            or not weight_scale.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return fp8_linear_reference(xq, x_scale, weight, weight_scale, bias, out_dtype)
+    x2 = xq.reshape(m, k).contiguous()
     xs = x_scale.reshape(m).contiguous().float()
-    return _launch_gemv(xq.reshape(m, k).contiguous(), xs, weight, weight_scale, bias, out_dtype, config
-                        ).view(*xq.shape[:-1], n)
-
-
-def _gemv_launchable(config: GemvConfig | None, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> bool:
-    """Whether `_launch_gemv` takes the e4m3 weight with `config` (None: no tiling): its K
-    tile divides K (the loop's loads are unmasked) and the operands are contiguous."""
-    return (config is not None and weight.dtype == FP8_DTYPE
-            and weight.shape[1] % (config.block_k * config.split_k) == 0 and weight.is_contiguous()
-            and weight_scale.is_contiguous() and (bias is None or bias.is_contiguous()))
-
-
-def _launch_gemv(x2: torch.Tensor, xs: torch.Tensor | None, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemvConfig) -> torch.Tensor:
-    """y [m, n] = x2 [m, k] @ weight^T with the scales (xs None: x2 is the 16-bit activation,
-    weight-only, the dot kernel only), by one launch of the row or the dot kernel."""
-    m, k = x2.shape
-    n = weight.shape[0]
     ws = weight_scale.float()
-    y = torch.empty((m, n), dtype=out_dtype, device=x2.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     b = bias if bias is not None else y
     tiles = triton.cdiv(n, config.block_n)
-    counters = split_k_counters(x2.device) if config.split_k > 1 else None
+    counters = split_k_counters(xq.device) if config.split_k > 1 else None
     if counters is None or tiles > counters.numel():
         config = dataclasses.replace(config, split_k=1)  # (the K tile still divides k)
     if config.split_k > 1:
-        partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x2.device)
+        partials = torch.empty((config.split_k, m, n), dtype=torch.float32, device=xq.device)
     else:
         partials = counters = y  # never touched unsplit
     grid = (tiles, config.split_k)
-    if m == 1 and not config.dot and not config.swap_ab and xs is not None:
+    if m == 1 and not config.dot and not config.swap_ab:
         _fp8_gemv_row_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, n, k, HAS_BIAS=bias is not None,
                                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
                                    num_warps=config.num_warps, num_stages=config.num_stages,
-                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(x2.device, "fp8"))
+                                   EARLY_TILE=GEMV_EARLY_TILE, **pdl_launch_args(xq.device, "fp8"))
     else:
         # The swap's rows are the MMA's N side: 16, the smallest tl.dot takes.
         block_m = DOT_BLOCK_M if config.swap_ab else config.block_m
-        _fp8_gemv_dot_kernel[grid](x2, xs if xs is not None else ws, weight, ws, b, y, partials, counters, m, n, k,
-                                   HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
-                                   BLOCK_K=config.block_k, SPLIT_K=config.split_k, num_warps=config.num_warps,
-                                   num_stages=config.num_stages, EARLY_TILE=GEMV_EARLY_TILE, SWAP_AB=config.swap_ab,
-                                   WEIGHT_ONLY=xs is None, **pdl_launch_args(x2.device, "fp8"))
-    return y
-
-
-def fp8_weight_only_gemv_config(n: int, k: int, m: int, shared_memory: int = 0) -> GemvConfig | None:
-    """The tiling of a weight-only FP8 GEMV (the 16-bit activation times the e4m3 weight) at
-    2..FP8_GEMV_MAX_ROWS rows: the FP8 dot table's, its staged x tiles twice as wide; or None.
-    (The early weight tile, converted to float16, feeds the MMA from registers: no buffer of
-    its own. sm_90 compiles of o's tiling: 163,840 bytes of shared memory at 4 stages.)"""
-    if not (2 <= m <= min(FP8_GEMV_MAX_ROWS, DOT_BLOCK_M) and n >= 1 and k >= 1):
-        return None
-    config = next(c for max_n, max_k, c in FP8_DOT_TABLE if n <= max_n and k <= max_k)
-    config = fit_shared_memory(config, 1, shared_memory, x_element_size=2)
-    return fit_block_k(config, k)
-
-
-def fp8_weight_only_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                                  bias: torch.Tensor | None, out_dtype: torch.dtype,
-                                  config: GemvConfig | None = None) -> torch.Tensor | None:
-    """x @ (weight * weight_scale)^T (+ bias) for 2-16 rows of a 16-bit x, by the dot kernel
-    with the activation unquantized (`config` overrides the tiling); None where it does not
-    apply (the caller runs its chain)."""
-    n, k = weight.shape
-    m = x.numel() // k if k else 0
-    config = config or fp8_weight_only_gemv_config(n, k, m, max_shared_memory(x.device))
-    if not (2 <= m <= DOT_BLOCK_M and x.dtype in (torch.bfloat16, torch.float16)
-            and _gemv_launchable(config, weight, weight_scale, bias)):
-        return None
-    return _launch_gemv(x.reshape(m, k).contiguous(), None, weight, weight_scale, bias, out_dtype, config
-                        ).view(*x.shape[:-1], n)
+        _fp8_gemv_dot_kernel[grid](x2, xs, weight, ws, b, y, partials, counters, m, n, k, HAS_BIAS=bias is not None,
+                                   BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                   SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages,
+                                   EARLY_TILE=GEMV_EARLY_TILE, SWAP_AB=config.swap_ab, **pdl_launch_args(xq.device, "fp8"))
+    return y.view(*xq.shape[:-1], n)
 
 
 @fp8_linear_op.register_kernel("cuda")

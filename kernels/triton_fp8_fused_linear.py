@@ -51,26 +51,9 @@ from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
 from kiln.kernels.triton_common import GEMV_EARLY_TILE, pdl_launch_args, wait_for_previous_kernel
-from kiln.kernels.triton_fp8 import fp8_weight_only_linear_triton
 from kiln.kernels.triton_linear import GemvConfig, fit_block_k
 
 FUSED_GEMV = os.environ.get("KILN_FP8_FUSED_GEMV", "1") != "0"
-# At 2-16 rows `kiln::quantize_fp8_linear` (Llama's o projection: the attention output, which
-# no kernel of Kiln's produces quantized) is a chain of two launches, the per-token
-# quantization and the FP8 GEMV. With this, one: triton_fp8's dot kernel multiplies the 16-bit
-# activation itself with the e4m3 weight in float16 MMAs (weight-only, as this module's
-# one-row kernel; numerically closer to the unquantized product than the chain). A launch of
-# ~2-3 us a layer fewer at batch 8, against 16-bit MMAs on converted tiles instead of e4m3
-# ones. Off until timed on a GPU; `KILN_FP8_WEIGHT_ONLY_GEMV=1` for A/B runs
-# (`bash bench/gpu_smoke.sh weight_only_o_ab`).
-WEIGHT_ONLY_GEMV = os.environ.get("KILN_FP8_WEIGHT_ONLY_GEMV", "0") != "0"
-# How many of a program's first K tiles of weights it loads before the PDL wait (1: the
-# first tile, as every GEMV with GEMV_EARLY_TILE). More tiles stream more of the weight while
-# the kernel before runs: o's whole weight (4 tiles a program) during attention, with
-# PDL_EARLY_TRIGGER launching it early enough to. A power of two, capped at K's tiles.
-# Off until timed on a GPU; `KILN_FP8_FUSED_GEMV_EARLY_TILES=4` for A/B runs
-# (`bash bench/gpu_smoke.sh pdl_prefetch_ab`).
-FUSED_GEMV_EARLY_TILES = int(os.environ.get("KILN_FP8_FUSED_GEMV_EARLY_TILES", "1"))
 
 # One-row tilings, (largest N, largest K, config or None: the chain); the first row that
 # fits wins. From the H200 sweep of 2026-12-03 (module doc): wider column tiles than the
@@ -131,38 +114,28 @@ def _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROL
 @triton.jit
 def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, eps,
                            PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILES: tl.constexpr = 0):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
     # One row; the tiling and loop of triton_fp8's row kernel.
     tile = tl.program_id(0)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * K
-    if EARLY_TILES > 0:  # the first weight tile(s) before the wait (the weights are no kernel's output)
-        first = tl.arange(0, EARLY_TILES * BLOCK_K)
+    first = tl.arange(0, BLOCK_K)
+    if EARLY_TILE:  # the first weight tile before the wait (the weights are no kernel's output)
         w_first = tl.load(w_rows + first[None, :])
     wait_for_previous_kernel(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    if EARLY_TILES == 1:
+    k_start = 0
+    if EARLY_TILE:
         acc, squares = _accumulate(acc, squares, w_first, x_ptr, r_ptr, g_ptr, sum_ptr, first, K, tile, PROLOGUE)
-    elif EARLY_TILES > 1:  # summed apart (added to the loop's tile, they would change layout in shared memory)
-        a, s = _input_tile(x_ptr, r_ptr, g_ptr, first, first, first, first < K, PROLOGUE)
-        early_sums = tl.sum(w_first.to(tl.float32) * a[None, :], axis=1)
-        early_squares = tl.sum(s * s, axis=0)
-        if PROLOGUE == _ADD_RMS_NORM:
-            if tile == 0:
-                tl.store(sum_ptr + first, s.to(sum_ptr.dtype.element_ty))
-    for k0 in range(EARLY_TILES * BLOCK_K, K, BLOCK_K):
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
         acc, squares = _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE)
     sums = tl.sum(acc, axis=1)
-    if EARLY_TILES > 1:
-        sums += early_sums
     if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
-        sum_of_squares = tl.sum(squares, axis=0)
-        if EARLY_TILES > 1:
-            sum_of_squares += early_squares
-        sums = sums * tl.math.rsqrt(sum_of_squares / K + eps)
+        sums = sums * tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
     out = sums * tl.load(ws_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
         out += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -176,15 +149,6 @@ def fused_gemv_config(n: int, k: int, m: int) -> GemvConfig | None:
         return None
     config = next(c for max_n, max_k, c in FUSED_ROW_TABLE if n <= max_n and k <= max_k)
     return None if config is None else fit_block_k(config, k)
-
-
-def early_tiles(config: GemvConfig, k: int, wanted: int | None = None) -> int:
-    """The K tiles a program loads before the PDL wait: `wanted` (None: FUSED_GEMV_EARLY_TILES,
-    or 0 without GEMV_EARLY_TILE) rounded down to a power of two and to k's tiles."""
-    if wanted is None:
-        wanted = FUSED_GEMV_EARLY_TILES if GEMV_EARLY_TILE else 0
-    most = min(int(wanted), k // config.block_k)
-    return 0 if most < 1 else 1 << (most.bit_length() - 1)
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -215,7 +179,7 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
     _fused_gemv_row_kernel[(triton.cdiv(n, config.block_n),)](
         x1, r1, g, summed if summed is not None else y, weight, weight_scale.float(), b, y, n, k, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILES=early_tiles(config, k),
+        num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILE=GEMV_EARLY_TILE,
         **pdl_launch_args(x.device, "fp8"))
     return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
@@ -261,10 +225,6 @@ def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_sca
                                config: GemvConfig | None = None) -> torch.Tensor:
     m, config = _config_for(x, weight, config)
     if not _applies(x, weight, weight_scale, bias, config, m):
-        if WEIGHT_ONLY_GEMV:  # (None where it does not apply: one row, another dtype, a K no tile divides)
-            y = fp8_weight_only_linear_triton(x, weight, weight_scale, bias, out_dtype)
-            if y is not None:
-                return y
         return quantize_fp8_linear_chain(x, weight, weight_scale, bias, out_dtype)
     return _launch(PLAIN, x, None, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
 

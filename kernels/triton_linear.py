@@ -114,7 +114,7 @@ def choose_config(n: int, k: int, m: int, element_size: int = 2, shared_memory: 
 
 
 def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
-                      early_tile: bool = False, x_element_size: int | None = None) -> GemvConfig:
+                      early_tile: bool = False) -> GemvConfig:
     """The 2-16-row kernel's config with its staged tiles within `shared_memory` bytes (0: no
     limit). At a 16-row tile Triton stages num_stages - 1 buffers of the [16, BLOCK_K] row
     tile and the [BLOCK_N, BLOCK_K] weight tile (the sizes its out-of-resources errors
@@ -122,13 +122,10 @@ def fit_shared_memory(config: GemvConfig, element_size: int, shared_memory: int,
     99 KB. At a 64-row tile (warpgroup MMA, both operands in shared memory) it keeps
     num_stages buffers, and one more for a tile loaded before the loop (`early_tile`, the
     FP8 kernel's): the sizes of sm_90 compiles. Fewer stages first, then shorter K tiles.
-    The one-row kernel stages nothing. `x_element_size`: the row tile's element size where it
-    differs from the weight's (the FP8 weight-only GEMV's 16-bit activation)."""
-    x_size = element_size if x_element_size is None else x_element_size
-
+    The one-row kernel stages nothing."""
     def staged(c: GemvConfig) -> int:
         buffers = c.num_stages + int(early_tile) if c.block_m >= 64 or c.swap_ab else c.num_stages - 1
-        return buffers * (c.block_m * x_size + c.block_n * element_size) * c.block_k
+        return buffers * (c.block_m + c.block_n) * c.block_k * element_size
 
     while shared_memory and staged(config) > shared_memory and config.num_stages > 2:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -125,34 +125,6 @@ def test_fused_gemv_is_the_weight_only_product(prologue, dtype, bias):
 
 
 @pytest.mark.parametrize("prologue", PROLOGUES)
-def test_weight_tiles_loaded_before_the_wait_change_nothing_but_the_sum_order(prologue, monkeypatch):
-    # FUSED_GEMV_EARLY_TILES: 0 or 1 tiles before the PDL wait run the same sums in the same
-    # order (bit-equal); 2 or all 4 are summed as one block, then into the loop's tile: as
-    # close to the product as the loop alone, and the residual sum (ADD_RMS_NORM) the same.
-    inputs, wq, ws, b = operands(prologue, 1, 40, 128, torch.bfloat16, bias=True, seed=13)
-    config = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2)
-    ref, _ = weight_only_reference(prologue, inputs, wq, ws, b)
-    runs = {}
-    for tiles in (0, 1, 2, 4):
-        monkeypatch.setattr(triton_fused, "FUSED_GEMV_EARLY_TILES", tiles)
-        runs[tiles] = run_triton(prologue, inputs, wq, ws, b, torch.bfloat16, config)
-    assert torch.equal(runs[0][0], runs[1][0])
-    for tiles in (2, 4):
-        y, summed = runs[tiles]
-        assert relative_error(y.cpu(), ref) < (2e-2 if DEVICE == "cpu" else 5e-3)
-        torch.testing.assert_close(y, runs[1][0], atol=2e-2, rtol=2e-2)
-        if prologue == "add_rms_norm":
-            assert torch.equal(summed, runs[1][1])
-
-
-def test_early_tiles_are_a_power_of_two_within_k():
-    config = GemvConfig(4, 1024, 4, 3)
-    assert [triton_fused.early_tiles(config, 4096, n) for n in (0, 1, 2, 3, 4, 8)] == [0, 1, 2, 2, 4, 4]
-    assert triton_fused.early_tiles(config, 14336, 16) == 8  # 14 tiles: 8 of them
-    assert triton_fused.early_tiles(GemvConfig(16, 512, 8, 3), 4096, 4) == 4
-
-
-@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_ops_are_their_unfused_chains(prologue):
     inputs, wq, ws, b = operands(prologue, 5, 48, 64, torch.bfloat16, bias=True, seed=7)
     inputs, wq, ws, b = [t.cpu() for t in inputs], wq.cpu(), ws.cpu(), b.cpu()
@@ -188,48 +160,6 @@ def test_elsewhere_the_chain_runs(prologue, case, monkeypatch):
         assert torch.equal(summed, chain_summed)
 
 
-@pytest.mark.parametrize("tiling", ["swap", "dot"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_weight_only_gemv_at_several_rows(tiling, dtype):
-    # KILN_FP8_WEIGHT_ONLY_GEMV: at 2-16 rows the 16-bit activation times the e4m3 weight in
-    # one dot-kernel launch (both tiles to float16): the weight-only product, as the one-row
-    # fused GEMV's; with the weight as the MMA's rows (swap) or x's rows (dot).
-    from kiln.kernels.triton_fp8 import fp8_weight_only_linear_triton
-
-    m, n, k = 5, 80, 128  # two column tiles of 64, the last partial; four K tiles of 32
-    inputs, wq, ws, b = operands("plain", m, n, k, dtype, bias=True, seed=17)
-    config = (GemvConfig(64, 32, 4, 2, swap_ab=True) if tiling == "swap"
-              else GemvConfig(16, 32, 4, 2, dot=True))
-    y = fp8_weight_only_linear_triton(inputs[0], wq, ws, b, dtype, config)
-    ref, _ = weight_only_reference("plain", inputs, wq, ws, b)
-    assert y.shape == (1, m, n) and y.dtype == dtype
-    assert relative_error(y.cpu(), ref) < (2e-2 if dtype == torch.bfloat16 and DEVICE == "cpu" else 5e-3)
-    # One row, or an FP8 activation: not this path (the caller runs its own).
-    assert fp8_weight_only_linear_triton(inputs[0][:, :1], wq, ws, b, dtype, config) is None
-
-
-@pytest.mark.parametrize("enabled", [False, True])
-def test_quantize_fp8_linear_runs_weight_only_above_one_row_when_asked(enabled, monkeypatch):
-    # quantize_fp8_linear at 2-16 rows: its chain (quantize, then the FP8 GEMV) by default,
-    # the weight-only GEMV with WEIGHT_ONLY_GEMV; the table's tiling (64 x 256 at o's shape
-    # class, narrowed here to the test's K).
-    from kiln.kernels import triton_fp8
-
-    monkeypatch.setattr(triton_fused, "WEIGHT_ONLY_GEMV", enabled)
-    inputs, wq, ws, _ = operands("plain", 4, 64, 512, torch.bfloat16, bias=False, seed=19)
-    calls = []
-    weight_only = triton_fp8.fp8_weight_only_linear_triton
-    monkeypatch.setattr(triton_fused, "fp8_weight_only_linear_triton",
-                        lambda *a, **kw: calls.append(1) or weight_only(*a, **kw))
-    y = triton_fused.quantize_fp8_linear_triton(inputs[0], wq, ws, None, torch.bfloat16)
-    ref, _ = weight_only_reference("plain", inputs, wq, ws, None)
-    assert len(calls) == int(enabled)
-    if enabled:
-        assert relative_error(y.cpu(), ref) < (2e-2 if DEVICE == "cpu" else 5e-3)
-    else:
-        assert torch.equal(y, fused.quantize_fp8_linear_chain(inputs[0], wq, ws, None, torch.bfloat16))
-
-
 def test_fused_row_table():
     assert triton_fused.fused_gemv_config(4096, 4096, 1) == GemvConfig(4, 1024, 4, 3)  # o
     assert triton_fused.fused_gemv_config(4096, 14336, 1) == GemvConfig(8, 1024, 8, 3)  # down
@@ -262,9 +192,7 @@ LLAMA3_8B = {"qkv": (6144, 4096, "add_rms_norm"), "o": (4096, 4096, "plain"),
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", sorted(LLAMA3_8B))
-@pytest.mark.parametrize("early_tiles", [1, 4])
-def test_fused_gemv_llama3_shapes(name, early_tiles, monkeypatch):
-    monkeypatch.setattr(triton_fused, "FUSED_GEMV_EARLY_TILES", early_tiles)  # (4: KILN_FP8_FUSED_GEMV_EARLY_TILES)
+def test_fused_gemv_llama3_shapes(name):
     n, k, prologue = LLAMA3_8B[name]
     inputs, wq, ws, b = operands(prologue, 1, n, k, torch.bfloat16, bias=name == "qkv", seed=11)
     assert triton_fused.fused_gemv_config(n, k, 1) is not None
@@ -273,21 +201,6 @@ def test_fused_gemv_llama3_shapes(name, early_tiles, monkeypatch):
     assert relative_error(y.cpu(), ref) < 5e-3
     if summed is not None:
         assert torch.equal(summed.cpu(), ref_summed)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name", ["o", "down", "qkv"])
-def test_weight_only_gemv_llama3_shapes_at_eight_rows(name):
-    # KILN_FP8_WEIGHT_ONLY_GEMV's kernel at the table's tilings (wgmma on float16 tiles).
-    from kiln.kernels.triton_fp8 import fp8_weight_only_linear_triton
-
-    n, k, _ = LLAMA3_8B[name]
-    inputs, wq, ws, b = operands("plain", 8, n, k, torch.bfloat16, bias=name == "qkv", seed=23)
-    y = fp8_weight_only_linear_triton(inputs[0], wq, ws, b, torch.bfloat16)
-    assert y is not None
-    ref, _ = weight_only_reference("plain", inputs, wq, ws, b)
-    assert relative_error(y.cpu(), ref) < 5e-3
 
 
 @pytest.mark.gpu

@@ -1,8 +1,7 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
 2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
 off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed; the
-early PDL trigger, the fused GEMV's deeper early weight loads and the weight-only 2-16-row
-GEMV, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
+early PDL trigger, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
 to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
@@ -21,12 +20,11 @@ _SCRIPT = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel, fp8_weight_only_gemv_config
-from kiln.kernels.triton_fp8_fused_linear import _fused_gemv_row_kernel
+from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel
 from kiln.kernels.triton_norm import _rms_norm_kernel
 from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
 
-def compiled(fn, consts, types, num_warps, num_stages):
+def ptx(fn, consts, types, num_warps, num_stages):
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     # Multiples of 16, as Triton's launcher specializes them at the Llama shapes: pointers,
     # strides, and the GEMVs' N and K (without K's, no load of a weight tile is known to be
@@ -36,17 +34,14 @@ def compiled(fn, consts, types, num_warps, num_stages):
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
-
-def ptx(fn, consts, types, num_warps, num_stages):
-    return compiled(fn, consts, types, num_warps, num_stages).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
 
 found = {}
 gemv_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
               "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
 for block_n, split_k in ((64, 1), (128, 2)):
     code = ptx(_fp8_gemv_dot_kernel, dict(HAS_BIAS=True, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k,
-                                          PDL=True, EARLY_TILE=True, SWAP_AB=True, WEIGHT_ONLY=False), gemv_types, 4, 3)
+                                          PDL=True, EARLY_TILE=True, SWAP_AB=True), gemv_types, 4, 3)
     found[f"gemv swap {block_n} split {split_k}"] = sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code)))
 for e4m3 in (True, False):
     cache = "*fp8e4nv" if e4m3 else "*bf16"
@@ -74,28 +69,6 @@ for fn, consts in ((_rms_norm_kernel, {}), (_rms_norm_quant_kernel, dict(FP8_MAX
         body = code[code.index(".entry"):]
         found[f"{fn.__name__} early={early}"] = [len(re.findall(r"ld\\.global", body[:body.index("griddepcontrol.wait")])),
                                                  len(re.findall(r"ld\\.global", body))]
-# KILN_FP8_WEIGHT_ONLY_GEMV: the dot kernel on a 16-bit x, at the tilings it takes for o and qkv at eight rows
-# (an H200's 232,448 bytes of shared memory a program).
-for name, n in (("o", 4096), ("qkv", 6144)):
-    c = fp8_weight_only_gemv_config(n, 4096, 8, 232448)
-    kernel = compiled(_fp8_gemv_dot_kernel, dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-                                                 SPLIT_K=1, PDL=True, EARLY_TILE=True, SWAP_AB=c.swap_ab,
-                                                 WEIGHT_ONLY=True), dict(gemv_types, x_ptr="*bf16"),
-                      c.num_warps, c.num_stages)
-    code = kernel.asm["ptx"]
-    found[f"weight-only {name}"] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))), code.count(".local"),
-                                    kernel.metadata.shared <= 232448, c.num_stages]
-# KILN_FP8_FUSED_GEMV_EARLY_TILES: the one-row fused GEMV at o's and qkv's tilings (triton_fp8_fused_linear's
-# table) with 1 and 4 weight tiles loaded before the wait.
-fused_types = {"x_ptr": "*bf16", "r_ptr": "*bf16", "g_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": "*fp8e4nv",
-               "ws_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "eps": "fp32"}
-for name, block_n, block_k, warps, prologue in (("o", 4, 1024, 4, 0), ("qkv", 16, 512, 8, 2)):
-    for tiles in (1, 4):
-        code = ptx(_fused_gemv_row_kernel, dict(PROLOGUE=prologue, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                PDL=True, EARLY_TILES=tiles), fused_types, warps, 3)
-        body = code[code.index(".entry"):]
-        found[f"fused gemv {name} early={tiles}"] = [
-            len(re.findall(r"ld\.global", body[:body.index("griddepcontrol.wait")])), body.count(".local")]
 # KILN_PDL_EARLY_TRIGGER: PDL == 2 lets the next kernel launch before the wait, True after it.
 for pdl in (True, 2):
     code = ptx(_rms_norm_kernel, dict(HAS_RESIDUAL=False, BLOCK=4096, PDL=pdl, EARLY_WEIGHT=True), norm_types, 8, 1)
@@ -120,17 +93,6 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
     for name in ("_rms_norm_kernel", "_rms_norm_quant_kernel"):
         late, early = found[f"{name} early=False"], found[f"{name} early=True"]
         assert late[0] == 0 and early[0] == 2 and early[1] == late[1] == 6, (name, late, early)
-    # KILN_FP8_WEIGHT_ONLY_GEMV: float16 warpgroup MMAs (the weight tile converted in
-    # registers), no spills, within shared memory at the table's stages (4 and 5).
-    for name, stages in (("o", 4), ("qkv", 5)):
-        assert found[f"weight-only {name}"] == [["wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16"], 0, True,
-                                                stages], found
-    # KILN_FP8_FUSED_GEMV_EARLY_TILES: a 16-byte load a thread for each tile before the wait
-    # (o: 4 rows x 1,024 bytes over 128 threads, twice; qkv: 16 x 512 over 256), four tiles
-    # four times as many; nothing spilled to local memory.
-    for name in ("o", "qkv"):
-        assert found[f"fused gemv {name} early=1"] == [2, 0], found
-        assert found[f"fused gemv {name} early=4"] == [8, 0], found
     # KILN_PDL_EARLY_TRIGGER: the trigger before the wait, and only with it.
     assert found["pdl=True order"] == ["wait", "launch"] and found["pdl=2 order"] == ["launch", "wait"], found
     # KILN_ATTENTION_FUSED_COMBINE: one atomic a program (its arrival), none without it.
