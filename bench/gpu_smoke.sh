@@ -12,7 +12,7 @@
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
-#                                         pdl_trigger_families_ab
+#                                         pdl_trigger_families_ab moe_mixtral_budgets bf16_budgets
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -239,6 +239,21 @@ for stage in $STAGES; do
       run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline ${MOE_ARGS:-} --out "$OUT/moe_mixtral_decode.json" ;;
     moe_mixtral_offline)
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode ${MOE_ARGS:-} --out "$OUT/moe_mixtral_offline.json" ;;
+    moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
+                          # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
+                          # (bench/simulate_scheduler.py --cost roofline: 1,024 +17% without host time); ~6 min
+      for budget in ${MIXTRAL_BUDGETS:-1024 16384 2048}; do
+        run_stage "moe_mixtral_budget_$budget" 300 $PY bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline \
+          --max-num-batched-tokens "$budget" ${MOE_ARGS:-} --out "$OUT/moe_mixtral_budget_$budget.json"
+      done ;;
+    bf16_budgets)  # issue 16: the bf16 offline run (Llama-3-8B shape) at step token budgets 2,048 and 16,384 (the
+                   # default), twice, alternating (the simulation: +3.5% at 2,048); ~5 min
+      i=0
+      for budget in ${BF16_BUDGETS:-2048 16384 2048 16384}; do
+        i=$((i + 1))
+        run_stage "bf16_budget_${i}_$budget" 200 $PY bench/throughput.py --no-baseline --max-num-batched-tokens "$budget" \
+          --out "$OUT/bf16_budget_${i}_$budget.json"
+      done ;;
     moe_profile_throughput)  # where the Mixtral offline run's time goes (kernels of 6 mixed steps)
       run_stage moe_profile_throughput 560 $PY bench/profile_throughput.py --model bench/mixtral_8x7b.json \
         --out "$OUT/moe_profile_throughput.json" ;;
@@ -278,7 +293,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab moe_mixtral_budgets bf16_budgets)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

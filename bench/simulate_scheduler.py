@@ -14,6 +14,17 @@ continuation) it gives 194 at ratio 0. It compares ratios on four workloads: eve
 random length). CPU only, a few seconds a run:
 
     python bench/simulate_scheduler.py --ratios 0,0.5,0.7,1
+
+`--cost roofline` prices a step as the slower of its memory time (every weight once, plus
+the K/V of every token its sequences attend over) and its compute time (its tokens), instead
+of the linear model's base + per token: a decode step of a few hundred sequences, bound by
+reading a MoE model's experts, then takes prefill tokens up to its compute time for free.
+Its defaults are the Mixtral-8x7B offline run's (RESULTS U3 and P2: decode steps of ~330
+sequences 40.7 ms, ~93 GB of weights and ~30 GB of K/V at ~3.0 TB/s; mixed steps of ~16k
+tokens ~57 us a token). `--budgets` compares step token budgets (`max_num_batched_tokens`):
+
+    python bench/simulate_scheduler.py --cost roofline --ratios 0.5 --workloads to_max_tokens_256 \
+        --budgets 1024,2048,4096,16384
 """
 
 from __future__ import annotations
@@ -42,8 +53,18 @@ WORKLOADS: dict[str, tuple[int, tuple[int, int] | None]] = {
 }
 
 
-def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, args: argparse.Namespace
-             ) -> dict[str, Any]:
+def step_ms(items: list, args: argparse.Namespace) -> float:
+    """A step's device time under `args.cost` (see the module docstring)."""
+    tokens = sum(item.num_new_tokens for item in items)
+    if args.cost == "linear":
+        return args.base_ms + args.ms_per_token * tokens
+    attended = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in items)
+    memory = args.weights_ms + args.kv_ms_per_ktoken * attended / 1e3
+    return max(memory, args.compute_ms_per_token * tokens)
+
+
+def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, args: argparse.Namespace,
+             budget: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed)
     prompt_lens = torch.randint(128, 1025, (args.num_requests,), generator=g).tolist()
     out_lens = (torch.randint(out_range[0], out_range[1] + 1, (args.num_requests,), generator=g).tolist()
@@ -51,7 +72,7 @@ def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, a
     # A stop token makes a request one that may end early (its reservation is learned).
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[7] if out_range else [])
     sched = Scheduler(BlockManager(args.num_kv_blocks, args.block_size, enable_prefix_caching=False),
-                      args.max_num_seqs, args.max_num_batched_tokens, reserve_ratio=ratio)
+                      args.max_num_seqs, budget, reserve_ratio=ratio)
     wanted: dict[int, int] = {}
     for i, n in enumerate(prompt_lens):
         sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[3] * n, params=params))
@@ -73,9 +94,10 @@ def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, a
             items = sched.schedule().scheduled
             ms += args.host_ms
             synchronous += 1
-        step_tokens = sum(item.num_new_tokens for item in items)
-        tokens += step_tokens
-        ms += args.base_ms + args.ms_per_token * step_tokens
+        tokens += sum(item.num_new_tokens for item in items)
+        ms += step_ms(items, args)
+        if any(item.num_new_tokens > 1 for item in items):  # a prefill chunk: no CUDA graph
+            ms += args.mixed_host_ms
         by_length, by_stop = [], []
         for item in items:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -99,27 +121,44 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=18564)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--base-ms", type=float, default=40.0, help="a step's cost without tokens")
-    parser.add_argument("--ms-per-token", type=float, default=0.049)
+    parser.add_argument("--budgets", default="16384", help="max_num_batched_tokens values (comma list)")
+    parser.add_argument("--cost", choices=("linear", "roofline"), default="linear", help="the step cost model")
+    parser.add_argument("--base-ms", type=float, default=40.0, help="linear: a step's cost without tokens")
+    parser.add_argument("--ms-per-token", type=float, default=0.049, help="linear: each token's")
+    parser.add_argument("--weights-ms", type=float, default=30.8, help="roofline: reading the weights once")
+    parser.add_argument("--kv-ms-per-ktoken", type=float, default=0.0434,
+                        help="roofline: reading 1,000 tokens' K/V (all layers)")
+    parser.add_argument("--compute-ms-per-token", type=float, default=0.057, help="roofline: a token's compute")
     parser.add_argument("--host-ms", type=float, default=11.0, help="a step scheduled after the read-back")
+    parser.add_argument("--mixed-host-ms", type=float, default=0.0,
+                        help="host time the device waits through in a step with prefill tokens (its inputs; "
+                             "such steps replay no CUDA graph)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if any(b < 1 for b in budgets):
+        parser.error(f"--budgets: every budget must be a positive token count, got {args.budgets!r}")
     result: dict[str, Any] = {"benchmark": "simulate_scheduler", "env": bc.environment(),
                               "model": {k: getattr(args, k) for k in ("num_kv_blocks", "block_size", "max_num_seqs",
-                                                                      "max_num_batched_tokens", "base_ms",
-                                                                      "ms_per_token", "host_ms")},
+                                                                      "cost", "base_ms", "ms_per_token", "weights_ms",
+                                                                      "kv_ms_per_ktoken", "compute_ms_per_token",
+                                                                      "host_ms", "mixed_host_ms")},
                               "workloads": {}}
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             parser.error(f"--workloads: unknown {name!r}; choose from {', '.join(WORKLOADS)}")
         max_tokens, out_range = WORKLOADS[name]
-        rows = {str(r): simulate(r, max_tokens, out_range, args) for r in ratios}
-        result["workloads"][name] = rows
-        print(f"[{name}] " + ", ".join(f"ratio {r}: {row['seconds']:.1f} s, {row['preemptions']} preemptions"
-                                        for r, row in rows.items()), file=sys.stderr, flush=True)
+        for budget in budgets:
+            # (keyed by the ratio alone when one budget runs, as before --budgets)
+            key = "" if len(budgets) == 1 else f"budget {budget}, "
+            rows = {f"{key}{r}" if key else str(r): simulate(r, max_tokens, out_range, args, budget) for r in ratios}
+            result["workloads"].setdefault(name, {}).update(rows)
+            print(f"[{name}] {key}" + ", ".join(
+                f"ratio {r}: {row['seconds']:.1f} s, {row['output_tokens_per_s']:.0f} output tokens/s, "
+                f"{row['preemptions']} preemptions, {row['steps']} steps" for r, row in zip(ratios, rows.values())),
+                file=sys.stderr, flush=True)
     bc.emit(result, args.out)
 
 

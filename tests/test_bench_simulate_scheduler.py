@@ -1,0 +1,57 @@
+"""bench/simulate_scheduler.py's step cost models, and its budget comparison on a small workload.
+
+The roofline model prices a step as the slower of reading the weights (plus the K/V its
+sequences attend over) and computing its tokens; the linear model as base + per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _simulator(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("kiln_bench_simulate_scheduler", BENCH / "simulate_scheduler.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _args(**overrides) -> argparse.Namespace:
+    values = dict(cost="roofline", base_ms=40.0, ms_per_token=0.049, weights_ms=30.0, kv_ms_per_ktoken=0.05,
+                  compute_ms_per_token=0.06, host_ms=11.0, mixed_host_ms=0.0, num_requests=40, num_kv_blocks=400,
+                  block_size=16, max_num_seqs=64, seed=0)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def _item(computed: int, new: int):
+    return SimpleNamespace(seq=SimpleNamespace(num_computed_tokens=computed), num_new_tokens=new)
+
+
+def test_roofline_step_is_the_slower_of_memory_and_compute(monkeypatch):
+    sim = _simulator(monkeypatch)
+    args = _args()
+    decode = [_item(999, 1) for _ in range(100)]  # 100 sequences attending over 1,000 tokens each
+    assert sim.step_ms(decode, args) == 30.0 + 0.05 * 100  # memory-bound: weights + 100k tokens' K/V
+    mixed = decode + [_item(0, 900)]  # 900 prefill tokens ride along: 1,000 tokens of compute
+    assert sim.step_ms(mixed, args) == 0.06 * 1000  # now compute-bound (60 > 30 + 0.05 * 100.9)
+    assert sim.step_ms(mixed, _args(cost="linear")) == 40.0 + 0.049 * 1000
+
+
+def test_budgets_change_the_simulated_run(monkeypatch):
+    # Over a small KV-bound workload every budget finishes every request, and the roofline's
+    # free prefill in memory-bound decode steps makes the small budget's run the shorter one.
+    sim = _simulator(monkeypatch)
+    runs = {budget: sim.simulate(0.5, 64, None, _args(), budget) for budget in (256, 4096)}
+    for run in runs.values():
+        assert run["preemptions"] == 0 and run["seconds"] > 0
+    assert runs[256]["steps"] > runs[4096]["steps"]
+    assert runs[256]["seconds"] < runs[4096]["seconds"], runs
