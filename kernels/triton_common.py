@@ -40,6 +40,9 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # it is off by default, and chosen per kernel family for A/B runs: `KILN_PDL_EARLY_TRIGGER`
 # (read once, at import) is 0 (none), 1 (all), or a comma list of PDL_KERNEL_FAMILIES
 # (`bash bench/gpu_smoke.sh pdl_trigger_families_ab`).
+# A kernel's family is its module's: "fp8" is every kernel of triton_fp8 and
+# triton_fp8_fused_linear (the quantizing norm and SiLU-and-mul kernels too), "linear" the
+# 16-bit GEMVs, "attention" the paged attention kernels and their cache writes.
 PDL_KERNEL_FAMILIES = ("norm", "rope", "attention", "linear", "activation", "fp8", "moe")
 PDL_TRIGGER_FIRST = 2  # the value of a kernel's `PDL` constexpr for it
 
