@@ -15,10 +15,11 @@ random length). CPU only, a few seconds a run:
 
     python bench/simulate_scheduler.py --ratios 0,0.5,0.7,1
 
-`--cost roofline` prices a step as the slower of its memory time (every weight once, plus
-the K/V of every token its sequences attend over) and its compute time (its tokens), instead
-of the linear model's base + per token: a decode step of a few hundred sequences, bound by
-reading a MoE model's experts, then takes prefill tokens up to its compute time for free.
+`--cost roofline` prices a step's projections as the slower of reading every weight once and
+computing its tokens, and adds its attention's read of the K/V of every token its sequences
+attend over (other kernels: attention does not overlap the GEMMs), instead of the linear
+model's base + per token: a decode step of a few hundred sequences, bound by reading a MoE
+model's experts, then takes prefill tokens up to that read's time for free.
 Its defaults are the Mixtral-8x7B offline run's (RESULTS U3 and P2: decode steps of ~330
 sequences 40.7 ms, ~93 GB of weights and ~30 GB of K/V at ~3.0 TB/s; mixed steps of ~16k
 tokens ~57 us a token). `--budgets` compares step token budgets (`max_num_batched_tokens`):
@@ -59,8 +60,7 @@ def step_ms(items: list, args: argparse.Namespace) -> float:
     if args.cost == "linear":
         return args.base_ms + args.ms_per_token * tokens
     attended = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in items)
-    memory = args.weights_ms + args.kv_ms_per_ktoken * attended / 1e3
-    return max(memory, args.compute_ms_per_token * tokens)
+    return max(args.weights_ms, args.compute_ms_per_token * tokens) + args.kv_ms_per_ktoken * attended / 1e3
 
 
 def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, args: argparse.Namespace,

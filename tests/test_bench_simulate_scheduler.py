@@ -1,7 +1,7 @@
 """bench/simulate_scheduler.py's step cost models, and its budget comparison on a small workload.
 
-The roofline model prices a step as the slower of reading the weights (plus the K/V its
-sequences attend over) and computing its tokens; the linear model as base + per token.
+The roofline model prices a step as the slower of reading the weights and computing its
+tokens, plus reading the K/V its sequences attend over; the linear model as base + per token.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+from pytest import approx
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
@@ -36,14 +38,16 @@ def _item(computed: int, new: int):
     return SimpleNamespace(seq=SimpleNamespace(num_computed_tokens=computed), num_new_tokens=new)
 
 
-def test_roofline_step_is_the_slower_of_memory_and_compute(monkeypatch):
+def test_roofline_step_is_the_slower_of_weights_and_compute_plus_kv(monkeypatch):
     sim = _simulator(monkeypatch)
     args = _args()
     decode = [_item(999, 1) for _ in range(100)]  # 100 sequences attending over 1,000 tokens each
-    assert sim.step_ms(decode, args) == 30.0 + 0.05 * 100  # memory-bound: weights + 100k tokens' K/V
-    mixed = decode + [_item(0, 900)]  # 900 prefill tokens ride along: 1,000 tokens of compute
-    assert sim.step_ms(mixed, args) == 0.06 * 1000  # now compute-bound (60 > 30 + 0.05 * 100.9)
-    assert sim.step_ms(mixed, _args(cost="linear")) == 40.0 + 0.049 * 1000
+    assert sim.step_ms(decode, args) == approx(30.0 + 0.05 * 100)  # weight-bound, + 100k tokens' K/V
+    riding = decode + [_item(0, 400)]  # 400 prefill tokens ride along: 500 tokens' compute < the weights'
+    assert sim.step_ms(riding, args) == approx(30.0 + 0.05 * 100.4)
+    mixed = decode + [_item(0, 900)]  # 1,000 tokens: compute-bound projections
+    assert sim.step_ms(mixed, args) == approx(0.06 * 1000 + 0.05 * 100.9)
+    assert sim.step_ms(mixed, _args(cost="linear")) == approx(40.0 + 0.049 * 1000)
 
 
 def test_budgets_change_the_simulated_run(monkeypatch):
