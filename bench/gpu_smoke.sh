@@ -241,13 +241,13 @@ for stage in $STAGES; do
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode ${MOE_ARGS:-} --out "$OUT/moe_mixtral_offline.json" ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
-                          # (bench/simulate_scheduler.py --cost roofline: 1,024 +17% without host time); ~6 min
+                          # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
       for budget in ${MIXTRAL_BUDGETS:-1024 16384 2048}; do
         run_stage "moe_mixtral_budget_$budget" 300 $PY bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline \
           --max-num-batched-tokens "$budget" ${MOE_ARGS:-} --out "$OUT/moe_mixtral_budget_$budget.json"
       done ;;
     bf16_budgets)  # issue 16: the bf16 offline run (Llama-3-8B shape) at step token budgets 2,048 and 16,384 (the
-                   # default), twice, alternating (the simulation: +3.5% at 2,048); ~5 min
+                   # default), twice, alternating (the simulation: no gain); ~5 min
       i=0
       for budget in ${BF16_BUDGETS:-2048 16384 2048 16384}; do
         i=$((i + 1))
