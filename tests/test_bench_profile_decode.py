@@ -7,23 +7,15 @@ which first wait for the kernel before: recorded durations overlap. The exclusiv
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_scripts import load_bench_script
 
 
 def _profile_decode(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("kiln_bench_profile_decode", BENCH / "profile_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script(monkeypatch, "profile_decode")
 
 
 class FakeProfile:

@@ -7,23 +7,15 @@ tokens, plus reading the K/V its sequences attend over; the linear model as base
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from pytest import approx
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from bench_scripts import load_bench_script
 
 
 def _simulator(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("kiln_bench_simulate_scheduler", BENCH / "simulate_scheduler.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script(monkeypatch, "simulate_scheduler")
 
 
 def _args(**overrides) -> argparse.Namespace:
