@@ -17,8 +17,8 @@
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
-# ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-01 for the tests): tests_a ~3 min,
-# tests_b ~4.5 min (the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
+# ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-04 for the tests): tests_a ~6.5 min,
+# tests_b ~7 min (AA4-AA5; the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
 # included), throughput ~1.5 min (the issue's 1,000 requests; baseline on 64), startup ~1 min,
 # profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may
 # run 10 minutes: split the stages over calls.
@@ -86,10 +86,10 @@ for stage in $STAGES; do
     tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
             # of 157 tests in ~515 s); run tests_a and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
-    tests_a)  # the GPU suite, part A (~175 s in H3; since then the Triton kernel files' dual CPU/CUDA tests
+    tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4; since then the Triton kernel files' dual CPU/CUDA tests
              # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): architectures, kernels, MoE, runtime, TP, the plugin
       run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu "${SUITE_A[@]}" passes/examples ;;
-    tests_b)  # part B (~265 s in H4, 305 s in J6): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
+    tests_b)  # part B (~265 s in H4, 305 s in J6, 426 s in AA5): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
       run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
