@@ -55,7 +55,7 @@ import triton.language as tl
 
 from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel, zero_padded_rows)
-from kiln.kernels.triton_rope import mul_rounded, rms_normed_rounded, rotate_rounded
+from kiln.kernels.triton_rope import inv_rms_rounded, rms_normed_rounded, rotate_rounded
 
 # With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
 # decode, the last split of each sequence and KV head) write the new keys and values, and
@@ -63,13 +63,6 @@ from kiln.kernels.triton_rope import mul_rounded, rms_normed_rounded, rotate_rou
 # H200 (bench/RESULTS.md Z1, alternating runs) FP8 + FP8 KV decode -0.2% at batch 1 and 8, bf16
 # +0.05% / +0.3%; `KILN_ATTENTION_NEW_KV_ONE_WRITER=1` turns it on.
 NEW_KV_ONE_WRITER = os.environ.get("KILN_ATTENTION_NEW_KV_ONE_WRITER", "0") != "0"
-
-
-@triton.jit
-def _inv_rms(x, eps, axis: tl.constexpr, HEAD_DIM: tl.constexpr, NO_CONTRACT: tl.constexpr):
-    """1 / rms of each head of x along `axis` (its head dimension), float32."""
-    xf = x.to(tl.float32)
-    return tl.math.rsqrt(tl.sum(mul_rounded(xf, xf, NO_CONTRACT), axis=axis) / HEAD_DIM + eps)
 
 
 @triton.jit
@@ -98,7 +91,7 @@ def _query_tile(q_ptr, cos_ptr, sin_ptr, qw_ptr, eps, q_row, heads, head_ok, str
         partner, cos, signed_sin = _rotation(cos_ptr, sin_ptr, q_row, stride_cos, stride_sin, HEAD_DIM)
         q_partner = tl.load(base + partner[:, None], mask=head_ok[None, :], other=0.0)
         if HAS_NORM:
-            inv_rms = _inv_rms(q_t, eps, 0, HEAD_DIM, NO_CONTRACT)[None, :]
+            inv_rms = inv_rms_rounded(q_t, eps, 0, HEAD_DIM, NO_CONTRACT)[None, :]
             q_t = rms_normed_rounded(q_t, inv_rms, tl.load(qw_ptr + offs_d).to(tl.float32)[:, None], NO_CONTRACT)
             q_partner = rms_normed_rounded(q_partner, inv_rms, tl.load(qw_ptr + partner).to(tl.float32)[:, None],
                                            NO_CONTRACT)
@@ -122,7 +115,7 @@ def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_
         partner, cos, signed_sin = _rotation(cos_ptr, sin_ptr, row, stride_cos, stride_sin, HEAD_DIM)
         k_partner = tl.load(k_base + partner)
         if HAS_NORM:
-            inv_rms = _inv_rms(k, eps, 0, HEAD_DIM, NO_CONTRACT)
+            inv_rms = inv_rms_rounded(k, eps, 0, HEAD_DIM, NO_CONTRACT)
             k = rms_normed_rounded(k, inv_rms, tl.load(kw_ptr + offs_d).to(tl.float32), NO_CONTRACT)
             k_partner = rms_normed_rounded(k_partner, inv_rms, tl.load(kw_ptr + partner).to(tl.float32), NO_CONTRACT)
         k = rotate_rounded(k, k_partner, cos, signed_sin, NO_CONTRACT)

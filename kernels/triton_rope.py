@@ -63,6 +63,14 @@ def rotate_rounded(x, x_partner, cos, signed_sin, NO_CONTRACT: tl.constexpr = Fa
 
 
 @triton.jit
+def inv_rms_rounded(x, eps, axis: tl.constexpr, HEAD_DIM: tl.constexpr, NO_CONTRACT: tl.constexpr = False):
+    """1 / rms of each head of x along `axis` (its head dimension; padded elements 0), float32,
+    each square rounded on its own (`mul_rounded`)."""
+    xf = x.to(tl.float32)
+    return tl.math.rsqrt(tl.sum(mul_rounded(xf, xf, NO_CONTRACT), axis=axis) / HEAD_DIM + eps)
+
+
+@triton.jit
 def rms_normed_rounded(x, inv_rms, w, NO_CONTRACT: tl.constexpr = False):
     """Qwen3's per-head q/k norm of x (the model dtype) given its 1/rms and the norm weight
     (both float32, broadcast to x): rounded to the model dtype after each product, as the
@@ -89,8 +97,7 @@ def _rotate_heads(
     xr = tl.load(x_base + h[:, None] * stride_h + d_rot[None, :], mask=mask, other=0.0)
     dt = x_base.dtype.element_ty  # the model dtype, where the eager graph rounds
     if HAS_NORM:
-        xf = x.to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+        inv_rms = inv_rms_rounded(x, eps, 1, HEAD_DIM)
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         wr = tl.load(w_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
         x = rms_normed_rounded(x, inv_rms[:, None], w[None, :])
