@@ -37,14 +37,20 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # kernel before it has completed, which in turn waited for the one before. On the H200
 # (bench/RESULTS.md, AA2), in every kernel: bf16 decode +1.7% at batch 1 (+0.1% at 8), FP8 +
 # FP8 KV -0.4% / -2.1% (more programs resident at their waits may crowd the running one), so
-# it is off by default, and chosen per kernel family for A/B runs: `KILN_PDL_EARLY_TRIGGER`
-# (read once, at import) is 0 (none), 1 (all), or a comma list of PDL_KERNEL_FAMILIES
-# (`bash bench/gpu_smoke.sh pdl_trigger_families_ab`).
+# it is chosen per kernel family: `KILN_PDL_EARLY_TRIGGER` (read once, at import) is 0 (none),
+# 1 (all), or a comma list of PDL_KERNEL_FAMILIES; unset, DEFAULT_EARLY_TRIGGER. By family
+# (AB1, `bash bench/gpu_smoke.sh pdl_trigger_families_ab`, two runs each): the small kernels
+# (norms, RoPE, attention, activation) first gave bf16 decode +2.4% at batch 1 (249.7 -> 255.6
+# tokens/s) and FP8 + FP8 KV +0.2% / +0.05%; the GEMVs ("linear") first gave neither anything.
+# The small kernels are short, so the GEMV after them launching early overlaps its start
+# (and its first weight tiles, loaded before its wait) with them; a GEMV triggering first
+# only crowds the SMs with programs that wait.
 # A kernel's family is its module's: "fp8" is every kernel of triton_fp8 and
 # triton_fp8_fused_linear (the quantizing norm and SiLU-and-mul kernels too), "linear" the
 # 16-bit GEMVs, "attention" the paged attention kernels and their cache writes.
 PDL_KERNEL_FAMILIES = ("norm", "rope", "attention", "linear", "activation", "fp8", "moe")
 PDL_TRIGGER_FIRST = 2  # the value of a kernel's `PDL` constexpr for it
+DEFAULT_EARLY_TRIGGER = "norm,rope,attention,activation"
 
 
 def parse_early_trigger(setting: str) -> frozenset[str]:
@@ -62,7 +68,7 @@ def parse_early_trigger(setting: str) -> frozenset[str]:
     return families
 
 
-PDL_EARLY_TRIGGER = parse_early_trigger(os.environ.get("KILN_PDL_EARLY_TRIGGER", "0"))
+PDL_EARLY_TRIGGER = parse_early_trigger(os.environ.get("KILN_PDL_EARLY_TRIGGER", DEFAULT_EARLY_TRIGGER))
 # The GEMVs (bf16 one row; FP8 one row and 2-16 rows) load their first K tile of weights
 # before that wait (the weights are no earlier kernel's output): under PDL the loads of every
 # program launched early are in flight while the previous kernel finishes, instead of

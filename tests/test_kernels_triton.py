@@ -1291,23 +1291,25 @@ def test_pdl_only_where_the_gpu_has_it(monkeypatch):
 
 
 def test_early_trigger_setting_names_kernel_families():
+    from kiln.kernels import triton_common
     from kiln.kernels.triton_common import PDL_KERNEL_FAMILIES, parse_early_trigger
 
     assert parse_early_trigger("0") == parse_early_trigger("") == frozenset()
     assert parse_early_trigger("1") == parse_early_trigger("all") == frozenset(PDL_KERNEL_FAMILIES)
     assert parse_early_trigger(" linear, norm ,") == {"linear", "norm"}
+    assert parse_early_trigger(triton_common.DEFAULT_EARLY_TRIGGER) == {"norm", "rope", "attention", "activation"}
     with pytest.raises(ValueError, match=r"unknown kernel families \['gemv'\]; use 0, 1, or a comma list of norm"):
         parse_early_trigger("linear,gemv")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
-@pytest.mark.parametrize("early_trigger", ["0", "all", "linear"])
+@pytest.mark.parametrize("early_trigger", ["0", "all", "linear", "norm,rope,attention,activation"])
 def test_pdl_chain_in_a_cuda_graph_matches_plain_launches(monkeypatch, early_trigger):
     # 128 kernels, each reading what the one before wrote: a kernel that did not wait for its
     # predecessor (griddepcontrol.wait) would read a half-written input in some replay. Where
     # `early_trigger` (a KILN_PDL_EARLY_TRIGGER value) names a kernel's family, it lets the next
     # launch before its own wait, so a kernel two back may still run while one waits ("linear":
-    # the GEMVs trigger first, the norms after their wait).
+    # the GEMVs trigger first, the norms after their wait; the default, the other way round).
     from kiln.kernels import triton_common, triton_linear
     from kiln.kernels.triton_linear import linear_triton
 
