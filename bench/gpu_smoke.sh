@@ -12,13 +12,13 @@
 #                                         pdl_ab l2_prefetch split_k_tests tune_gemv_split_k tune_gemv_wide tune_gemv_narrow
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
-#                                         pdl_trigger_families_ab moe_mixtral_budgets bf16_budgets
+#                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
-# ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-04 for the tests): tests_a ~6.5 min,
-# tests_b ~7 min (AA4-AA5; the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
+# ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-04 for the tests): tests_a ~5.5 min,
+# tests_b ~5 min (AB2-AB3; the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
 # included), throughput ~1.5 min (the issue's 1,000 requests; baseline on 64), startup ~1 min,
 # profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may
 # run 10 minutes: split the stages over calls.
@@ -86,10 +86,10 @@ for stage in $STAGES; do
     tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
             # of 157 tests in ~515 s); run tests_a and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
-    tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4; since then the Triton kernel files' dual CPU/CUDA tests
+    tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4, 320 s in AB2; since then the Triton kernel files' dual CPU/CUDA tests
              # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): architectures, kernels, MoE, runtime, TP, the plugin
       run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu "${SUITE_A[@]}" passes/examples ;;
-    tests_b)  # part B (~265 s in H4, 305 s in J6, 426 s in AA5): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
+    tests_b)  # part B (~265 s in H4, 305 s in J6, 426 s in AA5, 307 s in AB3): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
       run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
@@ -217,6 +217,17 @@ for stage in $STAGES; do
             --out "$OUT/pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}.json"
         done
       done ;;
+    pdl_fp8_quant_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with the early PDL trigger in the default's small
+                       # kernels and also in FP8's quantizing ones (fp8_quant: the quantizing norm, SiLU-and-mul,
+                       # per-token quantization), alternating, twice (~2.5 min): the FP8 model's counterpart of
+                       # bf16's +2.4% at batch 1 from the small kernels (AB1)
+      i=0
+      for entry in ${PDL_FP8_QUANT_AB_ORDER:-default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant}; do
+        i=$((i + 1))
+        run_stage "pdl_fp8_quant_ab_${i}_${entry%%:*}" 280 env KILN_PDL_EARLY_TRIGGER="${entry#*:}" \
+          $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline "${FP8_ONLY[@]}" \
+          --out "$OUT/pdl_fp8_quant_ab_${i}_${entry%%:*}.json"
+      done ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;
@@ -255,8 +266,9 @@ for stage in $STAGES; do
           --out "$OUT/bf16_budget_${i}_$budget.json"
       done ;;
     moe_profile_throughput)  # where the Mixtral offline run's time goes (kernels of 6 mixed steps)
+      # (MOE_PROFILE_ARGS="--max-num-batched-tokens 1024": the steps of AB4's losing budget)
       run_stage moe_profile_throughput 560 $PY bench/profile_throughput.py --model bench/mixtral_8x7b.json \
-        --out "$OUT/moe_profile_throughput.json" ;;
+        ${MOE_PROFILE_ARGS:-} --out "$OUT/moe_profile_throughput.json" ;;
     tune_moe)  # fused_moe's tilings at the Mixtral and Qwen3-MoE shapes, decode and prefill step sizes
       run_stage tune_moe 560 $PY bench/tune_moe.py ${TUNE_MOE_ARGS:-} --out "$OUT/tune_moe.json" ;;
     moe_qwen3)
@@ -293,7 +305,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab moe_mixtral_budgets bf16_budgets)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -26,6 +26,11 @@ tokens ~57 us a token). `--budgets` compares step token budgets (`max_num_batche
 
     python bench/simulate_scheduler.py --cost roofline --ratios 0.5 --workloads to_max_tokens_256 \
         --budgets 1024,2048,4096,16384
+
+It predicted Mixtral +5% at a 1,024 budget (RESULTS AA6); the H200 measured -15.7% (AB4: 69.7 s
+against 58.7 at 16,384; 2,048 -4.3%). The model leaves out what that costs: the MoE kernels'
+rate between 320 and 2,048 tokens, and a mixed step's host work (steps with prefill replay no
+CUDA graph); neither is profiled yet. Treat its budget comparisons as an upper bound.
 """
 
 from __future__ import annotations

@@ -45,10 +45,12 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # The small kernels are short, so the GEMV after them launching early overlaps its start
 # (and its first weight tiles, loaded before its wait) with them; a GEMV triggering first
 # only crowds the SMs with programs that wait.
-# A kernel's family is its module's: "fp8" is every kernel of triton_fp8 and
-# triton_fp8_fused_linear (the quantizing norm and SiLU-and-mul kernels too), "linear" the
-# 16-bit GEMVs, "attention" the paged attention kernels and their cache writes.
-PDL_KERNEL_FAMILIES = ("norm", "rope", "attention", "linear", "activation", "fp8", "moe")
+# A kernel's family is mostly its module's: "fp8" is the FP8 GEMVs (triton_fp8's and the
+# fused ones of triton_fp8_fused_linear), "fp8_quant" triton_fp8's small kernels that make
+# their input (per-token quantization, the quantizing RMSNorm, SiLU-and-mul-and-quantize: the
+# FP8 model's counterparts of the small kernels the default names), "linear" the 16-bit
+# GEMVs, "attention" the paged attention kernels and their cache writes.
+PDL_KERNEL_FAMILIES = ("norm", "rope", "attention", "linear", "activation", "fp8", "fp8_quant", "moe")
 PDL_TRIGGER_FIRST = 2  # the value of a kernel's `PDL` constexpr for it
 DEFAULT_EARLY_TRIGGER = "norm,rope,attention,activation"
 

@@ -78,7 +78,7 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple
     if m and k:
         block = min(block_k, triton.next_power_of_2(k))
         _quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                    BLOCK_K=block, num_warps=4, **pdl_launch_args(x.device, "fp8"))
+                                    BLOCK_K=block, num_warps=4, **pdl_launch_args(x.device, "fp8_quant"))
     return xq.view(x.shape), scale.view(*x.shape[:-1], 1)
 
 
@@ -129,7 +129,7 @@ def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
         x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device, "fp8"),
+        num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device, "fp8_quant"),
     )
     return xq, scale, summed
 
@@ -229,7 +229,7 @@ def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: i
     _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
                                                FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
                                                BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps,
-                                               **pdl_launch_args(gate.device, "fp8"))
+                                               **pdl_launch_args(gate.device, "fp8_quant"))
     return xq, scale
 
 
