@@ -41,7 +41,7 @@ PDL_ENABLED = os.environ.get("KILN_PDL", "1") != "0"
 # 1 (all), or a comma list of PDL_KERNEL_FAMILIES; unset, DEFAULT_EARLY_TRIGGER. By family
 # (AB1, `bash bench/gpu_smoke.sh pdl_trigger_families_ab`, two runs each): the small kernels
 # (norms, RoPE, attention, activation) first gave bf16 decode +2.4% at batch 1 (249.7 -> 255.6
-# tokens/s) and FP8 + FP8 KV +0.2% / +0.05%; the GEMVs ("linear") first gave neither anything,
+# tokens/s) and FP8 + FP8 KV +0.2% / +0.03%; the GEMVs ("linear") first gave neither anything,
 # and FP8's quantizing kernels first ("fp8_quant", AB6) cost FP8 decode 1.0% / 6.0% at batch
 # 1 / 8. Why the one helps and the other hurts is not profiled: both let a GEMV launch during
 # a short kernel; the FP8 GEMVs at 2-16 rows hold more programs than the bf16 one-row GEMV.
