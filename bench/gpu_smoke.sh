@@ -70,13 +70,15 @@ run_stage() {  # name, timeout seconds, command...
 # `variable` set to the entry; with `on_value`, set to it for entry 1 and empty for 0 (for a
 # variable whose value is a path). Each run: STAGE_<i>_<tag><entry>.log and .json.
 latency_ab() {  # stage, tag, variable, order, on_value, more bench/latency.py arguments...
-  local stage=$1 tag=$2 var=$3 order=$4 on=$5 i=0 entry value; shift 5
+  # order: values of the variable, each also naming its run's files, or label:value entries
+  # where the value would make an odd file name (KILN_PDL_EARLY_TRIGGER's comma lists)
+  local stage=$1 tag=$2 var=$3 order=$4 on=$5 i=0 entry label value; shift 5
   for entry in $order; do
     i=$((i + 1))
-    value=$entry
-    [ -n "$on" ] && value=$([ "$entry" = 1 ] && echo "$on" || true)
-    run_stage "${stage}_${i}_$tag$entry" 280 env "$var=$value" $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
-      --no-baseline "$@" --out "$OUT/${stage}_${i}_$tag$entry.json"
+    label=${entry%%:*} value=${entry#*:}
+    [ -n "$on" ] && value=$([ "$value" = 1 ] && echo "$on" || true)
+    run_stage "${stage}_${i}_$tag$label" 280 env "$var=$value" $PY bench/latency.py --batch-sizes 1,8 --steps 128 \
+      --no-baseline "$@" --out "$OUT/${stage}_${i}_$tag$label.json"
   done
 }
 FP8_ONLY=(--quantization fp8 --kv-cache-dtype fp8 --quantized-only)
@@ -207,27 +209,14 @@ for stage in $STAGES; do
     pdl_trigger_families_ab)  # which kernels' early PDL trigger makes bf16 decode's +1.7% at batch 1 (AA2, every
                               # kernel) and which FP8's -2.1% at batch 8: bf16, then FP8 + FP8 KV decode at batch
                               # 1 and 8 with KILN_PDL_EARLY_TRIGGER none / linear / the small kernels, twice (~7 min)
-      i=0
-      for mode in bf16 fp8; do
-        for entry in ${PDL_FAMILIES_AB_ORDER:-none:0 linear:linear small:norm,rope,attention,activation none:0 linear:linear small:norm,rope,attention,activation}; do
-          i=$((i + 1))
-          extra=(); [ $mode = fp8 ] && extra=("${FP8_ONLY[@]}")
-          run_stage "pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}" 280 env KILN_PDL_EARLY_TRIGGER="${entry#*:}" \
-            $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline "${extra[@]}" \
-            --out "$OUT/pdl_trigger_families_ab_${i}_${mode}_${entry%%:*}.json"
-        done
-      done ;;
+      order=${PDL_FAMILIES_AB_ORDER:-none:0 linear:linear small:norm,rope,attention,activation none:0 linear:linear small:norm,rope,attention,activation}
+      latency_ab pdl_trigger_families_ab bf16_ KILN_PDL_EARLY_TRIGGER "$order" ""
+      latency_ab pdl_trigger_families_ab fp8_ KILN_PDL_EARLY_TRIGGER "$order" "" "${FP8_ONLY[@]}" ;;
     pdl_fp8_quant_ab)  # FP8 + FP8 KV decode at batch 1 and 8 with the early PDL trigger in the default's small
                        # kernels and also in FP8's quantizing ones (fp8_quant: the quantizing norm, SiLU-and-mul,
                        # per-token quantization), alternating, twice (~2.5 min): the FP8 model's counterpart of
                        # bf16's +2.4% at batch 1 from the small kernels (AB1)
-      i=0
-      for entry in ${PDL_FP8_QUANT_AB_ORDER:-default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant}; do
-        i=$((i + 1))
-        run_stage "pdl_fp8_quant_ab_${i}_${entry%%:*}" 280 env KILN_PDL_EARLY_TRIGGER="${entry#*:}" \
-          $PY bench/latency.py --batch-sizes 1,8 --steps 128 --no-baseline "${FP8_ONLY[@]}" \
-          --out "$OUT/pdl_fp8_quant_ab_${i}_${entry%%:*}.json"
-      done ;;
+      latency_ab pdl_fp8_quant_ab "" KILN_PDL_EARLY_TRIGGER "${PDL_FP8_QUANT_AB_ORDER:-default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant default:norm,rope,attention,activation quant:norm,rope,attention,activation,fp8_quant}" "" "${FP8_ONLY[@]}" ;;
     fp8_throughput)  # bf16, then FP8 weights + FP8 KV, in one run (~3 min)
       run_stage fp8_throughput 560 $PY bench/throughput.py --no-baseline --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/fp8_throughput.json" ;;

@@ -1,7 +1,7 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
 2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
 off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed; the
-early PDL trigger, off by default) compile for an H100/H200 (sm_90) with the instructions they are meant
+early PDL trigger, since timed and the small kernels' default) compile for an H100/H200 (sm_90) with the instructions they are meant
 to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
