@@ -13,6 +13,7 @@
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
+#                                         moe_tma_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -239,6 +240,16 @@ for stage in $STAGES; do
       run_stage moe_mixtral_decode 560 $PY bench/moe.py --shape mixtral-8x7b --no-offline ${MOE_ARGS:-} --out "$OUT/moe_mixtral_decode.json" ;;
     moe_mixtral_offline)
       run_stage moe_mixtral_offline 560 $PY bench/moe.py --shape mixtral-8x7b --no-decode ${MOE_ARGS:-} --out "$OUT/moe_mixtral_offline.json" ;;
+    moe_tma_ab)  # issue 17: fused_moe's sorted-rows (tensor descriptor) kernels: their tests on CUDA, their tilings
+                 # at Mixtral's decode and prefill step sizes, then the Mixtral offline run with them
+                 # (KILN_MOE_TMA_MIN_ROWS=${MOE_TMA_MIN_ROWS:-1} rows per expert) and without; ~7 min
+      run_stage moe_tma_tests 120 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py -k sorted_rows
+      run_stage moe_tma_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b --tokens 320,2048,16384 --sweeps tma \
+        --out "$OUT/moe_tma_tune.json"
+      for min_rows in ${MOE_TMA_MIN_ROWS:-1} 0; do
+        run_stage "moe_tma_offline_$min_rows" 200 env KILN_MOE_TMA_MIN_ROWS="$min_rows" $PY bench/moe.py \
+          --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} --out "$OUT/moe_tma_offline_$min_rows.json"
+      done ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
                           # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
@@ -294,7 +305,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -16,7 +16,10 @@ hidden x intermediate) and the weight bytes' TB/s, and the best tiling per shape
 table in `kernels/triton_moe.py` (`choose_tiling`) can be set from it (`--max-tilings` cuts
 each sweep short to fit a device command). Each shape and token count also times
 `kiln.kernels.moe.fused_moe_grouped_mm` (torch's grouped GEMM, the `KILN_MOE_GROUPED_MM_MIN_ROWS`
-alternative) and its largest difference from the kernels' output.
+alternative) and its largest difference from the kernels' output. `--sweeps tma` (or
+`kernels,tma`) also times the sorted-rows kernels (`KILN_MOE_TMA_MIN_ROWS`: rows gathered into
+expert order once, tiles loaded by tensor descriptors) at the default tiling and a short sweep,
+with their largest difference from the default kernels' output.
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -60,6 +63,21 @@ def sweep(decode: bool, one_block_per_expert: bool = False) -> list[Any]:
     return grid + [MoETiling(*t) for t in rest if t not in leaders]
 
 
+def tma_sweep(block_m: int) -> list[Any]:
+    """Tilings for the sorted-rows (tensor descriptor) kernels: the pointer kernels' prefill
+    leaders, longer K tiles, and narrower row tiles where the rows per expert are few."""
+    from kiln.kernels.triton_moe import MoETiling
+
+    if block_m < 128:
+        grid = itertools.product((block_m,), (32, 64, 128), (64, 128), (4,), (3, 4))
+        return [MoETiling(*t) for t in grid]
+    return [MoETiling(128, 128, 64, 8, 3, group_m=16), MoETiling(128, 128, 64, 8, 4, group_m=16),
+            MoETiling(128, 128, 64, 8, 4), MoETiling(128, 128, 128, 8, 2, group_m=16),
+            MoETiling(128, 128, 128, 8, 3, group_m=16), MoETiling(128, 64, 64, 4, 4, group_m=16),
+            MoETiling(64, 128, 64, 4, 4, group_m=16), MoETiling(128, 256, 64, 8, 3, group_m=16),
+            MoETiling(128, 64, 128, 8, 3, group_m=16), MoETiling(64, 256, 64, 8, 3, group_m=16)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -70,12 +88,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timing", choices=("graph", "events"), default="graph",
                         help="graph: replays of a CUDA graph of the op (default); events: eager calls")
+    parser.add_argument("--sweeps", default="kernels",
+                        help="comma list: kernels (the pointer kernels' tilings), tma (the sorted-rows kernels')")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    sweeps = set(args.sweeps.split(","))
+    if not sweeps <= {"kernels", "tma"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
-    from kiln.kernels.triton_moe import choose_tiling, fused_moe_triton
+    from kiln.kernels.triton_moe import choose_tiling, fused_moe_triton, pair_per_block
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -95,17 +118,19 @@ def main() -> None:
             touched = min(experts, pairs)  # at most: the bytes a step must read
             flops = 2 * pairs * 3 * hidden * inter
 
-            def run(tiling: Any = None) -> Any:
-                return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling)
+            def run(tiling: Any = None, tma: bool = False) -> Any:
+                return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling, tma=tma)
 
-            def time_ms(tiling: Any = None) -> float:
-                return bc.call_ms(lambda: run(tiling), args.repeats, args.timing)
+            def time_ms(tiling: Any = None, tma: bool = False) -> float:
+                return bc.call_ms(lambda: run(tiling, tma), args.repeats, args.timing)
 
             default = choose_tiling(pairs, experts, inter, hidden)
             bc.warm_gpu()  # the default is timed first: not at idle clocks
             default_ms = time_ms()
             timings = [(default_ms, default)]  # the default competes too
             tilings = sweep(decode=default.block_m <= 64, one_block_per_expert=pairs <= 128 * experts)
+            if "kernels" not in sweeps:
+                tilings = []
             for tiling in tilings[:args.max_tilings or len(tilings)]:
                 try:
                     timings.append((time_ms(tiling), tiling))
@@ -126,12 +151,34 @@ def main() -> None:
                 return {"ms": ms, "tflop_s": flops / ms / 1e9,
                         "weight_tb_s": weight_bytes * touched / experts / ms / 1e9}
 
+            tma_row = None
+            if "tma" in sweeps and not pair_per_block(pairs, experts):
+                tma_timings, tma_default_ms = [], None
+                for tiling in [default] + tma_sweep(default.block_m):
+                    try:
+                        tma_timings.append((time_ms(tiling, tma=True), tiling))
+                        if tiling is default:
+                            tma_default_ms = tma_timings[-1][0]
+                    except Exception as e:
+                        print(f"[{name} T={t}] tma {tiling}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                if tma_timings:
+                    tma_ms, tma_tiling = min(tma_timings, key=lambda r: r[0])
+                    tma_err = float((run(tma_tiling, tma=True).float() - run().float()).abs().max())
+                    tma_row = {"default": None if tma_default_ms is None else figures(tma_default_ms),
+                               "best": {"tiling": vars(tma_tiling), **figures(tma_ms),
+                                        "max_abs_diff_vs_default": tma_err},
+                               "speedup_of_best_vs_default_kernels": default_ms / tma_ms,
+                               "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(tma_timings, key=lambda r: r[0])]}
+                    print(f"[{name} T={t}] tma: best {tma_ms:.3f} ms ({flops / tma_ms / 1e9:.0f} TFLOP/s) {tma_tiling} "
+                          f"({default_ms / tma_ms:.2f}x the default kernels), max diff {tma_err:.3g}", flush=True)
+
             rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
                                                                            "max_abs_diff_vs_default": grouped_err},
-                            "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])]}
+                            "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])],
+                            "tma": tma_row}
             print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
                   f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x); grouped_mm "
                   + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),

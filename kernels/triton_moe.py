@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.moe import check_fused_moe_args, fused_moe_grouped_mm, fused_moe_reference, route
 from kiln.kernels.moe import fused_moe as fused_moe_op
@@ -79,12 +80,32 @@ TARGET_PROGRAMS = 256
 # it stays off; KILN_MOE_GROUPED_MM_MIN_ROWS in the environment (read once, at import) sets it.
 GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
 
+# Steps with at least this many (token, expert) rows per expert run the sorted-rows kernels
+# (`_moe_gate_up_tma_kernel`, `_moe_down_tma_kernel`): the rows gathered once into expert order,
+# then every tile loaded by a tensor descriptor (TMA on sm_90) instead of per-row pointers. 0
+# (the default) never does, until timed on the H200; KILN_MOE_TMA_MIN_ROWS sets it.
+TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "0"))
+
 
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
     """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
     return (GROUPED_MM_MIN_ROWS > 0 and num_pairs >= GROUPED_MM_MIN_ROWS * num_experts
             and hidden.dtype == torch.bfloat16 and hidden.device.type == "cuda"
             and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
+
+
+def uses_tma(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: torch.Tensor,
+             w_down: torch.Tensor) -> bool:
+    """Whether a step of `num_pairs` rows takes the sorted-rows (tensor descriptor) kernels (see
+    TMA_MIN_ROWS): CUDA from sm_90, and rows whose byte strides a descriptor can take."""
+    return (TMA_MIN_ROWS > 0 and num_pairs >= TMA_MIN_ROWS * num_experts and hidden.device.type == "cuda"
+            and torch.cuda.get_device_capability(hidden.device) >= (9, 0) and _descriptor_strides_ok(w_gate_up, w_down))
+
+
+def _descriptor_strides_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """A tensor descriptor's rows must start 16-byte aligned: hidden and intermediate widths."""
+    elem = w_gate_up.element_size()
+    return (w_gate_up.shape[2] * elem) % 16 == 0 and (w_down.shape[2] * elem) % 16 == 0
 
 
 def pair_per_block(num_pairs: int, num_experts: int) -> bool:
@@ -294,6 +315,104 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
     tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
 
+@triton.jit
+def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
+    padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
+    descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    gate0 = expert * (2 * N) + pid_n * BLOCK_N
+    up0 = gate0 + N
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([row0, k0])
+        bg = w_desc.load([gate0, k0])
+        bu = w_desc.load([up0, k0])
+        if IEEE:
+            acc_gate = tl.dot(a, bg.T, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, bu.T, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(a, bg.T, acc_gate)
+            acc_up = tl.dot(a, bu.T, acc_up)
+    dt = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], act.to(dt), mask=cols[None, :] < N)
+
+
+@triton.jit
+def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
+                         N, K, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
+    w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row."""
+    wait_for_previous_kernel(PDL)
+    pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+    if expert < 0:
+        return
+    row0 = pid_m * BLOCK_M
+    w0 = expert * N + pid_n * BLOCK_N  # a_ptr: what a_desc reads, for its dtype only
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k0])
+        b = w_desc.load([w0, k0])
+        if IEEE:
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    pair = tl.load(pairs_ptr + row0 + tl.arange(0, BLOCK_M))
+    valid = pair < num_pairs
+    safe_pair = tl.where(valid, pair, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dt = a_ptr.dtype.element_ty
+    routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
+    y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
+    tl.store(out_ptr + safe_pair[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                     blocks: PairBlocks, top_k: int, gu_tiling: MoETiling, down_tiling: MoETiling,
+                     products: torch.Tensor) -> None:
+    """Both GEMMs by the tensor-descriptor kernels into `products` [pairs, H]: the pairs' rows
+    of `hidden` gathered into expert order first (padding rows take token 0's; never stored)."""
+    num_pairs, h = products.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    block_m = gu_tiling.block_m
+    row_token = torch.where(blocks.sorted_pairs < num_pairs, blocks.sorted_pairs // top_k, 0)
+    x_sorted = hidden.index_select(0, row_token)
+    act = torch.empty((x_sorted.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
+    ieee = hidden.dtype == torch.float32
+    gu_k, down_k = gu_tiling.block_k, down_tiling.block_k
+    x_desc = TensorDescriptor.from_tensor(x_sorted, [block_m, gu_k])
+    wgu_desc = TensorDescriptor.from_tensor(w_gate_up.view(num_experts * 2 * inter, h), [gu_tiling.block_n, gu_k])
+    _moe_gate_up_tma_kernel[(blocks.num_blocks * triton.cdiv(inter, gu_tiling.block_n),)](
+        x_desc, wgu_desc, act, blocks.block_expert, blocks.num_blocks, inter, h, act.stride(0),
+        BLOCK_M=block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_k, GROUP_M=gu_tiling.group_m, IEEE=ieee,
+        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+    )
+    act_desc = TensorDescriptor.from_tensor(act, [block_m, down_k])
+    wd_desc = TensorDescriptor.from_tensor(w_down.view(num_experts * h, inter), [down_tiling.block_n, down_k])
+    _moe_down_tma_kernel[(blocks.num_blocks * triton.cdiv(h, down_tiling.block_n),)](
+        act_desc, act, wd_desc, weights, products, blocks.sorted_pairs, blocks.block_expert, num_pairs, blocks.num_blocks,
+        h, inter, products.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_k, GROUP_M=down_tiling.group_m, IEEE=ieee,
+        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+    )
+
+
 def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     return (hidden.dtype in _DTYPES and w_gate_up.dtype == hidden.dtype and w_down.dtype == hidden.dtype
             and hidden.device == w_gate_up.device == w_down.device
@@ -302,10 +421,11 @@ def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
-                     tiling: MoETiling | None = None, per_pair: bool | None = None) -> torch.Tensor:
-    """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling` and `per_pair` override
-    `choose_tiling` and `pair_per_block`, for tests); tensors the kernels cannot take go to
-    the reference."""
+                     tiling: MoETiling | None = None, per_pair: bool | None = None,
+                     tma: bool | None = None) -> torch.Tensor:
+    """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
+    `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py); tensors
+    the kernels cannot take go to the reference."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     if not _applies(hidden, w_gate_up, w_down):
         return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
@@ -322,6 +442,17 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem, smem)
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
+    if tma is None:
+        tma = not per_pair and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
+    if tma:
+        if per_pair or not _descriptor_strides_ok(w_gate_up, w_down):
+            raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned rows")
+        weights = routing.weights.reshape(-1).contiguous()
+        products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
+                               device=hidden.device)
+        blocks = group_pairs(routing.experts, num_experts, gu_tiling.block_m)
+        _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products)
+        return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
     if per_pair:
         num_blocks, sorted_pairs, block_expert = num_pairs, routing.experts, routing.experts  # pairs unused
     else:

@@ -132,6 +132,37 @@ def test_fused_moe_triton_matches_reference(t, h, i, e, top_k, renormalize, fp32
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling,per_pair",
+                         [case for case in CASES if case[-1] is not True])
+def test_sorted_rows_kernels_match_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair,
+                                             dtype) -> None:
+    """The tensor-descriptor kernels (rows gathered into expert order first) give the pointer
+    kernels' result: every grouped case above, padding rows and tiles past N and K included."""
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
+    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
+                           per_pair=False, tma=True)
+    ref = fused_moe_reference(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_sorted_rows_kernels_are_off_by_default_and_refuse_what_they_cannot_take(monkeypatch) -> None:
+    from kiln.kernels import triton_moe
+
+    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 24, 4, torch.float32)
+    assert not triton_moe.uses_tma(80, 4, hidden, w_gate_up, w_down)
+    monkeypatch.setattr(triton_moe, "TMA_MIN_ROWS", 8)
+    # CUDA from sm_90 only: never on this machine's CPU tensors.
+    assert triton_moe.uses_tma(80, 4, hidden, w_gate_up, w_down) == (
+        DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0))
+    with pytest.raises(ValueError, match="16-byte-aligned"):
+        odd = moe_inputs(8, 30, 24, 4, torch.float16)  # 60-byte rows
+        fused_moe_triton(*odd, 2, True, True, per_pair=False, tma=True)
+
+
 # ---- GPU: real shapes -------------------------------------------------------------------------
 
 REAL_SHAPES = {  # name: hidden, moe intermediate, experts, top_k, renormalize
@@ -151,6 +182,23 @@ def test_fused_moe_triton_matches_reference_at_real_shapes(shape: str, tokens: i
     hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
                                                    skew=False)
     out = torch.ops.kiln.fused_moe(hidden, logits, w_gate_up, w_down, k, renorm, True)  # dispatches to Triton
+    ref = fused_moe_reference(hidden.float(), logits.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"{shape}, {tokens} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [64, 1000])
+@pytest.mark.parametrize("shape", list(REAL_SHAPES))
+def test_sorted_rows_kernels_at_real_shapes(shape: str, tokens: int) -> None:
+    """The tensor-descriptor (TMA) kernels compiled for the GPU, bfloat16, against the float32 reference."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    h, i, e, k, renorm = REAL_SHAPES[shape]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True, per_pair=False, tma=True)
     ref = fused_moe_reference(hidden.float(), logits.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     rel = (out.float() - ref).norm() / ref.norm()
