@@ -244,8 +244,8 @@ for stage in $STAGES; do
                  # at Mixtral's decode and prefill step sizes, then the Mixtral offline run with them
                  # (KILN_MOE_TMA_MIN_ROWS=${MOE_TMA_MIN_ROWS:-1} rows per expert) and without; ~7 min
       run_stage moe_tma_tests 120 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py -k sorted_rows
-      run_stage moe_tma_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b --tokens 320,2048,16384 --sweeps tma \
-        --out "$OUT/moe_tma_tune.json"
+      run_stage moe_tma_tune 200 $PY bench/tune_moe.py ${MOE_TMA_TUNE_ARGS:---shapes mixtral-8x7b --tokens 320,2048,16384} \
+        --sweeps tma --out "$OUT/moe_tma_tune.json"
       for min_rows in ${MOE_TMA_MIN_ROWS:-1} 0; do
         run_stage "moe_tma_offline_$min_rows" 200 env KILN_MOE_TMA_MIN_ROWS="$min_rows" $PY bench/moe.py \
           --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} --out "$OUT/moe_tma_offline_$min_rows.json"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,11 +72,14 @@ def tma_sweep(block_m: int) -> list[Any]:
     if block_m < 128:
         grid = itertools.product((block_m,), (32, 64, 128), (64, 128), (4,), (3, 4))
         return [MoETiling(*t) for t in grid]
-    return [MoETiling(128, 128, 64, 8, 3, group_m=16), MoETiling(128, 128, 64, 8, 4, group_m=16),
-            MoETiling(128, 128, 64, 8, 4), MoETiling(128, 128, 128, 8, 2, group_m=16),
-            MoETiling(128, 128, 128, 8, 3, group_m=16), MoETiling(128, 64, 64, 4, 4, group_m=16),
-            MoETiling(64, 128, 64, 4, 4, group_m=16), MoETiling(128, 256, 64, 8, 3, group_m=16),
-            MoETiling(128, 64, 128, 8, 3, group_m=16), MoETiling(64, 256, 64, 8, 3, group_m=16)]
+    # The leaders of the first sweep (AC1 in bench/RESULTS.md), two of them warp-specialized, and
+    # the wider program groups.
+    leaders = [MoETiling(128, 128, 64, 8, 3, group_m=16), MoETiling(128, 128, 64, 8, 4, group_m=16),
+               MoETiling(128, 128, 64, 8, 3, group_m=32), MoETiling(128, 128, 64, 8, 3, group_m=8)]
+    specialized = [replace(t, warp_specialize=True) for t in leaders[:2]]
+    specialized += [MoETiling(128, 128, 64, 4, 3, group_m=16, warp_specialize=True),
+                    MoETiling(128, 256, 64, 8, 2, group_m=16, warp_specialize=True)]
+    return leaders + specialized
 
 
 def main() -> None:

@@ -68,6 +68,9 @@ class MoETiling:
     # stay in L2 while the column tiles pass over them (the grouped order of Triton's matmul
     # tutorial). Prefill-sized steps, whose rows (~270 MB at 16k tokens) far exceed L2, gain.
     group_m: int = 0
+    # The sorted-rows kernels only: Triton's warp specialization of the K loop (producer warps
+    # issue the descriptor loads, consumer warps the MMAs).
+    warp_specialize: bool = False
 
 
 # Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
@@ -318,7 +321,8 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
 @triton.jit
 def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+                            PDL: tl.constexpr = False):
     """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
     descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored."""
@@ -332,7 +336,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
     up0 = gate0 + N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         a = x_desc.load([row0, k0])
         bg = w_desc.load([gate0, k0])
         bu = w_desc.load([up0, k0])
@@ -354,7 +358,8 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
 @triton.jit
 def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
                          N, K, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
     w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row."""
     wait_for_previous_kernel(PDL)
@@ -365,7 +370,7 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     row0 = pid_m * BLOCK_M
     w0 = expert * N + pid_n * BLOCK_N  # a_ptr: what a_desc reads, for its dtype only
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         a = a_desc.load([row0, k0])
         b = w_desc.load([w0, k0])
         if IEEE:
@@ -401,6 +406,7 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     _moe_gate_up_tma_kernel[(blocks.num_blocks * triton.cdiv(inter, gu_tiling.block_n),)](
         x_desc, wgu_desc, act, blocks.block_expert, blocks.num_blocks, inter, h, act.stride(0),
         BLOCK_M=block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_k, GROUP_M=gu_tiling.group_m, IEEE=ieee,
+        WARP_SPECIALIZE=gu_tiling.warp_specialize,
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     act_desc = TensorDescriptor.from_tensor(act, [block_m, down_k])
@@ -409,6 +415,7 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
         act_desc, act, wd_desc, weights, products, blocks.sorted_pairs, blocks.block_expert, num_pairs, blocks.num_blocks,
         h, inter, products.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_k, GROUP_M=down_tiling.group_m, IEEE=ieee,
+        WARP_SPECIALIZE=down_tiling.warp_specialize,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
 
