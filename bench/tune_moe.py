@@ -19,7 +19,10 @@ each sweep short to fit a device command). Each shape and token count also times
 alternative) and its largest difference from the kernels' output. `--sweeps tma` (or
 `kernels,tma`) also times the sorted-rows kernels (`KILN_MOE_TMA_MIN_ROWS`: rows gathered into
 expert order once, tiles loaded by tensor descriptors) at the default tiling and a short sweep,
-with their largest difference from the default kernels' output.
+with their largest difference from the default kernels' output. `--sweeps gate_up,down` sweeps
+each GEMM's tiling alone, the other at the default (the row blocks stay the default's; each on
+the path the step takes by default, the sorted-rows kernels from `KILN_MOE_TMA_MIN_ROWS` rows an
+expert): the default tables give both GEMMs one tiling.
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -72,14 +74,18 @@ def tma_sweep(block_m: int) -> list[Any]:
     if block_m < 128:
         grid = itertools.product((block_m,), (32, 64, 128), (64, 128), (4,), (3, 4))
         return [MoETiling(*t) for t in grid]
-    # The leaders of the first sweep (AC1 in bench/RESULTS.md), two of them warp-specialized, and
-    # the wider program groups.
-    leaders = [MoETiling(128, 128, 64, 8, 3, group_m=16), MoETiling(128, 128, 64, 8, 4, group_m=16),
-               MoETiling(128, 128, 64, 8, 3, group_m=32), MoETiling(128, 128, 64, 8, 3, group_m=8)]
-    specialized = [replace(t, warp_specialize=True) for t in leaders[:2]]
-    specialized += [MoETiling(128, 128, 64, 4, 3, group_m=16, warp_specialize=True),
-                    MoETiling(128, 256, 64, 8, 2, group_m=16, warp_specialize=True)]
-    return leaders + specialized
+    # The leaders of the first sweep (AC1 in bench/RESULTS.md) and wider or narrower program
+    # groups (warp specialization, tried in AC2, gained nothing at 8 warps and failed to compile at 4).
+    return [MoETiling(128, 128, 64, 8, 3, group_m=16), MoETiling(128, 128, 64, 8, 4, group_m=16),
+            MoETiling(128, 128, 64, 8, 3, group_m=32), MoETiling(128, 128, 64, 8, 3, group_m=8)]
+
+
+def part_sweep(default: Any) -> list[Any]:
+    """One GEMM's tilings with the default's row blocks (BLOCK_M) and program order."""
+    from kiln.kernels.triton_moe import MoETiling
+
+    grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))
+    return [MoETiling(default.block_m, n, k, w, st, group_m=default.group_m) for n, k, w, st in grid]
 
 
 def main() -> None:
@@ -97,8 +103,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
-    if not sweeps <= {"kernels", "tma"}:
-        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma")
+    if not sweeps <= {"kernels", "tma", "gate_up", "down"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
@@ -122,15 +128,16 @@ def main() -> None:
             touched = min(experts, pairs)  # at most: the bytes a step must read
             flops = 2 * pairs * 3 * hidden * inter
 
-            def run(tiling: Any = None, tma: bool = False) -> Any:
-                return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling, tma=tma)
+            def run(tiling: Any = None, tma: bool | None = False, down: Any = None) -> Any:
+                return fused_moe_triton(x, logits, w_gate_up, w_down, top_k, renorm, True, tiling=tiling, tma=tma,
+                                        down_tiling=down)
 
-            def time_ms(tiling: Any = None, tma: bool = False) -> float:
-                return bc.call_ms(lambda: run(tiling, tma), args.repeats, args.timing)
+            def time_ms(tiling: Any = None, tma: bool | None = False, down: Any = None) -> float:
+                return bc.call_ms(lambda: run(tiling, tma, down), args.repeats, args.timing)
 
             default = choose_tiling(pairs, experts, inter, hidden)
             bc.warm_gpu()  # the default is timed first: not at idle clocks
-            default_ms = time_ms()
+            default_ms = time_ms(tma=None)  # the path a step takes
             timings = [(default_ms, default)]  # the default competes too
             tilings = sweep(decode=default.block_m <= 64, one_block_per_expert=pairs <= 128 * experts)
             if "kernels" not in sweeps:
@@ -171,18 +178,37 @@ def main() -> None:
                     tma_row = {"default": None if tma_default_ms is None else figures(tma_default_ms),
                                "best": {"tiling": vars(tma_tiling), **figures(tma_ms),
                                         "max_abs_diff_vs_default": tma_err},
-                               "speedup_of_best_vs_default_kernels": default_ms / tma_ms,
+                               "speedup_of_best_vs_default": default_ms / tma_ms,
                                "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(tma_timings, key=lambda r: r[0])]}
                     print(f"[{name} T={t}] tma: best {tma_ms:.3f} ms ({flops / tma_ms / 1e9:.0f} TFLOP/s) {tma_tiling} "
-                          f"({default_ms / tma_ms:.2f}x the default kernels), max diff {tma_err:.3g}", flush=True)
+                          f"({default_ms / tma_ms:.2f}x the default path), max diff {tma_err:.3g}", flush=True)
 
+            parts: dict[str, Any] = {}
+            for part in ("gate_up", "down"):
+                if part not in sweeps or pair_per_block(pairs, experts):
+                    continue
+                part_timings = []
+                for tiling in part_sweep(default):
+                    try:  # the other GEMM at the default tiling, on the default path
+                        ms = (time_ms(tiling, None, default) if part == "gate_up" else time_ms(default, None, tiling))
+                        part_timings.append((ms, tiling))
+                    except Exception as e:
+                        print(f"[{name} T={t}] {part} {tiling}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                if part_timings:
+                    part_ms, part_best = min(part_timings, key=lambda r: r[0])
+                    parts[part] = {"best": {"tiling": vars(part_best), **figures(part_ms)},
+                                   "speedup_of_best": default_ms / part_ms,
+                                   "sweep": [{"tiling": vars(tl), "ms": ms}
+                                             for ms, tl in sorted(part_timings, key=lambda r: r[0])]}
+                    print(f"[{name} T={t}] {part} alone: best {part_ms:.3f} ms {part_best} "
+                          f"({default_ms / part_ms:.2f}x the default {default_ms:.3f})", flush=True)
             rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
                                                                            "max_abs_diff_vs_default": grouped_err},
                             "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])],
-                            "tma": tma_row}
+                            "tma": tma_row, "parts": parts}
             print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
                   f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x); grouped_mm "
                   + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),

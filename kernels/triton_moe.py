@@ -9,6 +9,12 @@ block of rows by one BLOCK_N slice of that expert's weights. Two launches:
      accumulated by the same program, so the [pairs, 2I] gate/up output never exists;
   2. down: those [pairs, I] rows x w_down[e], scaled by the pair's routing weight.
 
+Prefill-sized steps (`TMA_MIN_ROWS` rows an expert and more, sm_90 and newer) run the same
+two GEMMs as sorted-rows kernels instead: the pairs' rows of x are first gathered into expert
+order (padding rows included), so every row block is a contiguous slice and both operands of
+both GEMMs load through tensor descriptors (TMA) rather than per-row pointers; the gate/up
+output stays in that order for the down GEMM, which writes each row to its pair.
+
 The top_k products of a token are then summed (a [T, top_k, H] sum, deterministic: no
 atomics), as transformers' batched_mm does. Every expert's weights are read once per row
 block that uses it, not once per pair as batched_mm's gather does.
@@ -68,9 +74,6 @@ class MoETiling:
     # stay in L2 while the column tiles pass over them (the grouped order of Triton's matmul
     # tutorial). Prefill-sized steps, whose rows (~270 MB at 16k tokens) far exceed L2, gain.
     group_m: int = 0
-    # The sorted-rows kernels only: Triton's warp specialization of the K loop (producer warps
-    # issue the descriptor loads, consumer warps the MMAs).
-    warp_specialize: bool = False
 
 
 # Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
@@ -84,10 +87,15 @@ TARGET_PROGRAMS = 256
 GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
 
 # Steps with at least this many (token, expert) rows per expert run the sorted-rows kernels
-# (`_moe_gate_up_tma_kernel`, `_moe_down_tma_kernel`): the rows gathered once into expert order,
-# then every tile loaded by a tensor descriptor (TMA on sm_90) instead of per-row pointers. 0
-# (the default) never does, until timed on the H200; KILN_MOE_TMA_MIN_ROWS sets it.
-TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "0"))
+# (`_moe_gate_up_tma_kernel`, `_moe_down_tma_kernel`) on sm_90 and newer: the rows gathered
+# once into expert order, then every tile loaded by a tensor descriptor (TMA) instead of
+# per-row pointers. On the H200 (bench/tune_moe.py --sweeps tma, bench/RESULTS.md AC1-AC2), one
+# layer at the default tiling: Mixtral-8x7B shape 19.7 against 21.2 ms at 16,384 tokens (4,096
+# rows an expert), 9.95 / 10.63 at 8,192, 5.1-5.3 / 5.34 at 4,096 (1,024 rows), but 2.84 / 2.72
+# at 2,048 and 0.87 / 0.83 at 320; Qwen3-MoE-30B-A3B 3.17 / 3.27 at 16,384 tokens (1,024 rows),
+# level at 8,192, 1.08 / 1.00 at 4,096. The Mixtral offline run: +3.1% (AC2).
+# KILN_MOE_TMA_MIN_ROWS sets it (0: never).
+TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 
 
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
@@ -321,8 +329,7 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
 @triton.jit
 def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
-                            PDL: tl.constexpr = False):
+                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
     descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored."""
@@ -336,7 +343,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
     up0 = gate0 + N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([row0, k0])
         bg = w_desc.load([gate0, k0])
         bu = w_desc.load([up0, k0])
@@ -358,8 +365,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
 @triton.jit
 def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
                          N, K, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
     w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row."""
     wait_for_previous_kernel(PDL)
@@ -370,7 +376,7 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     row0 = pid_m * BLOCK_M
     w0 = expert * N + pid_n * BLOCK_N  # a_ptr: what a_desc reads, for its dtype only
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([row0, k0])
         b = w_desc.load([w0, k0])
         if IEEE:
@@ -406,7 +412,6 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     _moe_gate_up_tma_kernel[(blocks.num_blocks * triton.cdiv(inter, gu_tiling.block_n),)](
         x_desc, wgu_desc, act, blocks.block_expert, blocks.num_blocks, inter, h, act.stride(0),
         BLOCK_M=block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_k, GROUP_M=gu_tiling.group_m, IEEE=ieee,
-        WARP_SPECIALIZE=gu_tiling.warp_specialize,
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     act_desc = TensorDescriptor.from_tensor(act, [block_m, down_k])
@@ -415,7 +420,6 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
         act_desc, act, wd_desc, weights, products, blocks.sorted_pairs, blocks.block_expert, num_pairs, blocks.num_blocks,
         h, inter, products.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_k, GROUP_M=down_tiling.group_m, IEEE=ieee,
-        WARP_SPECIALIZE=down_tiling.warp_specialize,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
 
@@ -429,10 +433,11 @@ def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
                      tiling: MoETiling | None = None, per_pair: bool | None = None,
-                     tma: bool | None = None) -> torch.Tensor:
+                     tma: bool | None = None, down_tiling: MoETiling | None = None) -> torch.Tensor:
     """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
-    `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py); tensors
-    the kernels cannot take go to the reference."""
+    `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
+    `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
+    tensors the kernels cannot take go to the reference."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     if not _applies(hidden, w_gate_up, w_down):
         return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
@@ -446,7 +451,10 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
     gu_tiling = _fit(tiling, inter, h) if tiling else choose_tiling(num_pairs, num_experts, inter, h, elem, smem)
-    down_tiling = _fit(tiling, h, inter) if tiling else choose_tiling(num_pairs, num_experts, h, inter, elem, smem)
+    if down_tiling or tiling:
+        down_tiling = _fit(down_tiling or tiling, h, inter)
+    else:
+        down_tiling = choose_tiling(num_pairs, num_experts, h, inter, elem, smem)
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
     if tma is None:

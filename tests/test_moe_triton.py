@@ -149,15 +149,17 @@ def test_sorted_rows_kernels_match_reference(t, h, i, e, top_k, renormalize, fp3
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
-def test_sorted_rows_kernels_are_off_by_default_and_refuse_what_they_cannot_take(monkeypatch) -> None:
+def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_cannot_take(monkeypatch) -> None:
     from kiln.kernels import triton_moe
 
     hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 24, 4, torch.float32)
-    assert not triton_moe.uses_tma(80, 4, hidden, w_gate_up, w_down)
+    hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+    assert triton_moe.TMA_MIN_ROWS == int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
     monkeypatch.setattr(triton_moe, "TMA_MIN_ROWS", 8)
-    # CUDA from sm_90 only: never on this machine's CPU tensors.
-    assert triton_moe.uses_tma(80, 4, hidden, w_gate_up, w_down) == (
-        DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0))
+    assert triton_moe.uses_tma(32, 4, hidden, w_gate_up, w_down) == hopper  # 8 rows an expert
+    assert not triton_moe.uses_tma(31, 4, hidden, w_gate_up, w_down)
+    monkeypatch.setattr(triton_moe, "TMA_MIN_ROWS", 0)  # KILN_MOE_TMA_MIN_ROWS=0: never
+    assert not triton_moe.uses_tma(10**6, 4, hidden, w_gate_up, w_down)
     with pytest.raises(ValueError, match="16-byte-aligned"):
         odd = moe_inputs(8, 30, 24, 4, torch.float16)  # 60-byte rows
         fused_moe_triton(*odd, 2, True, True, per_pair=False, tma=True)
@@ -203,6 +205,30 @@ def test_sorted_rows_kernels_at_real_shapes(shape: str, tokens: int) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, f"{shape}, {tokens} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+def test_sorted_rows_kernels_replay_in_a_cuda_graph() -> None:
+    """Their descriptors are built at launch: captured once, replayed with other tokens and routing."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    h, i, e, k, renorm = 1024, 512, 16, 4, True
+    hidden, logits, w_gate_up, w_down = moe_inputs(256, h, i, e, torch.bfloat16, device="cuda", skew=False)
+    static_h, static_l = hidden.clone(), logits.clone()
+    def run() -> torch.Tensor:
+        return fused_moe_triton(static_h, static_l, w_gate_up, w_down, k, renorm, True, per_pair=False, tma=True)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    new_h, new_l, _, _ = moe_inputs(256, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
+    static_h.copy_(new_h)
+    static_l.copy_(new_l)
+    graph.replay()
+    ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
