@@ -13,7 +13,7 @@
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
-#                                         moe_tma_ab moe_parts
+#                                         moe_tma_ab moe_parts moe_grouping_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -254,6 +254,17 @@ for stage in $STAGES; do
                 # Mixtral's offline decode (320 tokens) and prefill (16,384) step sizes; ~3 min
       run_stage moe_parts 400 $PY bench/tune_moe.py --shapes mixtral-8x7b --tokens ${MOE_PARTS_TOKENS:-320,16384} \
         --sweeps gate_up,down --out "$OUT/moe_parts.json" ;;
+    moe_grouping_ab)  # issue 17: fused_moe's pair grouping in one kernel against ~20 torch ops: fused_moe_triton's
+                      # tests on CUDA, the grouping alone and in the op, then the Mixtral offline run with
+                      # and without it (KILN_MOE_GROUPING_KERNEL_MAX_PAIRS=0); ~6 min
+      run_stage moe_grouping_tests 150 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py
+      run_stage moe_grouping_tune 120 $PY bench/tune_moe.py --tokens 8,64,320,2048 --sweeps grouping \
+        --out "$OUT/moe_grouping_tune.json"
+      for max_pairs in 8192 0; do
+        run_stage "moe_grouping_offline_$max_pairs" 200 env KILN_MOE_GROUPING_KERNEL_MAX_PAIRS="$max_pairs" $PY \
+          bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} \
+          --out "$OUT/moe_grouping_offline_$max_pairs.json"
+      done ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
                           # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
@@ -309,7 +320,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -22,7 +22,9 @@ expert order once, tiles loaded by tensor descriptors) at the default tiling and
 with their largest difference from the default kernels' output. `--sweeps gate_up,down` sweeps
 each GEMM's tiling alone, the other at the default (the row blocks stay the default's; each on
 the path the step takes by default, the sorted-rows kernels from `KILN_MOE_TMA_MIN_ROWS` rows an
-expert): the default tables give both GEMMs one tiling.
+expert): the default tables give both GEMMs one tiling. `--sweeps grouping` times the pairs'
+grouping by torch ops (`group_pairs`) against one kernel (`group_pairs_in_one_kernel`), alone
+and as part of the whole op (`KILN_MOE_GROUPING_KERNEL_MAX_PAIRS`).
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -88,6 +90,17 @@ def part_sweep(default: Any) -> list[Any]:
     return [MoETiling(default.block_m, n, k, w, st, group_m=default.group_m) for n, k, w, st in grid]
 
 
+def time_group(group: Any, experts_of: torch.Tensor, num_experts: int, block_m: int, args: Any) -> float:
+    """One grouping of the pairs, ms (as `bc.call_ms` times the op); the output checked against torch's."""
+    from kiln.kernels.triton_moe import group_pairs
+
+    blocks, ref = group(experts_of, num_experts, block_m), group_pairs(experts_of, num_experts, block_m)
+    if not (torch.equal(blocks.sorted_pairs.int(), ref.sorted_pairs.int())
+            and torch.equal(blocks.block_expert.int(), ref.block_expert.int())):
+        raise RuntimeError(f"{group.__name__}: blocks differ from group_pairs'")
+    return bc.call_ms(lambda: group(experts_of, num_experts, block_m), args.repeats, args.timing)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -103,11 +116,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
-    if not sweeps <= {"kernels", "tma", "gate_up", "down"}:
-        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down")
+    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
+    from kiln.kernels import triton_moe
     from kiln.kernels.triton_moe import choose_tiling, fused_moe_triton, pair_per_block
 
     device = torch.device("cuda")
@@ -202,13 +216,27 @@ def main() -> None:
                                              for ms, tl in sorted(part_timings, key=lambda r: r[0])]}
                     print(f"[{name} T={t}] {part} alone: best {part_ms:.3f} ms {part_best} "
                           f"({default_ms / part_ms:.2f}x the default {default_ms:.3f})", flush=True)
+            grouping: dict[str, Any] = {}
+            if "grouping" in sweeps and not pair_per_block(pairs, experts):
+                experts_of = torch.topk(logits, top_k, dim=-1).indices
+                grouping["torch_ops_ms"] = time_group(triton_moe.group_pairs, experts_of, experts, default.block_m, args)
+                grouping["one_kernel_ms"] = time_group(triton_moe.group_pairs_in_one_kernel, experts_of, experts,
+                                                       default.block_m, args)
+                saved = triton_moe.GROUPING_KERNEL_MAX_PAIRS
+                for label, limit in (("op_torch_ops_ms", 0), ("op_one_kernel_ms", 1 << 30)):
+                    triton_moe.GROUPING_KERNEL_MAX_PAIRS = limit
+                    grouping[label] = time_ms(tma=None)
+                triton_moe.GROUPING_KERNEL_MAX_PAIRS = saved
+                print(f"[{name} T={t}] grouping: torch ops {grouping['torch_ops_ms'] * 1e3:.1f} us, one kernel "
+                      f"{grouping['one_kernel_ms'] * 1e3:.1f} us; the op {grouping['op_torch_ops_ms']:.3f} against "
+                      f"{grouping['op_one_kernel_ms']:.3f} ms", flush=True)
             rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
                                                                            "max_abs_diff_vs_default": grouped_err},
                             "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])],
-                            "tma": tma_row, "parts": parts}
+                            "tma": tma_row, "parts": parts, "grouping": grouping}
             print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
                   f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x); grouped_mm "
                   + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),

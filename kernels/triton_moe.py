@@ -216,6 +216,79 @@ def group_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBl
     return PairBlocks(sorted_pairs=sorted_pairs, block_expert=block_expert, num_blocks=num_blocks)
 
 
+# Steps of at most this many (token, expert) pairs group them with one Triton program
+# (`_group_pairs_kernel`) instead of `group_pairs`' ~20 small torch ops, which a decode step's
+# CUDA graph replays one after another in every MoE layer; larger steps loop too long in one
+# program. KILN_MOE_GROUPING_KERNEL_MAX_PAIRS sets it (0: never).
+GROUPING_KERNEL_MAX_PAIRS = int(os.environ.get("KILN_MOE_GROUPING_KERNEL_MAX_PAIRS", "8192"))
+
+
+@triton.jit
+def _group_pairs_kernel(experts_ptr, sorted_pairs_ptr, block_expert_ptr, num_pairs, num_experts, num_blocks,
+                        BLOCK_M: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    """`group_pairs` in one program: per-expert counts, the padded layout's prefix sums, each
+    pair to its slot (stable: its rank among its expert's pairs in order), every other slot
+    marked padding, each block's expert. Every slot is written exactly once, so the passes
+    need no ordering between their stores."""
+    wait_for_previous_kernel(PDL)
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        pair = c0 + tl.arange(0, CHUNK)
+        expert = tl.load(experts_ptr + pair, mask=pair < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((expert[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    seen = tl.zeros([E_P2], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        pair = c0 + tl.arange(0, CHUNK)
+        in_range = pair < num_pairs
+        expert = tl.load(experts_ptr + pair, mask=in_range, other=-1).to(tl.int32)
+        hit = (expert[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum((tl.cumsum(hit, axis=0) - 1) * hit, axis=1)
+        first = tl.sum(hit * (starts + seen)[None, :], axis=1)
+        tl.store(sorted_pairs_ptr + first + rank, pair, mask=in_range)
+        seen += tl.sum(hit, axis=0)
+    # A slot's expert: the first whose end lies past it (experts past num_experts never).
+    real_ends = tl.where(experts < num_experts, ends, 2**30)
+    for s0 in range(0, num_blocks * BLOCK_M, CHUNK):
+        slot = s0 + tl.arange(0, CHUNK)
+        owner = tl.sum((real_ends[None, :] <= slot[:, None]).to(tl.int32), axis=1)
+        mine = (owner[:, None] == experts[None, :]).to(tl.int32)
+        local = slot - tl.sum(mine * starts[None, :], axis=1)
+        padding = (owner >= num_experts) | (local >= tl.sum(mine * counts[None, :], axis=1))
+        tl.store(sorted_pairs_ptr + slot, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=(slot < num_blocks * BLOCK_M) & padding)
+    for b0 in range(0, num_blocks, CHUNK):
+        block = b0 + tl.arange(0, CHUNK)
+        owner = tl.sum((real_ends[None, :] <= (block * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + block, tl.where(owner < num_experts, owner, -1), mask=block < num_blocks)
+
+
+def group_pairs_in_one_kernel(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
+    """`group_pairs` by `_group_pairs_kernel`: the same blocks, one launch."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    # [CHUNK, E_P2] one-hot tiles: ~8k elements a pass step.
+    chunk = max(16, min(1024, 8192 // e_p2))
+    _group_pairs_kernel[(1,)](flat, sorted_pairs, block_expert, num_pairs, num_experts, num_blocks,
+                              BLOCK_M=block_m, E_P2=e_p2, CHUNK=chunk, num_warps=4,
+                              **pdl_launch_args(flat.device, "moe"))
+    return PairBlocks(sorted_pairs=sorted_pairs, block_expert=block_expert, num_blocks=num_blocks)
+
+
+def group_pairs_for_step(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
+    """The grouping a step runs: one kernel up to GROUPING_KERNEL_MAX_PAIRS pairs, else torch ops."""
+    if 0 < experts.numel() <= GROUPING_KERNEL_MAX_PAIRS:
+        return group_pairs_in_one_kernel(experts, num_experts, block_m)
+    return group_pairs(experts, num_experts, block_m)
+
+
 @triton.jit
 def _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr):
     """The expert of row block `pid_m` (-1: unused) and its BLOCK_M pair indices (num_pairs:
@@ -465,13 +538,13 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         weights = routing.weights.reshape(-1).contiguous()
         products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                                device=hidden.device)
-        blocks = group_pairs(routing.experts, num_experts, gu_tiling.block_m)
+        blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products)
         return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
     if per_pair:
         num_blocks, sorted_pairs, block_expert = num_pairs, routing.experts, routing.experts  # pairs unused
     else:
-        blocks = group_pairs(routing.experts, num_experts, gu_tiling.block_m)
+        blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
         num_blocks, sorted_pairs, block_expert = blocks.num_blocks, blocks.sorted_pairs, blocks.block_expert
     ieee = hidden.dtype == torch.float32
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)

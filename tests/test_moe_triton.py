@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from kiln.kernels.moe import fused_moe_reference  # noqa: E402
 from kiln.kernels.triton_moe import (MoETiling, choose_tiling, fused_moe_triton, group_pairs,  # noqa: E402
-                                    pair_per_block)
+                                    group_pairs_for_step, group_pairs_in_one_kernel, pair_per_block)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
@@ -76,6 +76,41 @@ def test_group_pairs_puts_each_pair_once_in_a_block_of_its_expert() -> None:
     for t, e, k, bm in [(100, 16, 4, 8), (7, 64, 8, 16), (333, 5, 2, 32)]:
         experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
         check_blocks(experts, e, bm)
+
+
+@pytest.mark.parametrize("tokens,top_k,num_experts,block_m", [
+    (1, 2, 8, 16), (5, 2, 8, 16), (40, 2, 4, 32), (17, 1, 8, 16), (330, 2, 8, 128), (1000, 2, 8, 128),
+    (64, 8, 128, 16), (300, 8, 128, 64), (7, 3, 6, 16), (33, 4, 5, 64)])
+def test_grouping_in_one_kernel_gives_group_pairs_blocks(tokens, top_k, num_experts, block_m) -> None:
+    """The one-program grouping equals the torch ops' bit for bit: the same padded layout, each
+    expert's pairs in token order, padding marked, unused blocks -1 (an expert no token picks,
+    expert counts that are not powers of two, more pairs than a pass's chunk)."""
+    g = torch.Generator().manual_seed(tokens)
+    logits = torch.randn(tokens, num_experts, generator=g)
+    logits[:, num_experts - 1] -= 50.0
+    experts = torch.topk(logits, top_k, dim=-1).indices.to(DEVICE)
+    ref = group_pairs(experts, num_experts, block_m)
+    blocks = group_pairs_in_one_kernel(experts, num_experts, block_m)
+    assert blocks.num_blocks == ref.num_blocks
+    assert torch.equal(blocks.sorted_pairs, ref.sorted_pairs.to(torch.int32))
+    assert torch.equal(blocks.block_expert, ref.block_expert)
+
+
+def test_steps_group_in_one_kernel_up_to_a_limit(monkeypatch) -> None:
+    from kiln.kernels import triton_moe
+
+    experts = torch.randint(0, 8, (40, 2), device=DEVICE)
+    calls: list[str] = []
+    monkeypatch.setattr(triton_moe, "group_pairs", lambda *a: calls.append("torch ops") or group_pairs(*a))
+    monkeypatch.setattr(triton_moe, "group_pairs_in_one_kernel",
+                        lambda *a: calls.append("one kernel") or group_pairs_in_one_kernel(*a))
+    monkeypatch.setattr(triton_moe, "GROUPING_KERNEL_MAX_PAIRS", 80)
+    group_pairs_for_step(experts, 8, 16)
+    monkeypatch.setattr(triton_moe, "GROUPING_KERNEL_MAX_PAIRS", 79)
+    group_pairs_for_step(experts, 8, 16)
+    monkeypatch.setattr(triton_moe, "GROUPING_KERNEL_MAX_PAIRS", 0)  # KILN_MOE_GROUPING_KERNEL_MAX_PAIRS=0: never
+    group_pairs_for_step(experts, 8, 16)
+    assert calls == ["one kernel", "torch ops", "torch ops"]
 
 
 def test_tiling_follows_rows_per_expert() -> None:
