@@ -255,15 +255,19 @@ for stage in $STAGES; do
       run_stage moe_parts 400 $PY bench/tune_moe.py --shapes mixtral-8x7b --tokens ${MOE_PARTS_TOKENS:-320,16384} \
         --sweeps gate_up,down --out "$OUT/moe_parts.json" ;;
     moe_grouping_ab)  # issue 17: fused_moe's pair grouping in one kernel against ~20 torch ops: fused_moe_triton's
-                      # tests on CUDA, the grouping alone and in the op, then the Mixtral offline run with
-                      # and without it (KILN_MOE_GROUPING_KERNEL_MAX_PAIRS=0); ~6 min
-      run_stage moe_grouping_tests 150 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py
+                      # tests on CUDA (~150 s), the grouping alone and in the op, then the Mixtral offline run
+                      # with and without it (KILN_MOE_GROUPING_KERNEL_MAX_PAIRS per MOE_GROUPING_ORDER, default
+                      # "8192 0"; MOE_GROUPING_TESTS=0 skips the tests); ~7 min
+      [ "${MOE_GROUPING_TESTS:-1}" = 0 ] || run_stage moe_grouping_tests 240 $PY -m pytest -q -p no:cacheprovider -rfEs \
+        tests/test_moe_triton.py
       run_stage moe_grouping_tune 120 $PY bench/tune_moe.py --tokens 8,64,320,2048 --sweeps grouping \
         --out "$OUT/moe_grouping_tune.json"
-      for max_pairs in 8192 0; do
-        run_stage "moe_grouping_offline_$max_pairs" 200 env KILN_MOE_GROUPING_KERNEL_MAX_PAIRS="$max_pairs" $PY \
+      i=0
+      for max_pairs in ${MOE_GROUPING_ORDER:-8192 0}; do
+        i=$((i + 1))
+        run_stage "moe_grouping_offline_${i}_$max_pairs" 200 env KILN_MOE_GROUPING_KERNEL_MAX_PAIRS="$max_pairs" $PY \
           bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} \
-          --out "$OUT/moe_grouping_offline_$max_pairs.json"
+          --out "$OUT/moe_grouping_offline_${i}_$max_pairs.json"
       done ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free

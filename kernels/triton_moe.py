@@ -216,11 +216,17 @@ def group_pairs(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBl
     return PairBlocks(sorted_pairs=sorted_pairs, block_expert=block_expert, num_blocks=num_blocks)
 
 
-# Steps of at most this many (token, expert) pairs group them with one Triton program
-# (`_group_pairs_kernel`) instead of `group_pairs`' ~20 small torch ops, which a decode step's
-# CUDA graph replays one after another in every MoE layer; larger steps loop too long in one
-# program. KILN_MOE_GROUPING_KERNEL_MAX_PAIRS sets it (0: never).
-GROUPING_KERNEL_MAX_PAIRS = int(os.environ.get("KILN_MOE_GROUPING_KERNEL_MAX_PAIRS", "8192"))
+# Steps of at most this many (token, expert) pairs, over at most GROUPING_KERNEL_MAX_EXPERTS
+# experts, group them with one Triton program (`_group_pairs_kernel`) instead of
+# `group_pairs`' ~20 small torch ops, which a decode step's CUDA graph replays one after
+# another in every MoE layer. On the H200 (bench/RESULTS.md AC5) the grouping of Mixtral's
+# 8 experts took 11-14 us against 43-71 us at 8-320 tokens, and one layer's op at 320 tokens
+# 0.827 against 0.861 ms; but the Mixtral offline run did not gain (4,454 with it, 4,498
+# without, one run each, within the runs' spread), and over Qwen3-MoE's 128 experts the
+# one program is far slower (528 against 75 us at 320 tokens): off (0) by default;
+# KILN_MOE_GROUPING_KERNEL_MAX_PAIRS=N turns it on.
+GROUPING_KERNEL_MAX_PAIRS = int(os.environ.get("KILN_MOE_GROUPING_KERNEL_MAX_PAIRS", "0"))
+GROUPING_KERNEL_MAX_EXPERTS = 16
 
 
 @triton.jit
@@ -283,8 +289,9 @@ def group_pairs_in_one_kernel(experts: torch.Tensor, num_experts: int, block_m: 
 
 
 def group_pairs_for_step(experts: torch.Tensor, num_experts: int, block_m: int) -> PairBlocks:
-    """The grouping a step runs: one kernel up to GROUPING_KERNEL_MAX_PAIRS pairs, else torch ops."""
-    if 0 < experts.numel() <= GROUPING_KERNEL_MAX_PAIRS:
+    """The grouping a step runs: one kernel up to GROUPING_KERNEL_MAX_PAIRS pairs over at most
+    GROUPING_KERNEL_MAX_EXPERTS experts, else torch ops."""
+    if 0 < experts.numel() <= GROUPING_KERNEL_MAX_PAIRS and num_experts <= GROUPING_KERNEL_MAX_EXPERTS:
         return group_pairs_in_one_kernel(experts, num_experts, block_m)
     return group_pairs(experts, num_experts, block_m)
 

@@ -97,7 +97,10 @@ def test_grouping_in_one_kernel_gives_group_pairs_blocks(tokens, top_k, num_expe
 
 
 def test_steps_group_in_one_kernel_up_to_a_limit(monkeypatch) -> None:
+    """Off by default (KILN_MOE_GROUPING_KERNEL_MAX_PAIRS), and never over many experts."""
     from kiln.kernels import triton_moe
+
+    assert triton_moe.GROUPING_KERNEL_MAX_PAIRS == int(os.environ.get("KILN_MOE_GROUPING_KERNEL_MAX_PAIRS", "0"))
 
     experts = torch.randint(0, 8, (40, 2), device=DEVICE)
     calls: list[str] = []
@@ -108,9 +111,12 @@ def test_steps_group_in_one_kernel_up_to_a_limit(monkeypatch) -> None:
     group_pairs_for_step(experts, 8, 16)
     monkeypatch.setattr(triton_moe, "GROUPING_KERNEL_MAX_PAIRS", 79)
     group_pairs_for_step(experts, 8, 16)
+    many_experts = torch.randint(0, 32, (40, 2), device=DEVICE)
+    group_pairs_for_step(many_experts, 32, 16)  # over GROUPING_KERNEL_MAX_EXPERTS
     monkeypatch.setattr(triton_moe, "GROUPING_KERNEL_MAX_PAIRS", 0)  # KILN_MOE_GROUPING_KERNEL_MAX_PAIRS=0: never
     group_pairs_for_step(experts, 8, 16)
-    assert calls == ["one kernel", "torch ops", "torch ops"]
+    assert calls == ["one kernel", "torch ops", "torch ops", "torch ops"]
+    assert triton_moe.GROUPING_KERNEL_MAX_EXPERTS == 16
 
 
 def test_tiling_follows_rows_per_expert() -> None:
