@@ -407,6 +407,13 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
 
 
 @triton.jit
+def _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's row block, column tile and the block's expert (-1: an unused block)."""
+    pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    return pid_m, pid_n, tl.load(block_expert_ptr + pid_m).to(tl.int32)
+
+
+@triton.jit
 def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
@@ -414,8 +421,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
     descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+    pid_m, pid_n, expert = _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
@@ -449,8 +455,7 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
     w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row."""
     wait_for_previous_kernel(PDL)
-    pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+    pid_m, pid_n, expert = _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
         return
     row0 = pid_m * BLOCK_M
