@@ -110,13 +110,15 @@ def uses_tma(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: 
     """Whether a step of `num_pairs` rows takes the sorted-rows (tensor descriptor) kernels (see
     TMA_MIN_ROWS): CUDA from sm_90, and rows whose byte strides a descriptor can take."""
     return (TMA_MIN_ROWS > 0 and num_pairs >= TMA_MIN_ROWS * num_experts and hidden.device.type == "cuda"
-            and torch.cuda.get_device_capability(hidden.device) >= (9, 0) and _descriptor_strides_ok(w_gate_up, w_down))
+            and torch.cuda.get_device_capability(hidden.device) >= (9, 0) and _descriptor_ok(w_gate_up, w_down))
 
 
-def _descriptor_strides_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """A tensor descriptor's rows must start 16-byte aligned: hidden and intermediate widths."""
+def _descriptor_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """A tensor descriptor's base and rows must start 16-byte aligned: the weights' storage, and
+    the hidden and intermediate widths (the gathered rows are allocated aligned)."""
     elem = w_gate_up.element_size()
-    return (w_gate_up.shape[2] * elem) % 16 == 0 and (w_down.shape[2] * elem) % 16 == 0
+    return (w_gate_up.shape[2] * elem % 16 == 0 and w_down.shape[2] * elem % 16 == 0
+            and w_gate_up.data_ptr() % 16 == 0 and w_down.data_ptr() % 16 == 0)
 
 
 def pair_per_block(num_pairs: int, num_experts: int) -> bool:
@@ -545,8 +547,8 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     if tma is None:
         tma = not per_pair and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
     if tma:
-        if per_pair or not _descriptor_strides_ok(w_gate_up, w_down):
-            raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned rows")
+        if per_pair or not _descriptor_ok(w_gate_up, w_down):
+            raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
         weights = routing.weights.reshape(-1).contiguous()
         products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                                device=hidden.device)

@@ -204,6 +204,12 @@ def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_
     with pytest.raises(ValueError, match="16-byte-aligned"):
         odd = moe_inputs(8, 30, 24, 4, torch.float16)  # 60-byte rows
         fused_moe_triton(*odd, 2, True, True, per_pair=False, tma=True)
+    h, l, w_gate_up, w_down = moe_inputs(8, 32, 24, 4, torch.float16)
+    shifted = torch.empty(w_gate_up.numel() + 1, dtype=w_gate_up.dtype, device=DEVICE)[1:].view(w_gate_up.shape)
+    shifted.copy_(w_gate_up)  # contiguous, but its storage starts 2 bytes off
+    assert not triton_moe._descriptor_ok(shifted, w_down) and triton_moe._descriptor_ok(w_gate_up, w_down)
+    with pytest.raises(ValueError, match="16-byte-aligned"):
+        fused_moe_triton(h, l, shifted, w_down, 2, True, True, per_pair=False, tma=True)
 
 
 # ---- GPU: real shapes -------------------------------------------------------------------------
