@@ -193,12 +193,13 @@ def test_sorted_rows_kernels_match_reference(t, h, i, e, top_k, renormalize, fp3
 def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_cannot_take(monkeypatch) -> None:
     from kiln.kernels import triton_moe
 
-    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 24, 4, torch.float32)
+    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 24, 4, torch.float16)
     hopper = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
     assert triton_moe.TMA_MIN_ROWS == int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
     monkeypatch.setattr(triton_moe, "TMA_MIN_ROWS", 8)
     assert triton_moe.uses_tma(32, 4, hidden, w_gate_up, w_down) == hopper  # 8 rows an expert
     assert not triton_moe.uses_tma(31, 4, hidden, w_gate_up, w_down)
+    assert not triton_moe.uses_tma(32, 4, hidden.float(), w_gate_up.float(), w_down.float())  # 16-bit only
     monkeypatch.setattr(triton_moe, "TMA_MIN_ROWS", 0)  # KILN_MOE_TMA_MIN_ROWS=0: never
     assert not triton_moe.uses_tma(10**6, 4, hidden, w_gate_up, w_down)
     with pytest.raises(ValueError, match="16-byte-aligned"):
