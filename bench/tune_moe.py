@@ -76,7 +76,7 @@ def sweep(decode: bool, one_block_per_expert: bool = False) -> list[Any]:
 
 def tma_sweep(block_m: int) -> list[Any]:
     """Tilings for the sorted-rows (tensor descriptor) kernels: the pointer kernels' prefill
-    leaders, longer K tiles, and narrower row tiles where the rows per expert are few."""
+    leader in several program orders, and narrower row tiles where the rows per expert are few."""
     from kiln.kernels.triton_moe import MoETiling
 
     if block_m < 128:
@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--timing", choices=("graph", "events"), default="graph",
                         help="graph: replays of a CUDA graph of the op (default); events: eager calls")
     parser.add_argument("--sweeps", default="kernels",
-                        help="comma list: kernels (the pointer kernels' tilings), tma (the sorted-rows kernels')")
+                        help="comma list: kernels (the pointer kernels' tilings), tma (the sorted-rows kernels'), "
+                             "gate_up and down (each GEMM's tiling apart), grouping (the pairs' grouping)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
@@ -228,11 +229,12 @@ def main() -> None:
                 grouping["torch_ops_ms"] = time_group(triton_moe.group_pairs, experts_of, experts, default.block_m, args)
                 grouping["one_kernel_ms"] = time_group(triton_moe.group_pairs_in_one_kernel, experts_of, experts,
                                                        default.block_m, args)
-                saved = triton_moe.GROUPING_KERNEL_MAX_PAIRS
+                saved = triton_moe.GROUPING_KERNEL_MAX_PAIRS, triton_moe.GROUPING_KERNEL_MAX_EXPERTS
+                triton_moe.GROUPING_KERNEL_MAX_EXPERTS = experts  # this shape's experts too, whatever the limit
                 for label, limit in (("op_torch_ops_ms", 0), ("op_one_kernel_ms", 1 << 30)):
                     triton_moe.GROUPING_KERNEL_MAX_PAIRS = limit
                     grouping[label] = time_ms(tma=None)
-                triton_moe.GROUPING_KERNEL_MAX_PAIRS = saved
+                triton_moe.GROUPING_KERNEL_MAX_PAIRS, triton_moe.GROUPING_KERNEL_MAX_EXPERTS = saved
                 print(f"[{name} T={t}] grouping: torch ops {grouping['torch_ops_ms'] * 1e3:.1f} us, one kernel "
                       f"{grouping['one_kernel_ms'] * 1e3:.1f} us; the op {grouping['op_torch_ops_ms']:.3f} against "
                       f"{grouping['op_one_kernel_ms']:.3f} ms", flush=True)
