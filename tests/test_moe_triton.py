@@ -180,6 +180,8 @@ def test_sorted_rows_kernels_match_reference(t, h, i, e, top_k, renormalize, fp3
                                              dtype) -> None:
     """The tensor-descriptor kernels (rows gathered into expert order first) give the pointer
     kernels' result: every grouped case above, padding rows and tiles past N and K included."""
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
     hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
     out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
                            per_pair=False, tma=True)
