@@ -1,8 +1,9 @@
 """Kernel variants first built without a GPU (the swap GEMV, since timed and the FP8 table's
 2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
 off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed; the
-early PDL trigger, since timed and the small kernels' default) compile for an H100/H200 (sm_90) with the instructions they are meant
-to use. The interpreter runs them on CPU (their
+early PDL trigger, since timed and the small kernels' default; fused MoE's sorted-rows kernels
+as refactored after their timing, and its one-program grouping) compile for an H100/H200 (sm_90)
+with the instructions they are meant to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
 the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
@@ -16,13 +17,11 @@ import os
 import subprocess
 import sys
 
-_SCRIPT = """
+# Compiles a kernel for sm_90 (no GPU needed) and returns its PTX; each script below starts with it.
+_PTX = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel
-from kiln.kernels.triton_norm import _rms_norm_kernel
-from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
 
 def ptx(fn, consts, types, num_warps, num_stages):
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -35,6 +34,12 @@ def ptx(fn, consts, types, num_warps, num_stages):
                     attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+"""
+
+_SCRIPT = _PTX + """
+from kiln.kernels.triton_fp8 import _fp8_gemv_dot_kernel, _rms_norm_quant_kernel
+from kiln.kernels.triton_norm import _rms_norm_kernel
+from kiln.kernels.triton_paged_decode_fp8 import _paged_decode_fp8_kernel
 
 found = {}
 gemv_types = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
@@ -107,3 +112,39 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
         assert found[f"decode e4m3={e4m3} rope counts"] == [products, 0, 0], found
         assert found[f"decode e4m3={e4m3} rope norm counts"] == [with_norms, 0, 0], found
         assert found[f"decode e4m3={e4m3} combine=False counts"] == [0, 0, 0], found
+
+
+_MOE_SCRIPT = _PTX + """
+from kiln.kernels.triton_moe import _moe_gate_up_tma_kernel, _moe_down_tma_kernel, _group_pairs_kernel
+
+found = {}
+tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, IEEE=False, PDL=True)
+gu = ptx(_moe_gate_up_tma_kernel, tiles, {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[128,64]>",
+                                          "out_ptr": "*bf16", "block_expert_ptr": "*i32"}, 8, 3)
+down = ptx(_moe_down_tma_kernel, tiles, {"a_desc": "tensordesc<bf16[128,64]>", "a_ptr": "*bf16",
+                                         "w_desc": "tensordesc<bf16[128,64]>", "weight_ptr": "*fp32", "out_ptr": "*fp32",
+                                         "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}, 8, 3)
+for name, code in (("gate_up", gu), ("down", down)):
+    found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
+                   sorted(set(re.findall(r"cp\\.async\\.bulk\\.tensor[.\\w]*", code)))]
+grp = ptx(_group_pairs_kernel, dict(BLOCK_M=128, E_P2=8, CHUNK=1024, PDL=True),
+          {"experts_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32"}, 4, 1)
+found["grouping"] = len(grp) > 0
+print(json.dumps(found))
+"""
+
+
+def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
+    """fused_moe's sorted-rows kernels (timed on the H200 in AC1-AC3, then refactored: their
+    shared prologue, `_sorted_block`) load both operands by TMA (`cp.async.bulk.tensor`) and
+    multiply on warpgroup MMAs; the one-program grouping (AC5) compiles too."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kernel in ("gate_up", "down"):
+        mma, tma = found[kernel]
+        assert mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], (kernel, mma)
+        assert tma and all(op.startswith("cp.async.bulk.tensor.2d") for op in tma), (kernel, tma)
+    assert found["grouping"]
