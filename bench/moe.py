@@ -200,9 +200,12 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
               max_num_seqs=max(max(batches), args.max_num_seqs if offline else 0),
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(args.prompt_len + args.steps, args.max_prompt_len + args.output_len) + 16,
-              kv_cache_dtype=args.kv_cache_dtype, progress=False, **bc.bucket_options(args))
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, progress=False,
+              **bc.bucket_options(args))
     result["kiln_startup_s"] = time.perf_counter() - t0
     result["kiln_kv_cache_dtype"] = args.kv_cache_dtype
+    result["kiln_quantization"] = args.quantization
+    result["kiln_quantize_fp8"] = pass_stats(llm, "quantize_fp8") if args.quantization else None
     result["kiln_num_kv_blocks"] = llm.engine.num_kv_blocks
     result["kiln_fuse_moe"] = pass_stats(llm, "fuse_moe")
     engine = llm.engine
@@ -262,6 +265,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="Kiln's KV-cache dtype (default auto: the model's; fp8 holds twice the tokens)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="Kiln's FP8 projections (the experts too with KILN_FP8_EXPERTS=1)")
     parser.add_argument("--decode-buckets", default=None, help="comma-separated decode bucket sizes (default: the engine's)")
     parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
     args = parser.parse_args()

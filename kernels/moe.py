@@ -138,3 +138,57 @@ def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torc
 @fused_moe.register_fake
 def _fused_moe_fake(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights):
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+
+# ---- FP8 experts (weight-only) ------------------------------------------------------------------
+#
+# `kiln::fused_moe_fp8`: the same op over e4m3 expert weights with one float32 scale per expert
+# and output channel (`w_gate_up_scale` [E, 2I], `w_down_scale` [E, H]), as `quantize_fp8`
+# leaves them with `experts=True` (passes/quantize_fp8.py). The activations stay in the model
+# dtype (weight-only: each product is sum_k x[k] * w_q[k] in float32, times the channel's
+# scale), so the routing, the rounding points and the result's dtype are fused_moe's.
+
+
+def check_fused_moe_fp8_args(w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
+                             w_down_scale: torch.Tensor) -> None:
+    from kiln.kernels.fp8 import FP8_DTYPE
+
+    if w_gate_up.dtype != FP8_DTYPE or w_down.dtype != FP8_DTYPE:
+        raise ValueError(f"fused_moe_fp8: expert weights must be {FP8_DTYPE}, got {w_gate_up.dtype} and {w_down.dtype}")
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"fused_moe_fp8: expected w_gate_up [E, 2I, H] and w_down [E, H, I], got "
+                         f"{tuple(w_gate_up.shape)} and {tuple(w_down.shape)}")
+    for w, scale, name in ((w_gate_up, w_gate_up_scale, "w_gate_up_scale"), (w_down, w_down_scale, "w_down_scale")):
+        if tuple(scale.shape) != tuple(w.shape[:2]) or scale.dtype != torch.float32:
+            raise ValueError(f"fused_moe_fp8: {name} must be float32 {tuple(w.shape[:2])} (one scale per expert and "
+                             f"output channel), got {scale.dtype} {tuple(scale.shape)}")
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[E, N, K] e4m3 expert weights times their [E, N] channel scales, in `dtype`."""
+    return (w.float() * scale[..., None]).to(dtype)
+
+
+def fused_moe_fp8_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_gate_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor,
+                            top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    """fused_moe over the dequantized experts."""
+    check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+    return fused_moe_reference(hidden, router_logits, dequantize_experts(w_gate_up, w_gate_up_scale, hidden.dtype),
+                               dequantize_experts(w_down, w_down_scale, hidden.dtype), top_k, renormalize,
+                               fp32_weights)
+
+
+@kiln_op("kiln::fused_moe_fp8", mutates_args=())
+def fused_moe_fp8(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_gate_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor, top_k: int,
+                  renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    return fused_moe_fp8_reference(hidden, router_logits, w_gate_up, w_gate_up_scale, w_down, w_down_scale, top_k,
+                                   renormalize, fp32_weights)
+
+
+@fused_moe_fp8.register_fake
+def _fused_moe_fp8_fake(hidden, router_logits, w_gate_up, w_gate_up_scale, w_down, w_down_scale, top_k, renormalize,
+                        fp32_weights):
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+

@@ -54,8 +54,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kiln.kernels.moe import check_fused_moe_args, fused_moe_grouped_mm, fused_moe_reference, route
+from kiln.kernels.fp8 import FP8_DTYPE
+from kiln.kernels.moe import (check_fused_moe_args, check_fused_moe_fp8_args, fused_moe_fp8_reference,
+                              fused_moe_grouped_mm, fused_moe_reference, route)
 from kiln.kernels.moe import fused_moe as fused_moe_op
+from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -335,7 +338,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
                         stride_xt, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        w_scale_ptr=None, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -361,12 +364,19 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
             bg = tl.load(w_gate + ks[:, None], mask=ks[:, None] < K, other=0.0)
             bu = tl.load(w_up + ks[:, None], mask=ks[:, None] < K, other=0.0)
+        if W_FP8:  # e4m3 weights widen exactly to the activations' dtype; the channel scale comes after
+            bg = bg.to(a.dtype)
+            bu = bu.to(a.dtype)
         if IEEE:  # float32 operands: no TF32 (torch's bmm does not use it by default)
             acc_gate = tl.dot(a, bg, acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, bu, acc_up, input_precision="ieee")
         else:
             acc_gate = tl.dot(a, bg, acc_gate)
             acc_up = tl.dot(a, bu, acc_up)
+    if W_FP8:
+        scale_cols = w_scale_ptr + expert.to(tl.int64) * (2 * N) + tl.minimum(cols, N - 1)
+        acc_gate = acc_gate * tl.load(scale_cols)[None, :]
+        acc_up = acc_up * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
     gate = acc_gate.to(dt).to(tl.float32)
     up = acc_up.to(dt).to(tl.float32)
@@ -379,7 +389,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
 def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks, N, K,
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
+                     w_scale_ptr=None, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -399,10 +410,14 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
         else:
             a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < K), other=0.0)
             b = tl.load(w_cols + ks[:, None], mask=ks[:, None] < K, other=0.0)
+        if W_FP8:
+            b = b.to(a.dtype)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+    if W_FP8:
+        acc = acc * tl.load(w_scale_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1))[None, :]
     dt = a_ptr.dtype.element_ty
     routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
@@ -513,8 +528,9 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     )
 
 
-def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    return (hidden.dtype in _DTYPES and w_gate_up.dtype == hidden.dtype and w_down.dtype == hidden.dtype
+def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, fp8: bool) -> bool:
+    weight_dtype = FP8_DTYPE if fp8 else hidden.dtype
+    return (hidden.dtype in _DTYPES and w_gate_up.dtype == weight_dtype and w_down.dtype == weight_dtype
             and hidden.device == w_gate_up.device == w_down.device
             and hidden.stride(-1) == 1 and w_gate_up.is_contiguous() and w_down.is_contiguous())
 
@@ -522,20 +538,33 @@ def _applies(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                      w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool,
                      tiling: MoETiling | None = None, per_pair: bool | None = None,
-                     tma: bool | None = None, down_tiling: MoETiling | None = None) -> torch.Tensor:
+                     tma: bool | None = None, down_tiling: MoETiling | None = None,
+                     w_gate_up_scale: torch.Tensor | None = None,
+                     w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
     `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
-    tensors the kernels cannot take go to the reference."""
+    tensors the kernels cannot take go to the reference. With the scales, `kiln::fused_moe_fp8`:
+    e4m3 experts, widened in the kernels' K loops and scaled per channel after (the pointer
+    kernels only: not yet timed on a GPU)."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
-    if not _applies(hidden, w_gate_up, w_down):
+    fp8 = w_gate_up_scale is not None
+    if fp8:
+        check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+        w_gate_up_scale, w_down_scale = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
+    if not _applies(hidden, w_gate_up, w_down, fp8):
+        if fp8:
+            return fused_moe_fp8_reference(hidden, router_logits, w_gate_up, w_gate_up_scale, w_down, w_down_scale,
+                                           top_k, renormalize, fp32_weights)
         return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
     t, h = hidden.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     num_pairs = t * top_k
     if t == 0:
         return torch.empty_like(hidden)
-    if tiling is None and uses_grouped_mm(num_pairs, num_experts, hidden):
+    if fp8 and tma:
+        raise ValueError("the sorted-rows kernels take 16-bit experts only")
+    if tiling is None and not fp8 and uses_grouped_mm(num_pairs, num_experts, hidden):
         return fused_moe_grouped_mm(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
@@ -547,7 +576,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
     if tma is None:
-        tma = not per_pair and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
+        tma = not per_pair and not fp8 and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
     if tma:
         if per_pair or not _descriptor_ok(w_gate_up, w_down):
             raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
@@ -570,6 +599,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        w_scale_ptr=w_gate_up_scale, W_FP8=fp8,
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     weights = routing.weights.reshape(-1).contiguous()
@@ -581,6 +611,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
+        w_scale_ptr=w_down_scale, W_FP8=fp8,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
@@ -590,3 +621,11 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
 def _fused_moe_cuda(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
     return fused_moe_triton(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+
+
+@fused_moe_fp8_op.register_kernel("cuda")
+def _fused_moe_fp8_cuda(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_gate_up_scale: torch.Tensor, w_down: torch.Tensor, w_down_scale: torch.Tensor, top_k: int,
+                        renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    return fused_moe_triton(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights,
+                            w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)

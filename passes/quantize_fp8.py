@@ -11,7 +11,11 @@ their values and scales. Left in the compute dtype, as vLLM leaves them: the LM 
 logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
 to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking picks the
 experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
-as they are.
+as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`; off by default until timed on a
+GPU): then each `kiln::fused_moe` becomes `kiln::fused_moe_fp8` over e4m3 experts with one
+scale per expert and output channel, the activations staying in the model dtype
+(weight-only; kernels/moe.py). Pre-quantized checkpoints' FP8 experts are not read as such
+yet (the weight transform says so).
 
 The first and last decoder layers: in a small model (fewer than `EDGE_LAYERS_MAX_PARAMS`
 parameters, counted over the graph's parameter inputs) their projections stay in the compute dtype too, as
@@ -39,6 +43,7 @@ unless asked for: `quantization="fp8"` enables it (and a pre-quantized checkpoin
 from __future__ import annotations
 
 import operator
+import os
 import re
 from typing import Any, Callable
 
@@ -49,6 +54,8 @@ from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
 from kiln.kernels.fp8 import FP8_DTYPE, add_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
+from kiln.kernels.moe import fused_moe as fused_moe_op
+from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
@@ -123,13 +130,16 @@ class QuantizeFP8Pass(KilnPass):
     name = "quantize_fp8"
     phase = "logits"
 
-    def __init__(self, keep_edge_layers: bool | None = None):
+    def __init__(self, keep_edge_layers: bool | None = None, experts: bool | None = None):
         """`keep_edge_layers`: None keeps the first and last layers in the compute dtype in
-        models of fewer than EDGE_LAYERS_MAX_PARAMS parameters (module doc)."""
+        models of fewer than EDGE_LAYERS_MAX_PARAMS parameters (module doc). `experts`: MoE
+        experts in FP8 too (None: KILN_FP8_EXPERTS, off unless set to 1)."""
         self.keep_edge_layers = keep_edge_layers
+        self.experts = os.environ.get("KILN_FP8_EXPERTS", "0") == "1" if experts is None else bool(experts)
 
     def options(self) -> dict[str, Any]:
-        return {"keep_edge_layers": self.keep_edge_layers, "edge_layers_max_params": EDGE_LAYERS_MAX_PARAMS}
+        return {"keep_edge_layers": self.keep_edge_layers, "edge_layers_max_params": EDGE_LAYERS_MAX_PARAMS,
+                "experts": self.experts}
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         graph = gm.graph
@@ -195,7 +205,43 @@ class QuantizeFP8Pass(KilnPass):
             graph.erase_node(node)
             replaced += 1
         fused = fuse_quantization_into_producers(graph, [xq.args[0] for xq, _ in quantized_inputs.values()])
-        return {"fp8_linear": replaced, "kept_high_precision": kept, **fused}
+        stats = {"fp8_linear": replaced, "kept_high_precision": kept, **fused}
+        if self.experts:
+            stats.update(quantize_experts(gm, ctx, scales, num_layers))
+        return stats
+
+
+def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[torch.fx.Node, torch.fx.Node],
+                     num_layers: int | None) -> PassStats:
+    """Each `kiln::fused_moe` over parameter experts (outside kept edge layers) as
+    `kiln::fused_moe_fp8`: e4m3 experts, one float32 scale per expert and output channel."""
+    graph = gm.graph
+    replaced = kept = 0
+    for node in list(graph.find_nodes(op="call_function", target=fused_moe_op.default)):
+        x, logits, w_gate_up, w_down, *rest = node.args
+        names = [param_name(w_gate_up), param_name(w_down)]
+        if None in names or any(in_edge_layer(name, num_layers) for name in names):
+            kept += 1
+            continue
+        for weight, name in zip((w_gate_up, w_down), names):
+            if weight in scales:
+                continue
+            val = weight.meta.get("val")
+            scale_example = None
+            if isinstance(val, torch.Tensor):
+                weight.meta["val"] = val.to(FP8_DTYPE)
+                scale_example = val.new_empty(tuple(val.shape[:2]), dtype=torch.float32)
+            scales[weight] = add_graph_input(gm, f"{weight.name}_scale", param_role(fp8_scale_name(name)),
+                                             scale_example)
+            ctx.weight_transforms.append(QuantizeFP8Weight(name))
+        with graph.inserting_before(node):
+            new = graph.call_function(fused_moe_fp8_op.default,
+                                      (x, logits, w_gate_up, scales[w_gate_up], w_down, scales[w_down], *rest))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        replaced += 1
+    return {"fp8_experts": replaced, "kept_high_precision_experts": kept}
 
 
 def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[torch.fx.Node]) -> dict[str, int]:

@@ -83,21 +83,30 @@ def _row_scales(name: str, weights: dict[str, torch.Tensor], rows: int) -> torch
 @dataclass(frozen=True)
 class QuantizeFP8Weight:
     """`weights[weight]` as e4m3 with one float32 scale per output channel at
-    `weights[fp8_scale_name(weight)]`. A weight already in FP8 (a pre-quantized checkpoint,
+    `weights[fp8_scale_name(weight)]` (stacked experts [E, N, K]: per expert and channel, [E, N]). A weight already in FP8 (a pre-quantized checkpoint,
     its scale loaded beside it) keeps its values; its scale is only brought to that form."""
 
     weight: str
     kind: str = "quantize_fp8"
 
     def apply(self, weights: dict[str, torch.Tensor]) -> None:
-        from kiln.kernels.fp8 import FP8_DTYPE, quantize_fp8_rowwise
+        from kiln.kernels.fp8 import FP8_DTYPE, quantize_fp8_rows, quantize_fp8_rowwise
 
         if self.weight not in weights:
             raise WeightTransformError(f"cannot quantize {self.weight!r}: the loaded weights lack it")
         w = weights.pop(self.weight)
+        if w.dim() == 3:  # stacked MoE experts [E, N, K]: one scale per expert and output channel, [E, N]
+            if w.dtype == FP8_DTYPE:
+                raise WeightTransformError(
+                    f"cannot load {self.weight!r}: pre-quantized FP8 expert weights are not read as such yet; "
+                    "load the checkpoint's bf16/fp16 form with quantization='fp8', or leave KILN_FP8_EXPERTS unset")
+            wq, scale = quantize_fp8_rows(w)
+            weights[self.weight] = wq.contiguous()
+            weights[fp8_scale_name(self.weight)] = scale.squeeze(-1).contiguous()
+            return
         if w.dim() != 2:
             raise WeightTransformError(f"cannot quantize {self.weight!r} to FP8: it has shape {tuple(w.shape)}, "
-                                       "not [out_features, in_features]")
+                                       "not [out_features, in_features] (or [experts, out, in])")
         if w.dtype == FP8_DTYPE:
             scale = _row_scales(self.weight, weights, w.shape[0]).to(w.device)
         else:

@@ -115,7 +115,8 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
 
 
 _MOE_SCRIPT = _PTX + """
-from kiln.kernels.triton_moe import _moe_gate_up_tma_kernel, _moe_down_tma_kernel, _group_pairs_kernel
+from kiln.kernels.triton_moe import (_group_pairs_kernel, _moe_down_kernel, _moe_down_tma_kernel, _moe_gate_up_kernel,
+                                    _moe_gate_up_tma_kernel)
 
 found = {}
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, IEEE=False, PDL=True)
@@ -130,6 +131,15 @@ for name, code in (("gate_up", gu), ("down", down)):
 grp = ptx(_group_pairs_kernel, dict(BLOCK_M=128, E_P2=8, CHUNK=1024, PDL=True),
           {"experts_ptr": "*i64", "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32"}, 4, 1)
 found["grouping"] = len(grp) > 0
+# FP8 experts (kiln::fused_moe_fp8): e4m3 weight tiles widened to bf16 for bf16 warpgroup MMAs.
+fp8 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, EVEN_K=True, IEEE=False, PAIR_PER_BLOCK=False, W_FP8=True,
+           PDL=True)
+fp8_types = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
+gu8 = ptx(_moe_gate_up_kernel, dict(fp8, TOP_K=2), dict(fp8_types, x_ptr="*bf16", out_ptr="*bf16"), 8, 4)
+dn8 = ptx(_moe_down_kernel, fp8, dict(fp8_types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 8, 4)
+for name, code in (("gate_up fp8", gu8), ("down fp8", dn8)):
+    found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
+                   sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", code)))]
 print(json.dumps(found))
 """
 
@@ -137,7 +147,8 @@ print(json.dumps(found))
 def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
     """fused_moe's sorted-rows kernels (timed on the H200 in AC1-AC3, then refactored: their
     shared prologue, `_sorted_block`) load both operands by TMA (`cp.async.bulk.tensor`) and
-    multiply on warpgroup MMAs; the one-program grouping (AC5) compiles too."""
+    multiply on warpgroup MMAs; the one-program grouping (AC5) compiles too, and the pointer
+    kernels over FP8 experts (not yet run on a GPU) widen e4m3 tiles for bf16 MMAs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
@@ -148,3 +159,8 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
         assert mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], (kernel, mma)
         assert tma and all(op.startswith("cp.async.bulk.tensor.2d") for op in tma), (kernel, tma)
     assert found["grouping"]
+    # FP8 experts: the e4m3 tiles widen in registers (cvt from e4m3x2), the MMAs stay bf16 ones.
+    for kernel in ("gate_up fp8", "down fp8"):
+        mma, cvt = found[kernel]
+        assert mma and all(".bf16.bf16" in op for op in mma), (kernel, mma)
+        assert cvt, (kernel, "no e4m3 conversion")

@@ -169,6 +169,73 @@ def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dt
         assert (out == ref).float().mean() > 0.99
 
 
+# ---- FP8 experts (QuantizeFP8Pass(experts=True), kiln::fused_moe_fp8) ------------------------------
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_fp8_experts_rewrite_each_fused_moe_and_stay_close(arch: str) -> None:
+    """With experts=True each fused MoE block runs e4m3 experts (one scale per expert and output
+    channel, quantized at load by the weight transforms); the logits stay close to the
+    unquantized graph's. Off by default: the experts then stay in the model dtype."""
+    from kiln.compiler.pass_testing import graph_for_pass, run_graph
+    from kiln.passes.quantize_fp8 import QuantizeFP8Pass
+    from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
+
+    config = moe_config(arch)
+    before = graph_for_pass(config, "quantize_fp8", cpu_fusions=True)
+    assert op_counts(before.graph_module)[FUSED_OP] == MOE_LAYERS[arch]
+    plain, fp8 = before.copy(), before.copy()
+    plain_stats = plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    assert "fp8_experts" not in plain_stats and op_counts(plain.graph_module)[FUSED_OP] == MOE_LAYERS[arch]
+    stats = fp8.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=True))
+    assert stats["fp8_experts"] == MOE_LAYERS[arch] and stats["kept_high_precision_experts"] == 0
+    counts = op_counts(fp8.graph_module)
+    assert counts["kiln.fused_moe_fp8.default"] == MOE_LAYERS[arch] and counts[FUSED_OP] == 0
+    experts = [t.weight for t in fp8.context.weight_transforms
+               if isinstance(t, QuantizeFP8Weight) and ".experts." in t.weight]
+    assert len(experts) == 2 * MOE_LAYERS[arch]
+    roles = {n.meta["kiln_input"] for n in fp8.graph_module.graph.find_nodes(op="placeholder")}
+    assert all(f"param:{fp8_scale_name(n)}" in roles for n in experts)
+    out, ref = run_graph(fp8, num_tokens=13), run_graph(plain, num_tokens=13)
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+    assert not torch.equal(out, ref)  # the experts did change
+    assert QuantizeFP8Pass(experts=True).uuid() != QuantizeFP8Pass(experts=False).uuid()
+
+
+def test_fp8_experts_op_is_the_dequantized_fused_moe_and_checks_its_scales() -> None:
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import dequantize_experts
+
+    g = torch.Generator().manual_seed(0)
+    hidden, logits = torch.randn(9, 32, generator=g), torch.randn(9, 4, generator=g)
+    w_gate_up, w_down = torch.randn(4, 48, 32, generator=g), torch.randn(4, 32, 24, generator=g)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, 2, True, True)
+    ref = fused_moe_reference(hidden, logits, dequantize_experts(gq, gs, torch.float32),
+                              dequantize_experts(dq, ds, torch.float32), 2, True, True)
+    torch.testing.assert_close(out, ref)
+    exact = fused_moe_reference(hidden, logits, w_gate_up, w_down, 2, True, True)
+    assert (out - exact).abs().max() < 0.1 * exact.abs().max()  # e4m3's 2^-4 steps, not more
+    with pytest.raises(ValueError, match="one scale per expert and output channel"):
+        torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs[:, :10], dq, ds, 2, True, True)
+    with pytest.raises(ValueError, match="expert weights must be"):
+        torch.ops.kiln.fused_moe_fp8(hidden, logits, w_gate_up, gs, dq, ds, 2, True, True)
+
+
+def test_fp8_expert_weights_quantize_at_load_and_refuse_prequantized_ones() -> None:
+    from kiln.kernels.fp8 import FP8_DTYPE
+    from kiln.passes.weight_transforms import QuantizeFP8Weight, WeightTransformError
+
+    w = torch.randn(3, 8, 16)
+    weights = {"model.layers.0.mlp.experts.gate_up_proj": w.clone()}
+    QuantizeFP8Weight("model.layers.0.mlp.experts.gate_up_proj").apply(weights)
+    q, scale = weights["model.layers.0.mlp.experts.gate_up_proj"], weights["model.layers.0.mlp.experts.gate_up_proj_scale"]
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape and scale.shape == (3, 8) and scale.dtype == torch.float32
+    torch.testing.assert_close(scale, w.abs().amax(dim=-1) / 448.0)
+    with pytest.raises(WeightTransformError, match="pre-quantized FP8 expert weights"):
+        QuantizeFP8Weight("e").apply({"e": w.to(FP8_DTYPE)})
+
+
 def test_fuse_moe_matches_after_fuse_silu_mul() -> None:
     """Whichever runs first: after fuse_silu_mul the experts' activation is kiln::silu_and_mul."""
     from kiln.passes.fuse_silu_mul import FuseSiluMulPass

@@ -192,6 +192,26 @@ def test_sorted_rows_kernels_match_reference(t, h, i, e, top_k, renormalize, fp3
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling,per_pair", CASES)
+def test_fp8_experts_match_their_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair,
+                                           dtype) -> None:
+    """e4m3 experts (kiln::fused_moe_fp8): the kernels widen each weight tile to the
+    activations' dtype and scale each output channel after the K loop; the reference runs
+    fused_moe over the dequantized experts. Every case above, per-pair blocks included."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import fused_moe_fp8_reference
+
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = fused_moe_triton(hidden, logits, gq, dq, top_k, renormalize, fp32_weights, tiling=tiling, per_pair=per_pair,
+                           w_gate_up_scale=gs, w_down_scale=ds)
+    ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_cannot_take(monkeypatch) -> None:
     from kiln.kernels import triton_moe
 
@@ -255,6 +275,26 @@ def test_sorted_rows_kernels_at_real_shapes(shape: str, tokens: int) -> None:
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, f"{shape}, {tokens} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_fp8_experts_at_mixtral_shape(tokens: int) -> None:
+    """kiln::fused_moe_fp8 dispatched to the kernels on the GPU, bfloat16 activations over e4m3
+    Mixtral experts, against the float32 reference over the same dequantized experts."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import dequantize_experts
+
+    h, i, e, k, renorm = REAL_SHAPES["mixtral-8x7b"]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, k, renorm, True)
+    ref = fused_moe_reference(hidden.float(), logits.float(), dequantize_experts(gq, gs, torch.float32),
+                              dequantize_experts(dq, ds, torch.float32), k, renorm, True)
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 1e-2, f"{tokens} tokens: relative error {rel:.2e}"
 
 
 @pytest.mark.gpu
