@@ -13,7 +13,7 @@
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
-#                                         moe_tma_ab moe_parts moe_grouping_ab
+#                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -269,6 +269,12 @@ for stage in $STAGES; do
           bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} \
           --out "$OUT/moe_grouping_offline_${i}_$max_pairs.json"
       done ;;
+    moe_fp8_experts)  # issues 16/17: FP8 MoE experts (KILN_FP8_EXPERTS=1, weight-only e4m3): their kernel tests on
+                      # CUDA, then the Mixtral shape with --quantization fp8, decode 1/64 and the offline run; ~7 min
+      run_stage moe_fp8_experts_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py \
+        -k "fp8_experts"
+      run_stage moe_fp8_experts 400 env KILN_FP8_EXPERTS=1 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
+        --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_fp8_experts.json" ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
                           # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
@@ -324,7 +330,7 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with
