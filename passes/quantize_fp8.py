@@ -14,8 +14,8 @@ experts). Expert weights inside `kiln::fused_moe` are not projections of this fo
 as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`; off by default until timed on a
 GPU): then each `kiln::fused_moe` becomes `kiln::fused_moe_fp8` over e4m3 experts with one
 scale per expert and output channel, the activations staying in the model dtype
-(weight-only; kernels/moe.py). Pre-quantized checkpoints' FP8 experts are not read as such
-yet (the weight transform says so).
+(weight-only; kernels/moe.py). A pre-quantized checkpoint's FP8 experts are dequantized as
+the loader stacks them, then quantized again per channel.
 
 The first and last decoder layers: in a small model (fewer than `EDGE_LAYERS_MAX_PARAMS`
 parameters, counted over the graph's parameter inputs) their projections stay in the compute dtype too, as

@@ -97,9 +97,11 @@ class QuantizeFP8Weight:
         w = weights.pop(self.weight)
         if w.dim() == 3:  # stacked MoE experts [E, N, K]: one scale per expert and output channel, [E, N]
             if w.dtype == FP8_DTYPE:
+                # The loader dequantizes a checkpoint's per-expert FP8 tensors as it stacks them, so
+                # a stacked FP8 tensor comes from elsewhere, without the scales to read it by.
                 raise WeightTransformError(
-                    f"cannot load {self.weight!r}: pre-quantized FP8 expert weights are not read as such yet; "
-                    "load the checkpoint's bf16/fp16 form with quantization='fp8', or leave KILN_FP8_EXPERTS unset")
+                    f"cannot load {self.weight!r}: pre-quantized FP8 expert weights arrived stacked without "
+                    "their scales; give them per expert (as on the Hub) or in bf16/fp16, or leave KILN_FP8_EXPERTS unset")
             wq, scale = quantize_fp8_rows(w)
             weights[self.weight] = wq.contiguous()
             weights[fp8_scale_name(self.weight)] = scale.squeeze(-1).contiguous()
