@@ -83,8 +83,9 @@ def _row_scales(name: str, weights: dict[str, torch.Tensor], rows: int) -> torch
 @dataclass(frozen=True)
 class QuantizeFP8Weight:
     """`weights[weight]` as e4m3 with one float32 scale per output channel at
-    `weights[fp8_scale_name(weight)]` (stacked experts [E, N, K]: per expert and channel, [E, N]). A weight already in FP8 (a pre-quantized checkpoint,
-    its scale loaded beside it) keeps its values; its scale is only brought to that form."""
+    `weights[fp8_scale_name(weight)]` (stacked experts [E, N, K]: per expert and channel,
+    [E, N]). A weight already in FP8 (a pre-quantized checkpoint, its scale loaded beside it)
+    keeps its values; its scale is only brought to that form."""
 
     weight: str
     kind: str = "quantize_fp8"
@@ -102,9 +103,15 @@ class QuantizeFP8Weight:
                 raise WeightTransformError(
                     f"cannot load {self.weight!r}: pre-quantized FP8 expert weights arrived stacked without "
                     "their scales; give them per expert (as on the Hub) or in bf16/fp16, or leave KILN_FP8_EXPERTS unset")
-            wq, scale = quantize_fp8_rows(w)
-            weights[self.weight] = wq.contiguous()
-            weights[fp8_scale_name(self.weight)] = scale.squeeze(-1).contiguous()
+            # One expert at a time: the float32 temporaries of a whole layer's experts (Mixtral:
+            # 3.8 GB each) would sit beside every other weight already loaded.
+            wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                q, s = quantize_fp8_rows(w[e])
+                wq[e], scale[e] = q, s.squeeze(-1)
+            weights[self.weight] = wq
+            weights[fp8_scale_name(self.weight)] = scale
             return
         if w.dim() != 2:
             raise WeightTransformError(f"cannot quantize {self.weight!r} to FP8: it has shape {tuple(w.shape)}, "
