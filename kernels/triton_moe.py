@@ -338,7 +338,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
                         stride_xt, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
-                        w_scale_ptr=None, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+                        w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -390,7 +390,7 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
                      stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
-                     w_scale_ptr=None, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
+                     w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -599,7 +599,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         TOP_K=top_k, BLOCK_M=gu_tiling.block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_tiling.block_k,
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        w_scale_ptr=w_gate_up_scale, W_FP8=fp8,
+        w_scale_ptr=w_gate_up_scale if fp8 else w_gate_up, W_FP8=fp8,  # (never read without W_FP8)
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     weights = routing.weights.reshape(-1).contiguous()
@@ -611,7 +611,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        w_scale_ptr=w_down_scale, W_FP8=fp8,
+        w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)

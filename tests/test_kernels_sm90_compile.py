@@ -137,6 +137,11 @@ fp8 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, EVEN_K=True, IEEE=Fa
 fp8_types = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
 gu8 = ptx(_moe_gate_up_kernel, dict(fp8, TOP_K=2), dict(fp8_types, x_ptr="*bf16", out_ptr="*bf16"), 8, 4)
 dn8 = ptx(_moe_down_kernel, fp8, dict(fp8_types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 8, 4)
+# The default (16-bit) launch of the same kernels, as the GPU runs it: W_FP8 off, the scale
+# pointer a tensor never read.
+gu16 = ptx(_moe_gate_up_kernel, dict(fp8, TOP_K=2, W_FP8=False),
+           dict(fp8_types, x_ptr="*bf16", w_ptr="*bf16", w_scale_ptr="*bf16", out_ptr="*bf16"), 8, 4)
+found["gate_up bf16"] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", gu16))), "e4m3" in gu16]
 for name, code in (("gate_up fp8", gu8), ("down fp8", dn8)):
     found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
                    sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", code)))]
@@ -159,6 +164,7 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
         assert mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], (kernel, mma)
         assert tma and all(op.startswith("cp.async.bulk.tensor.2d") for op in tma), (kernel, tma)
     assert found["grouping"]
+    assert found["gate_up bf16"] == [["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], False], found
     # FP8 experts: the e4m3 tiles widen in registers (cvt from e4m3x2), the MMAs stay bf16 ones.
     for kernel in ("gate_up fp8", "down fp8"):
         mma, cvt = found[kernel]
