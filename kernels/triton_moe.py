@@ -104,8 +104,12 @@ TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
     """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
     return (GROUPED_MM_MIN_ROWS > 0 and num_pairs >= GROUPED_MM_MIN_ROWS * num_experts
-            and hidden.dtype == torch.bfloat16 and hidden.device.type == "cuda"
-            and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
+            and hidden.dtype == torch.bfloat16 and _on_sm90(hidden))
+
+
+def _on_sm90(hidden: torch.Tensor) -> bool:
+    """A CUDA tensor on sm_90 or newer (the grouped GEMM's and the tensor descriptors' need)."""
+    return hidden.device.type == "cuda" and torch.cuda.get_device_capability(hidden.device) >= (9, 0)
 
 
 def uses_tma(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: torch.Tensor,
@@ -113,9 +117,8 @@ def uses_tma(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: 
     """Whether a step of `num_pairs` rows takes the sorted-rows (tensor descriptor) kernels (see
     TMA_MIN_ROWS): 16-bit weights (what the H200 timed) on CUDA from sm_90, whose rows and
     storage a descriptor can take."""
-    return (TMA_MIN_ROWS > 0 and num_pairs >= TMA_MIN_ROWS * num_experts and hidden.device.type == "cuda"
-            and hidden.element_size() == 2 and torch.cuda.get_device_capability(hidden.device) >= (9, 0)
-            and _descriptor_ok(w_gate_up, w_down))
+    return (TMA_MIN_ROWS > 0 and num_pairs >= TMA_MIN_ROWS * num_experts and hidden.element_size() == 2
+            and _on_sm90(hidden) and _descriptor_ok(w_gate_up, w_down))
 
 
 def _descriptor_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
@@ -577,19 +580,32 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         per_pair = pair_per_block(num_pairs, num_experts)
     if tma is None:
         tma = not per_pair and not fp8 and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
+    weights = routing.weights.reshape(-1).contiguous()
+    products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
+                           device=hidden.device)
     if tma:
         if per_pair or not _descriptor_ok(w_gate_up, w_down):
             raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
-        weights = routing.weights.reshape(-1).contiguous()
-        products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
-                               device=hidden.device)
         blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products)
-        return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
-    if per_pair:
-        num_blocks, sorted_pairs, block_expert = num_pairs, routing.experts, routing.experts  # pairs unused
     else:
-        blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
+        _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, routing.experts, top_k, gu_tiling, down_tiling,
+                             per_pair, products, w_gate_up_scale, w_down_scale)
+    return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
+
+
+def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                         experts: torch.Tensor, top_k: int, gu_tiling: MoETiling, down_tiling: MoETiling,
+                         per_pair: bool, products: torch.Tensor, w_gate_up_scale: torch.Tensor | None,
+                         w_down_scale: torch.Tensor | None) -> None:
+    """Both GEMMs by the pointer kernels into `products` [pairs, H] (FP8 experts with the scales)."""
+    num_pairs, h = products.shape
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    fp8 = w_gate_up_scale is not None
+    if per_pair:
+        num_blocks, sorted_pairs, block_expert = num_pairs, experts, experts  # pairs unused
+    else:
+        blocks = group_pairs_for_step(experts, num_experts, gu_tiling.block_m)
         num_blocks, sorted_pairs, block_expert = blocks.num_blocks, blocks.sorted_pairs, blocks.block_expert
     ieee = hidden.dtype == torch.float32
     act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
@@ -602,9 +618,6 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         w_scale_ptr=w_gate_up_scale if fp8 else w_gate_up, W_FP8=fp8,  # (never read without W_FP8)
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
-    weights = routing.weights.reshape(-1).contiguous()
-    products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
-                           device=hidden.device)
     _moe_down_kernel[(num_blocks * triton.cdiv(h, down_tiling.block_n),)](
         act, w_down, weights, products, sorted_pairs, block_expert, num_pairs, num_blocks, h, inter,
         act.stride(0), w_down.stride(0), w_down.stride(1), products.stride(0),
@@ -614,7 +627,6 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
-    return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
 @fused_moe_op.register_kernel("cuda")

@@ -10,6 +10,7 @@ inside a CUDA graph.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -302,41 +303,33 @@ def test_sorted_rows_kernels_replay_in_a_cuda_graph() -> None:
     """Their descriptors are built at launch: captured once, replayed with other tokens and routing."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
-    h, i, e, k, renorm = 1024, 512, 16, 4, True
-    hidden, logits, w_gate_up, w_down = moe_inputs(256, h, i, e, torch.bfloat16, device="cuda", skew=False)
-    static_h, static_l = hidden.clone(), logits.clone()
-    def run() -> torch.Tensor:
-        return fused_moe_triton(static_h, static_l, w_gate_up, w_down, k, renorm, True, per_pair=False, tma=True)
-
-    run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    new_h, new_l, _, _ = moe_inputs(256, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
-    static_h.copy_(new_h)
-    static_l.copy_(new_l)
-    graph.replay()
-    ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
-    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    check_graph_replay(256, lambda h, l, gu, d, k: fused_moe_triton(h, l, gu, d, k, True, True, per_pair=False,
+                                                                    tma=True))
 
 
 @pytest.mark.gpu
 def test_fused_moe_triton_replays_in_a_cuda_graph() -> None:
     """No host read in the launch path: captured once, replayed with other tokens and routing."""
-    h, i, e, k, renorm = 1024, 512, 16, 4, True
-    hidden, logits, w_gate_up, w_down = moe_inputs(64, h, i, e, torch.bfloat16, device="cuda", skew=False)
+    check_graph_replay(64, lambda h, l, gu, d, k: torch.ops.kiln.fused_moe(h, l, gu, d, k, True, True))
+
+
+def check_graph_replay(tokens: int, moe: Any) -> None:
+    """`moe(hidden, logits, w_gate_up, w_down, top_k)` (renormalized, float32 routing weights) is
+    compiled outside a CUDA graph, captured, and replayed over new tokens and routing: the
+    replay's output is the float32 reference's for the new inputs."""
+    h, i, e, k = 1024, 512, 16, 4
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, device="cuda", skew=False)
     static_h, static_l = hidden.clone(), logits.clone()
-    torch.ops.kiln.fused_moe(static_h, static_l, w_gate_up, w_down, k, renorm, True)  # compile outside capture
+    moe(static_h, static_l, w_gate_up, w_down, k)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = torch.ops.kiln.fused_moe(static_h, static_l, w_gate_up, w_down, k, renorm, True)
-    new_h, new_l, _, _ = moe_inputs(64, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
+        out = moe(static_h, static_l, w_gate_up, w_down, k)
+    new_h, new_l, _, _ = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
     static_h.copy_(new_h)
     static_l.copy_(new_l)
     graph.replay()
-    ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
+    ref = fused_moe_reference(new_h.float(), new_l.float(), w_gate_up.float(), w_down.float(), k, True, True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
 
 
