@@ -50,12 +50,15 @@ from kiln.runtime.sampling_params import SamplingParams  # noqa: E402
 from kiln.runtime.scheduler import Scheduler  # noqa: E402
 from kiln.runtime.sequence import Sequence  # noqa: E402
 
-# name: (max_tokens, output lengths drawn uniformly from this range, or None: max_tokens)
-WORKLOADS: dict[str, tuple[int, tuple[int, int] | None]] = {
-    "to_max_tokens_256": (256, None),
-    "stop_1_256_of_256": (256, (1, 256)),
-    "stop_64_256_of_512": (512, (64, 256)),
-    "stop_1_512_of_2048": (2048, (1, 512)),
+# name: (max_tokens, output lengths drawn uniformly from this range, or None: max_tokens, and
+# whether a drawn length is where a stop token ends the request or is the request's own
+# max_tokens, EOS ignored: benchmark_serving's way, a known length per request)
+WORKLOADS: dict[str, tuple[int, tuple[int, int] | None, bool]] = {
+    "to_max_tokens_256": (256, None, False),
+    "stop_1_256_of_256": (256, (1, 256), False),
+    "stop_64_256_of_512": (512, (64, 256), False),
+    "stop_1_512_of_2048": (2048, (1, 512), False),
+    "max_tokens_64_448": (448, (64, 448), True),
 }
 
 
@@ -69,18 +72,20 @@ def step_ms(items: list, args: argparse.Namespace) -> float:
 
 
 def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, args: argparse.Namespace,
-             budget: int) -> dict[str, Any]:
+             budget: int, drawn_max_tokens: bool = False) -> dict[str, Any]:
     g = torch.Generator().manual_seed(args.seed)
     prompt_lens = torch.randint(128, 1025, (args.num_requests,), generator=g).tolist()
     out_lens = (torch.randint(out_range[0], out_range[1] + 1, (args.num_requests,), generator=g).tolist()
                 if out_range else [max_tokens] * args.num_requests)
     # A stop token makes a request one that may end early (its reservation is learned).
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[7] if out_range else [])
+    stops = out_range is not None and not drawn_max_tokens
+    params = [SamplingParams(max_tokens=n if drawn_max_tokens else max_tokens, ignore_eos=True,
+                             stop_token_ids=[7] if stops else []) for n in out_lens]
     sched = Scheduler(BlockManager(args.num_kv_blocks, args.block_size, enable_prefix_caching=False),
                       args.max_num_seqs, budget, reserve_ratio=ratio)
     wanted: dict[int, int] = {}
     for i, n in enumerate(prompt_lens):
-        sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[3] * n, params=params))
+        sched.add(Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[3] * n, params=params[i]))
         wanted[i] = out_lens[i]
     ms, tokens, outputs, synchronous = 0.0, 0, 0, 0
     by_length: list[Sequence] = []  # the last step's sequences that ended by length
@@ -109,7 +114,7 @@ def simulate(ratio: float, max_tokens: int, out_range: tuple[int, int] | None, a
             if item.samples:
                 item.seq.append_token(5)
                 outputs += 1
-                if item.seq.num_output_tokens >= max_tokens:
+                if item.seq.num_output_tokens >= item.seq.params.max_tokens:
                     by_length.append(item.seq)
                 elif item.seq.num_output_tokens >= wanted[item.seq.seq_id]:
                     by_stop.append(item.seq)
@@ -154,11 +159,12 @@ def main() -> None:
     for name in args.workloads.split(","):
         if name not in WORKLOADS:
             parser.error(f"--workloads: unknown {name!r}; choose from {', '.join(WORKLOADS)}")
-        max_tokens, out_range = WORKLOADS[name]
+        max_tokens, out_range, drawn_max_tokens = WORKLOADS[name]
         for budget in budgets:
             # (keyed by the ratio alone when one budget runs, as before --budgets)
             key = "" if len(budgets) == 1 else f"budget {budget}, "
-            rows = {f"{key}{r}" if key else str(r): simulate(r, max_tokens, out_range, args, budget) for r in ratios}
+            rows = {f"{key}{r}" if key else str(r): simulate(r, max_tokens, out_range, args, budget, drawn_max_tokens)
+                    for r in ratios}
             result["workloads"].setdefault(name, {}).update(rows)
             print(f"[{name}] {key}" + ", ".join(
                 f"ratio {r}: {row['seconds']:.1f} s, {row['output_tokens_per_s']:.0f} output tokens/s, "

@@ -105,6 +105,11 @@ class QuantizeFP8Weight:
                     "their scales; give them per expert (as on the Hub) or in bf16/fp16, or leave KILN_FP8_EXPERTS unset")
             # One expert at a time: the float32 temporaries of a whole layer's experts (Mixtral:
             # 3.8 GB each) would sit beside every other weight already loaded.
+            if w.is_cuda:
+                # The result first, in memory of its own: else the allocator carves it out of
+                # the last layer's freed 16-bit experts, and the rest of each such block stays
+                # reserved and unusable (Mixtral: 26 GiB, and the KV cache's allocation failed).
+                torch.cuda.empty_cache()
             wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
             scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
             for e in range(w.shape[0]):

@@ -51,3 +51,14 @@ def test_budgets_change_the_simulated_run(monkeypatch):
         assert run["preemptions"] == 0 and run["seconds"] > 0
     assert runs[256]["steps"] > runs[4096]["steps"]
     assert runs[256]["seconds"] < runs[4096]["seconds"], runs
+
+
+def test_known_lengths_run_without_preemption_and_past_their_final_sizes(monkeypatch):
+    # Requests whose drawn length is their max_tokens (EOS ignored) on a KV-bound cache, with
+    # async scheduling's continuations: admission counts the blocks the first to end hand on,
+    # so nothing is preempted (recomputed), and the reservation still admits work.
+    sim = _simulator(monkeypatch)
+    args = _args(num_kv_blocks=400, num_requests=40)
+    run = sim.simulate(0.5, 448, (64, 448), args, 4096, drawn_max_tokens=True)
+    assert run["preemptions"] == 0
+    assert run["output_tokens_per_s"] > 0 and run["steps"] > 448

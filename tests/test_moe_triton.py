@@ -299,6 +299,26 @@ def test_fp8_experts_at_mixtral_shape(tokens: int) -> None:
 
 
 @pytest.mark.gpu
+def test_quantizing_stacked_experts_leaves_no_reserved_memory_behind() -> None:
+    """Quantizing one layer's 16-bit experts after another (the loader's FP8-experts transforms)
+    must not carve each e4m3 result out of the layer before's freed experts: the rest of such a
+    block stays reserved and unusable for the KV cache (the Mixtral engine ran out of memory
+    with 26 GiB so reserved)."""
+    from kiln.passes.weight_transforms import QuantizeFP8Weight
+
+    torch.cuda.empty_cache()  # what earlier tests left reserved (a CUDA graph's pool) is not ours
+    base_allocated, base_stranded = torch.cuda.memory_allocated(), torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    weights = {f"layers.{i}.experts": torch.randn(8, 1024, 2048, device="cuda", dtype=torch.bfloat16)
+               for i in range(4)}  # 32 MiB each
+    for i in range(4):
+        QuantizeFP8Weight(f"layers.{i}.experts").apply(weights)
+    torch.cuda.empty_cache()
+    stranded = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - base_stranded
+    assert torch.cuda.memory_allocated() - base_allocated >= 4 * 8 * 1024 * 2048  # the e4m3 experts
+    assert stranded < 8 * 2**20, f"{stranded / 2**20:.0f} MiB reserved but unallocated after quantizing"
+
+
+@pytest.mark.gpu
 def test_sorted_rows_kernels_replay_in_a_cuda_graph() -> None:
     """Their descriptors are built at launch: captured once, replayed with other tokens and routing."""
     if torch.cuda.get_device_capability() < (9, 0):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.kv_projection import BlockProfile, KVProjection
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 from kiln.runtime.sequence import Sequence, SequenceStatus
@@ -229,6 +230,43 @@ def test_reservation_admits_only_what_can_grow_to_its_end(ratio):
     else:
         assert sched.stats.num_preemptions == 0
         assert sched.stats.num_scheduled_tokens == 10 * (12 + 20 - 1)  # nothing recomputed
+
+
+def test_projection_peaks_just_before_an_end_and_counts_what_the_end_frees():
+    # Blocks of 4 tokens. `ending`: 8 tokens in 2 blocks, 4 more to come, ends after 5 steps
+    # and frees its 2 blocks; `growing`: 4 tokens in 1 block, 12 more, end unknown.
+    ending = BlockProfile(tokens=8, growth=4, table_blocks=2, ends_after=5, freed_blocks=2)
+    growing = BlockProfile(tokens=4, growth=12, table_blocks=1)
+    projection = KVProjection([ending, growing], block_size=4)
+    # Step 5: 12 tokens (1 block more) and 9 (2 more); after it: -2 and 16 tokens (3 more).
+    assert projection.peak() == 3
+    newcomer = BlockProfile(tokens=0, growth=8, table_blocks=0)  # 5 tokens at step 5, 8 after
+    assert projection.peak(newcomer) == 5
+    projection.add(newcomer)
+    assert projection.peak() == 5
+
+
+def test_reservation_admits_past_the_final_sizes_when_ends_are_staggered():
+    # 12 sequences of 8 prompt tokens and 4..48 output tokens (ignore_eos) in 60 blocks of 4:
+    # their final sizes sum to 102 blocks. The shortest end first and hand their blocks to the
+    # rest, so more run at once than their final sizes fit, and none is preempted.
+    sched = Scheduler(BlockManager(61, 4, enable_prefix_caching=False), max_num_seqs=16,
+                      max_num_batched_tokens=64, reserve_ratio=0.5)
+    seqs = [_length_only(8, 4 * k, first=100 * k) for k in range(1, 13)]
+    for s in seqs:
+        sched.add(s)
+    most_final_blocks = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        most_final_blocks = max(most_final_blocks, sum(-(-(8 + s.params.max_tokens) // 4) for s in sched.running))
+        advance(sched, out, token=5)
+        for item in out.scheduled:
+            if item.samples and item.seq.num_output_tokens >= item.seq.params.max_tokens:
+                sched.finish(item.seq, "length")
+        sched.block_manager.check_invariants(sched.live_sequences())
+    assert all(s.num_output_tokens == s.params.max_tokens for s in seqs)
+    assert sched.stats.num_preemptions == 0
+    assert most_final_blocks > 60, most_final_blocks
 
 
 def test_a_sequence_larger_than_its_reservation_room_runs_alone():
