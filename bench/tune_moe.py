@@ -24,7 +24,12 @@ each GEMM's tiling alone, the other at the default (the row blocks stay the defa
 the path the step takes by default, the sorted-rows kernels from `KILN_MOE_TMA_MIN_ROWS` rows an
 expert): the default tables give both GEMMs one tiling. `--sweeps grouping` times the pairs'
 grouping by torch ops (`group_pairs`) against one kernel (`group_pairs_in_one_kernel`), alone
-and as part of the whole op (`KILN_MOE_GROUPING_KERNEL_MAX_PAIRS`).
+and as part of the whole op (`KILN_MOE_GROUPING_KERNEL_MAX_PAIRS`). `--sweeps dense` times, for
+steps of at least 2,048 tokens, what cuBLAS would do: the rows sorted by expert, then each
+expert's gate/up and down as dense `torch.mm` (kiln::silu_and_mul between), the products
+weighted and summed per token (eager, events timing; the experts' row counts read to the host
+once a layer, as an eagerly run prefill step could): whether prefill-sized steps should leave
+the Triton kernels for per-expert GEMMs.
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -96,6 +101,31 @@ def part_sweep(default: Any) -> list[Any]:
     return [MoETiling(default.block_m, n, k, w, st, group_m=default.group_m) for n, k, w, st in grid]
 
 
+def per_expert_dense(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                     top_k: int, renorm: bool) -> torch.Tensor:
+    """fused_moe's result by one dense GEMM pair per expert over its rows (sorted by expert)."""
+    from kiln.kernels.moe import route
+
+    t, h = x.shape
+    experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    routing = route(logits, top_k, renorm, True, x.dtype)
+    pairs = routing.experts.reshape(-1)
+    order = torch.argsort(pairs, stable=True)
+    tokens = order // top_k
+    counts = torch.bincount(pairs, minlength=experts).tolist()  # the one host read
+    rows = x.index_select(0, tokens)
+    products = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate_up = torch.mm(rows[start:start + n], w_gate_up[e].t())
+            act = torch.ops.kiln.silu_and_mul(gate_up[:, :inter], gate_up[:, inter:])
+            torch.mm(act, w_down[e].t(), out=products[start:start + n])
+        start += n
+    weighted = products.float() * routing.weights.reshape(-1)[order, None].float()
+    return torch.zeros((t, h), dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted).to(x.dtype)
+
+
 def time_group(group: Any, experts_of: torch.Tensor, num_experts: int, block_m: int, args: Any) -> float:
     """One grouping of the pairs, ms (as `bc.call_ms` times the op); the output checked against torch's."""
     from kiln.kernels.triton_moe import group_pairs
@@ -123,8 +153,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
-    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping"}:
-        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping")
+    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping", "dense"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping, dense")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
@@ -238,7 +268,19 @@ def main() -> None:
                 print(f"[{name} T={t}] grouping: torch ops {grouping['torch_ops_ms'] * 1e3:.1f} us, one kernel "
                       f"{grouping['one_kernel_ms'] * 1e3:.1f} us; the op {grouping['op_torch_ops_ms']:.3f} against "
                       f"{grouping['op_one_kernel_ms']:.3f} ms", flush=True)
-            rows[str(t)] = {"pairs": pairs, "default": {"tiling": vars(default), **figures(default_ms)},
+            dense: dict[str, Any] = {}
+            if "dense" in sweeps and t >= 2048:
+                dense_ms = bc.call_ms(lambda: per_expert_dense(x, logits, w_gate_up, w_down, top_k, renorm),
+                                      args.repeats, "events")
+                eager_ms = bc.call_ms(lambda: run(tma=None), args.repeats, "events")
+                dense_err = float((per_expert_dense(x, logits, w_gate_up, w_down, top_k, renorm).float()
+                                   - run(tma=None).float()).abs().max())
+                dense = {**figures(dense_ms), "default_events_ms": eager_ms, "speedup_vs_default": eager_ms / dense_ms,
+                         "max_abs_diff_vs_default": dense_err}
+                print(f"[{name} T={t}] dense per expert: {dense_ms:.3f} ms ({flops / dense_ms / 1e9:.0f} TFLOP/s) "
+                      f"against the default's {eager_ms:.3f} eager ({eager_ms / dense_ms:.2f}x), max diff "
+                      f"{dense_err:.3g}", flush=True)
+            rows[str(t)] = {"pairs": pairs, "dense": dense, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
