@@ -304,8 +304,10 @@ class Pattern:
         order = {n: i for i, n in enumerate(graph.nodes)}
         # An input of a later match may be an output an earlier match replaced.
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        positional = _takes_positions(traced.replacement.graph)
         for m in matches:
-            self._warn_on_rank(m)
+            if positional:
+                self._warn_on_rank(m)
             _rewrite_one(graph, traced, m, order, replaced, self._example_ranks())
         if not _is_topological(graph):
             _stable_topological_sort(graph)
@@ -498,6 +500,18 @@ def _output_mismatch(old: torch.fx.Node, new: Any) -> str | None:
                 f"matched node {old.name!r} ({old.target}) has shape {_format_shape(want.shape)} and dtype "
                 f"{str(want.dtype).replace('torch.', '')}")
     return None
+
+
+def _takes_positions(graph: torch.fx.Graph) -> bool:
+    """Whether an op of a replacement takes an int or a slice (a dim, an index, a size): what a
+    matched tensor of another rank than the example's would move. An elementwise replacement
+    (kiln::silu_and_mul(gate, up)) takes none, and fits a match of any rank."""
+    for node in graph.nodes:
+        if node.op == "call_function":
+            args, _ = tree_flatten((node.args, node.kwargs))
+            if any(isinstance(a, slice) or (isinstance(a, int) and not isinstance(a, bool)) for a in args):
+                return True
+    return False
 
 
 def _rewrite_one(graph: torch.fx.Graph, traced: TracedPattern, m: InternalMatch,

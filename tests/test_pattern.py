@@ -190,6 +190,17 @@ def test_replacement_of_another_dtype_is_refused(llama_fusion_input) -> None:
         p.apply(gm)
 
 
+def test_an_elementwise_replacement_fits_any_rank_without_a_warning(llama_fusion_input, caplog) -> None:
+    """kiln::silu_and_mul indexes nothing by position: 2-D examples matching the 3-D graph (and
+    Mixtral's 2-D expert rows matching fuse_silu_mul's 3-D examples) rewrite correctly, silently."""
+    gm = llama_fusion_input.copy().graph_module
+    p = Pattern("silu_mul_2d", silu_mul, lambda gate, up: torch.ops.kiln.silu_and_mul(gate, up),
+                (torch.randn(4, 32), torch.randn(4, 32)))
+    with caplog.at_level("WARNING", logger="kiln.passes.pattern"):
+        assert p.apply(gm) == COMMON["num_hidden_layers"]
+    assert not [r for r in caplog.records if r.name == "kiln.passes.pattern"]
+
+
 def test_same_rank_examples_do_not_warn(llama_fusion_input, caplog) -> None:
     gm = llama_fusion_input.copy().graph_module
     p = Pattern("silu_mul_3d", silu_mul, lambda gate, up: torch.nn.functional.silu(gate) * up,
