@@ -101,6 +101,22 @@ GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
 TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 
 
+# FP8 experts (`kiln::fused_moe_fp8`) in steps with at least this many rows an expert (prefill-
+# sized) are first widened into 16-bit copies of the layer's experts (`dequantize_experts_triton`,
+# one pass: Mixtral-8x7B's layer reads 0.35 GB and writes 0.7 GB, ~0.35 ms at the H200's
+# bandwidth), which the 16-bit kernels (the sorted-rows ones on sm_90) then take. The pointer
+# kernels' widening inside their K loops keeps the MMA waiting on registers: with FP8 experts the
+# Mixtral offline run fell to 3,060 output tokens/s against 4,450 in bf16 (bench/RESULTS.md AD2),
+# its prefill-sized steps the slow ones. Decode-sized steps keep the e4m3 weights, whose half-size
+# reads are what they gain. KILN_MOE_FP8_DEQUANT_MIN_ROWS sets it (0: never).
+FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
+
+
+def dequantizes_fp8_experts(num_pairs: int, num_experts: int) -> bool:
+    """Whether a step of `num_pairs` rows over FP8 experts widens them first (FP8_DEQUANT_MIN_ROWS)."""
+    return FP8_DEQUANT_MIN_ROWS > 0 and num_pairs >= FP8_DEQUANT_MIN_ROWS * num_experts
+
+
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
     """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
     return (GROUPED_MM_MIN_ROWS > 0 and num_pairs >= GROUPED_MM_MIN_ROWS * num_experts
@@ -548,8 +564,9 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
     tensors the kernels cannot take go to the reference. With the scales, `kiln::fused_moe_fp8`:
-    e4m3 experts, widened in the kernels' K loops and scaled per channel after (the pointer
-    kernels only: not yet timed on a GPU)."""
+    e4m3 experts, widened in the pointer kernels' K loops and scaled per channel after, or, in
+    prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit copies for the 16-bit
+    kernels."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     fp8 = w_gate_up_scale is not None
     if fp8:
@@ -565,6 +582,10 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     num_pairs = t * top_k
     if t == 0:
         return torch.empty_like(hidden)
+    if fp8 and tiling is None and tma is None and per_pair is None and dequantizes_fp8_experts(num_pairs, num_experts):
+        w_gate_up = dequantize_experts_triton(w_gate_up, w_gate_up_scale, hidden.dtype)
+        w_down = dequantize_experts_triton(w_down, w_down_scale, hidden.dtype)
+        fp8, w_gate_up_scale, w_down_scale = False, None, None
     if fp8 and tma:
         raise ValueError("the sorted-rows kernels take 16-bit experts only")
     if tiling is None and not fp8 and uses_grouped_mm(num_pairs, num_experts, hidden):
@@ -627,6 +648,30 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8,
         num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
+
+
+@triton.jit
+def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, cols, BLOCK: tl.constexpr):
+    """out[row, :] = q[row, :] (e4m3) x scale[row], in out's dtype; one program per row and block."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < cols
+    q = tl.load(q_ptr + row * cols + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * cols + offs, (q * tl.load(scale_ptr + row)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_experts_triton(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[E, N, K] e4m3 experts times their [E, N] channel scales, in `dtype` (as
+    `kiln.kernels.moe.dequantize_experts`, which rounds the same float32 products)."""
+    if w.dim() != 3 or scale.shape != w.shape[:2]:
+        raise ValueError(f"dequantize_experts: weights {tuple(w.shape)} need [E, N] scales, got {tuple(scale.shape)}")
+    w, scale = w.contiguous(), scale.contiguous().float()
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    rows, cols = w.shape[0] * w.shape[1], w.shape[2]
+    if out.numel():
+        block = min(4096, triton.next_power_of_2(cols))
+        _dequantize_rows_kernel[(rows, triton.cdiv(cols, block))](w, scale, out, cols, BLOCK=block, num_warps=4)
+    return out
 
 
 @fused_moe_op.register_kernel("cuda")

@@ -115,8 +115,8 @@ def test_untimed_kernel_variants_compile_for_sm90() -> None:
 
 
 _MOE_SCRIPT = _PTX + """
-from kiln.kernels.triton_moe import (_group_pairs_kernel, _moe_down_kernel, _moe_down_tma_kernel, _moe_gate_up_kernel,
-                                    _moe_gate_up_tma_kernel)
+from kiln.kernels.triton_moe import (_dequantize_rows_kernel, _group_pairs_kernel, _moe_down_kernel,
+                                    _moe_down_tma_kernel, _moe_gate_up_kernel, _moe_gate_up_tma_kernel)
 
 found = {}
 tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, IEEE=False, PDL=True)
@@ -145,6 +145,10 @@ found["gate_up bf16"] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", gu16
 for name, code in (("gate_up fp8", gu8), ("down fp8", dn8)):
     found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
                    sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", code)))]
+# FP8 experts in prefill-sized steps: widened once, by this kernel, for the 16-bit kernels.
+deq = ptx(_dequantize_rows_kernel, dict(BLOCK=4096), {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"}, 4, 1)
+found["dequantize"] = [sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", deq))),
+                       sorted(set(re.findall(r"cvt\\.rn\\.bf16[.\\w]*", deq)))]
 print(json.dumps(found))
 """
 
@@ -170,3 +174,6 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
         mma, cvt = found[kernel]
         assert mma and all(".bf16.bf16" in op for op in mma), (kernel, mma)
         assert cvt, (kernel, "no e4m3 conversion")
+    # The experts' widening for prefill-sized steps: from e4m3, rounded to nearest into bf16.
+    widen, to_bf16 = found["dequantize"]
+    assert widen and to_bf16, found["dequantize"]

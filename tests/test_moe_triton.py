@@ -213,6 +213,48 @@ def test_fp8_experts_match_their_reference(t, h, i, e, top_k, renormalize, fp32_
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
+def test_dequantize_experts_kernel_rounds_as_the_reference() -> None:
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import dequantize_experts
+    from kiln.kernels.triton_moe import dequantize_experts_triton
+
+    w = torch.randn(3, 40, 72, device=DEVICE) * 0.05
+    q, scale = quantize_fp8_rows(w)
+    scale = scale.squeeze(-1)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        out, ref = dequantize_experts_triton(q, scale, dtype), dequantize_experts(q, scale, dtype)
+        if dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter's bfloat16 cast truncates
+            torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
+        else:
+            assert torch.equal(out, ref), dtype
+    with pytest.raises(ValueError, match="need \\[E, N\\] scales"):
+        dequantize_experts_triton(q, scale[:, :8], torch.float16)
+
+
+@pytest.mark.parametrize("tokens,widened", [(48, True), (20, False)])
+def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(monkeypatch, tokens, widened) -> None:
+    """From FP8_DEQUANT_MIN_ROWS rows an expert (here 8: 48 tokens x top-2 over 8 experts = 12),
+    the layer's e4m3 experts are widened once and the 16-bit kernels run; below it the pointer
+    kernels widen tile by tile. Both equal the reference over the dequantized experts."""
+    from kiln.kernels import triton_moe
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import fused_moe_fp8_reference
+
+    assert triton_moe.FP8_DEQUANT_MIN_ROWS == int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
+    monkeypatch.setattr(triton_moe, "FP8_DEQUANT_MIN_ROWS", 8)
+    calls = []
+    widen = triton_moe.dequantize_experts_triton
+    monkeypatch.setattr(triton_moe, "dequantize_experts_triton", lambda *a: calls.append(a[0].shape) or widen(*a))
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, 32, 48, 8, torch.float16, seed=tokens)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, 2, True, True) if DEVICE == "cuda" else \
+        fused_moe_triton(hidden, logits, gq, dq, 2, True, True, w_gate_up_scale=gs, w_down_scale=ds)
+    assert calls == ([gq.shape, dq.shape] if widened else [])
+    ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, 2, True, True)
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
 def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_cannot_take(monkeypatch) -> None:
     from kiln.kernels import triton_moe
 
@@ -279,10 +321,11 @@ def test_sorted_rows_kernels_at_real_shapes(shape: str, tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 1000])
+@pytest.mark.parametrize("tokens", [1, 64, 1000, 4096])
 def test_fp8_experts_at_mixtral_shape(tokens: int) -> None:
     """kiln::fused_moe_fp8 dispatched to the kernels on the GPU, bfloat16 activations over e4m3
-    Mixtral experts, against the float32 reference over the same dequantized experts."""
+    Mixtral experts, against the float32 reference over the same dequantized experts (4,096
+    tokens: 1,024 rows an expert, the experts widened for the 16-bit sorted-rows kernels)."""
     from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.moe import dequantize_experts
 
