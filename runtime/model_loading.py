@@ -12,8 +12,8 @@ import torch
 
 from kiln.compiler.model_source import ModelSource
 from kiln.compiler.startup import PreparedModel, prepare_for_engine, timed
-from kiln.passes.weight_transforms import (apply_weight_transforms, fp8_weight_names, optional_checkpoint_names,
-                                           shard_transforms)
+from kiln.passes.weight_transforms import (apply_weight_transforms, fp8_weight_names, load_time_quantizer,
+                                           optional_checkpoint_names, shard_transforms)
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.model_runner import ModelRunner
 
@@ -47,8 +47,11 @@ def load_model(config: EngineConfig, source: ModelSource, dtype: torch.dtype, de
     timings.update(prepared.report.timings)
     with timed(timings, "load weights"):
         transforms = prepared.spec.weight_transforms
+        # FP8 quantization runs as each weight loads (load_time_quantizer): only the FP8
+        # weights and one 16-bit tensor at a time need to fit.
         weights = source.load_weights(prepared.spec.param_aliases, dtype, device, progress=config.progress,
-                                      keep_fp8=fp8_weight_names(transforms), shards=shard_transforms(transforms))
+                                      keep_fp8=fp8_weight_names(transforms), shards=shard_transforms(transforms),
+                                      on_tensor=load_time_quantizer(transforms))
         # Tensors some checkpoints carry and others not (an FP8 KV cache's scales).
         optional = source.load_tensors_if_present(optional_checkpoint_names(transforms), device)
         weights.update(optional)

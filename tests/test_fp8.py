@@ -27,7 +27,7 @@ from kiln.passes import op_counts
 from kiln.passes.quantize_fp8 import QuantizeFP8Pass
 from kiln.passes.weight_transforms import (ConcatWeights, QuantizeFP8Weight, WeightTransformError,
                                            apply_weight_transforms, fp8_scale_name, fp8_weight_names,
-                                           transforms_from_json, transforms_to_json)
+                                           load_time_quantizer, transforms_from_json, transforms_to_json)
 from kiln.runtime import LLM, SamplingParams
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
@@ -201,6 +201,56 @@ def test_fp8_checkpoint_parts_concatenate_with_their_scales():
     torch.testing.assert_close(out["qk_scale"], torch.cat([qs, torch.full((4,), 0.01)]))
     with pytest.raises(WeightTransformError, match="has no scale"):
         apply_weight_transforms({"w": qq}, [QuantizeFP8Weight("w")])
+
+
+def _same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.dtype == FP8_DTYPE else torch.equal(x, y), name
+
+
+def test_quantizing_as_weights_load_gives_what_quantizing_after_gives():
+    """load_time_quantizer: each weight (each part of a merged one, each stacked expert tensor)
+    quantized as it loads, then the transforms, equal the transforms over the 16-bit weights:
+    per output channel scales make a merge's parts quantize as the merge does."""
+    g = torch.Generator().manual_seed(3)
+    loaded = {"q": torch.randn(8, 16, generator=g), "k": torch.randn(4, 16, generator=g),
+              "v": torch.randn(4, 16, generator=g) * 3, "o": torch.randn(16, 8, generator=g),
+              "experts": torch.randn(3, 10, 16, generator=g), "up_a": torch.randn(4, 6, generator=g),
+              "up_b": torch.randn(4, 2, generator=g), "norm": torch.randn(16, generator=g)}
+    transforms = [ConcatWeights("qkv", ("q", "k", "v")), ConcatWeights("up", ("up_a", "up_b"), dim=1),
+                  QuantizeFP8Weight("qkv"), QuantizeFP8Weight("o"), QuantizeFP8Weight("experts"),
+                  QuantizeFP8Weight("up")]
+    hook = load_time_quantizer(transforms)
+    streamed: dict[str, torch.Tensor] = {}
+    for name, tensor in loaded.items():
+        streamed.update(hook(name, tensor))
+    # Quantized as they loaded: every part of qkv, o and the experts; not the parts of a merge
+    # along the input dim (FP8 parts concatenate along the output channels only), not the norm.
+    assert {n for n, t in streamed.items() if t.dtype == FP8_DTYPE} == {"q", "k", "v", "o", "experts"}
+    assert streamed[fp8_scale_name("experts")].shape == (3, 10)
+    _same_weights(apply_weight_transforms(streamed, transforms), apply_weight_transforms(dict(loaded), transforms))
+    assert load_time_quantizer([ConcatWeights("qkv", ("q", "k", "v"))]) is None  # nothing to quantize
+
+
+def test_a_quantized_model_loads_its_weights_quantized(tiny_model_dir):
+    """The engine's loader quantizes while it loads (the dummy and safetensors loaders both
+    hand each tensor to the hook): the weights the graph gets are those of quantizing after."""
+    from kiln.compiler.model_source import resolve_model
+
+    src, _ = tiny_model_dir("llama")
+    llm = LLM(str(src), compile="eager", progress=False, quantization="fp8")
+    spec = llm.engine.graph_spec
+    for load_format in ("auto", "dummy"):
+        source = resolve_model(str(src), load_format=load_format)
+        hook = load_time_quantizer(spec.weight_transforms)
+        streamed = source.load_weights(spec.param_aliases, torch.float32, "cpu", progress=False, on_tensor=hook)
+        assert sum(t.dtype == FP8_DTYPE for t in streamed.values()) >= 8  # before any transform ran
+        after = source.load_weights(spec.param_aliases, torch.float32, "cpu", progress=False)
+        _same_weights(apply_weight_transforms(streamed, spec.weight_transforms),
+                      apply_weight_transforms(after, spec.weight_transforms))
 
 
 # ---- pre-quantized checkpoints, laid out as on the Hub --------------------------------------------
