@@ -157,7 +157,8 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
     """fused_moe's sorted-rows kernels (timed on the H200 in AC1-AC3, then refactored: their
     shared prologue, `_sorted_block`) load both operands by TMA (`cp.async.bulk.tensor`) and
     multiply on warpgroup MMAs; the one-program grouping (AC5) compiles too, and the pointer
-    kernels over FP8 experts (not yet run on a GPU) widen e4m3 tiles for bf16 MMAs."""
+    kernels over FP8 experts (run on the H200 since: AD2) widen e4m3 tiles for bf16 MMAs, and the
+    experts' one-pass widening for prefill-sized steps (not yet run on a GPU) converts e4m3 to bf16."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
