@@ -107,8 +107,8 @@ TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 # bandwidth), which the 16-bit kernels (the sorted-rows ones on sm_90) then take. The pointer
 # kernels' widening inside their K loops keeps the MMA waiting on registers: with FP8 experts the
 # Mixtral offline run fell to 3,060 output tokens/s against 4,450 in bf16 (bench/RESULTS.md AD2),
-# its prefill-sized steps the slow ones. Decode-sized steps keep the e4m3 weights, whose half-size
-# reads are what they gain. KILN_MOE_FP8_DEQUANT_MIN_ROWS sets it (0: never).
+# its prefill-sized steps the slow ones; with this, 3,863 (AD5). Decode-sized steps keep the e4m3
+# weights, whose half-size reads are what they gain. KILN_MOE_FP8_DEQUANT_MIN_ROWS sets it (0: never).
 FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
 
 
