@@ -272,7 +272,7 @@ for stage in $STAGES; do
     moe_fp8_experts)  # issues 16/17: FP8 MoE experts (KILN_FP8_EXPERTS=1, weight-only e4m3): their kernel tests on
                       # CUDA, then the Mixtral shape with --quantization fp8, decode 1/64 and the offline run; ~7 min
       run_stage moe_fp8_experts_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py \
-        -k "fp8_experts or quantizing_stacked"
+        -k "fp8_experts or quantizing_stacked or fp8_activations"
       run_stage moe_fp8_experts 400 env KILN_FP8_EXPERTS=1 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
         --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_fp8_experts.json" ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),

@@ -112,6 +112,22 @@ TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
 
 
+# FP8 experts in steps with at least this many rows an expert run W8A8 on sm_90: the sorted-rows
+# kernels over e4m3 rows (each token's hidden state, then each row's SiLU-and-mul output,
+# quantized per row, as the dense FP8 projections quantize theirs) and e4m3 experts, on e4m3
+# MMAs (twice bf16's rate on Hopper), instead of widening the experts. Not yet run on a GPU:
+# 0 (the default) never does; KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (1: every grouped step).
+FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "0"))
+
+
+def uses_fp8_activations(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: torch.Tensor,
+                         w_down: torch.Tensor) -> bool:
+    """Whether a step over FP8 experts runs W8A8 (see FP8_ACTIVATIONS_MIN_ROWS): 16-bit
+    activations on sm_90+, weights a tensor descriptor can take."""
+    return (FP8_ACTIVATIONS_MIN_ROWS > 0 and num_pairs >= FP8_ACTIVATIONS_MIN_ROWS * num_experts
+            and hidden.element_size() == 2 and _on_sm90(hidden) and _descriptor_ok(w_gate_up, w_down))
+
+
 def dequantizes_fp8_experts(num_pairs: int, num_experts: int) -> bool:
     """Whether a step of `num_pairs` rows over FP8 experts widens them first (FP8_DEQUANT_MIN_ROWS)."""
     return FP8_DEQUANT_MIN_ROWS > 0 and num_pairs >= FP8_DEQUANT_MIN_ROWS * num_experts
@@ -454,10 +470,13 @@ def _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N: tl.constexpr, GROUP_
 @triton.jit
 def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                            GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                            a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False):
     """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
-    descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored."""
+    descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored.
+    SCALED: e4m3 rows and experts (e4m3 MMAs), the products scaled after the K loop by each
+    row's scale (`a_scale_ptr`, [rows]) and each expert channel's (`w_scale_ptr`, [E, 2N])."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n, expert = _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -477,21 +496,29 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
         else:
             acc_gate = tl.dot(a, bg.T, acc_gate)
             acc_up = tl.dot(a, bu.T, acc_up)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SCALED:
+        row_scale = tl.load(a_scale_ptr + rows)[:, None]
+        scale_cols = w_scale_ptr + expert.to(tl.int64) * (2 * N) + tl.minimum(cols, N - 1)
+        acc_gate = acc_gate * row_scale * tl.load(scale_cols)[None, :]
+        acc_up = acc_up * row_scale * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
     gate = acc_gate.to(dt).to(tl.float32)
     up = acc_up.to(dt).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
-    rows = row0 + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], act.to(dt), mask=cols[None, :] < N)
 
 
 @triton.jit
 def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
                          N, K, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                         GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
+                         a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False):
     """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
-    w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row."""
+    w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row.
+    SCALED: as the gate/up kernel's (e4m3 rows, scales [rows] and [E, N]); `a_ptr` stays the
+    16-bit rows, whose dtype the products are rounded to."""
     wait_for_previous_kernel(PDL)
     pid_m, pid_n, expert = _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
@@ -510,6 +537,9 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     valid = pair < num_pairs
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SCALED:
+        acc = (acc * tl.load(a_scale_ptr + row0 + tl.arange(0, BLOCK_M))[:, None]
+               * tl.load(w_scale_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1))[None, :])
     dt = a_ptr.dtype.element_ty
     routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
@@ -519,31 +549,45 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
 
 def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                      blocks: PairBlocks, top_k: int, gu_tiling: MoETiling, down_tiling: MoETiling,
-                     products: torch.Tensor) -> None:
+                     products: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
+                     w_down_scale: torch.Tensor | None = None) -> None:
     """Both GEMMs by the tensor-descriptor kernels into `products` [pairs, H]: the pairs' rows
-    of `hidden` gathered into expert order first (padding rows take token 0's; never stored)."""
+    of `hidden` gathered into expert order first (padding rows take token 0's; never stored).
+    With the experts' scales (e4m3 experts): e4m3 activations too, each token's hidden state
+    and each row's SiLU-and-mul output quantized per row, for e4m3 MMAs (W8A8, as the dense
+    FP8 projections run)."""
     num_pairs, h = products.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     block_m = gu_tiling.block_m
     row_token = torch.where(blocks.sorted_pairs < num_pairs, blocks.sorted_pairs // top_k, 0)
-    x_sorted = hidden.index_select(0, row_token)
+    scaled = w_gate_up_scale is not None
+    if scaled:
+        xq, x_scale = torch.ops.kiln.quantize_fp8_per_token(hidden)
+        x_sorted, x_scale = xq.index_select(0, row_token), x_scale.reshape(-1).index_select(0, row_token)
+    else:
+        x_sorted, x_scale = hidden.index_select(0, row_token), None
     act = torch.empty((x_sorted.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
-    ieee = hidden.dtype == torch.float32
+    ieee = hidden.dtype == torch.float32 and not scaled  # (e4m3 operands: no float32 precision to keep)
     gu_k, down_k = gu_tiling.block_k, down_tiling.block_k
     x_desc = TensorDescriptor.from_tensor(x_sorted, [block_m, gu_k])
     wgu_desc = TensorDescriptor.from_tensor(w_gate_up.view(num_experts * 2 * inter, h), [gu_tiling.block_n, gu_k])
     _moe_gate_up_tma_kernel[(blocks.num_blocks * triton.cdiv(inter, gu_tiling.block_n),)](
         x_desc, wgu_desc, act, blocks.block_expert, blocks.num_blocks, inter, h, act.stride(0),
         BLOCK_M=block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_k, GROUP_M=gu_tiling.group_m, IEEE=ieee,
+        # (without the scales, tensors never read stand in for their pointers)
+        a_scale_ptr=x_scale if scaled else act, w_scale_ptr=w_gate_up_scale if scaled else act, SCALED=scaled,
         num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
-    act_desc = TensorDescriptor.from_tensor(act, [block_m, down_k])
+    act_q, act_scale = torch.ops.kiln.quantize_fp8_per_token(act) if scaled else (act, None)
+    act_desc = TensorDescriptor.from_tensor(act_q, [block_m, down_k])
     wd_desc = TensorDescriptor.from_tensor(w_down.view(num_experts * h, inter), [down_tiling.block_n, down_k])
     _moe_down_tma_kernel[(blocks.num_blocks * triton.cdiv(h, down_tiling.block_n),)](
         act_desc, act, wd_desc, weights, products, blocks.sorted_pairs, blocks.block_expert, num_pairs, blocks.num_blocks,
         h, inter, products.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_k, GROUP_M=down_tiling.group_m, IEEE=ieee,
-        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+        a_scale_ptr=act_scale.reshape(-1) if scaled else act, w_scale_ptr=w_down_scale if scaled else act,
+        SCALED=scaled, num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
+        **pdl_launch_args(hidden.device, "moe"),
     )
 
 
@@ -559,14 +603,16 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
                      tiling: MoETiling | None = None, per_pair: bool | None = None,
                      tma: bool | None = None, down_tiling: MoETiling | None = None,
                      w_gate_up_scale: torch.Tensor | None = None,
-                     w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     w_down_scale: torch.Tensor | None = None,
+                     fp8_activations: bool | None = None) -> torch.Tensor:
     """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
     `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
     tensors the kernels cannot take go to the reference. With the scales, `kiln::fused_moe_fp8`:
     e4m3 experts, widened in the pointer kernels' K loops and scaled per channel after, or, in
     prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit copies for the 16-bit
-    kernels."""
+    kernels; or, with `fp8_activations` (None: `uses_fp8_activations`), W8A8 by the sorted-rows
+    kernels on e4m3 MMAs."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     fp8 = w_gate_up_scale is not None
     if fp8:
@@ -582,12 +628,18 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     num_pairs = t * top_k
     if t == 0:
         return torch.empty_like(hidden)
-    if fp8 and tiling is None and tma is None and per_pair is None and dequantizes_fp8_experts(num_pairs, num_experts):
+    if fp8_activations is None:
+        fp8_activations = fp8 and tma is not False and per_pair is not True and uses_fp8_activations(
+            num_pairs, num_experts, hidden, w_gate_up, w_down)
+    if fp8_activations and (not fp8 or per_pair or tma is False):
+        raise ValueError("e4m3 activations (W8A8) go with FP8 experts on the sorted-rows kernels only")
+    if (fp8 and not fp8_activations and tiling is None and tma is None and per_pair is None
+            and dequantizes_fp8_experts(num_pairs, num_experts)):
         w_gate_up = dequantize_experts_triton(w_gate_up, w_gate_up_scale, hidden.dtype)
         w_down = dequantize_experts_triton(w_down, w_down_scale, hidden.dtype)
         fp8, w_gate_up_scale, w_down_scale = False, None, None
-    if fp8 and tma:
-        raise ValueError("the sorted-rows kernels take 16-bit experts only")
+    if fp8 and tma and not fp8_activations:
+        raise ValueError("the sorted-rows kernels take FP8 experts only with e4m3 activations (fp8_activations)")
     if tiling is None and not fp8 and uses_grouped_mm(num_pairs, num_experts, hidden):
         return fused_moe_grouped_mm(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
@@ -599,6 +651,8 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         down_tiling = choose_tiling(num_pairs, num_experts, h, inter, elem, smem)
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
+    if fp8_activations:
+        per_pair, tma = False, True
     if tma is None:
         tma = not per_pair and not fp8 and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
     weights = routing.weights.reshape(-1).contiguous()
@@ -608,7 +662,8 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         if per_pair or not _descriptor_ok(w_gate_up, w_down):
             raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
         blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
-        _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products)
+        _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products,
+                         w_gate_up_scale, w_down_scale)
     else:
         _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, routing.experts, top_k, gu_tiling, down_tiling,
                              per_pair, products, w_gate_up_scale, w_down_scale)

@@ -119,13 +119,21 @@ from kiln.kernels.triton_moe import (_dequantize_rows_kernel, _group_pairs_kerne
                                     _moe_down_tma_kernel, _moe_gate_up_kernel, _moe_gate_up_tma_kernel)
 
 found = {}
-tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, IEEE=False, PDL=True)
+tiles = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, IEEE=False, PDL=True, SCALED=False)
 gu = ptx(_moe_gate_up_tma_kernel, tiles, {"x_desc": "tensordesc<bf16[128,64]>", "w_desc": "tensordesc<bf16[128,64]>",
                                           "out_ptr": "*bf16", "block_expert_ptr": "*i32"}, 8, 3)
 down = ptx(_moe_down_tma_kernel, tiles, {"a_desc": "tensordesc<bf16[128,64]>", "a_ptr": "*bf16",
                                          "w_desc": "tensordesc<bf16[128,64]>", "weight_ptr": "*fp32", "out_ptr": "*fp32",
                                          "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}, 8, 3)
-for name, code in (("gate_up", gu), ("down", down)):
+# W8A8 (KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS): e4m3 rows and experts through the same descriptors.
+e4m3 = "tensordesc<fp8e4nv[128,64]>"
+scales = {"a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
+gu8a = ptx(_moe_gate_up_tma_kernel, dict(tiles, SCALED=True),
+           dict(scales, x_desc=e4m3, w_desc=e4m3, out_ptr="*bf16", block_expert_ptr="*i32"), 8, 3)
+down8a = ptx(_moe_down_tma_kernel, dict(tiles, SCALED=True),
+             dict(scales, a_desc=e4m3, a_ptr="*bf16", w_desc=e4m3, weight_ptr="*fp32", out_ptr="*fp32",
+                  pairs_ptr="*i32", block_expert_ptr="*i32"), 8, 3)
+for name, code in (("gate_up", gu), ("down", down), ("gate_up w8a8", gu8a), ("down w8a8", down8a)):
     found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
                    sorted(set(re.findall(r"cp\\.async\\.bulk\\.tensor[.\\w]*", code)))]
 grp = ptx(_group_pairs_kernel, dict(BLOCK_M=128, E_P2=8, CHUNK=1024, PDL=True),
@@ -167,6 +175,11 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
     for kernel in ("gate_up", "down"):
         mma, tma = found[kernel]
         assert mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], (kernel, mma)
+        assert tma and all(op.startswith("cp.async.bulk.tensor.2d") for op in tma), (kernel, tma)
+    # W8A8: e4m3 x e4m3 warpgroup MMAs (K 32 a step), both operands by TMA.
+    for kernel in ("gate_up w8a8", "down w8a8"):
+        mma, tma = found[kernel]
+        assert mma == ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"], (kernel, mma)
         assert tma and all(op.startswith("cp.async.bulk.tensor.2d") for op in tma), (kernel, tma)
     assert found["grouping"]
     assert found["gate_up bf16"] == [["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"], False], found

@@ -255,6 +255,55 @@ def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(mo
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
 
 
+def w8a8_moe_reference(hidden: torch.Tensor, logits: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor,
+                       dq: torch.Tensor, ds: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """fused_moe over e4m3 experts with e4m3 activations, pair by pair, rounding where the
+    kernels round: each token's hidden state quantized per row, gate and up to the model dtype,
+    SiLU-and-mul in it, that row quantized, the down product to the model dtype, weighted in float32."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import route
+
+    dt, inter = hidden.dtype, gq.shape[1] // 2
+    routing = route(logits, top_k, renormalize, True, dt)
+    xq, xs = quantize_fp8_rows(hidden)
+    x = xq.float() * xs
+    w_gate_up, w_down = gq.float() * gs[..., None], dq.float() * ds[..., None]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        for j in range(top_k):
+            e = int(routing.experts[t, j])
+            gate_up = x[t] @ w_gate_up[e].T
+            gate, up = gate_up[:inter].to(dt).float(), gate_up[inter:].to(dt).float()
+            act = ((gate * torch.sigmoid(gate)).to(dt).float() * up).to(dt)
+            aq, a_scale = quantize_fp8_rows(act[None])
+            y = ((aq.float() * a_scale)[0] @ w_down[e].T).to(dt).float()
+            out[t] += y * routing.weights[t, j].float()
+    return out.to(dt)
+
+
+@pytest.mark.parametrize("t,e,top_k", [(40, 4, 2), (7, 8, 2), (64, 16, 4)])
+def test_fp8_experts_with_fp8_activations_match_their_rounding(t, e, top_k) -> None:
+    """W8A8 (fp8_activations): e4m3 rows and experts on the sorted-rows kernels' e4m3 dots, each
+    product scaled by its row's and its channel's scales after the K loop."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import fused_moe_fp8_reference
+
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, 32, 48, e, torch.float16, seed=t)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = fused_moe_triton(hidden, logits, gq, dq, top_k, True, True, w_gate_up_scale=gs, w_down_scale=ds,
+                           fp8_activations=True)
+    ref = w8a8_moe_reference(hidden, logits, gq, gs, dq, ds, top_k, True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)  # (weight-only: ~0.1 off)
+    weight_only = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, True, True).float()
+    assert (out.float() - weight_only).norm() / weight_only.norm() < 0.1  # e4m3 activations: a few % off
+    with pytest.raises(ValueError, match="W8A8"):
+        fused_moe_triton(hidden, logits, gq, dq, top_k, True, True, w_gate_up_scale=gs, w_down_scale=ds,
+                         fp8_activations=True, per_pair=True)
+
+
 def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_cannot_take(monkeypatch) -> None:
     from kiln.kernels import triton_moe
 
@@ -359,6 +408,29 @@ def test_quantizing_stacked_experts_leaves_no_reserved_memory_behind() -> None:
     stranded = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - base_stranded
     assert torch.cuda.memory_allocated() - base_allocated >= 4 * 8 * 1024 * 2048  # the e4m3 experts
     assert stranded < 8 * 2**20, f"{stranded / 2**20:.0f} MiB reserved but unallocated after quantizing"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [64, 4096])
+def test_fp8_activations_at_mixtral_shape(tokens: int) -> None:
+    """W8A8 MoE (e4m3 rows and experts on e4m3 MMAs) compiled for the GPU at the Mixtral shape:
+    within a few % of the weight-only result (the activations' e4m3 rounding, averaged over K)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import dequantize_experts
+
+    h, i, e, k, renorm = REAL_SHAPES["mixtral-8x7b"]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = fused_moe_triton(hidden, logits, gq, dq, k, renorm, True, w_gate_up_scale=gs, w_down_scale=ds,
+                           fp8_activations=True)
+    ref = fused_moe_reference(hidden.float(), logits.float(), dequantize_experts(gq, gs, torch.float32),
+                              dequantize_experts(dq, ds, torch.float32), k, renorm, True)
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert rel < 5e-2, f"{tokens} tokens: relative error {rel:.2e}"
 
 
 @pytest.mark.gpu
