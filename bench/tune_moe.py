@@ -29,7 +29,13 @@ steps of at least 2,048 tokens, what cuBLAS would do: the rows sorted by expert,
 expert's gate/up and down as dense `torch.mm` (kiln::silu_and_mul between), the products
 weighted and summed per token (eager, events timing; the experts' row counts read to the host
 once a layer, as an eagerly run prefill step could): whether prefill-sized steps should leave
-the Triton kernels for per-expert GEMMs.
+the Triton kernels for per-expert GEMMs. `--sweeps fp8` times FP8 experts (e4m3, one scale an
+expert and channel) three ways at each size: weight-only (the pointer kernels widen each tile
+in the K loop), widened once (`dequantize_experts_triton`, then the 16-bit path; the widening
+timed with it) and W8A8 (`fp8_activations`: e4m3 rows on the sorted-rows kernels' e4m3 MMAs, at
+the default tiling and with 128-deep K tiles), each with its largest relative difference from
+the 16-bit default's output: which `KILN_MOE_FP8_DEQUANT_MIN_ROWS` /
+`KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS` to set.
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -126,6 +132,57 @@ def per_expert_dense(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Ten
     return torch.zeros((t, h), dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted).to(x.dtype)
 
 
+def quantized_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(gate/up e4m3, its [E, 2I] scales, down e4m3, its [E, H] scales), one expert at a time."""
+    from kiln.kernels.fp8 import FP8_DTYPE, quantize_fp8_rows
+
+    out = []
+    for w in (w_gate_up, w_down):
+        q, s = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), torch.empty(w.shape[:2], device=w.device)
+        for e in range(w.shape[0]):
+            qe, se = quantize_fp8_rows(w[e])
+            q[e], s[e] = qe, se.squeeze(-1)
+        out += [q, s]
+    return tuple(out)
+
+
+def time_fp8_experts(x: torch.Tensor, logits: torch.Tensor, experts: tuple[torch.Tensor, ...], top_k: int,
+                     renorm: bool, reference: torch.Tensor, default: Any, args: Any, name: str, t: int,
+                     flops: float) -> dict[str, Any]:
+    """FP8 experts' three paths at one size (see the module docstring): ms, TFLOP/s, difference."""
+    from dataclasses import replace
+
+    from kiln.kernels.triton_moe import dequantize_experts_triton, fused_moe_triton, pair_per_block
+
+    gq, gs, dq, ds = experts
+    num_experts = gq.shape[0]
+    paths = {
+        "weight_only": lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, tma=False,
+                                                w_gate_up_scale=gs, w_down_scale=ds),
+        "widened_once": lambda: fused_moe_triton(x, logits, dequantize_experts_triton(gq, gs, x.dtype),
+                                                 dequantize_experts_triton(dq, ds, x.dtype), top_k, renorm, True),
+    }
+    if not pair_per_block(t * top_k, num_experts):
+        paths["w8a8"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, w_gate_up_scale=gs,
+                                                 w_down_scale=ds, fp8_activations=True)
+        deep = replace(default, block_k=128)
+        paths["w8a8_k128"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, tiling=deep,
+                                                      w_gate_up_scale=gs, w_down_scale=ds, fp8_activations=True)
+    row: dict[str, Any] = {}
+    ref = reference.float()
+    for label, fn in paths.items():
+        try:
+            ms = bc.call_ms(fn, args.repeats, args.timing)
+            rel = float((fn().float() - ref).norm() / ref.norm())
+        except Exception as e:  # a tiling that does not fit: named, skipped
+            print(f"[{name} T={t}] fp8 {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            continue
+        row[label] = {"ms": ms, "tflop_s": flops / ms / 1e9, "relative_difference_vs_16_bit": rel}
+        print(f"[{name} T={t}] fp8 {label}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s), "
+              f"relative difference {rel:.2e}", flush=True)
+    return row
+
+
 def time_group(group: Any, experts_of: torch.Tensor, num_experts: int, block_m: int, args: Any) -> float:
     """One grouping of the pairs, ms (as `bc.call_ms` times the op); the output checked against torch's."""
     from kiln.kernels.triton_moe import group_pairs
@@ -153,8 +210,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
-    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping", "dense"}:
-        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping, dense")
+    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping", "dense", "fp8"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping, dense, fp8")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
@@ -171,6 +228,7 @@ def main() -> None:
         w_gate_up = torch.randn((experts, 2 * inter, hidden), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         w_down = torch.randn((experts, hidden, inter), device=device, dtype=torch.bfloat16, generator=gen) * 0.02
         weight_bytes = (w_gate_up.numel() + w_down.numel()) * 2
+        fp8_experts = quantized_experts(w_gate_up, w_down) if "fp8" in sweeps else None
         rows: dict[str, Any] = {}
         for t in (int(x) for x in args.tokens.split(",")):
             x = torch.randn((t, hidden), device=device, dtype=torch.bfloat16, generator=gen)
@@ -280,7 +338,9 @@ def main() -> None:
                 print(f"[{name} T={t}] dense per expert: {dense_ms:.3f} ms ({flops / dense_ms / 1e9:.0f} TFLOP/s) "
                       f"against the default's {eager_ms:.3f} eager ({eager_ms / dense_ms:.2f}x), max diff "
                       f"{dense_err:.3g}", flush=True)
-            rows[str(t)] = {"pairs": pairs, "dense": dense, "default": {"tiling": vars(default), **figures(default_ms)},
+            fp8_row = time_fp8_experts(x, logits, fp8_experts, top_k, renorm, run(tma=None), default, args,
+                                       name, t, flops) if fp8_experts else {}
+            rows[str(t)] = {"pairs": pairs, "dense": dense, "fp8": fp8_row, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
@@ -292,7 +352,7 @@ def main() -> None:
                   + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),
                   flush=True)
         result["shapes"][name] = rows
-        del w_gate_up, w_down
+        del w_gate_up, w_down, fp8_experts
         bc.free_cuda()
     bc.emit(result, args.out)
 

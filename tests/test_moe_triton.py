@@ -492,3 +492,28 @@ def test_prefill_steps_can_take_the_grouped_gemm(monkeypatch) -> None:
     graph.replay()
     torch.testing.assert_close(out, fused_moe_triton(hidden * 0.5, logits, w_gate_up, w_down, k, renorm, True),
                                rtol=0, atol=0)
+
+
+def test_tune_moe_fp8_and_dense_paths_compute_fused_moe(monkeypatch) -> None:
+    """bench/tune_moe.py's `--sweeps fp8` paths (weight-only, widened once, W8A8) and `--sweeps
+    dense` (per-expert GEMMs) compute fused_moe: timed here by a stand-in clock, each path's
+    difference from the 16-bit kernels within e4m3's (W8A8's within two roundings')."""
+    from bench_scripts import load_bench_script
+
+    tune = load_bench_script(monkeypatch, "tune_moe")
+    monkeypatch.setattr(tune.bc, "call_ms", lambda fn, repeats, timing: (fn(), 1.0)[1])
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("W8A8 runs the sorted-rows kernels: sm_90 and newer")
+    t, h, i, e, top_k = 48, 32, 48, 4, 2
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, torch.float16, seed=5)
+    reference = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, True, True)
+    dense = tune.per_expert_dense(hidden, logits, w_gate_up, w_down, top_k, True)
+    torch.testing.assert_close(dense.float(), reference.float(), rtol=1e-2, atol=1e-2)
+    experts = tune.quantized_experts(w_gate_up, w_down)
+    default = choose_tiling(t * top_k, e, i, h)
+    args = type("Args", (), {"repeats": 1, "timing": "events"})()
+    row = tune.time_fp8_experts(hidden, logits, experts, top_k, True, reference, default, args, "tiny", t, 1.0)
+    assert set(row) == {"weight_only", "widened_once", "w8a8", "w8a8_k128"}
+    for label, figures in row.items():
+        limit = 0.1 if label.startswith("w8a8") else 0.05
+        assert figures["ms"] == 1.0 and figures["relative_difference_vs_16_bit"] < limit, (label, figures)
