@@ -109,7 +109,7 @@ class QuantizeFP8Weight:
                     "their scales; give them per expert (as on the Hub) or in bf16/fp16, or leave KILN_FP8_EXPERTS unset")
             # One expert at a time: the float32 temporaries of a whole layer's experts (Mixtral:
             # 3.8 GB each) would sit beside every other weight already loaded.
-            if w.is_cuda:
+            if _fragments(w):
                 # The result first, in memory of its own: else the allocator carves it out of
                 # the last layer's freed 16-bit experts, and the rest of each such block stays
                 # reserved and unusable (Mixtral: 26 GiB, and the KV cache's allocation failed).
@@ -128,7 +128,7 @@ class QuantizeFP8Weight:
         if w.dtype == FP8_DTYPE:
             scale = _row_scales(self.weight, weights, w.shape[0]).to(w.device)
         else:
-            if w.is_cuda:
+            if _fragments(w):
                 torch.cuda.empty_cache()  # the result in memory of its own, as for the experts above
             wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
             q, scale = quantize_fp8_rowwise(w)
@@ -138,6 +138,17 @@ class QuantizeFP8Weight:
         weights[fp8_scale_name(self.weight)] = scale
 
 
+
+
+# Weights from this size quantize into memory of their own (`_fragments`); below it what a
+# freed block's rest pins is small, and emptying the cache for each weight would cost start-up
+# time (each call gives the freed blocks back to the driver, and the next load takes them again).
+FRAGMENTING_BYTES = 256 << 20
+
+
+def _fragments(w: torch.Tensor) -> bool:
+    """Whether quantizing CUDA weight `w` first empties the allocator's cache (FRAGMENTING_BYTES)."""
+    return w.is_cuda and w.numel() * w.element_size() >= FRAGMENTING_BYTES
 
 
 def load_time_quantizer(transforms: Iterable[WeightTransform]) -> Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None:
