@@ -253,6 +253,33 @@ def test_a_quantized_model_loads_its_weights_quantized(tiny_model_dir):
                       apply_weight_transforms(after, spec.weight_transforms))
 
 
+def test_the_loaders_keep_no_16_bit_weight_once_quantized(tiny_model_dir):
+    """What lets a model whose 16-bit weights do not fit load as FP8: when the loader hands the
+    hook its next tensor, no 16-bit weight the hook quantized before is still alive."""
+    import weakref
+
+    from kiln.compiler.model_source import resolve_model
+
+    src, _ = tiny_model_dir("llama")
+    llm = LLM(str(src), compile="eager", progress=False, quantization="fp8")
+    spec = llm.engine.graph_spec
+    quantize = load_time_quantizer(spec.weight_transforms)
+    for load_format in ("auto", "dummy"):
+        handed: list[weakref.ref] = []
+
+        def hook(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+            alive = [r() for r in handed if r() is not None]
+            assert not alive, f"{len(alive)} quantized 16-bit weights still alive when {name} arrives"
+            kept = quantize(name, tensor)
+            if kept[name] is not tensor:
+                handed.append(weakref.ref(tensor))
+            return kept
+
+        weights = resolve_model(str(src), load_format=load_format).load_weights(
+            spec.param_aliases, torch.float32, "cpu", progress=False, on_tensor=hook)
+        assert len(handed) >= 8 and sum(t.dtype == FP8_DTYPE for t in weights.values()) == len(handed)
+
+
 # ---- pre-quantized checkpoints, laid out as on the Hub --------------------------------------------
 
 def _quantized_linear(name: str) -> bool:
