@@ -505,3 +505,26 @@ def test_bench_baseline_keeps_a_kv_cache_and_no_batched_mm_after_capture(monkeyp
     model.set_experts_implementation("batched_mm")
     with pytest.raises(RuntimeError, match="batched_mm"):
         model(torch.ones(1, 2, dtype=torch.long))
+
+
+def test_bench_counts_the_weight_bytes_the_engine_holds(monkeypatch, tiny_model_dir) -> None:
+    """bench/moe.py's decode limit and bandwidth use the bytes the engine holds as loaded: each
+    tensor once, the experts a token does not reach left out of its active bytes, and FP8
+    projections at one byte an element. (On CPU the experts stay unfused, so KILN_FP8_EXPERTS
+    cannot quantize them here: tests/test_moe_triton.py covers their kernels.)"""
+    from kiln.runtime import LLM
+
+    bench = _bench_moe(monkeypatch)
+    src, _ = tiny_model_dir("mixtral")
+    experts, top_k = 4, 2  # tests/tiny_models.py's Mixtral
+    llm = LLM(str(src), compile="eager", progress=False)
+    runner = llm.engine.runner
+    params = {r[len("param:"):]: runner.param_input(r[len("param:"):]) for r in runner.input_roles
+              if r.startswith("param:")}
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in params.items() if ".experts." in n and t.dim() == 3)
+    total, active = bench.engine_weight_bytes(llm, top_k, experts)
+    assert expert_bytes > 0 and total - active == expert_bytes * (experts - top_k) // experts
+    assert total <= sum(t.numel() * t.element_size() for t in params.values())  # tied weights once
+    total_fp8, active_fp8 = bench.engine_weight_bytes(
+        LLM(str(src), compile="eager", progress=False, quantization="fp8"), top_k, experts)
+    assert total_fp8 < total and active_fp8 < active  # e4m3 projections
