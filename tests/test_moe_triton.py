@@ -470,6 +470,36 @@ def check_graph_replay(tokens: int, moe: Any) -> None:
 
 
 @pytest.mark.gpu
+def test_fp8_activations_replay_in_a_cuda_graph() -> None:
+    """W8A8 MoE (the activations' per-row quantization, the descriptors built at launch) captured
+    once and replayed over other tokens and routing: what an eager call gives for them."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    from kiln.kernels.fp8 import quantize_fp8_rows
+
+    h, i, e, k = 1024, 512, 16, 4
+    hidden, logits, w_gate_up, w_down = moe_inputs(256, h, i, e, torch.bfloat16, device="cuda", skew=False)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+
+    def moe(x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return fused_moe_triton(x, router_logits, gq, dq, k, True, True, w_gate_up_scale=gs, w_down_scale=ds,
+                                fp8_activations=True)
+
+    static_h, static_l = hidden.clone(), logits.clone()
+    moe(static_h, static_l)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(static_h, static_l)
+    new_h, new_l, _, _ = moe_inputs(256, h, i, e, torch.bfloat16, seed=7, device="cuda", skew=False)
+    static_h.copy_(new_h)
+    static_l.copy_(new_l)
+    graph.replay()
+    torch.testing.assert_close(out, moe(new_h, new_l), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
 def test_prefill_steps_can_take_the_grouped_gemm(monkeypatch) -> None:
     """KILN_MOE_GROUPED_MM_MIN_ROWS: steps with that many rows per expert go to torch's grouped
     GEMM, which must agree with the Triton kernels and replay in a CUDA graph."""
