@@ -38,6 +38,28 @@ def moe_inputs(t: int, h: int, i: int, e: int, dtype: torch.dtype, seed: int = 0
     return tuple(x.to(device=device, dtype=dtype) for x in (hidden, logits, w_gate_up, w_down))
 
 
+def fp8_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """e4m3 experts as the loader makes them: (gate/up, its [E, 2I] scales, down, its [E, H] scales)."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    return gq, gs.squeeze(-1), dq, ds.squeeze(-1)
+
+
+def mixtral_fp8_case(tokens: int) -> tuple[Any, ...]:
+    """Mixtral-shape bfloat16 inputs on CUDA over e4m3 experts: (hidden, logits, the experts as
+    `fp8_experts` gives them, top_k, renormalize, the float32 reference over them dequantized)."""
+    from kiln.kernels.moe import dequantize_experts
+
+    h, i, e, k, renorm = REAL_SHAPES["mixtral-8x7b"]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+    ref = fused_moe_reference(hidden.float(), logits.float(), dequantize_experts(gq, gs, torch.float32),
+                              dequantize_experts(dq, ds, torch.float32), k, renorm, True)
+    return hidden, logits, (gq, gs, dq, ds), k, renorm, ref
+
+
 def test_kernels_run_where_this_machine_can() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -200,12 +222,10 @@ def test_fp8_experts_match_their_reference(t, h, i, e, top_k, renormalize, fp32_
     """e4m3 experts (kiln::fused_moe_fp8): the kernels widen each weight tile to the
     activations' dtype and scale each output channel after the K loop; the reference runs
     fused_moe over the dequantized experts. Every case above, per-pair blocks included."""
-    from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.moe import fused_moe_fp8_reference
 
     hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
     out = fused_moe_triton(hidden, logits, gq, dq, top_k, renormalize, fp32_weights, tiling=tiling, per_pair=per_pair,
                            w_gate_up_scale=gs, w_down_scale=ds)
     ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
@@ -237,7 +257,6 @@ def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(mo
     the layer's e4m3 experts are widened once and the 16-bit kernels run; below it the pointer
     kernels widen tile by tile. Both equal the reference over the dequantized experts."""
     from kiln.kernels import triton_moe
-    from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.moe import fused_moe_fp8_reference
 
     assert triton_moe.FP8_DEQUANT_MIN_ROWS == int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
@@ -246,8 +265,7 @@ def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(mo
     widen = triton_moe.dequantize_experts_triton
     monkeypatch.setattr(triton_moe, "dequantize_experts_triton", lambda *a: calls.append(a[0].shape) or widen(*a))
     hidden, logits, w_gate_up, w_down = moe_inputs(tokens, 32, 48, 8, torch.float16, seed=tokens)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
     out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, 2, True, True) if DEVICE == "cuda" else \
         fused_moe_triton(hidden, logits, gq, dq, 2, True, True, w_gate_up_scale=gs, w_down_scale=ds)
     assert calls == ([gq.shape, dq.shape] if widened else [])
@@ -285,14 +303,12 @@ def w8a8_moe_reference(hidden: torch.Tensor, logits: torch.Tensor, gq: torch.Ten
 def test_fp8_experts_with_fp8_activations_match_their_rounding(t, e, top_k) -> None:
     """W8A8 (fp8_activations): e4m3 rows and experts on the sorted-rows kernels' e4m3 dots, each
     product scaled by its row's and its channel's scales after the K loop."""
-    from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.moe import fused_moe_fp8_reference
 
     if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
     hidden, logits, w_gate_up, w_down = moe_inputs(t, 32, 48, e, torch.float16, seed=t)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
     out = fused_moe_triton(hidden, logits, gq, dq, top_k, True, True, w_gate_up_scale=gs, w_down_scale=ds,
                            fp8_activations=True)
     ref = w8a8_moe_reference(hidden, logits, gq, gs, dq, ds, top_k, True)
@@ -375,17 +391,8 @@ def test_fp8_experts_at_mixtral_shape(tokens: int) -> None:
     """kiln::fused_moe_fp8 dispatched to the kernels on the GPU, bfloat16 activations over e4m3
     Mixtral experts, against the float32 reference over the same dequantized experts (4,096
     tokens: 1,024 rows an expert, the experts widened for the 16-bit sorted-rows kernels)."""
-    from kiln.kernels.fp8 import quantize_fp8_rows
-    from kiln.kernels.moe import dequantize_experts
-
-    h, i, e, k, renorm = REAL_SHAPES["mixtral-8x7b"]
-    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
-                                                   skew=False)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    hidden, logits, (gq, gs, dq, ds), k, renorm, ref = mixtral_fp8_case(tokens)
     out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, k, renorm, True)
-    ref = fused_moe_reference(hidden.float(), logits.float(), dequantize_experts(gq, gs, torch.float32),
-                              dequantize_experts(dq, ds, torch.float32), k, renorm, True)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, f"{tokens} tokens: relative error {rel:.2e}"
 
@@ -418,18 +425,9 @@ def test_fp8_activations_at_mixtral_shape(tokens: int) -> None:
     within a few % of the weight-only result (the activations' e4m3 rounding, averaged over K)."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
-    from kiln.kernels.fp8 import quantize_fp8_rows
-    from kiln.kernels.moe import dequantize_experts
-
-    h, i, e, k, renorm = REAL_SHAPES["mixtral-8x7b"]
-    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
-                                                   skew=False)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    hidden, logits, (gq, gs, dq, ds), k, renorm, ref = mixtral_fp8_case(tokens)
     out = fused_moe_triton(hidden, logits, gq, dq, k, renorm, True, w_gate_up_scale=gs, w_down_scale=ds,
                            fp8_activations=True)
-    ref = fused_moe_reference(hidden.float(), logits.float(), dequantize_experts(gq, gs, torch.float32),
-                              dequantize_experts(dq, ds, torch.float32), k, renorm, True)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 5e-2, f"{tokens} tokens: relative error {rel:.2e}"
 
@@ -475,12 +473,9 @@ def test_fp8_activations_replay_in_a_cuda_graph() -> None:
     once and replayed over other tokens and routing: what an eager call gives for them."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
-    from kiln.kernels.fp8 import quantize_fp8_rows
-
     h, i, e, k = 1024, 512, 16, 4
     hidden, logits, w_gate_up, w_down = moe_inputs(256, h, i, e, torch.bfloat16, device="cuda", skew=False)
-    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
-    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
 
     def moe(x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return fused_moe_triton(x, router_logits, gq, dq, k, True, True, w_gate_up_scale=gs, w_down_scale=ds,
