@@ -124,19 +124,18 @@ def uses_fp8_activations(num_pairs: int, num_experts: int, hidden: torch.Tensor,
                          w_down: torch.Tensor) -> bool:
     """Whether a step over FP8 experts runs W8A8 (see FP8_ACTIVATIONS_MIN_ROWS): 16-bit
     activations on sm_90+, weights a tensor descriptor can take."""
-    return (FP8_ACTIVATIONS_MIN_ROWS > 0 and num_pairs >= FP8_ACTIVATIONS_MIN_ROWS * num_experts
-            and hidden.element_size() == 2 and _on_sm90(hidden) and _descriptor_ok(w_gate_up, w_down))
+    return _from_rows(FP8_ACTIVATIONS_MIN_ROWS, num_pairs, num_experts) and _sorted_rows_run(hidden, w_gate_up, w_down)
 
 
 def dequantizes_fp8_experts(num_pairs: int, num_experts: int) -> bool:
     """Whether a step of `num_pairs` rows over FP8 experts widens them first (FP8_DEQUANT_MIN_ROWS)."""
-    return FP8_DEQUANT_MIN_ROWS > 0 and num_pairs >= FP8_DEQUANT_MIN_ROWS * num_experts
+    return _from_rows(FP8_DEQUANT_MIN_ROWS, num_pairs, num_experts)
 
 
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
     """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
-    return (GROUPED_MM_MIN_ROWS > 0 and num_pairs >= GROUPED_MM_MIN_ROWS * num_experts
-            and hidden.dtype == torch.bfloat16 and _on_sm90(hidden))
+    return (_from_rows(GROUPED_MM_MIN_ROWS, num_pairs, num_experts) and hidden.dtype == torch.bfloat16
+            and _on_sm90(hidden))
 
 
 def _on_sm90(hidden: torch.Tensor) -> bool:
@@ -149,8 +148,18 @@ def uses_tma(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: 
     """Whether a step of `num_pairs` rows takes the sorted-rows (tensor descriptor) kernels (see
     TMA_MIN_ROWS): 16-bit weights (what the H200 timed) on CUDA from sm_90, whose rows and
     storage a descriptor can take."""
-    return (TMA_MIN_ROWS > 0 and num_pairs >= TMA_MIN_ROWS * num_experts and hidden.element_size() == 2
-            and _on_sm90(hidden) and _descriptor_ok(w_gate_up, w_down))
+    return _from_rows(TMA_MIN_ROWS, num_pairs, num_experts) and _sorted_rows_run(hidden, w_gate_up, w_down)
+
+
+def _from_rows(min_rows: int, num_pairs: int, num_experts: int) -> bool:
+    """A step of `num_pairs` rows reaches `min_rows` rows an expert (the gates' thresholds; 0: never)."""
+    return min_rows > 0 and num_pairs >= min_rows * num_experts
+
+
+def _sorted_rows_run(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """The sorted-rows kernels can run: 16-bit activations on CUDA from sm_90, weights whose rows
+    and storage a tensor descriptor can take."""
+    return hidden.element_size() == 2 and _on_sm90(hidden) and _descriptor_ok(w_gate_up, w_down)
 
 
 def _descriptor_ok(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
