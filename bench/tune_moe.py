@@ -133,16 +133,14 @@ def per_expert_dense(x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Ten
 
 
 def quantized_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(gate/up e4m3, its [E, 2I] scales, down e4m3, its [E, H] scales), one expert at a time."""
-    from kiln.kernels.fp8 import FP8_DTYPE, quantize_fp8_rows
+    """(gate/up e4m3, its [E, 2I] scales, down e4m3, its [E, H] scales), as the loader quantizes them."""
+    from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
 
     out = []
     for w in (w_gate_up, w_down):
-        q, s = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device), torch.empty(w.shape[:2], device=w.device)
-        for e in range(w.shape[0]):
-            qe, se = quantize_fp8_rows(w[e])
-            q[e], s[e] = qe, se.squeeze(-1)
-        out += [q, s]
+        entry = {"experts": w}
+        QuantizeFP8Weight("experts").apply(entry)
+        out += [entry["experts"], entry[fp8_scale_name("experts")]]
     return tuple(out)
 
 
