@@ -103,12 +103,13 @@ TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
 
 # FP8 experts (`kiln::fused_moe_fp8`) in steps with at least this many rows an expert (prefill-
 # sized) are first widened into 16-bit copies of the layer's experts (`dequantize_experts_triton`,
-# one pass: Mixtral-8x7B's layer reads 0.35 GB and writes 0.7 GB, ~0.35 ms at the H200's
-# bandwidth), which the 16-bit kernels (the sorted-rows ones on sm_90) then take. The pointer
-# kernels' widening inside their K loops keeps the MMA waiting on registers: with FP8 experts the
-# Mixtral offline run fell to 3,060 output tokens/s against 4,450 in bf16 (bench/RESULTS.md AD2),
-# its prefill-sized steps the slow ones; with this, 3,863 (AD5). Decode-sized steps keep the e4m3
-# weights, whose half-size reads are what they gain. KILN_MOE_FP8_DEQUANT_MIN_ROWS sets it (0: never).
+# one pass: a Mixtral-8x7B layer's 1.41 G expert weights, 1.41 GB read and 2.82 GB written, ~1.1 ms
+# at the H200's bandwidth, ~35 ms a step over 32 layers), which the 16-bit kernels (the sorted-rows
+# ones on sm_90) then take. The pointer kernels' widening inside their K loops keeps the MMA
+# waiting on registers: with FP8 experts the Mixtral offline run fell to 3,060 output tokens/s
+# against 4,450 in bf16 (bench/RESULTS.md AD2), its prefill-sized steps the slow ones; with this,
+# 3,863 (AD5). Decode-sized steps keep the e4m3 weights, whose half-size reads are what they gain.
+# KILN_MOE_FP8_DEQUANT_MIN_ROWS sets it (0: never).
 FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
 
 
