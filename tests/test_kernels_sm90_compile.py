@@ -8,6 +8,10 @@ numerics are tested beside them), but it runs Python, not Triton's compiler: cod
 compile rejects (the swap GEMV's first version built its early return's other branch with
 the wrong shapes) would otherwise first fail in a device session. Compiling needs no GPU
 (Triton ships ptxas), only a fresh process that defines the kernels without the interpreter.
+CI compiles with the Triton it installs; to compile with the GPU image's (3.6.0), install that
+wheel into a folder of its own and put it first on the path (the compile subprocesses inherit it):
+`pip install --no-deps --target /tmp/t36 triton==3.6.0` then
+`PYTHONPATH=/tmp/t36 python -m pytest tests/test_kernels_sm90_compile.py`.
 """
 
 from __future__ import annotations
