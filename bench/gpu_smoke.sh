@@ -275,6 +275,23 @@ for stage in $STAGES; do
         -k "fp8_experts or quantizing_stacked or fp8_activations"
       run_stage moe_fp8_experts 400 env KILN_FP8_EXPERTS=1 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
         --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_fp8_experts.json" ;;
+    moe_swap_ab)  # issue 17: fused_moe's pointer kernels swapped (MoETiling.swap_ab, KILN_MOE_SWAP_AB_MAX_ROWS):
+                  # their tests on CUDA, the sweep at Mixtral's decode sizes (bf16 and FP8 weight-only), then
+                  # Mixtral decode 1/64 with them (bf16; SWAP_DECODE_ARGS="--quantization fp8" with
+                  # KILN_FP8_EXPERTS=1 for FP8 experts); ~7 min
+      run_stage moe_swap_tests 150 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py -k swap
+      run_stage moe_swap_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b ${MOE_SWAP_TUNE_ARGS:---tokens 1,8,64,320,1600} \
+        --sweeps swap,fp8 --out "$OUT/moe_swap_tune.json"
+      run_stage moe_swap_decode 300 env KILN_MOE_SWAP_AB_MAX_ROWS="${MOE_SWAP_MAX_ROWS:-128}" $PY bench/moe.py \
+        --shape mixtral-8x7b --no-offline --no-baseline ${SWAP_DECODE_ARGS:-} --out "$OUT/moe_swap_decode.json" ;;
+    moe_swap_offline)  # issue 17: the Mixtral offline run with the swapped kernels up to MOE_SWAP_MAX_ROWS (128)
+                       # rows an expert and without (0), alternating per MOE_SWAP_ORDER; ~7 min
+      i=0
+      for max_rows in ${MOE_SWAP_ORDER:-128 0}; do
+        i=$((i + 1))
+        run_stage "moe_swap_offline_${i}_$max_rows" 200 env KILN_MOE_SWAP_AB_MAX_ROWS="$max_rows" $PY bench/moe.py \
+          --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} --out "$OUT/moe_swap_offline_${i}_$max_rows.json"
+      done ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
                           # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
