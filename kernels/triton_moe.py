@@ -686,10 +686,10 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
     tensors the kernels cannot take go to the reference; `swap_tiling` replaces `choose_tiling`
     on the pointer kernels up to SWAP_AB_MAX_ROWS rows an expert. With the scales,
-    `kiln::fused_moe_fp8`: e4m3 experts, widened in the pointer kernels' K loops and scaled per channel after, or, in
-    prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit copies for the 16-bit
-    kernels; or, with `fp8_activations` (None: `uses_fp8_activations`), W8A8 by the sorted-rows
-    kernels on e4m3 MMAs."""
+    `kiln::fused_moe_fp8`: e4m3 experts, widened in the pointer kernels' K loops and scaled per
+    channel after, or, in prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit
+    copies for the 16-bit kernels; or, with `fp8_activations` (None: `uses_fp8_activations`),
+    W8A8 by the sorted-rows kernels on e4m3 MMAs."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     fp8 = w_gate_up_scale is not None
     if fp8:
