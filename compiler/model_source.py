@@ -598,7 +598,7 @@ def _load_safetensors_dir(
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
-    from kiln.compiler.fp8_checkpoint import dequantize, is_fp8, row_scale, scale_keys
+    from kiln.compiler.fp8_checkpoint import dequantize, is_fp8, row_scale
     from kiln.passes.weight_transforms import fp8_scale_name
     from tqdm import tqdm
 
@@ -637,22 +637,13 @@ def _load_safetensors_dir(
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
                     if tp_shards and name in tp_shards and key not in derived_sources:
-                        part = f.get_slice(key)
-                        if str(part.get_dtype()).startswith("F8"):
-                            raise ModelSourceError(f"{key!r} is FP8: tensor parallelism does not take FP8 "
-                                                   "checkpoints yet (their scales are not sharded)")
-                        _keep(out, name, tp_shards[name].read_shard(part).to(device=device, dtype=dtype),  # this rank's slice
-                              on_tensor)
+                        _load_rank_slice(out, f, name, key, tp_shards[name], where, shard, name in keep_fp8, dtype,
+                                         device, on_tensor)
                         bar.update(1)
                         continue
                     tensor = f.get_tensor(key)
                     if is_fp8(tensor):
-                        scale_key = _pick(list(scale_keys(key)), where)
-                        if scale_key is None:
-                            raise ModelSourceError(f"FP8 tensor {key!r} in {shard.name} has no scale "
-                                                   f"({' or '.join(scale_keys(key))})")
-                        with safe_open(str(where[scale_key]), framework="pt", device="cpu") as sf:
-                            scale = sf.get_tensor(scale_key)
+                        scale = _fp8_scale(key, where, shard)
                         per_row = row_scale(scale, tensor.shape[0])
                         if key not in derived_sources and name in keep_fp8 and per_row is not None:
                             out[name] = tensor.to(device=device)
@@ -672,6 +663,45 @@ def _load_safetensors_dir(
             combined = tp_shards[name].read_shard(combined)
         _keep(out, name, combined.to(device=device, dtype=dtype), on_tensor)
     return out
+
+
+def _load_rank_slice(out: dict[str, torch.Tensor], f: Any, name: str, key: str, cut: Any, where: dict[str, Path],
+                     shard: Path, keep_fp8: bool, dtype: torch.dtype, device: torch.device | str,
+                     on_tensor: TensorHook | None) -> None:
+    """`out[name]` = this rank's slice (`cut`, a ShardWeight) of checkpoint tensor `key` of the
+    open weight shard `f`, read alone. An FP8 tensor the graph takes in FP8 (`keep_fp8`) with one
+    scale per tensor or per channel keeps its e4m3 values, its scale beside it cut as its rows
+    are (a cut across the input dimension keeps every channel, so the whole scale); a block-wise
+    one, or one taken in 16 bits, is dequantized whole, then cut."""
+    from kiln.compiler.fp8_checkpoint import dequantize, row_scale
+    from kiln.passes.weight_transforms import fp8_scale_name
+
+    part = f.get_slice(key)
+    if not str(part.get_dtype()).startswith("F8"):
+        _keep(out, name, cut.read_shard(part).to(device=device, dtype=dtype), on_tensor)
+        return
+    scale = _fp8_scale(key, where, shard)
+    per_row = row_scale(scale, part.get_shape()[0])
+    if keep_fp8 and per_row is not None:
+        out[name] = cut.read_shard(part).to(device=device)
+        per_row = cut.read_shard(per_row) if cut.dim == 0 and per_row.numel() > 1 else per_row
+        out[fp8_scale_name(name)] = per_row.to(device=device)
+    else:
+        _keep(out, name, cut.read_shard(dequantize(f.get_tensor(key), scale, dtype)).to(device=device, dtype=dtype),
+              on_tensor)
+
+
+def _fp8_scale(key: str, where: dict[str, Path], shard: Path) -> torch.Tensor:
+    """The scale of FP8 checkpoint tensor `key` (in weight shard `shard`), from whichever shard holds it."""
+    from safetensors import safe_open
+
+    from kiln.compiler.fp8_checkpoint import scale_keys
+
+    scale_key = _pick(list(scale_keys(key)), where)
+    if scale_key is None:
+        raise ModelSourceError(f"FP8 tensor {key!r} in {shard.name} has no scale ({' or '.join(scale_keys(key))})")
+    with safe_open(str(where[scale_key]), framework="pt", device="cpu") as sf:
+        return sf.get_tensor(scale_key)
 
 
 # Checkpoints on the Hub store experts one matrix per expert; transformers 5 keeps them

@@ -156,9 +156,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got "
                              f"{self.distributed_executor_backend!r}")
-        if self.tensor_parallel_size > 1 and (self.quantization is not None or self.kv_cache_dtype == "fp8"):
-            raise ValueError("quantization / kv_cache_dtype='fp8' with tensor_parallel_size > 1 is not supported yet: "
-                             "the sharding pass does not slice FP8 weights' scales; use one of the two")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}; got {self.compile!r}")
 

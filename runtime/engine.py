@@ -27,8 +27,7 @@ from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_ke
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
-from kiln.runtime.kv_scale_calibration import (CALIBRATION_TOKENS, calibrate_kv_scales, calibration_ids,
-                                               describe_scales, kv_scale_inputs)
+from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
 from kiln.runtime.tp_executor import PendingLogits, TensorParallelExecutor, start_executor
@@ -226,28 +225,17 @@ class LLMEngine:
         self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
 
     def _calibrate_kv_scales(self, config: EngineConfig, model: LoadedModel) -> dict[str, torch.Tensor]:
-        """An FP8 KV cache without checkpoint scales: per-layer scales from one calibration
-        prefill (kiln.runtime.kv_scale_calibration), set in place in the graph's scales
-        inputs before any request (and before CUDA graphs are captured). Returns them by
-        parameter name ({} when nothing was calibrated)."""
-        names = [name for _, name in kv_scale_inputs(self.graph_spec.input_roles)]
-        if not names:
-            return {}
-        if model.checkpoint_kv_scales:
-            logger.info("FP8 KV cache: %d scales from the checkpoint (%s, ...)", len(model.checkpoint_kv_scales),
-                        model.checkpoint_kv_scales[0])
-            return {}
-        if not config.calculate_kv_scales:
-            logger.info("FP8 KV cache: no scales in the checkpoint, calculate_kv_scales=False: scale 1.0")
-            return {}
+        """An FP8 KV cache's scales (kiln.runtime.kv_scale_calibration.kv_scales_at_startup):
+        the checkpoint's, 1.0, or calibrated by one prefill, set in place in the graph's scales
+        inputs before any request (and before CUDA graphs are captured). Returns the calibrated
+        ones by parameter name ({} when none were)."""
         # One prefill of real blocks (1..; block 0 is the null block) within the step budget.
         room = min(config.max_num_batched_tokens, self.max_model_len, (self.num_kv_blocks - 1) * config.block_size)
-        num_tokens = min(CALIBRATION_TOKENS, room)
-        ids = calibration_ids(int(self.model_config.vocab_size), num_tokens)
-        with timed(self.timings, "calibrate KV scales"):
-            scales = calibrate_kv_scales(self.runner, names, ids, config.block_size)
-        logger.info("FP8 KV cache: no scales in the checkpoint; calibrated on %d tokens: %s", num_tokens,
-                    describe_scales(scales))
+        scales, line = kv_scales_at_startup(self.runner, self.graph_spec.input_roles, model.checkpoint_kv_scales,
+                                            config.calculate_kv_scales, int(self.model_config.vocab_size), room,
+                                            config.block_size, self.timings)
+        if line:
+            logger.info("%s", line)
         return scales
 
     def _choose_max_model_len(self, config: EngineConfig, model_context: int | None) -> None:
@@ -270,6 +258,9 @@ class LLMEngine:
         self.startup_report = self.executor.startup_report
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.activation_peak_bytes = max(r["activation_peak_bytes"] for r in self.executor.reports)
+        for r in self.executor.reports:  # an FP8 KV cache: each rank's scales (RankWorker.allocate_kv_cache)
+            if r.get("kv_scales"):
+                logger.info("tensor-parallel rank %d: %s", r["rank"], r["kv_scales"])
         # No worker outlives the engine, however the engine is dropped.
         self._finalizer = weakref.finalize(self, self.executor.shutdown)
 

@@ -140,8 +140,8 @@ class MultiprocExecutor(TensorParallelExecutor):
             self.num_kv_blocks = self._combine(reports)
             for conn in self.conns:
                 conn.send(("allocate", self.num_kv_blocks))
-            for rank, memory in self._gather(list(range(self.world_size)), "allocated").items():
-                self.reports[rank]["memory_with_kv_cache"] = memory
+            for rank, allocated in self._gather(list(range(self.world_size)), "allocated").items():
+                self.reports[rank].update(allocated)
         except BaseException:
             self.shutdown()
             raise

@@ -107,8 +107,9 @@ class RayExecutor(TensorParallelExecutor):
                      for rank in range(self.world_size)]
             reports = self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)])
             self.num_kv_blocks = self._combine(reports)
-            for rank, memory in enumerate(self._gather([a.allocate.remote(self.num_kv_blocks) for a in self.actors])):
-                self.reports[rank]["memory_with_kv_cache"] = memory
+            for rank, allocated in enumerate(self._gather([a.allocate.remote(self.num_kv_blocks)
+                                                           for a in self.actors])):
+                self.reports[rank].update(allocated)
         except BaseException:
             self.shutdown()
             raise

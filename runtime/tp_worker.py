@@ -26,6 +26,7 @@ from kiln.kernels.collectives import (OneShotAllReduce, disable_one_shot_all_red
                                         enable_one_shot_all_reduce)
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import allocate_kv_cache, cuda_graph_sizes, size_kv_cache
+from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import load_model, peak_memory
 
 
@@ -86,6 +87,7 @@ class RankWorker:
                                download_dir=config.download_dir)
         self.model_config = source.config
         self.dtype = config.resolved_dtype(self.device)
+        self.kv_cache_dtype = config.resolved_kv_cache_dtype(self.dtype)  # e4m3 for kv_cache_dtype="fp8"
         self.one_shot: OneShotAllReduce | None = None
         if self.device.type == "cuda" and spec.world_size > 1:
             t0 = time.perf_counter()
@@ -97,7 +99,7 @@ class RankWorker:
         self.model = load_model(config, source, self.dtype, self.device, self.timings, tp_rank=spec.rank)
         self.memory_after_load = peak_memory(self.device)
         self.num_blocks, self.activation_peak_bytes = size_kv_cache(
-            config, self.model_config, self.dtype, self.device, spec.max_model_len, self.model.make_runner)
+            config, self.model_config, self.kv_cache_dtype, self.device, spec.max_model_len, self.model.make_runner)
         self.runner: Any = None
 
     def report(self) -> dict[str, Any]:
@@ -105,21 +107,30 @@ class RankWorker:
         return {"rank": self.spec.rank, "num_blocks": self.num_blocks, "device": str(self.device),
                 "activation_peak_bytes": self.activation_peak_bytes, "memory": self.memory_after_load,
                 "timings": dict(self.timings), "startup_report": self.model.prepared.report,
+                "pass_records": self.model.prepared.spec.pass_records,  # what each graph pass did on this rank
                 "one_shot_all_reduce_max_bytes": self.one_shot.max_bytes if self.one_shot else 0,
                 "pid": os.getpid()}
 
     def allocate_kv_cache(self, num_blocks: int) -> dict[str, Any]:
-        """The KV cache of `num_blocks` blocks (the smallest any rank fits), the runner, and
-        on CUDA this rank's decode CUDA graphs (every rank captures its own)."""
+        """The KV cache of `num_blocks` blocks (the smallest any rank fits), the runner, an FP8
+        KV cache's scales (calibrated by every rank at once, each over the heads it holds, when
+        the checkpoint has none: kv_scales_at_startup), and on CUDA this rank's decode CUDA
+        graphs (every rank captures its own). Returns `memory_with_kv_cache` (peak memory) and
+        `kv_scales` (the line to log, or None)."""
         config = self.config
-        kv = allocate_kv_cache(config, self.model_config, num_blocks, self.dtype, self.device)
+        kv = allocate_kv_cache(config, self.model_config, num_blocks, self.kv_cache_dtype, self.device)
         self.runner = self.model.make_runner(kv)
+        # The engine's own limits, so every rank calibrates on the same tokens as TP=1 would.
+        room = min(config.max_num_batched_tokens, self.spec.max_model_len, (num_blocks - 1) * config.block_size)
+        _, kv_scales = kv_scales_at_startup(self.runner, self.model.prepared.spec.input_roles,
+                                            self.model.checkpoint_kv_scales, config.calculate_kv_scales,
+                                            int(self.model_config.vocab_size), room, config.block_size, self.timings)
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
             self.runner.capture_decode_graphs(cuda_graph_sizes(self.model.prepared.plan),
                                               -(-self.spec.max_model_len // config.block_size))
             self.timings["capture CUDA graphs"] = time.perf_counter() - t0
-        return peak_memory(self.device)
+        return {"memory_with_kv_cache": peak_memory(self.device), "kv_scales": kv_scales}
 
     def execute(self, inputs: dict[str, Any], input_ids: Any, as_numpy: bool = True) -> Any:
         """Run one step on this rank (inputs as numpy arrays); rank 0 returns the logits (a
@@ -213,7 +224,7 @@ class StepStats:
 def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
     """The `mp` backend's worker process: messages from the engine on `conn`, in order:
     ("allocate", num_blocks), ("step", inputs, input_ids)..., ("shutdown",), and at any point
-    between steps ("stats",). It answers ("ready", report), ("allocated", memory), rank 0
+    between steps ("stats",). It answers ("ready", report), ("allocated", allocate_kv_cache's dict), rank 0
     ("logits", where) per step, ("stats", StepStats.as_dict()), or ("error", traceback)
     before exiting when anything raises."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()

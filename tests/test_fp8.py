@@ -404,6 +404,54 @@ def test_prequantized_checkpoint_loads_as_it_is(tiny_model_dir, tmp_path, form):
         assert rate >= 0.7
 
 
+def _rank_weights(path: Path, tp_size: int, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """What the loader hands rank `rank` of `tp_size` for the checkpoint at `path` (before the
+    merges and quantization: the checkpoint's tensors, this rank's slices), and the cuts."""
+    import dataclasses
+
+    from kiln.compiler.model_source import resolve_model
+    from kiln.compiler.startup import prepare_for_engine
+    from kiln.passes.weight_transforms import shard_transforms
+    from kiln.runtime.config import EngineConfig
+
+    source = resolve_model(str(path))
+    config = EngineConfig(model=str(path), compile="eager", progress=False, tensor_parallel_size=tp_size)
+    options = dataclasses.replace(config.compile_options(source.config), tp_rank=rank)
+    spec = prepare_for_engine(options, source.config, torch.float32, torch.device("cpu")).spec
+    cuts = shard_transforms(spec.weight_transforms)
+    weights = source.load_weights(spec.param_aliases, torch.float32, "cpu", progress=False,
+                                  keep_fp8=fp8_weight_names(spec.weight_transforms), shards=cuts)
+    return weights, cuts
+
+
+@pytest.mark.parametrize("form", ["ct-channel", "ct-tensor", "hf-block"])
+def test_prequantized_checkpoint_loads_each_ranks_slice(tiny_model_dir, tmp_path, form):
+    """Tensor parallelism over an FP8 checkpoint: each rank reads its slice of the e4m3 values
+    as they are, and their scales cut with the output channels (a cut across the input keeps
+    them whole; a per-tensor scale stays one value); block-wise weights are the cut of the
+    dequantized whole. Exactly what cutting the unsharded load gives."""
+    src, _ = tiny_model_dir("llama")
+    dst = tmp_path / form
+    save_fp8_checkpoint(src, dst, form)
+    whole, _ = _rank_weights(dst, 1, 0)
+    for rank in (0, 1):
+        part, cuts = _rank_weights(dst, 2, rank)
+        kept_fp8 = 0
+        for name, cut in cuts.items():
+            want, got = cut.read_shard(whole[name]), part[name]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8) if got.dtype == FP8_DTYPE else got,
+                                                           want.view(torch.uint8) if want.dtype == FP8_DTYPE else want), name
+            scale = fp8_scale_name(name)
+            if scale in whole:
+                kept_fp8 += 1
+                per_row = whole[scale].numel() > 1
+                assert torch.equal(part[scale], cut.read_shard(whole[scale]) if cut.dim == 0 and per_row else whole[scale])
+                assert part[scale].numel() == (got.shape[0] if per_row else 1), name
+        # The tiny Llama's 2 layers x 7 projections: e4m3 as stored, or (block-wise) dequantized.
+        assert kept_fp8 == (14 if form.startswith("ct") else 0)
+        assert sum(cut.dim == 1 for cut in cuts.values()) == 4  # o_proj and down_proj: cut across the input
+
+
 def test_other_quantized_checkpoints_are_refused(tiny_model_dir, tmp_path):
     src, _ = tiny_model_dir("llama")
     dst = tmp_path / "awq"

@@ -104,6 +104,40 @@ def test_tp2_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
         llm.engine.shutdown()
 
 
+def test_fp8_weights_and_kv_cache_at_tp2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """FP8 at TP=2: `quantization="fp8"` with an FP8 KV cache (each rank quantizes the slices
+    it reads as they load, and calibrates the scales of the K/V heads it holds), and a
+    pre-quantized checkpoint (each rank reads its slices of the e4m3 values and of their
+    scales, which tests/test_fp8.py checks exactly). A rank's quantization is not TP=1's (a cut
+    across the input dimension, like each rank's activations and K/V heads, has maxima of its
+    own), so the check is the FP8 tests' own: teacher-forced greedy agreement with the
+    unquantized model, the 70% they ask of TP=1 (a tiny random model's logits are near-ties)."""
+    import logging
+
+    import test_fp8
+
+    model = _save("llama", tmp_path / "llama")
+    reference = test_fp8.engine_tokens(model)  # unquantized, TP=1
+    prequantized = tmp_path / "ct-channel"
+    test_fp8.save_fp8_checkpoint(model, prequantized, "ct-channel")
+    for path, options in ((model, dict(quantization="fp8", kv_cache_dtype="fp8")), (prequantized, {})):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kiln.runtime"):
+            llm = LLM(str(path), tensor_parallel_size=2, **options, **OPTIONS)
+        try:
+            assert llm.engine.quantization == "fp8"
+            for report in llm.engine.executor.reports:  # each rank's graph: merged q/k/v and gate/up in FP8
+                stats = {r["name"]: r["stats"] for r in report["pass_records"]}
+                assert stats["quantize_fp8"]["fp8_linear"] == 8, (report["rank"], stats["quantize_fp8"])
+            rate = test_fp8.teacher_forced_agreement(llm, reference)
+        finally:
+            llm.engine.shutdown()
+        calibrated = [m for m in caplog.messages if m.startswith("tensor-parallel rank") and "calibrated on" in m]
+        assert len(calibrated) == (2 if options else 0), caplog.messages
+        print(f"{path.name}: teacher-forced greedy agreement with the unquantized model at TP=2: {rate:.1%}")
+        assert rate >= 0.7, (path.name, rate)
+
+
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=1234)
 UNSEEDED = SamplingParams(temperature=1.0, max_tokens=8)
 ENGINE_SEED = 7
