@@ -13,7 +13,8 @@
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
-#                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts
+#                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
+#                                         moe_swap_offline fp8_70b tp70b_fp8
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -329,6 +330,15 @@ for stage in $STAGES; do
       run_stage tp70b ${TP70B_LIMIT:-330} $PY bench/tp.py --model bench/llama3_70b.json --tensor-parallel-sizes 2 \
         --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,2,4,8,16,32,64,128,256 --token-buckets 1024,4096,8192 \
         --no-baseline --out "$OUT/tp70b.json" ;;
+    fp8_70b)  # issue 16: the Llama-3-70B shape in FP8 on ONE H200 (70 GB of e4m3: each weight quantized as it loads,
+              # the 140 GB of bf16 never all on the device), FP8 KV cache; decode 1/8/64, no baseline (bf16 does not fit)
+      run_stage fp8_70b ${FP8_70B_LIMIT:-400} $PY bench/latency.py --model bench/llama3_70b.json --batch-sizes 1,8,64 \
+        --steps 64 --no-baseline --quantization fp8 --kv-cache-dtype fp8 --quantized-only --out "$OUT/fp8_70b.json" ;;
+    tp70b_fp8)  # issues 15/16: Llama-3-70B shape at TP=2 in FP8 (each rank quantizes its slices as they load, FP8 KV
+                # cache calibrated per rank): decode 1/8/64, then the offline workload (2 GPUs)
+      run_stage tp70b_fp8 ${TP70B_LIMIT:-330} $PY bench/tp.py --model bench/llama3_70b.json --tensor-parallel-sizes 2 \
+        --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,2,4,8,16,32,64,128,256 --token-buckets 1024,4096,8192 \
+        --quantization fp8 --kv-cache-dtype fp8 --no-baseline --out "$OUT/tp70b_fp8.json" ;;
     tp8b)  # issue 15: Llama-3-8B shape, TP=1 vs TP=2 (NCCL) vs TP=2 (one-shot all-reduce), decode 1/8/64
       run_stage tp8b ${TP8B_LIMIT:-200} $PY bench/tp.py --model bench/llama3_8b.json --tensor-parallel-sizes 1,2 --one-shot-too \
         --batch-sizes 1,8,64 --steps 64 --decode-buckets 1,8,64 --token-buckets 1024,8192 --num-requests 0 \
@@ -347,7 +357,8 @@ for stage in $STAGES; do
            "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts)"; status=2 ;;
+           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts" \
+           "moe_swap_ab moe_swap_offline fp8_70b tp70b_fp8)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -20,6 +20,8 @@ The baseline (transformers eager, one device) runs only where the weights fit on
     python bench/tp.py --model bench/llama3_8b.json --tensor-parallel-sizes 1,2 --out tp8b.json
     python bench/tp.py --device cpu --model bench/tiny_llama.json --dtype float32 --batch-sizes 1,8 \\
         --steps 16 --num-requests 16 --output-len 16 --min-prompt 16 --max-prompt 64   # CPU, gloo
+    python bench/tp.py --model bench/llama3_70b.json --tensor-parallel-sizes 2 --quantization fp8 \\
+        --kv-cache-dtype fp8 --out tp70b-fp8.json   # 2 GPUs, 70 GB of e4m3 weights
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the copy that measures bandwidth")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="FP8 projections (each rank quantizes its slices as they load), the one engine per size")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="an e4m3 KV cache (each rank calibrates its heads' scales)")
     parser.add_argument("--one-shot-too", action="store_true",
                         help="for each TP size > 1, also decode with the one-shot all-reduce for messages up to "
                              "4 MiB ($KILN_ONE_SHOT_ALL_REDUCE_MAX_BYTES=4194304; NCCL alone by default), "
@@ -71,11 +77,13 @@ def main() -> None:
     dtype = bc.kiln_dtype(args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     config = bc.load_config(args.model, args.load_format)
-    wbytes = bc.weight_bytes(config, dtype)
+    # What a decode step reads: the projections at one byte a parameter under FP8.
+    wbytes = (bc.weight_bytes_quantized if args.quantization else bc.weight_bytes)(config, dtype)
     bandwidth = bc.copy_bandwidth(device, gib=args.bandwidth_gib)
     result: dict[str, Any] = {
         "benchmark": "tensor_parallel", "env": bc.environment(), "model": args.model, "dtype": args.dtype,
         "device": device.type, "prompt_len": args.prompt_len, "weight_bytes": wbytes,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "copy_bandwidth_tb_s_per_device": bandwidth / 1e12,
         "batch1_limit_tokens_per_s": {str(n): n * bandwidth / wbytes for n in sizes},
     }
@@ -117,7 +125,9 @@ def main() -> None:
                   tensor_parallel_size=n, max_num_seqs=max(args.max_num_seqs, max(batches)),
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=max(args.max_prompt, args.prompt_len) + max(args.output_len, args.steps) + 16,
-                  progress=False, **bc.bucket_options(args))
+                  progress=False, **bc.bucket_options(args),
+                  **({"quantization": args.quantization} if args.quantization else {}),
+                  **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype != "auto" else {}))
         engine = llm.engine
         run: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "num_kv_blocks": engine.num_kv_blocks,
                                "startup_phases": dict(engine.timings)}
