@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on CPU (gloo): TP=2 engines give TP=1's greedy tokens
 through `LLM.generate` and through `kiln serve` with the `openai` client; `kiln compile -tp 2`
-fills every rank's cache entries; a killed worker fails the engine naming its rank (503 and
-an unhealthy /health from the server) and leaves no worker process behind.
+fills every rank's cache entries; FP8 weights and an FP8 KV cache (quantized at load or
+pre-quantized) run at TP=2; a killed worker fails the engine naming its rank (503 and an
+unhealthy /health from the server) and leaves no worker process behind.
 
 The architectures (`TP_ARCHS` and Llama) are one per construct the sharding pass handles,
 each as a tiny random checkpoint on disk, among them a Llama with one KV head, fewer than
