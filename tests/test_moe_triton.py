@@ -484,14 +484,7 @@ def test_swapped_kernels_at_mixtral_shape(monkeypatch, tokens: int) -> None:
     out = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True)
     ref = fused_moe_reference(hidden.float(), logits.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
     assert (out.float() - ref).norm() / ref.norm() < 1e-2
-    static_h = hidden.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fused_moe_triton(static_h, logits, w_gate_up, w_down, k, renorm, True)
-    static_h.copy_(hidden * 0.5)
-    graph.replay()
-    torch.testing.assert_close(replayed, fused_moe_triton(hidden * 0.5, logits, w_gate_up, w_down, k, renorm, True),
-                               rtol=0, atol=0)
+    assert_replay_is_eager(lambda x: fused_moe_triton(x, logits, w_gate_up, w_down, k, renorm, True), hidden)
 
 
 @pytest.mark.gpu
@@ -542,6 +535,18 @@ def test_sorted_rows_kernels_replay_in_a_cuda_graph() -> None:
 def test_fused_moe_triton_replays_in_a_cuda_graph() -> None:
     """No host read in the launch path: captured once, replayed with other tokens and routing."""
     check_graph_replay(64, lambda h, l, gu, d, k: torch.ops.kiln.fused_moe(h, l, gu, d, k, True, True))
+
+
+def assert_replay_is_eager(moe: Any, hidden: torch.Tensor) -> None:
+    """`moe(x)` (run eagerly once already, so compiled) captured in a CUDA graph over a copy of
+    `hidden` and replayed over `hidden * 0.5`: bit for bit what an eager call gives for it."""
+    static_h = hidden.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(static_h)
+    static_h.copy_(hidden * 0.5)
+    graph.replay()
+    torch.testing.assert_close(out, moe(hidden * 0.5), rtol=0, atol=0)
 
 
 def check_graph_replay(tokens: int, moe: Any) -> None:
@@ -607,14 +612,7 @@ def test_prefill_steps_can_take_the_grouped_gemm(monkeypatch) -> None:
     assert triton_moe.uses_grouped_mm(512 * k, e, hidden) and not triton_moe.uses_grouped_mm(8 * k, e, hidden)
     grouped = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True)
     torch.testing.assert_close(grouped, kernels, rtol=2e-2, atol=2e-2)
-    static_h = hidden.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused_moe_triton(static_h, logits, w_gate_up, w_down, k, renorm, True)
-    static_h.copy_(hidden * 0.5)
-    graph.replay()
-    torch.testing.assert_close(out, fused_moe_triton(hidden * 0.5, logits, w_gate_up, w_down, k, renorm, True),
-                               rtol=0, atol=0)
+    assert_replay_is_eager(lambda x: fused_moe_triton(x, logits, w_gate_up, w_down, k, renorm, True), hidden)
 
 
 def test_tune_moe_fp8_and_dense_paths_compute_fused_moe(monkeypatch) -> None:
