@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs: the collective ops captured inside a CUDA graph (a one-GPU
 process group), and, where two GPUs exist, TP=2 over NCCL: the one-shot all-reduce inside a
 CUDA graph, greedy and seeded tokens of TP=1, a killed worker failing the engine naming its
-rank, `kiln serve -tp 2` answering the openai client.
+rank, `kiln serve -tp 2` answering the openai client, FP8 weights and KV cache at TP=2.
 CPU versions of the TP=2 tests: tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
@@ -144,6 +144,15 @@ def test_tp2_nccl_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
         assert all(r["memory"]["device_peak_bytes"] > 0 for r in llm.engine.executor.reports)
     finally:
         llm.engine.shutdown()
+
+
+@needs_two
+def test_tp2_nccl_fp8_weights_and_kv_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """FP8 weights (quantized at load, or a pre-quantized checkpoint's slices) and an FP8 KV
+    cache calibrated per rank, at TP=2 on two GPUs: tests/test_tensor_parallel.py's check."""
+    from test_tensor_parallel import OPTIONS, assert_fp8_runs_at_tp2
+
+    assert_fp8_runs_at_tp2(tmp_path, caplog, **dict(OPTIONS, gpu_memory_utilization=0.3))
 
 
 @needs_two

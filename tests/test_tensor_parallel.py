@@ -106,25 +106,35 @@ def test_tp2_greedy_tokens_match_tp1(arch: str, tmp_path: Path) -> None:
 
 
 def test_fp8_weights_and_kv_cache_at_tp2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """FP8 at TP=2: `quantization="fp8"` with an FP8 KV cache (each rank quantizes the slices
-    it reads as they load, and calibrates the scales of the K/V heads it holds), and a
-    pre-quantized checkpoint (each rank reads its slices of the e4m3 values and of their
-    scales, which tests/test_fp8.py checks exactly). A rank's quantization is not TP=1's (a cut
-    across the input dimension, like each rank's activations and K/V heads, has maxima of its
-    own), so the check is the FP8 tests' own: teacher-forced greedy agreement with the
-    unquantized model, the 70% they ask of TP=1 (a tiny random model's logits are near-ties)."""
+    assert_fp8_runs_at_tp2(tmp_path, caplog, **OPTIONS)
+
+
+def assert_fp8_runs_at_tp2(tmp_path: Path, caplog: pytest.LogCaptureFixture, **options: Any) -> None:
+    """FP8 at TP=2 (here on CPU over gloo; tests/test_gpu_tensor_parallel.py on two GPUs):
+    `quantization="fp8"` with an FP8 KV cache (each rank quantizes the slices it reads as they
+    load, and calibrates the scales of the K/V heads it holds), and a pre-quantized checkpoint
+    (each rank reads its slices of the e4m3 values and of their scales, which tests/test_fp8.py
+    checks exactly). A rank's quantization is not TP=1's (a cut across the input dimension, like
+    each rank's activations and K/V heads, has maxima of its own), so the check is the FP8
+    tests' own: teacher-forced greedy agreement with the unquantized TP=1 engine, the 70% they
+    ask of TP=1 FP8 (a tiny random model's logits are near-ties)."""
+    import gc
     import logging
 
     import test_fp8
+    import torch
 
     model = _save("llama", tmp_path / "llama")
-    reference = test_fp8.engine_tokens(model)  # unquantized, TP=1
+    reference = test_fp8._tokens(LLM(str(model), **options))  # unquantized, TP=1
+    if torch.cuda.is_available():  # that engine's memory back, for rank 0 on the same GPU
+        gc.collect()
+        torch.cuda.empty_cache()
     prequantized = tmp_path / "ct-channel"
     test_fp8.save_fp8_checkpoint(model, prequantized, "ct-channel")
-    for path, options in ((model, dict(quantization="fp8", kv_cache_dtype="fp8")), (prequantized, {})):
+    for path, fp8 in ((model, dict(quantization="fp8", kv_cache_dtype="fp8")), (prequantized, {})):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kiln.runtime"):
-            llm = LLM(str(path), tensor_parallel_size=2, **options, **OPTIONS)
+            llm = LLM(str(path), tensor_parallel_size=2, **fp8, **options)
         try:
             assert llm.engine.quantization == "fp8"
             for report in llm.engine.executor.reports:  # each rank's graph: merged q/k/v and gate/up in FP8
@@ -134,7 +144,7 @@ def test_fp8_weights_and_kv_cache_at_tp2(tmp_path: Path, caplog: pytest.LogCaptu
         finally:
             llm.engine.shutdown()
         calibrated = [m for m in caplog.messages if m.startswith("tensor-parallel rank") and "calibrated on" in m]
-        assert len(calibrated) == (2 if options else 0), caplog.messages
+        assert len(calibrated) == (2 if fp8 else 0), caplog.messages
         print(f"{path.name}: teacher-forced greedy agreement with the unquantized model at TP=2: {rate:.1%}")
         assert rate >= 0.7, (path.name, rate)
 
