@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.graph_inputs import InputRole, RoleKind, single_prefill_step
+from kiln.compiler.startup import timed
 from kiln.kernels.paged_attention import recording_kv_amax
 from kiln.passes.kv_cache_scales import SCALES_SUFFIX
 
@@ -115,10 +116,11 @@ def kv_scales_at_startup(runner: Any, input_roles: list[str], checkpoint_scales:
     """An engine's (or a tensor-parallel rank's) FP8 KV-cache scales at start-up: the
     checkpoint's where it has them, 1.0 with `calculate` False, else calibrated on `runner` by
     one prefill of at most `max_tokens` (`calibrate_kv_scales`, in place, before any request or
-    CUDA-graph capture; its time goes into `timings`). Returns the calibrated scales by parameter
-    name ({} when none were calibrated) and the line to log (None without an FP8 KV cache). The ranks of a
-    tensor-parallel group each call it at once (the prefill's collectives need them all), each
-    measuring the K/V heads it holds: per-rank scales, as vLLM's calculate_kv_scales gives."""
+    CUDA-graph capture; its time goes into `timings`). Returns the calibrated scales by
+    parameter name ({} when none were calibrated) and the line to log (None without an FP8 KV
+    cache). The ranks of a tensor-parallel group each call it at once (the prefill's
+    collectives need them all), each measuring the K/V heads it holds: per-rank scales, as
+    vLLM's calculate_kv_scales gives."""
     names = [name for _, name in kv_scale_inputs(input_roles)]
     if not names:
         return {}, None
@@ -126,8 +128,6 @@ def kv_scales_at_startup(runner: Any, input_roles: list[str], checkpoint_scales:
         return {}, f"FP8 KV cache: {len(checkpoint_scales)} scales from the checkpoint ({checkpoint_scales[0]}, ...)"
     if not calculate:
         return {}, "FP8 KV cache: no scales in the checkpoint, calculate_kv_scales=False: scale 1.0"
-    from kiln.compiler.startup import timed
-
     num_tokens = min(CALIBRATION_TOKENS, max_tokens)
     with timed(timings, "calibrate KV scales"):
         scales = calibrate_kv_scales(runner, names, calibration_ids(vocab_size, num_tokens), block_size)
