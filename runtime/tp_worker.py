@@ -224,9 +224,9 @@ class StepStats:
 def worker_process_main(spec: WorkerSpec, conn: Any, parent_pid: int) -> None:
     """The `mp` backend's worker process: messages from the engine on `conn`, in order:
     ("allocate", num_blocks), ("step", inputs, input_ids)..., ("shutdown",), and at any point
-    between steps ("stats",). It answers ("ready", report), ("allocated", allocate_kv_cache's dict), rank 0
-    ("logits", where) per step, ("stats", StepStats.as_dict()), or ("error", traceback)
-    before exiting when anything raises."""
+    between steps ("stats",). It answers ("ready", report), ("allocated", what
+    allocate_kv_cache returns), rank 0 ("logits", where) per step, ("stats",
+    StepStats.as_dict()), or ("error", traceback) before exiting when anything raises."""
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     worker = None
     try:
