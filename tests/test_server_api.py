@@ -107,6 +107,44 @@ def test_completion_prompt_forms(client: openai.OpenAI, tokenizer) -> None:
     assert batch.usage.prompt_tokens == len(ids) + len(tokenizer("The sky is")["input_ids"])
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, tokenizer) -> None:
+    """echo with logprobs, as lm-evaluation-harness scores a continuation through the API
+    (token ids, echo, logprobs, max_tokens 1; or 0, the prompt alone): logprobs for every
+    prompt token but the first (None), then the completion's; a drawn token echoed back as a
+    prompt token scores what it scored when drawn (teacher forcing); streamed or not alike."""
+    ids = tokenizer("The capital of France is")["input_ids"]
+    plain = client.completions.create(model="smol", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    drawn = plain.choices[0].logprobs.token_logprobs
+    r = client.completions.create(model="smol", prompt=ids, max_tokens=3, temperature=0, logprobs=2, echo=True,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[len(ids):] == pytest.approx(drawn, abs=1e-5)
+    assert r.choices[0].text == "The capital of France is" + plain.choices[0].text
+    # The drawn tokens echoed back as prompt tokens (max_tokens 0: the prompt alone, scored).
+    drawn_ids = tokenizer(plain.choices[0].text, add_special_tokens=False)["input_ids"]
+    assert [tokenizer.decode([t]) for t in drawn_ids] == plain.choices[0].logprobs.tokens  # (the same tokens)
+    scored = client.completions.create(model="smol", prompt=ids + drawn_ids, max_tokens=0, temperature=0,
+                                       logprobs=1, echo=True)
+    (choice,) = scored.choices
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert choice.text == "The capital of France is" + plain.choices[0].text
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # Streamed: the prompt's logprobs come with the first chunk.
+    chunks = list(client.completions.create(model="smol", prompt=ids, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="smol", prompt=ids, max_tokens=0)  # without echo: nothing to return
+
+
 def test_chat_usage_matches_chat_template(client: openai.OpenAI, tokenizer) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     r = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0)

@@ -28,7 +28,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from kiln.runtime.serving.app import DEFAULT_CHAT_TEMPLATE_TIMEOUT_S, PROMPT_CHARS_PER_TOKEN
@@ -439,9 +439,12 @@ class OpenAIServing:
         if req.suffix:
             raise bad_request("suffix (insertion) is not supported by this server", "suffix")
         self.unknown_fields.note(req, "/v1/completions")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (prompt logprobs are not "
-                              "computed)", "echo")
+        # echo with logprobs, as vLLM answers it: the prompt's tokens get logprobs too (its
+        # prompt logprobs; none for the first token) ahead of the completion's. It is how
+        # lm-evaluation-harness scores a continuation (echo, logprobs, max_tokens 1); with
+        # max_tokens 0 the prompt alone is echoed and scored (one token is drawn and dropped).
+        echo_logprobs = req.echo and req.logprobs is not None
+        prompt_only = req.echo and req.max_tokens == 0
         if req.stream_options is not None and not req.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
@@ -450,7 +453,10 @@ class OpenAIServing:
         if isinstance(raw, list) and not isinstance(raw[0], int):
             self._check_prompt_count(len(raw), "prompt")
         rename: dict[str, str] = {}
-        params = self._sampling_params(req, req.max_tokens if req.max_tokens is not None else 16, req.logprobs, rename)
+        max_tokens = 1 if prompt_only else req.max_tokens if req.max_tokens is not None else 16
+        params = self._sampling_params(req, max_tokens, req.logprobs, rename)
+        if echo_logprobs:
+            params = replace(params, prompt_logprobs=max(req.logprobs, params.prompt_logprobs or 0))
         if isinstance(raw, str):
             texts = [raw]
             self._check_chars(len(raw), "prompt", "the prompt")
@@ -469,16 +475,24 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_completion(
-                sub, response_id, model, req.n, echo_texts, req.logprobs, include_usage)), sub)
+                sub, response_id, model, req.n, echo_texts, req.logprobs, include_usage, echo_logprobs,
+                prompt_only)), sub)
         outputs = await self._collect(sub, wait_disconnect)
         choices = []
         usage = _Usage()
         for i, out in enumerate(outputs):
             usage.add_prompt(out)
             for c in out.outputs:
+                if prompt_only:  # the drawn token is not part of the answer
+                    c = replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                finish_reason="length", stop_reason=None)
                 usage.completion_tokens += len(c.token_ids)
-                logprobs = (self._completion_logprobs(c.token_ids, c.logprobs or [], len(echo_texts[i]),
-                                                      req.logprobs) if req.logprobs is not None else None)
+                logprobs = None
+                if echo_logprobs:
+                    logprobs = self._echo_logprobs(out, c, req.logprobs)
+                elif req.logprobs is not None:
+                    logprobs = self._completion_logprobs(c.token_ids, c.logprobs or [], len(echo_texts[i]),
+                                                         req.logprobs)
                 choice = {"index": i * req.n + c.index, "text": echo_texts[i] + c.text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
@@ -509,6 +523,16 @@ class OpenAIServing:
             return text
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
+    def _echo_logprobs(self, out: RequestOutput, c: CompletionOutput, n: int) -> dict[str, Any]:
+        """OpenAI's completion logprobs over the echoed prompt and then `c`'s tokens, as vLLM
+        gives them: the prompt's first token has no logprob (None, and no top entries); the
+        text offsets run over the tokens' own strings from 0."""
+        prompt, lps = out.prompt_token_ids, out.prompt_logprobs or []
+        head = self._token_str(prompt[0])
+        rest = self._completion_logprobs(prompt[1:] + c.token_ids, list(lps[1:]) + list(c.logprobs or []), len(head), n)
+        return {"tokens": [head] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
     def _completion_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], offset: int, n: int
                              ) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
@@ -524,8 +548,8 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     async def _stream_completion(self, sub: _Submitted, response_id: str, model: str, n: int,
-                                 echo_texts: list[str], num_logprobs: int | None, include_usage: bool
-                                 ) -> AsyncIterator[str]:
+                                 echo_texts: list[str], num_logprobs: int | None, include_usage: bool,
+                                 echo_logprobs: bool = False, prompt_only: bool = False) -> AsyncIterator[str]:
         created = int(time.time())
         progress: dict[int, _ChoiceProgress] = {}
         offsets: dict[int, int] = {}
@@ -546,13 +570,20 @@ class OpenAIServing:
                 p = progress.setdefault(index, _ChoiceProgress())
                 if p.finished:
                     continue
+                if prompt_only:  # (as in create_completion) the drawn token is not part of the answer
+                    c = replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                                finish_reason="length", stop_reason=None)
                 text, new_tokens, lps = p.advance(c)
+                logprobs = None
                 if not p.started:
                     p.started = True
                     text = echo_texts[i] + text
                     offsets[index] = len(echo_texts[i])
-                logprobs = None
-                if num_logprobs is not None and lps:
+                    if echo_logprobs:  # the prompt's logprobs (and the first tokens') in the first chunk
+                        logprobs = self._echo_logprobs(out, replace(c, token_ids=new_tokens, logprobs=lps),
+                                                       num_logprobs or 0)
+                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                if logprobs is None and num_logprobs is not None and lps:
                     logprobs = self._completion_logprobs(new_tokens, lps, offsets[index], num_logprobs)
                     offsets[index] += sum(len(t) for t in logprobs["tokens"])
                 if c.finish_reason is not None:
