@@ -424,13 +424,15 @@ def _rank_weights(path: Path, tp_size: int, rank: int) -> tuple[dict[str, torch.
     return weights, cuts
 
 
-@pytest.mark.parametrize("form", ["ct-channel", "ct-tensor", "hf-block"])
-def test_prequantized_checkpoint_loads_each_ranks_slice(tiny_model_dir, tmp_path, form):
+@pytest.mark.parametrize("arch,form", [("llama", "ct-channel"), ("llama", "ct-tensor"), ("llama", "hf-block"),
+                                       ("phi3", "ct-channel")])
+def test_prequantized_checkpoint_loads_each_ranks_slice(tiny_model_dir, tmp_path, arch, form):
     """Tensor parallelism over an FP8 checkpoint: each rank reads its slice of the e4m3 values
     as they are, and their scales cut with the output channels (a cut across the input keeps
     them whole; a per-tensor scale stays one value); block-wise weights are the cut of the
-    dequantized whole. Exactly what cutting the unsharded load gives."""
-    src, _ = tiny_model_dir("llama")
+    dequantized whole; Phi-3's fused qkv_proj and gate_up_proj, a range per part. Exactly what
+    cutting the unsharded load gives."""
+    src, _ = tiny_model_dir(arch)
     dst = tmp_path / form
     save_fp8_checkpoint(src, dst, form)
     whole, _ = _rank_weights(dst, 1, 0)
@@ -447,9 +449,12 @@ def test_prequantized_checkpoint_loads_each_ranks_slice(tiny_model_dir, tmp_path
                 per_row = whole[scale].numel() > 1
                 assert torch.equal(part[scale], cut.read_shard(whole[scale]) if cut.dim == 0 and per_row else whole[scale])
                 assert part[scale].numel() == (got.shape[0] if per_row else 1), name
-        # The tiny Llama's 2 layers x 7 projections: e4m3 as stored, or (block-wise) dequantized.
-        assert kept_fp8 == (14 if form.startswith("ct") else 0)
-        assert sum(cut.dim == 1 for cut in cuts.values()) == 4  # o_proj and down_proj: cut across the input
+        # 2 layers x 7 projections (Phi-3: x 4, q/k/v and gate/up fused): e4m3 as stored, or
+        # (block-wise) dequantized; o_proj and down_proj cut across the input.
+        assert kept_fp8 == (0 if form == "hf-block" else 8 if arch == "phi3" else 14)
+        assert sum(cut.dim == 1 for cut in cuts.values()) == 4
+        assert (arch == "phi3") == any(len(cut.ranges) > 1 for name, cut in cuts.items()
+                                     if fp8_scale_name(name) in whole)
 
 
 def test_other_quantized_checkpoints_are_refused(tiny_model_dir, tmp_path):
