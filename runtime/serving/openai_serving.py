@@ -102,6 +102,13 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
 
 
+def _without_drawn_token(c: CompletionOutput) -> CompletionOutput:
+    """`c` as an echo with max_tokens 0 answers it: the prompt alone (the token the engine had
+    to draw is not part of the answer), finished by length, as vLLM does."""
+    return replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                   finish_reason="length", stop_reason=None)
+
+
 @dataclass
 class _ChoiceProgress:
     """What one choice has sent so far in a stream."""
@@ -483,9 +490,8 @@ class OpenAIServing:
         for i, out in enumerate(outputs):
             usage.add_prompt(out)
             for c in out.outputs:
-                if prompt_only:  # the drawn token is not part of the answer
-                    c = replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                finish_reason="length", stop_reason=None)
+                if prompt_only:
+                    c = _without_drawn_token(c)
                 usage.completion_tokens += len(c.token_ids)
                 logprobs = None
                 if echo_logprobs:
@@ -529,7 +535,8 @@ class OpenAIServing:
         text offsets run over the tokens' own strings from 0."""
         prompt, lps = out.prompt_token_ids, out.prompt_logprobs or []
         head = self._token_str(prompt[0])
-        rest = self._completion_logprobs(prompt[1:] + c.token_ids, list(lps[1:]) + list(c.logprobs or []), len(head), n)
+        rest = self._completion_logprobs(prompt[1:] + c.token_ids, list(lps[1:]) + list(c.logprobs or []),
+                                         len(head), n)
         return {"tokens": [head] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
                 "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
 
@@ -570,9 +577,8 @@ class OpenAIServing:
                 p = progress.setdefault(index, _ChoiceProgress())
                 if p.finished:
                     continue
-                if prompt_only:  # (as in create_completion) the drawn token is not part of the answer
-                    c = replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                                finish_reason="length", stop_reason=None)
+                if prompt_only:
+                    c = _without_drawn_token(c)
                 text, new_tokens, lps = p.advance(c)
                 logprobs = None
                 if not p.started:
