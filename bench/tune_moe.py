@@ -133,6 +133,33 @@ def swap_gate(limit: int) -> Any:
     return gate()
 
 
+def time_swapped(run: Any, default_ms: float, per_pair: bool, args: Any, label: str, figures: Any) -> dict[str, Any]:
+    """The swapped pointer kernels at one step size (`run(tiling, tma)` runs the op): as
+    `swap_tiling` tiles the step (KILN_MOE_SWAP_AB_MAX_ROWS), and each tiling of `swap_sweep`;
+    each against the default path's time (`default_ms`) and output."""
+    default_out = run(tma=None).float()  # the path a step takes by default
+    with swap_gate(1 << 30):  # the step as KILN_MOE_SWAP_AB_MAX_ROWS would run it
+        gated_ms = bc.call_ms(lambda: run(tma=False), args.repeats, args.timing)
+        gated_err = float((run(tma=False).float() - default_out).abs().max())
+    row: dict[str, Any] = {"swap_tiling": {**figures(gated_ms), "speedup_vs_default": default_ms / gated_ms,
+                                           "max_abs_diff_vs_default": gated_err}}
+    timings = []
+    for tiling in swap_sweep(per_pair)[:args.max_tilings or None]:
+        try:
+            timings.append((bc.call_ms(lambda: run(tiling), args.repeats, args.timing), tiling))
+        except Exception as e:  # a tiling that does not fit: named, skipped
+            print(f"{label} swap {tiling}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+    best = ""
+    if timings:
+        best_ms, best_tiling = min(timings, key=lambda r: r[0])
+        row["best"] = {"tiling": vars(best_tiling), **figures(best_ms), "speedup_vs_default": default_ms / best_ms}
+        row["sweep"] = [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])]
+        best = f"; best {best_ms:.3f} ms {best_tiling}"
+    print(f"{label} swapped: swap_tiling {gated_ms:.3f} ms ({default_ms / gated_ms:.2f}x the default "
+          f"{default_ms:.3f}), max diff {gated_err:.3g}{best}", flush=True)
+    return row
+
+
 def part_sweep(default: Any) -> list[Any]:
     """One GEMM's tilings with the default's row blocks (BLOCK_M) and program order."""
     from kiln.kernels.triton_moe import MoETiling
@@ -333,30 +360,8 @@ def main() -> None:
                     print(f"[{name} T={t}] tma: best {tma_ms:.3f} ms ({flops / tma_ms / 1e9:.0f} TFLOP/s) {tma_tiling} "
                           f"({default_ms / tma_ms:.2f}x the default path), max diff {tma_err:.3g}", flush=True)
 
-            swap_row = None
-            if "swap" in sweeps:
-                per_pair = pair_per_block(pairs, experts)
-                default_out = run(tma=None).float()  # the path a step takes by default
-                with swap_gate(1 << 30):  # the step as KILN_MOE_SWAP_AB_MAX_ROWS would run it
-                    gated_ms = time_ms(tma=False)
-                    gated_err = float((run(tma=False).float() - default_out).abs().max())
-                swap_timings = []
-                for tiling in swap_sweep(per_pair)[:args.max_tilings or None]:
-                    try:
-                        swap_timings.append((time_ms(tiling), tiling))
-                    except Exception as e:
-                        print(f"[{name} T={t}] swap {tiling}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                swap_row = {"swap_tiling": {**figures(gated_ms), "speedup_vs_default": default_ms / gated_ms,
-                                            "max_abs_diff_vs_default": gated_err}}
-                if swap_timings:
-                    swap_ms, swap_best = min(swap_timings, key=lambda r: r[0])
-                    swap_row["best"] = {"tiling": vars(swap_best), **figures(swap_ms),
-                                        "speedup_vs_default": default_ms / swap_ms}
-                    swap_row["sweep"] = [{"tiling": vars(tl), "ms": ms}
-                                         for ms, tl in sorted(swap_timings, key=lambda r: r[0])]
-                print(f"[{name} T={t}] swapped: swap_tiling {gated_ms:.3f} ms ({default_ms / gated_ms:.2f}x the "
-                      f"default {default_ms:.3f}), max diff {gated_err:.3g}"
-                      + (f"; best {swap_ms:.3f} ms {swap_best}" if swap_timings else ""), flush=True)
+            swap_row = (time_swapped(run, default_ms, pair_per_block(pairs, experts), args, f"[{name} T={t}]",
+                                     figures) if "swap" in sweeps else None)
             parts: dict[str, Any] = {}
             for part in ("gate_up", "down"):
                 if part not in sweeps or pair_per_block(pairs, experts):

@@ -645,3 +645,29 @@ def test_tune_moe_fp8_and_dense_paths_compute_fused_moe(monkeypatch) -> None:
     for label, figures in row.items():
         limit = 0.1 if label.startswith("w8a8") else 0.05
         assert figures["ms"] == 1.0 and figures["relative_difference_vs_16_bit"] < limit, (label, figures)
+
+
+def test_tune_moe_swap_sweep_times_the_swapped_kernels(monkeypatch) -> None:
+    """bench/tune_moe.py's `--sweeps swap` at one step size: the step as `swap_tiling` tiles it
+    (under the gate, which it leaves as it found it) and the sweep's swapped tilings, each
+    against the default path's output (timed here by a stand-in clock)."""
+    from bench_scripts import load_bench_script
+    from kiln.kernels import triton_moe
+
+    tune = load_bench_script(monkeypatch, "tune_moe")
+    monkeypatch.setattr(tune.bc, "call_ms", lambda fn, repeats, timing: (fn(), 1.0)[1])
+    swapped, swap_tiling = [], triton_moe.swap_tiling
+    monkeypatch.setattr(triton_moe, "swap_tiling", lambda *a: swapped.append(a) or swap_tiling(*a))
+    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 48, 4, torch.float16, seed=5)
+
+    def run(tiling: Any = None, tma: bool | None = False, down: Any = None) -> torch.Tensor:
+        return fused_moe_triton(hidden, logits, w_gate_up, w_down, 2, True, True, tiling=tiling, tma=tma,
+                                down_tiling=down)
+
+    gate = triton_moe.SWAP_AB_MAX_ROWS
+    args = type("Args", (), {"repeats": 1, "timing": "events", "max_tilings": 3})()
+    row = tune.time_swapped(run, 2.0, False, args, "[tiny]", lambda ms: {"ms": ms})
+    assert swapped and triton_moe.SWAP_AB_MAX_ROWS == gate
+    assert row["swap_tiling"]["speedup_vs_default"] == 2.0 and row["swap_tiling"]["max_abs_diff_vs_default"] < 1e-2
+    assert len(row["sweep"]) == 3 and all(entry["tiling"]["swap_ab"] for entry in row["sweep"])
+    assert row["best"]["speedup_vs_default"] == 2.0
