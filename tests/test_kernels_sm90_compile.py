@@ -164,14 +164,15 @@ swap = dict(fp8, BLOCK_M=32, SWAP_AB=True)
 for w_fp8 in (False, True):
     w = "*fp8e4nv" if w_fp8 else "*bf16"
     types = dict(fp8_types, w_ptr=w, w_scale_ptr="*fp32" if w_fp8 else "*bf16")
-    for name, code in ((f"gate_up swap fp8={w_fp8}", ptx(_moe_gate_up_kernel, dict(swap, TOP_K=2, W_FP8=w_fp8),
-                                                         dict(types, x_ptr="*bf16", out_ptr="*bf16"), 4, 4)),
-                       (f"down swap fp8={w_fp8}", ptx(_moe_down_kernel, dict(swap, W_FP8=w_fp8),
-                                                      dict(types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 4, 4))):
+    gate_up = ptx(_moe_gate_up_kernel, dict(swap, TOP_K=2, W_FP8=w_fp8), dict(types, x_ptr="*bf16", out_ptr="*bf16"),
+                  4, 4)
+    down = ptx(_moe_down_kernel, dict(swap, W_FP8=w_fp8),
+               dict(types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 4, 4)
+    for name, code in ((f"gate_up swap fp8={w_fp8}", gate_up), (f"down swap fp8={w_fp8}", down)):
         body = code[code.index(".entry"):]
         # the MMA's A operand: registers ({%r..}) or a shared-memory descriptor (%rd..)
-        a_operand = sorted(set(re.findall(r"wgmma\.mma_async[.\w]* \{[^}]*\}, (\{|%rd)", body)))
-        found[name] = [sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", code))), a_operand, body.count(".local")]
+        a_operand = sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]* \\{[^}]*\\}, (\\{|%rd)", body)))
+        found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))), a_operand, body.count(".local")]
 # FP8 experts in prefill-sized steps: widened once, by this kernel, for the 16-bit kernels.
 deq = ptx(_dequantize_rows_kernel, dict(BLOCK=4096), {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"}, 4, 1)
 found["dequantize"] = [sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", deq))),
