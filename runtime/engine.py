@@ -303,7 +303,7 @@ class LLMEngine:
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(params).__name__}")
-        token_ids = self.tokenize(prompt)
+        token_ids = params.truncated_prompt(self.tokenize(prompt), self.max_model_len)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size

@@ -52,6 +52,16 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """`token_ids`' last `keep` tokens (-1: `max_model_len`; None: all of them), as vLLM's
+    `truncate_prompt_tokens` keeps them."""
+    if keep == -1:
+        keep = max_model_len
+    if keep is None or keep < 1 or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[-keep:]
+
+
 @dataclass
 class SamplingParams:
     """Decoding options of one request.
@@ -72,7 +82,8 @@ class SamplingParams:
     runs compiled buckets, whose number of logits rows is fixed; see LLMEngine.validate_request). `min_tokens` forbids EOS / stop tokens (and ignores stop strings)
     until that many tokens exist; `ignore_eos` keeps going past EOS. `structured_outputs`
     constrains the output to a JSON schema, regex, choice or grammar (a `StructuredOutputs`
-    or a dict of its fields).
+    or a dict of its fields). `truncate_prompt_tokens=k` keeps only the prompt's last k tokens
+    (-1: the engine's max_model_len), as vLLM's does (`truncated_prompt`).
     """
 
     max_tokens: int = 16
@@ -97,6 +108,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -206,6 +218,15 @@ class SamplingParams:
                                                      and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
                                          f"got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and not (
+                _is_int(self.truncate_prompt_tokens)
+                and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
+            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, -1 (the engine's max_model_len) or None, "
+                                                f"got {self.truncate_prompt_tokens!r}")
+
+    def truncated_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt this request runs (`truncate_prompt`)."""
+        return truncate_prompt(token_ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def greedy(self) -> bool:

@@ -145,6 +145,26 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, tokenizer) 
         client.completions.create(model="smol", prompt=ids, max_tokens=0)  # without echo: nothing to return
 
 
+def test_truncate_prompt_tokens(client: openai.OpenAI, tokenizer) -> None:
+    """vLLM's `truncate_prompt_tokens` extra field: the prompt's last k tokens run (echoed as
+    such), on both endpoints; a prompt over max_model_len (1,024 here) runs once cut."""
+    ids = tokenizer("Once upon a time there was a")["input_ids"]
+    cut = client.completions.create(model="smol", prompt=ids, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    alone = client.completions.create(model="smol", prompt=ids[-3:], max_tokens=4, temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == alone.choices[0].text
+    assert cut.choices[0].text.startswith(tokenizer.decode(ids[-3:]))
+    long = (ids * 200)[:1100]
+    r = client.completions.create(model="smol", prompt=long, max_tokens=2, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": 1000})
+    assert r.usage.prompt_tokens == 1000
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi " * 50}],
+                                          max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": 10})
+    assert chat.usage.prompt_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model="smol", prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+
+
 def test_chat_usage_matches_chat_template(client: openai.OpenAI, tokenizer) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     r = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0)

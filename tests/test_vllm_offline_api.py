@@ -54,6 +54,27 @@ def test_bad_prompts_fail_alone_with_their_index(llm) -> None:
         llm.generate(42, GREEDY)  # type: ignore[arg-type]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones(llm) -> None:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens run (-1: up to max_model_len),
+    as if the prompt were those alone; a value that is neither is refused naming the field."""
+    ids = llm.get_tokenizer()("The capital of France is a city of")["input_ids"]
+    (out,) = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=3),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == ids[-3:]
+    assert out.outputs[0].token_ids == tokens(llm, ids[-3:])
+    long = (ids * 40)[:300]  # over max_model_len (256): runs once cut to its last 250
+    (cut,) = llm.generate([long], SamplingParams(temperature=0, max_tokens=4, truncate_prompt_tokens=250),
+                          use_tqdm=False)
+    assert cut.prompt_token_ids == long[-250:] and len(cut.outputs[0].token_ids) == 4
+    # -1: up to max_model_len (which leaves no room to generate, as in vLLM: the usual error)
+    assert SamplingParams(truncate_prompt_tokens=-1).truncated_prompt(long, 256) == long[-256:]
+    with pytest.raises(GenerateError, match="max_tokens"):
+        llm.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_progress_bar_by_default_as_vllm(llm, capfd) -> None:
     llm.generate(["a", "b"], GREEDY)
     assert "Processed prompts: 100%" in capfd.readouterr().err

@@ -41,7 +41,7 @@ from kiln.runtime.guided_decoding import GrammarError, ToolSchema
 from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, top_entries
-from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams, truncate_prompt
 from kiln.runtime.serving.metrics import ServerMetrics
 from kiln.runtime.serving.tool_parser import ToolParser, get_tool_parser
 from kiln.runtime.serving.vllm_compat import (ServingOptions, UnknownFieldLog, prompt_logprobs_json,
@@ -476,6 +476,8 @@ class OpenAIServing:
         prompts = await self._off_loop(self._completion_prompts, raw, params, rename)
         grammar = await self._structured_grammar(req)
         sub = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, grammar, arrival)
+        if params.truncate_prompt_tokens is not None:
+            texts = [None] * len(prompts)  # echo what runs: the kept tokens, decoded
         echo_texts = [self._echo_text(t, ids) if req.echo else "" for t, ids in zip(texts, prompts)]
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
         self._log_request(response_id, "/v1/completions", prompts, params, grammar is not None)
@@ -517,6 +519,7 @@ class OpenAIServing:
             prompts = [list(raw)]
         else:
             prompts = [list(p) for p in raw]
+        prompts = [params.truncated_prompt(ids, self.max_model_len) for ids in prompts]
         for i, ids in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if not ids:
@@ -629,6 +632,7 @@ class OpenAIServing:
             prompt_ids = await self._client_template_prompt_ids(req, tool_dicts, *client_template)
         if not prompt_ids:
             raise bad_request("messages: the conversation renders to an empty prompt", "messages")
+        prompt_ids = truncate_prompt(prompt_ids, req.truncate_prompt_tokens, self.max_model_len)
 
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         rename = {"max_tokens": max_param, "logprobs": "top_logprobs", "prompt": "messages"}

@@ -38,6 +38,7 @@ class VLLMSamplingFields(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def structured(self) -> StructuredOutputs | None:
         """The request's output constraint, from `structured_outputs` or a `guided_*` field;
@@ -61,7 +62,7 @@ class VLLMSamplingFields(BaseModel):
     def sampling_values(self) -> dict[str, Any]:
         """The fields that map one to one onto SamplingParams."""
         values: dict[str, Any] = {"include_stop_str_in_output": self.include_stop_str_in_output}
-        for name in ("prompt_logprobs", "allowed_token_ids", "bad_words"):
+        for name in ("prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 values[name] = getattr(self, name)
         return values
