@@ -377,7 +377,7 @@ class LLMEngine:
         ]
         for seq in seqs[1:]:
             seq.fork_parent = seqs[0]  # the others share the first one's prompt blocks
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             for seq in seqs:
                 detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                 seq.text = OutputText(detok, params.stop, include_stop=params.include_stop_str_in_output)
@@ -580,7 +580,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float) -> None:
         seq.append_token(token)
         if logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(logprobs))
+            seq.logprobs.append(self._logprob_entry(logprobs, seq.params.detokenize))
             seq.cumulative_logprob += logprobs.logprob
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -608,13 +608,15 @@ class LLMEngine:
             n = seq.params.prompt_logprobs or 0
             top = [TopLogprob(top_ids[i][j], top_values[i][j]) for j in range(n)] if n else []
             seq.prompt_logprobs[p + 1] = self._logprob_entry(
-                TokenLogprobs(token_id=target_list[i], logprob=chosen_list[i], rank=ranks[i], top=top))
+                TokenLogprobs(token_id=target_list[i], logprob=chosen_list[i], rank=ranks[i], top=top),
+                seq.params.detokenize)
 
-    def _logprob_entry(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+    def _logprob_entry(self, lp: TokenLogprobs, decode: bool = True) -> dict[int, Logprob]:
         """vLLM's per-position shape: token id -> Logprob(logprob, rank, decoded_token), the
-        sampled token and the top N (inserted most likely first)."""
+        sampled token and the top N (inserted most likely first); decoded_token None without
+        `decode` (SamplingParams.detokenize False) or a tokenizer."""
         def text(token_id: int) -> str | None:
-            return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+            return self.tokenizer.decode([token_id]) if self.tokenizer is not None and decode else None
 
         entry = {t.token_id: Logprob(t.logprob, rank, text(t.token_id)) for rank, t in enumerate(lp.top, start=1)}
         if lp.token_id not in entry:

@@ -83,7 +83,8 @@ class SamplingParams:
     until that many tokens exist; `ignore_eos` keeps going past EOS. `structured_outputs`
     constrains the output to a JSON schema, regex, choice or grammar (a `StructuredOutputs`
     or a dict of its fields). `truncate_prompt_tokens=k` keeps only the prompt's last k tokens
-    (-1: the engine's max_model_len), as vLLM's does (`truncated_prompt`).
+    (-1: the engine's max_model_len), as vLLM's does (`truncated_prompt`). `detokenize=False`
+    returns token ids without text (no detokenizing, as vLLM's; stop strings need the text).
     """
 
     max_tokens: int = 16
@@ -109,6 +110,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -223,6 +225,11 @@ class SamplingParams:
                 and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)):
             raise bad("truncate_prompt_tokens", f"must be an integer >= 1, -1 (the engine's max_model_len) or None, "
                                                 f"got {self.truncate_prompt_tokens!r}")
+        if not isinstance(self.detokenize, bool):
+            raise bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "strings are matched in the output text, which detokenize=False does not make; "
+                              "use stop_token_ids, or detokenize=True")
 
     def truncated_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt this request runs (`truncate_prompt`)."""

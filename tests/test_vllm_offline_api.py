@@ -75,6 +75,22 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(llm) -> None:
             SamplingParams(truncate_prompt_tokens=bad)
 
 
+def test_detokenize_false_returns_token_ids_alone(llm) -> None:
+    """vLLM's `detokenize=False` (its throughput benchmark's --disable-detokenize): the same
+    tokens, no text, logprobs without decoded tokens; stop strings, matched in the text, are
+    refused with it."""
+    ids = llm.get_tokenizer()("The capital of France is")["input_ids"]
+    params = dict(temperature=0, max_tokens=6, logprobs=1)
+    (text,) = llm.generate([ids], SamplingParams(**params), use_tqdm=False)
+    (bare,) = llm.generate([ids], SamplingParams(**params, detokenize=False), use_tqdm=False)
+    assert bare.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert bare.outputs[0].text == ""
+    assert all(lp.decoded_token is None for entry in bare.outputs[0].logprobs for lp in entry.values())
+    assert all(lp.decoded_token is not None for entry in text.outputs[0].logprobs for lp in entry.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["."], detokenize=False)
+
+
 def test_progress_bar_by_default_as_vllm(llm, capfd) -> None:
     llm.generate(["a", "b"], GREEDY)
     assert "Processed prompts: 100%" in capfd.readouterr().err
