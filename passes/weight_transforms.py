@@ -128,11 +128,14 @@ class QuantizeFP8Weight:
         if w.dtype == FP8_DTYPE:
             scale = _row_scales(self.weight, weights, w.shape[0]).to(w.device)
         else:
+            # A large weight's result in memory of its own, as for the experts above: allocated
+            # right after the cache is emptied, before the quantization's temporaries.
+            wq = None
             if _fragments(w):
-                torch.cuda.empty_cache()  # the result in memory of its own, as for the experts above
-            wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+                torch.cuda.empty_cache()
+                wq = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
             q, scale = quantize_fp8_rowwise(w)
-            w = wq.copy_(q)
+            w = q if wq is None else wq.copy_(q)
             del q
         weights[self.weight] = w.contiguous()
         weights[fp8_scale_name(self.weight)] = scale

@@ -3,7 +3,8 @@ admission test (runtime/scheduler.py, "admission's reservation").
 
 Each sequence is a growth profile (`BlockProfile`): it holds `tokens` now and adds at most one
 token a step, `growth` more in all; a sequence whose end is known (`ends_after`: it holds its
-blocks for at most that many more steps) then gives back the blocks no other sequence shares. Admission used to reserve every running sequence's final size at once, as
+blocks for at most that many more steps) then gives back the blocks no other sequence shares.
+Admission used to reserve every running sequence's final size at once, as
 if none would end before the newest; but sequences end at different steps, and the blocks of
 the first to end go to those still growing. The peak over the coming steps of what all of
 them hold is what must fit, and it is smaller when their ends are staggered: 1,000 requests of
