@@ -229,11 +229,9 @@ class LLMEngine:
         the checkpoint's, 1.0, or calibrated by one prefill, set in place in the graph's scales
         inputs before any request (and before CUDA graphs are captured). Returns the calibrated
         ones by parameter name ({} when none were)."""
-        # One prefill of real blocks (1..; block 0 is the null block) within the step budget.
-        room = min(config.max_num_batched_tokens, self.max_model_len, (self.num_kv_blocks - 1) * config.block_size)
         scales, line = kv_scales_at_startup(self.runner, self.graph_spec.input_roles, model.checkpoint_kv_scales,
-                                            config.calculate_kv_scales, int(self.model_config.vocab_size), room,
-                                            config.block_size, self.timings)
+                                            config, int(self.model_config.vocab_size), self.max_model_len,
+                                            self.num_kv_blocks, self.timings)
         if line:
             logger.info("%s", line)
         return scales

@@ -110,13 +110,14 @@ def calibrate_kv_scales(runner: Any, names: list[str], input_ids: list[int], blo
     return out
 
 
-def kv_scales_at_startup(runner: Any, input_roles: list[str], checkpoint_scales: list[str], calculate: bool,
-                         vocab_size: int, max_tokens: int, block_size: int,
+def kv_scales_at_startup(runner: Any, input_roles: list[str], checkpoint_scales: list[str], config: Any,
+                         vocab_size: int, max_model_len: int, num_blocks: int,
                          timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], str | None]:
     """An engine's (or a tensor-parallel rank's) FP8 KV-cache scales at start-up: the
-    checkpoint's where it has them, 1.0 with `calculate` False, else calibrated on `runner` by
-    one prefill of at most `max_tokens` (`calibrate_kv_scales`, in place, before any request or
-    CUDA-graph capture; its time goes into `timings`). Returns the calibrated scales by
+    checkpoint's where it has them, 1.0 with `config.calculate_kv_scales` False, else calibrated
+    on `runner` (over a cache of `num_blocks` blocks) by one prefill of real blocks (1..; block 0
+    is the null block) within the step budget and `max_model_len` (`calibrate_kv_scales`, in
+    place, before any request or CUDA-graph capture; its time goes into `timings`). Returns the calibrated scales by
     parameter name ({} when none were calibrated) and the line to log (None without an FP8 KV
     cache). The ranks of a tensor-parallel group each call it at once (the prefill's
     collectives need them all), each measuring the K/V heads it holds: per-rank scales, as
@@ -126,11 +127,12 @@ def kv_scales_at_startup(runner: Any, input_roles: list[str], checkpoint_scales:
         return {}, None
     if checkpoint_scales:
         return {}, f"FP8 KV cache: {len(checkpoint_scales)} scales from the checkpoint ({checkpoint_scales[0]}, ...)"
-    if not calculate:
+    if not config.calculate_kv_scales:
         return {}, "FP8 KV cache: no scales in the checkpoint, calculate_kv_scales=False: scale 1.0"
-    num_tokens = min(CALIBRATION_TOKENS, max_tokens)
+    room = min(config.max_num_batched_tokens, max_model_len, (num_blocks - 1) * config.block_size)
+    num_tokens = min(CALIBRATION_TOKENS, room)
     with timed(timings, "calibrate KV scales"):
-        scales = calibrate_kv_scales(runner, names, calibration_ids(vocab_size, num_tokens), block_size)
+        scales = calibrate_kv_scales(runner, names, calibration_ids(vocab_size, num_tokens), config.block_size)
     return scales, (f"FP8 KV cache: no scales in the checkpoint; calibrated on {num_tokens} tokens: "
                     f"{describe_scales(scales)}")
 

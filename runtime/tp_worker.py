@@ -121,10 +121,9 @@ class RankWorker:
         kv = allocate_kv_cache(config, self.model_config, num_blocks, self.kv_cache_dtype, self.device)
         self.runner = self.model.make_runner(kv)
         # The engine's own limits, so every rank calibrates on the same tokens as TP=1 would.
-        room = min(config.max_num_batched_tokens, self.spec.max_model_len, (num_blocks - 1) * config.block_size)
         _, kv_scales = kv_scales_at_startup(self.runner, self.model.prepared.spec.input_roles,
-                                            self.model.checkpoint_kv_scales, config.calculate_kv_scales,
-                                            int(self.model_config.vocab_size), room, config.block_size, self.timings)
+                                            self.model.checkpoint_kv_scales, config, int(self.model_config.vocab_size),
+                                            self.spec.max_model_len, num_blocks, self.timings)
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
             self.runner.capture_decode_graphs(cuda_graph_sizes(self.model.prepared.plan),
