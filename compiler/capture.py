@@ -281,6 +281,13 @@ class CapturedModel:
     param_aliases: dict[str, list[str]]
     # Config-derived buffers/constants by name (RoPE inv_freq): small, not weights.
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The constants that are persistent buffers (saved in checkpoints: DeepSeek-V3-style
+    # routers' `e_score_correction_bias`) -> the names a checkpoint may store each under. The
+    # loader replaces the captured value (built from the config) with the checkpoint's.
+    checkpoint_buffers: dict[str, list[str]] = field(default_factory=dict)
+    # Parameters the model keeps in a dtype other than the capture's (GLM-4.5's and
+    # DeepSeek-V3's routers are float32 in a bfloat16 model): the loader reads them so.
+    param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     def input_roles(self) -> list[str]:
         return graph_input_roles(self.graph_module)
@@ -365,6 +372,9 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
         aliases.setdefault(id(p), []).append(name)
     tied = _tied_weights(hf, config)
     saved = _checkpoint_names(hf)
+    persistent = _persistent_buffer_names(hf)
+    checkpoint_buffers: dict[str, list[str]] = {}
+    param_dtypes: dict[str, torch.dtype] = {}
     if not inline and not program.graph_module.graph.find_nodes(
             op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
@@ -385,10 +395,14 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
             names += [saved[n] for n in names if n in saved]
             param_aliases[hf_name] = list(dict.fromkeys([hf_name] + names))
             node.meta[INPUT_META_KEY] = param_role(hf_name)
+            if named_params[spec.target].dtype != dtype:
+                param_dtypes[hf_name] = named_params[spec.target].dtype
         elif kind == "BUFFER":
             name = _strip_wrapper(spec.target)
             constants[name] = named_buffers[spec.target].detach().clone()
             node.meta[INPUT_META_KEY] = constant_role(name)
+            if name in persistent:
+                checkpoint_buffers[name] = list(dict.fromkeys([name, *persistent[name]]))
         elif kind == "CONSTANT_TENSOR":
             name = str(spec.target)
             constants[name] = program.constants[spec.target].detach().clone()
@@ -404,7 +418,8 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     # The HF model sits in reference cycles: collected here, not at some later point.
     del hf, wrapper, program, named_params, named_buffers, aliases
     gc.collect()
-    return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants)
+    return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants,
+                         checkpoint_buffers=checkpoint_buffers, param_dtypes=param_dtypes)
 
 
 def _mark_inline_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor], hf: torch.nn.Module) -> None:
@@ -442,6 +457,22 @@ def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
         saved = list(revert_weight_conversion(hf, {name: p}))
         if len(saved) == 1 and saved[0] != name:
             names[name] = saved[0]
+    return names
+
+
+def _persistent_buffer_names(hf: torch.nn.Module) -> dict[str, list[str]]:
+    """Each persistent buffer (one `state_dict` holds, so `save_pretrained` writes it) -> the
+    other names transformers' `save_pretrained` writes it under (Exaone-MoE's
+    `mlp.gate.e_score_correction_bias` is saved as `mlp.e_score_correction_bias`)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    names: dict[str, list[str]] = {}
+    for prefix, module in hf.named_modules(remove_duplicate=False):
+        for local, buf in module._buffers.items():
+            if buf is None or local in module._non_persistent_buffers_set:
+                continue
+            name = f"{prefix}.{local}" if prefix else local
+            names[name] = [n for n in revert_weight_conversion(hf, {name: buf}) if n != name]
     return names
 
 

@@ -186,8 +186,10 @@ class ModelSource:
         keep_fp8: frozenset[str] = frozenset(),
         shards: dict[str, Any] | None = None,
         on_tensor: TensorHook | None = None,
+        param_dtypes: dict[str, torch.dtype] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Tensors for each wanted parameter name.
+        """Tensors for each wanted parameter name, in `dtype` (or the one `param_dtypes` gives
+        a parameter the model keeps in another dtype: GLM-4.5's float32 routers).
 
         `names` maps each parameter the graph takes to its aliases (tied weights such as
         lm_head.weight / model.embed_tokens.weight); the first alias found is used. FP8
@@ -204,10 +206,10 @@ class ModelSource:
         """
         shards = shards or {}
         if self.load_format == "dummy":
-            return dummy_weights(names, self._shapes(), dtype, device, shards, on_tensor)
+            return dummy_weights(names, self._shapes(), dtype, device, shards, on_tensor, param_dtypes)
         if self.weights_dir is not None:
             return _load_safetensors_dir(self.weights_dir, names, dtype, device, progress,
-                                         config_num_experts(self.config), keep_fp8, shards, on_tensor)
+                                         config_num_experts(self.config), keep_fp8, shards, on_tensor, param_dtypes)
         raise ModelSourceError(f"model source {self.name!r} of kind {self.kind!r} has no weights to load")
 
     def load_tensors_if_present(self, keys: list[str], device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -595,6 +597,7 @@ def _load_safetensors_dir(
     path: Path, names: dict[str, list[str]], dtype: torch.dtype, device: torch.device | str, progress: bool,
     num_experts: int | None = None, keep_fp8: frozenset[str] = frozenset(),
     tp_shards: dict[str, Any] | None = None, on_tensor: TensorHook | None = None,
+    param_dtypes: dict[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
@@ -636,8 +639,9 @@ def _load_safetensors_dir(
         for shard, items in plan.items():
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
+                    want = (param_dtypes or {}).get(name, dtype)
                     if tp_shards and name in tp_shards and key not in derived_sources:
-                        _load_rank_slice(out, f, name, key, tp_shards[name], where, shard, name in keep_fp8, dtype,
+                        _load_rank_slice(out, f, name, key, tp_shards[name], where, shard, name in keep_fp8, want,
                                          device, on_tensor)
                         bar.update(1)
                         continue
@@ -650,18 +654,18 @@ def _load_safetensors_dir(
                             out[fp8_scale_name(name)] = per_row.to(device=device)
                             bar.update(1)
                             continue
-                        tensor = dequantize(tensor, scale, dtype)
+                        tensor = dequantize(tensor, scale, want)
                     if key in derived_sources:
                         raw[key] = tensor
                     else:
-                        _keep(out, name, tensor.to(device=device, dtype=dtype), on_tensor)
+                        _keep(out, name, tensor.to(device=device, dtype=want), on_tensor)
                     bar.update(1)
     for name, sources in derived.items():
         # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
         combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
-        _keep(out, name, combined.to(device=device, dtype=dtype), on_tensor)
+        _keep(out, name, combined.to(device=device, dtype=(param_dtypes or {}).get(name, dtype)), on_tensor)
     return out
 
 
@@ -724,8 +728,10 @@ _EXPERT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
 
 
 def config_num_experts(config: Any) -> int | None:
-    """Routed experts per layer (Mixtral: num_local_experts; Qwen2/3-MoE, OLMoE: num_experts)."""
-    for attr in ("num_local_experts", "num_experts"):
+    """Routed experts per layer (Mixtral, PhiMoE, MiniMax-M2: num_local_experts; Qwen2/3-MoE,
+    OLMoE: num_experts; DeepSeek-V3, GLM-4.5, dots.llm1: n_routed_experts; Ernie 4.5:
+    moe_num_experts)."""
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
             return value
@@ -779,6 +785,7 @@ def _dummy_shard(name: str, shard: Any, shapes: dict[str, torch.Size], dtype: to
 def dummy_weights(
     names: dict[str, list[str]], shapes: dict[str, torch.Size], dtype: torch.dtype, device: torch.device | str,
     shards: dict[str, Any] | None = None, on_tensor: TensorHook | None = None,
+    param_dtypes: dict[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Deterministic random weights: the same name and shape always give the same values.
 
@@ -790,16 +797,17 @@ def dummy_weights(
     out: dict[str, torch.Tensor] = {}
     for name in names:
         shape = shapes[name]
+        want = (param_dtypes or {}).get(name, dtype)
         if shards and name in shards:
-            tensor = _dummy_shard(name, shards[name], shapes, dtype, device)
+            tensor = _dummy_shard(name, shards[name], shapes, want, device)
         elif name.endswith("norm.weight"):
-            tensor = torch.ones(shape, dtype=dtype, device=device)
+            tensor = torch.ones(shape, dtype=want, device=device)
         elif name.endswith(".bias"):
-            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            tensor = torch.zeros(shape, dtype=want, device=device)
         else:
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
             w = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, 0.02, generator=gen)
-            tensor = w.to(dtype)
+            tensor = w.to(want)
             del w
         _keep(out, name, tensor, on_tensor)
         del tensor  # (with `on_tensor`, what is kept may be a quantized copy: free this one now)

@@ -137,7 +137,8 @@ def capture_through(config: Any, phase: str, dtype: torch.dtype = torch.float32,
 def random_weights(captured: CapturedModel, seed: int = 0, std: float = 0.08) -> dict[str, torch.Tensor]:
     shapes = parameter_shapes(captured.config)
     g = torch.Generator().manual_seed(seed)
-    return {name: (torch.randn(shapes[name], generator=g) * std).to(captured.dtype) for name in captured.param_aliases}
+    return {name: (torch.randn(shapes[name], generator=g) * std).to(captured.param_dtypes.get(name, captured.dtype))
+            for name in captured.param_aliases}
 
 
 def single_sequence_batch(num_tokens: int, block_size: int, vocab_size: int, seed: int = 0) -> StepInputs:
@@ -171,7 +172,8 @@ def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, 
     if weights is None:
         weights = random_weights(captured, seed=seed)
     else:
-        weights = {name: t.to(captured.dtype) for name, t in weights.items()}  # a copy: transforms consume it
+        weights = {name: t.to(captured.param_dtypes.get(name, captured.dtype))  # a copy: transforms consume it
+                   for name, t in weights.items()}
     weights = apply_weight_transforms(weights, transforms or [])
     batch = single_sequence_batch(num_tokens, block_size, config.vocab_size, seed=seed)
     if sample_all_rows:

@@ -51,10 +51,13 @@ class ModelGraph:
             weight_transforms_json=transforms_to_json(self.weight_transforms),
             pass_records=[{"phase": r.phase, "name": r.name, "uuid": r.uuid, "stats": dict(r.stats)}
                           for r in self.report.records],
+            checkpoint_buffers={k: list(v) for k, v in self.captured.checkpoint_buffers.items()},
+            param_dtype_names={k: str(v).removeprefix("torch.") for k, v in self.captured.param_dtypes.items()},
         )
 
 
-GRAPH_SPEC_FORMAT = 1
+# 2: checkpoint_buffers, param_dtype_names (specs of format 1 are dropped and built again).
+GRAPH_SPEC_FORMAT = 2
 
 
 class GraphSpecError(ValueError):
@@ -70,6 +73,14 @@ class GraphSpec:
     constants: dict[str, torch.Tensor]
     weight_transforms_json: list[dict[str, Any]] = field(default_factory=list)
     pass_records: list[dict[str, Any]] = field(default_factory=list)
+    # Constants a checkpoint may hold values of (kiln.compiler.capture.CapturedModel).
+    checkpoint_buffers: dict[str, list[str]] = field(default_factory=dict)
+    # Parameters loaded in another dtype than the model's, by dtype name ("float32").
+    param_dtype_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def param_dtypes(self) -> dict[str, torch.dtype]:
+        return {k: getattr(torch, v) for k, v in self.param_dtype_names.items()}
 
     @property
     def weight_transforms(self) -> list[Any]:
@@ -82,7 +93,8 @@ class GraphSpec:
         torch.save({
             "format": GRAPH_SPEC_FORMAT, "input_roles": self.input_roles, "param_aliases": self.param_aliases,
             "constants": self.constants, "weight_transforms": self.weight_transforms_json,
-            "pass_records": self.pass_records,
+            "pass_records": self.pass_records, "checkpoint_buffers": self.checkpoint_buffers,
+            "param_dtype_names": self.param_dtype_names,
         }, buf)
         return buf.getvalue()
 
@@ -97,7 +109,8 @@ class GraphSpec:
                                  f"expected {GRAPH_SPEC_FORMAT}")
         return cls(input_roles=list(raw["input_roles"]), param_aliases=dict(raw["param_aliases"]),
                    constants=dict(raw["constants"]), weight_transforms_json=list(raw["weight_transforms"]),
-                   pass_records=list(raw["pass_records"]))
+                   pass_records=list(raw["pass_records"]), checkpoint_buffers=dict(raw["checkpoint_buffers"]),
+                   param_dtype_names=dict(raw["param_dtype_names"]))
 
 
 def build_model_graph(

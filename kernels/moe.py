@@ -24,6 +24,16 @@ and multiply, and its down GEMM, are scaled by their routing weights and scatter
 their (token, slot) place; the slots are summed per token. It rounds where the batched_mm
 graph transformers exports rounds, so on CPU the fused graph equals the unfused one.
 `kiln.kernels.triton_moe` registers the CUDA implementation (a grouped GEMM).
+
+`kiln::moe_experts` is the same op with the routing given instead of computed:
+
+    moe_experts(hidden [T, H], topk_weights [T, k], topk_ids [T, k], w_gate_up, w_down) -> [T, H]
+
+for the routers that are not a softmax and a top-k (DeepSeek-V3's sigmoid scores with a
+selection bias and expert groups, GLM-4.5's, Ernie 4.5's, ...): `fuse_moe` leaves such a
+router in the graph, as the model computes it, and fuses the experts after it. The weights'
+dtype decides the rounding of the weighted sum as `fp32_weights` does in `fused_moe`, which is
+`route` followed by this op.
 """
 
 from __future__ import annotations
@@ -73,19 +83,41 @@ def check_fused_moe_args(hidden: torch.Tensor, router_logits: torch.Tensor, w_ga
         raise ValueError(f"fused_moe: top_k={top_k} must be in 1..{e} (the number of experts)")
 
 
-def fused_moe_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
-                        w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
-    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+def check_moe_experts_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+    """ValueError unless the shapes and dtypes are those of `kiln::moe_experts` (module doc)."""
+    if hidden.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"moe_experts: expected hidden [T, H], w_gate_up [E, 2I, H], w_down [E, H, I]; got "
+                         f"{tuple(hidden.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
     t, h = hidden.shape
+    e, two_i, h2 = w_gate_up.shape
+    if topk_weights.dim() != 2 or tuple(topk_ids.shape) != tuple(topk_weights.shape) or topk_weights.shape[0] != t:
+        raise ValueError(f"moe_experts: topk_weights and topk_ids must both be [T, k] with T = {t} tokens; got "
+                         f"{tuple(topk_weights.shape)} and {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int64, torch.int32) or not topk_weights.is_floating_point():
+        raise ValueError(f"moe_experts: topk_ids must be int64 or int32 and topk_weights floating point; got "
+                         f"{topk_ids.dtype} and {topk_weights.dtype}")
+    if h2 != h or two_i % 2 or tuple(w_down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"moe_experts: shapes disagree: hidden {tuple(hidden.shape)}, w_gate_up "
+                         f"{tuple(w_gate_up.shape)}, w_down {tuple(w_down.shape)} (should be {(e, h, two_i // 2)})")
+    if not 1 <= topk_weights.shape[1] <= e:
+        raise ValueError(f"moe_experts: {topk_weights.shape[1]} experts a token must be in 1..{e} (the number of experts)")
+
+
+def moe_experts_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The routed experts of `kiln::moe_experts` (module doc), grouped by expert."""
+    check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    t, h = hidden.shape
+    top_k = topk_ids.shape[1]
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     # The graph multiplies bf16 expert outputs by float32 weights (Mixtral) in float32.
-    out_dtype = torch.promote_types(hidden.dtype, routing.weights.dtype)
-    pairs = routing.experts.reshape(-1)                     # pair p = token p // top_k, slot p % top_k
+    out_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
+    pairs = topk_ids.reshape(-1).long()                     # pair p = token p // top_k, slot p % top_k
     order = torch.argsort(pairs, stable=True)               # pairs grouped by expert
     counts = torch.bincount(pairs, minlength=num_experts).tolist()
     tokens = order // top_k
-    weights = routing.weights.reshape(-1)[order]
+    weights = topk_weights.reshape(-1)[order]
     out = torch.zeros(t * top_k, h, dtype=out_dtype, device=hidden.device)
     start = 0
     for e, n in enumerate(counts):
@@ -101,20 +133,35 @@ def fused_moe_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gat
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
+def fused_moe_reference(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    return moe_experts_reference(hidden, routing.weights, routing.experts, w_gate_up, w_down)
+
+
 def fused_moe_grouped_mm(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor,
                          w_down: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool) -> torch.Tensor:
+    """`fused_moe` by `moe_experts_grouped_mm`."""
+    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    return moe_experts_grouped_mm(hidden, routing.weights, routing.experts, w_gate_up, w_down)
+
+
+def moe_experts_grouped_mm(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                           w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """The reference's computation with each GEMM one `torch._grouped_mm` over every expert
     (on CUDA, CUTLASS's grouped GEMM; torch also runs it on CPU) instead of a loop: the pairs
     sorted by expert, the per-expert row counts' prefix sums as the groups' ends. Device ops
     only, no host read, so a step can be captured in a CUDA graph. Unlike the Triton kernels
     it writes the [pairs, 2I] gate/up output (at 16k tokens of Mixtral, 1.9 GB): an
     alternative for prefill-sized steps, timed against them by bench/tune_moe.py."""
-    check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
     t, h = hidden.shape
+    top_k = topk_ids.shape[1]
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
-    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
-    out_dtype = torch.promote_types(hidden.dtype, routing.weights.dtype)
-    pairs = routing.experts.reshape(-1)
+    out_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
+    pairs = topk_ids.reshape(-1).long()
     order = torch.argsort(pairs, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=hidden.device)
     counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))  # no bincount: it reads max() back
@@ -125,7 +172,7 @@ def fused_moe_grouped_mm(hidden: torch.Tensor, router_logits: torch.Tensor, w_ga
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends)
     out = torch.empty(t * top_k, h, dtype=out_dtype, device=hidden.device)
-    out[order] = y * routing.weights.reshape(-1)[order, None]
+    out[order] = y * topk_weights.reshape(-1)[order, None]
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
@@ -140,9 +187,20 @@ def _fused_moe_fake(hidden, router_logits, w_gate_up, w_down, top_k, renormalize
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
 
+@kiln_op("kiln::moe_experts", mutates_args=())
+def moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+
 # ---- FP8 experts (weight-only) ------------------------------------------------------------------
 #
-# `kiln::fused_moe_fp8`: the same op over e4m3 expert weights with one float32 scale per expert
+# `kiln::fused_moe_fp8` (and `kiln::moe_experts_fp8`): the same ops over e4m3 expert weights with one float32 scale per expert
 # and output channel (`w_gate_up_scale` [E, 2I], `w_down_scale` [E, H]), as `quantize_fp8`
 # leaves them with `experts=True` (passes/quantize_fp8.py). The activations stay in the model
 # dtype (weight-only: each product is sum_k x[k] * w_q[k] in float32, times the channel's
@@ -190,5 +248,27 @@ def fused_moe_fp8(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_up: 
 @fused_moe_fp8.register_fake
 def _fused_moe_fp8_fake(hidden, router_logits, w_gate_up, w_gate_up_scale, w_down, w_down_scale, top_k, renormalize,
                         fp32_weights):
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+
+def moe_experts_fp8_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
+                              w_down_scale: torch.Tensor) -> torch.Tensor:
+    """moe_experts over the dequantized experts."""
+    check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+    return moe_experts_reference(hidden, topk_weights, topk_ids,
+                                 dequantize_experts(w_gate_up, w_gate_up_scale, hidden.dtype),
+                                 dequantize_experts(w_down, w_down_scale, hidden.dtype))
+
+
+@kiln_op("kiln::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
+                    w_down_scale: torch.Tensor) -> torch.Tensor:
+    return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+
+
+@moe_experts_fp8.register_fake
+def _moe_experts_fp8_fake(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale):
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 

@@ -1,4 +1,5 @@
-"""Triton kernels for `kiln::fused_moe` (registered for CUDA): a grouped GEMM over experts.
+"""Triton kernels for `kiln::fused_moe` and `kiln::moe_experts` (registered for CUDA): a
+grouped GEMM over experts (`fused_moe` is the softmax router, then `moe_experts`).
 
 One step of a MoE layer has T tokens x top_k (token, expert) pairs. The pairs are grouped by
 expert into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M, the
@@ -57,10 +58,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.fp8 import FP8_DTYPE
-from kiln.kernels.moe import (check_fused_moe_args, check_fused_moe_fp8_args, fused_moe_fp8_reference,
-                              fused_moe_grouped_mm, fused_moe_reference, route)
+from kiln.kernels.moe import (check_fused_moe_args, check_fused_moe_fp8_args, check_moe_experts_args,
+                              moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference, route)
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
+from kiln.kernels.moe import moe_experts as moe_experts_op
+from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -92,7 +95,7 @@ class MoETiling:
 # Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
 TARGET_PROGRAMS = 256
 
-# Steps with at least this many (token, expert) rows per expert run `fused_moe_grouped_mm`
+# Steps with at least this many (token, expert) rows per expert run `moe_experts_grouped_mm`
 # (torch's grouped GEMM) instead of these kernels, bf16 on sm_90 and newer only; 0 (the
 # default) never does. On the H200 (bench/tune_moe.py, Mixtral-8x7B shape, bench/RESULTS.md
 # R3-R4) it was slower than the kernels at 320 tokens (0.82x) and level at 16,384 (0.99x), so
@@ -158,7 +161,7 @@ def uses_swap_ab(num_pairs: int, num_experts: int) -> bool:
 
 
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
-    """Whether a step of `num_pairs` rows goes to `fused_moe_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
+    """Whether a step of `num_pairs` rows goes to `moe_experts_grouped_mm` (see GROUPED_MM_MIN_ROWS)."""
     return (_from_rows(GROUPED_MM_MIN_ROWS, num_pairs, num_experts) and hidden.dtype == torch.bfloat16
             and _on_sm90(hidden))
 
@@ -691,15 +694,32 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     copies for the 16-bit kernels; or, with `fp8_activations` (None: `uses_fp8_activations`),
     W8A8 by the sorted-rows kernels on e4m3 MMAs."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
+    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    return moe_experts_triton(hidden, routing.weights, routing.experts, w_gate_up, w_down, tiling=tiling,
+                              per_pair=per_pair, tma=tma, down_tiling=down_tiling, w_gate_up_scale=w_gate_up_scale,
+                              w_down_scale=w_down_scale, fp8_activations=fp8_activations)
+
+
+def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, tiling: MoETiling | None = None,
+                       per_pair: bool | None = None, tma: bool | None = None, down_tiling: MoETiling | None = None,
+                       w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
+                       fp8_activations: bool | None = None) -> torch.Tensor:
+    """`kiln::moe_experts` (the routing given: `topk_weights`, `topk_ids` [T, top_k]) by the
+    kernels of `fused_moe_triton`, with the same overrides; with the scales, `kiln::moe_experts_fp8`."""
+    check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
     fp8 = w_gate_up_scale is not None
     if fp8:
         check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
         w_gate_up_scale, w_down_scale = w_gate_up_scale.contiguous(), w_down_scale.contiguous()
     if not _applies(hidden, w_gate_up, w_down, fp8):
         if fp8:
-            return fused_moe_fp8_reference(hidden, router_logits, w_gate_up, w_gate_up_scale, w_down, w_down_scale,
-                                           top_k, renormalize, fp32_weights)
-        return fused_moe_reference(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
+            return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down,
+                                             w_down_scale)
+        return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    # The grouping and the per-pair kernels read int64 expert ids (a top-k's indices).
+    topk_ids = topk_ids.to(torch.int64)
+    top_k = topk_ids.shape[1]
     t, h = hidden.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     num_pairs = t * top_k
@@ -718,8 +738,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     if fp8 and tma and not fp8_activations:
         raise ValueError("the sorted-rows kernels take FP8 experts only with e4m3 activations (fp8_activations)")
     if tiling is None and not fp8 and uses_grouped_mm(num_pairs, num_experts, hidden):
-        return fused_moe_grouped_mm(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
-    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+        return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, w_gate_up, w_down)
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
     if fp8_activations:
@@ -733,7 +752,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
         down_tiling = _fit(down_tiling or tiling, h, inter)
     else:
         down_tiling = pick(num_pairs, num_experts, h, inter, elem, smem)
-    weights = routing.weights.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                            device=hidden.device)
     if tma:
@@ -741,11 +760,11 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
             raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
         if gu_tiling.swap_ab or down_tiling.swap_ab:
             raise ValueError("the sorted-rows kernels take no swapped tiling (MoETiling.swap_ab: the pointer kernels')")
-        blocks = group_pairs_for_step(routing.experts, num_experts, gu_tiling.block_m)
+        blocks = group_pairs_for_step(topk_ids, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products,
                          w_gate_up_scale, w_down_scale)
     else:
-        _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, routing.experts, top_k, gu_tiling, down_tiling,
+        _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, topk_ids, top_k, gu_tiling, down_tiling,
                              per_pair, products, w_gate_up_scale, w_down_scale)
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
@@ -821,3 +840,17 @@ def _fused_moe_fp8_cuda(hidden: torch.Tensor, router_logits: torch.Tensor, w_gat
                         renormalize: bool, fp32_weights: bool) -> torch.Tensor:
     return fused_moe_triton(hidden, router_logits, w_gate_up, w_down, top_k, renormalize, fp32_weights,
                             w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+
+
+@moe_experts_op.register_kernel("cuda")
+def _moe_experts_cuda(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return moe_experts_triton(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+
+
+@moe_experts_fp8_op.register_kernel("cuda")
+def _moe_experts_fp8_cuda(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
+                          w_down_scale: torch.Tensor) -> torch.Tensor:
+    return moe_experts_triton(hidden, topk_weights, topk_ids, w_gate_up, w_down, w_gate_up_scale=w_gate_up_scale,
+                              w_down_scale=w_down_scale)

@@ -50,18 +50,27 @@ _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 
 
 @dataclass
-class MoEMatch:
-    """One matched block: the op's operands and the nodes it replaces."""
+class ExpertsMatch:
+    """The experts of one block, from the repeated tokens to the weighted sum over their slots."""
 
     hidden: torch.fx.Node
-    router_logits: torch.fx.Node
+    topk_weights: torch.fx.Node  # [T, k]: what the block flattens into each pair's weight
+    topk_ids: torch.fx.Node      # [T, k]: what it flattens into each pair's expert
     w_gate_up: torch.fx.Node
     w_down: torch.fx.Node
     top_k: int
+    output: torch.fx.Node  # the node whose uses the op's result takes over
+    nodes: list[torch.fx.Node]  # every node of the experts' subgraph (erased once unused)
+
+
+@dataclass
+class SoftmaxRouter:
+    """A softmax -> top-k [-> renormalisation] router feeding an `ExpertsMatch`."""
+
+    router_logits: torch.fx.Node
     renormalize: bool
     fp32_weights: bool
-    output: torch.fx.Node  # the node whose uses the op's result takes over
-    nodes: list[torch.fx.Node]  # every node of the subgraph (erased once unused)
+    nodes: list[torch.fx.Node]
 
 
 def _is(node: object, *targets: object) -> bool:
@@ -93,13 +102,16 @@ def _is_last_dim(node: torch.fx.Node, dim: object) -> bool:
 
 
 def _shapes_agree(hidden: object, logits: object, w_gate_up: object, w_down: object) -> bool:
-    """hidden [T, H], logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I] (sizes that are
-    symbolic, like T, are not compared)."""
-    h, lg, gu, dn = _shape(hidden), _shape(logits), _shape(w_gate_up), _shape(w_down)
-    if h is None or lg is None or gu is None or dn is None or len(h) != 2 or len(lg) != 2 \
-            or len(gu) != 3 or len(dn) != 3:
+    """hidden [T, H], logits [T, E] (None: not checked), w_gate_up [E, 2I, H], w_down [E, H, I]
+    (sizes that are symbolic, like T, are not compared)."""
+    h, gu, dn = _shape(hidden), _shape(w_gate_up), _shape(w_down)
+    if h is None or gu is None or dn is None or len(h) != 2 or len(gu) != 3 or len(dn) != 3:
         return False
-    return gu[0] == dn[0] == lg[1] and gu[2] == dn[1] == h[1] and gu[1] == 2 * dn[2]
+    if logits is not None:
+        lg = _shape(logits)
+        if lg is None or len(lg) != 2 or lg[1] != gu[0]:
+            return False
+    return gu[0] == dn[0] and gu[2] == dn[1] == h[1] and gu[1] == 2 * dn[2]
 
 
 def _getitems(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
@@ -144,11 +156,102 @@ def _unclamped_ids(ids: torch.fx.Node, w_down: torch.fx.Node) -> torch.fx.Node |
     return ids.args[0]
 
 
-def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
-    """The MoE block around this `topk` node, or None when it is not one (see the module doc)."""
-    if len(topk.args) != 2 or topk.kwargs:  # only topk(x, k): last dim, largest, sorted
+def _flattened(node: object) -> torch.fx.Node | None:
+    """x for reshape(x, [-1]) / view(x, [-1])."""
+    if _is(node, aten.reshape.default, aten.view.default) and list(node.args[1]) == [-1]:  # type: ignore[union-attr]
+        return node.args[0]  # type: ignore[union-attr]
+    return None
+
+
+def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
+    """The experts around this `repeat_interleave(x, k, 0)` (the module doc's lines from `ids`
+    on), or None when it is not a block of transformers' batched_mm experts."""
+    if not (_is(repeated, aten.repeat_interleave.self_int) and len(repeated.args) >= 3 and repeated.args[2] == 0
+            and not repeated.kwargs and isinstance(repeated.args[1], int)):
         return None
-    softmax, top_k = topk.args
+    hidden, top_k = repeated.args[0], repeated.args[1]
+    col_gu = _only_user(repeated)
+    bmm_gu = _only_user(col_gu) if col_gu is not None else None
+    squeeze_gu = _only_user(bmm_gu) if bmm_gu is not None else None
+    gate_up = _squeezed_bmm(squeeze_gu)
+    if gate_up is None or gate_up[2] is not repeated:
+        return None
+    w_gate_up, ids, _ = gate_up
+    chunk = _only_user(squeeze_gu)
+    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
+        return None
+    items = _getitems(chunk)
+    if set(items) != {0, 1} or len(chunk.users) != 2:
+        return None
+    gate, up = items[0], items[1]
+    silu = _only_user(gate)
+    if _is(silu, aten.silu.default):
+        act = _only_user(silu)
+        if not (_is(act, aten.mul.Tensor) and act.args == (silu, up)):
+            return None
+        act_nodes = [silu, act]
+    elif _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):  # fuse_silu_mul ran first
+        act = silu
+        act_nodes = [act]
+    else:
+        return None
+    col_act = _only_user(act)
+    bmm_down = _only_user(col_act) if col_act is not None else None
+    squeeze_down = _only_user(bmm_down) if bmm_down is not None else None
+    down = _squeezed_bmm(squeeze_down)
+    if down is None or down[1] is not ids or down[2] is not act:
+        return None
+    w_down = down[0]
+    weighted = _only_user(squeeze_down)
+    if not (_is(weighted, aten.mul.Tensor) and weighted.args[0] is squeeze_down):
+        return None
+    col_weights = weighted.args[1]
+    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
+        return None
+    flat_weights = col_weights.args[0]
+    topk_weights = _flattened(flat_weights)
+    flat_ids = _unclamped_ids(ids, w_down)
+    topk_ids = _flattened(flat_ids) if flat_ids is not None else None
+    if not isinstance(topk_weights, torch.fx.Node) or not isinstance(topk_ids, torch.fx.Node):
+        return None
+    # The weighted sum over each token's k slots: sum(view(y, [T, k, H]), [1]) [to(dtype)].
+    slots = _only_user(weighted)
+    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
+            and slots.args[1][1] == top_k):
+        return None
+    summed = _only_user(slots)
+    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
+        return None
+    output = summed
+    hidden_dtype = _dtype(hidden)
+    after = _only_user(summed)
+    if _is(after, *_CASTS) and _dtype(after) == hidden_dtype:
+        output = after
+    if _dtype(output) != hidden_dtype or not _shapes_agree(hidden, None, w_gate_up, w_down):
+        return None
+    nodes = [repeated, col_gu, gate_up_index(bmm_gu), bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes, col_act,
+             gate_up_index(bmm_down), bmm_down, squeeze_down, flat_weights, col_weights, weighted,
+             *dict.fromkeys([flat_ids, ids]), slots, summed, *([output] if output is not summed else [])]
+    return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
+                        w_down=w_down, top_k=top_k, output=output, nodes=nodes)
+
+
+def gate_up_index(bmm: torch.fx.Node) -> torch.fx.Node:
+    """The `index(W, [ids])` gather a matched bmm multiplies by."""
+    return bmm.args[0]  # type: ignore[return-value]
+
+
+def match_softmax_router(experts: ExpertsMatch) -> SoftmaxRouter | None:
+    """The softmax -> top-k [-> div by the sum] [-> cast] router of the module doc behind these
+    experts' weights and ids, or None for any other router."""
+    idx = experts.topk_ids
+    if not (_is(idx, operator.getitem) and idx.args[1] == 1):
+        return None
+    topk = idx.args[0]
+    if not (_is(topk, aten.topk.default) and len(topk.args) == 2 and not topk.kwargs
+            and topk.args[1] == experts.top_k):  # only topk(x, k): last dim, largest, sorted
+        return None
+    softmax = topk.args[0]
     if not (_is(softmax, *_SOFTMAX) and _is_last_dim(softmax, softmax.args[1]) and _only_user(softmax) is topk):
         return None
     nodes = [softmax, topk]
@@ -161,10 +264,9 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
     items = _getitems(topk)
     if set(items) != {0, 1} or len(topk.users) != 2:
         return None
-    vals, idx = items[0], items[1]
+    vals = items[0]
     nodes += [vals, idx]
-
-    # Routing weights: [div_(vals, sum(vals))] [to(dtype)] reshape(-1) unsqueeze(-1).
+    # Routing weights: vals [div_(vals, sum(vals, [-1], True))] [to(dtype)].
     weights, renormalize = vals, False
     users = list(vals.users)
     if len(users) == 2:
@@ -176,93 +278,115 @@ def match_moe_block(topk: torch.fx.Node) -> MoEMatch | None:
         nodes += [total, div]
         weights, renormalize = div, True
     cast = _only_user(weights)
-    if _is(cast, *_CASTS):
+    if _is(cast, *_CASTS) and cast is experts.topk_weights:
         nodes.append(cast)
         weights = cast
-    flat_weights = _only_user(weights)
-    if not (_is(flat_weights, aten.reshape.default, aten.view.default) and list(flat_weights.args[1]) == [-1]):
+    if weights is not experts.topk_weights or not _shapes_agree(experts.hidden, router_logits, experts.w_gate_up,
+                                                                 experts.w_down):
         return None
-    col_weights = _only_user(flat_weights)
-    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
-        return None
-    weighted = _only_user(col_weights)
-    if not (_is(weighted, aten.mul.Tensor) and weighted.args[1] is col_weights):
-        return None
-    nodes += [flat_weights, col_weights, weighted]
-    fp32_weights = _dtype(weights) == torch.float32
+    return SoftmaxRouter(router_logits=router_logits, renormalize=renormalize,
+                         fp32_weights=_dtype(weights) == torch.float32, nodes=nodes)
 
-    # The experts: the down projection of silu(gate) * up of the gate/up projection.
-    down = _squeezed_bmm(weighted.args[0])
-    if down is None:
-        return None
-    w_down, ids, act = down
-    flat_ids = _unclamped_ids(ids, w_down)
-    if flat_ids is None:
-        return None
-    if not (_is(flat_ids, aten.reshape.default, aten.view.default) and flat_ids.args[0] is idx
-            and list(flat_ids.args[1]) == [-1]):
-        return None
-    if _is(act, aten.mul.Tensor) and _is(act.args[0], aten.silu.default):
-        act_nodes = [act.args[0], act]
-        gate, up = act.args[0].args[0], act.args[1]
-    elif _is(act, torch.ops.kiln.silu_and_mul.default):  # fuse_silu_mul ran first
-        act_nodes = [act]
-        gate, up = act.args
-    else:
-        return None
-    if not (_is(gate, operator.getitem) and _is(up, operator.getitem)):
-        return None
-    chunk = gate.args[0]
-    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1) and gate.args[1] == 0
-            and up.args == (chunk, 1)):
-        return None
-    gate_up = _squeezed_bmm(chunk.args[0])
-    if gate_up is None:
-        return None
-    w_gate_up, ids_gu, repeated = gate_up
-    if ids_gu is not ids or not _is(repeated, aten.repeat_interleave.self_int):
-        return None
-    hidden = repeated.args[0]
-    if tuple(repeated.args[1:3]) != (top_k, 0):
-        return None
-    squeeze_down, bmm_down = weighted.args[0], weighted.args[0].args[0]
-    index_down, col_down = bmm_down.args
-    squeeze_gu = chunk.args[0]
-    bmm_gu = squeeze_gu.args[0]
-    index_gu, col_gu = bmm_gu.args
-    nodes += [*dict.fromkeys([flat_ids, ids]), repeated, index_gu, col_gu, bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes,
-              index_down, col_down, bmm_down, squeeze_down]
 
-    # The weighted sum over each token's k slots: sum(view(y, [T, k, H]), [1]) [to(dtype)].
-    slots = _only_user(weighted)
-    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
-            and slots.args[1][1] == top_k):
-        return None
-    summed = _only_user(slots)
-    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
-        return None
-    nodes += [slots, summed]
-    output = summed
-    hidden_dtype = _dtype(hidden)
-    after = _only_user(summed)
-    if _is(after, *_CASTS) and _dtype(after) == hidden_dtype:
-        nodes.append(after)
-        output = after
-    if _dtype(output) != hidden_dtype or not _shapes_agree(hidden, router_logits, w_gate_up, w_down):
-        return None
-    # Everything but the output must be private to the block (ids feed both gathers).
+def _private(nodes: list[torch.fx.Node], output: torch.fx.Node) -> bool:
+    """Every node but the output is used only inside `nodes`."""
     inside = set(nodes)
-    for node in nodes:
-        if node is not output and any(u not in inside for u in node.users):
-            return None
-    return MoEMatch(hidden=hidden, router_logits=router_logits, w_gate_up=w_gate_up, w_down=w_down,
-                    top_k=int(top_k), renormalize=renormalize, fp32_weights=fp32_weights, output=output,
-                    nodes=nodes)
+    return all(node is output or all(u in inside for u in node.users) for node in nodes)
 
 
-def find_moe_blocks(gm: torch.fx.GraphModule) -> list[MoEMatch]:
-    return [m for node in gm.graph.find_nodes(op="call_function", target=aten.topk.default)
-            if (m := match_moe_block(node)) is not None]
+def _expert_indices(ids: object, num_experts: int) -> bool:
+    """ids hold valid experts by construction (the kernels index the weights by them unchecked):
+    the indices of a `topk` or a `max` over a last dimension of `num_experts` scores, or such
+    indices concatenated along the last dimension (PhiMoE's two `max`es)."""
+    if _is(ids, aten.cat.default, aten.concat.default):
+        parts, dim = ids.args[0], ids.args[1] if len(ids.args) > 1 else ids.kwargs.get("dim", 0)  # type: ignore[union-attr]
+        return _is_last_dim(ids, dim) and all(_expert_indices(p, num_experts) for p in parts)  # type: ignore[arg-type]
+    if not (_is(ids, operator.getitem) and ids.args[1] == 1):  # type: ignore[union-attr]
+        return False
+    select = ids.args[0]  # type: ignore[union-attr]
+    if _is(select, aten.topk.default):
+        args = list(select.args) + [None] * (3 - len(select.args))
+        dim = select.kwargs.get("dim", args[2] if args[2] is not None else -1)
+    elif _is(select, aten.max.dim):
+        dim = select.args[1]
+    else:
+        return False
+    scores = select.args[0]
+    shape = _shape(scores)
+    return shape is not None and len(shape) == 2 and shape[-1] == num_experts and _is_last_dim(scores, dim)
+
+
+def _routes_each_token(experts: ExpertsMatch) -> bool:
+    """The ids and weights are [T, top_k] and the ids are valid experts (`_expert_indices`)."""
+    num_experts = _shape(experts.w_gate_up)[0]  # type: ignore[index]
+    ids, weights = _shape(experts.topk_ids), _shape(experts.topk_weights)
+    return (ids is not None and weights is not None and len(ids) == len(weights) == 2
+            and ids[1] == weights[1] == experts.top_k and _expert_indices(experts.topk_ids, num_experts))
+
+
+@dataclass
+class MoEBlock:
+    """A block to rewrite: its experts, and the softmax router when the op takes that in too."""
+
+    experts: ExpertsMatch
+    router: SoftmaxRouter | None
+
+    @property
+    def nodes(self) -> list[torch.fx.Node]:
+        return self.experts.nodes + (self.router.nodes if self.router else [])
+
+
+def find_moe_blocks(gm: torch.fx.GraphModule) -> list[MoEBlock]:
+    """Every MoE block of the graph: a softmax router with its experts (-> `kiln::fused_moe`),
+    or experts after any other router whose ids are valid experts (-> `kiln::moe_experts`)."""
+    blocks = []
+    for node in gm.graph.find_nodes(op="call_function", target=aten.repeat_interleave.self_int):
+        experts = match_experts(node)
+        if experts is None:
+            continue
+        router = match_softmax_router(experts)
+        if router is not None and _private(experts.nodes + router.nodes, experts.output):
+            blocks.append(MoEBlock(experts, router))
+        elif _private(experts.nodes, experts.output) and _routes_each_token(experts):
+            blocks.append(MoEBlock(experts, None))
+    return blocks
+
+
+def router_projections(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The `aten.linear` nodes that compute MoE routers' scores: the first projections met
+    walking back from what decides the routing (a fused op's router logits, `kiln::moe_experts`'
+    weights and ids, or an unfused block's) without passing the block's input hidden states.
+    Other passes leave them in the model dtype (quantize_fp8: a few columns whose ranking picks
+    the experts), whatever the router's name."""
+    starts: list[object] = []
+    blocked: set[torch.fx.Node] = set()  # the blocks' inputs: the router reads them, so does all else
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.fused_moe.default):
+        starts.append(node.args[1])
+        blocked.add(node.args[0])
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.moe_experts.default):
+        starts += [node.args[1], node.args[2]]
+        blocked.add(node.args[0])
+    for node in gm.graph.find_nodes(op="call_function", target=aten.repeat_interleave.self_int):
+        experts = match_experts(node)
+        if experts is not None:
+            starts += [experts.topk_weights, experts.topk_ids]
+            blocked.add(experts.hidden)
+    routers: set[torch.fx.Node] = set()
+    seen = set(blocked)
+    while starts:
+        node = starts.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is aten.linear.default:
+            routers.add(node)
+            continue  # the router's input is the block's hidden state: not routing any more
+        # Only through the data: type_as(x, other) takes other's dtype alone, and a shape
+        # (sym_size of the residual stream, in a view's sizes) is no routing input.
+        inputs = [node.args[0]] if node.target is aten.type_as.default else node.all_input_nodes
+        starts += [a for a in inputs if isinstance(a, torch.fx.Node)
+                   and not isinstance(a.meta.get("val"), (int, torch.SymInt))]
+    return routers
 
 
 class FuseMoEPass(CudaByDefault, KilnPass):
@@ -272,22 +396,29 @@ class FuseMoEPass(CudaByDefault, KilnPass):
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         if not self.applies_to(gm):
             return {"skipped_on_cpu": 1}
-        matches = find_moe_blocks(gm)
+        blocks = find_moe_blocks(gm)
         graph = gm.graph
-        for m in matches:
+        for block in blocks:
+            m, router = block.experts, block.router
             with graph.inserting_before(m.output):
-                fused = graph.call_function(torch.ops.kiln.fused_moe.default, (
-                    m.hidden, m.router_logits, m.w_gate_up, m.w_down, m.top_k, m.renormalize, m.fp32_weights))
+                if router is not None:
+                    fused = graph.call_function(torch.ops.kiln.fused_moe.default, (
+                        m.hidden, router.router_logits, m.w_gate_up, m.w_down, m.top_k, router.renormalize,
+                        router.fp32_weights))
+                else:
+                    fused = graph.call_function(torch.ops.kiln.moe_experts.default, (
+                        m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down))
             if "val" in m.output.meta:
                 fused.meta["val"] = m.output.meta["val"]
             m.output.replace_all_uses_with(fused)
-            for node in reversed(_topological(graph, m.nodes)):
+            for node in reversed(_topological(graph, block.nodes)):
                 if not node.users:
                     graph.erase_node(node)
-        if matches:
+        if blocks:
             graph.lint()
             gm.recompile()
-        return {"fused_moe": len(matches)}
+        return {"fused_moe": sum(b.router is not None for b in blocks),
+                "moe_experts": sum(b.router is None for b in blocks)}
 
 
 def _topological(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -9,8 +9,9 @@ The loader gets a `QuantizeFP8Weight` transform per weight (kiln.passes.weight_t
 bf16/fp16/fp32 checkpoints are quantized per output channel at load; FP8 checkpoints keep
 their values and scales. Left in the compute dtype, as vLLM leaves them: the LM head (the
 logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
-to the embedding, and MoE routers (`...gate.weight`, a few columns whose ranking picks the
-experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
+to the embedding, and MoE routers (`...gate.weight`, and every projection that
+`kiln.passes.fuse_moe.router_projections` finds deciding a block's routing: a few columns
+whose ranking picks the experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
 as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`; off by default until timed on a
 GPU): then each `kiln::fused_moe` becomes `kiln::fused_moe_fp8` over e4m3 experts with one
 scale per expert and output channel, the activations staying in the model dtype
@@ -56,10 +57,13 @@ from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
+from kiln.kernels.moe import moe_experts as moe_experts_op
+from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import move_output
+from kiln.passes.fuse_moe import router_projections
 from kiln.passes.prune_logits import find_lm_head
 from kiln.passes.weight_transforms import ConcatWeights, QuantizeFP8Weight, fp8_scale_name
 
@@ -148,6 +152,7 @@ class QuantizeFP8Pass(KilnPass):
         except ValueError:
             head = None
         embedded = {n.args[0] for n in graph.find_nodes(op="call_function", target=aten.embedding.default)}
+        routers = router_projections(gm)
         unquantized_in_checkpoint = checkpoint_unquantized(ctx.config)
         projections = []  # (node, weight, checkpoint name) of each projection to quantize
         kept = 0
@@ -156,7 +161,7 @@ class QuantizeFP8Pass(KilnPass):
             name = param_name(weight)
             if name is None:
                 continue  # a product of activations, not a projection of a weight
-            if (node is head or weight in embedded or _is_router(name)
+            if (node is head or weight in embedded or node in routers or _is_router(name)
                     or any(unquantized_in_checkpoint(part.removesuffix(".weight"))
                            for part in _checkpoint_parts(name, ctx.weight_transforms))):
                 kept += 1
@@ -213,12 +218,17 @@ class QuantizeFP8Pass(KilnPass):
 
 def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[torch.fx.Node, torch.fx.Node],
                      num_layers: int | None) -> PassStats:
-    """Each `kiln::fused_moe` over parameter experts (outside kept edge layers) as
-    `kiln::fused_moe_fp8`: e4m3 experts, one float32 scale per expert and output channel."""
+    """Each `kiln::fused_moe` (`kiln::moe_experts`) over parameter experts (outside kept edge
+    layers) as `kiln::fused_moe_fp8` (`kiln::moe_experts_fp8`): e4m3 experts, one float32 scale
+    per expert and output channel."""
     graph = gm.graph
     replaced = kept = 0
-    for node in list(graph.find_nodes(op="call_function", target=fused_moe_op.default)):
-        x, logits, w_gate_up, w_down, *rest = node.args
+    nodes = [*graph.find_nodes(op="call_function", target=fused_moe_op.default),
+             *graph.find_nodes(op="call_function", target=moe_experts_op.default)]
+    for node in nodes:
+        fused = node.target is fused_moe_op.default
+        # fused_moe(x, logits, w_gate_up, w_down, ...); moe_experts(x, weights, ids, w_gate_up, w_down)
+        w_gate_up, w_down = node.args[2:4] if fused else node.args[3:5]
         names = [param_name(w_gate_up), param_name(w_down)]
         if None in names or any(in_edge_layer(name, num_layers) for name in names):
             kept += 1
@@ -235,8 +245,14 @@ def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[to
                                              scale_example)
             ctx.weight_transforms.append(QuantizeFP8Weight(name))
         with graph.inserting_before(node):
-            new = graph.call_function(fused_moe_fp8_op.default,
-                                      (x, logits, w_gate_up, scales[w_gate_up], w_down, scales[w_down], *rest))
+            if fused:
+                x, logits, _, _, *rest = node.args
+                new = graph.call_function(fused_moe_fp8_op.default,
+                                          (x, logits, w_gate_up, scales[w_gate_up], w_down, scales[w_down], *rest))
+            else:
+                x, weights, ids = node.args[:3]
+                new = graph.call_function(moe_experts_fp8_op.default,
+                                          (x, weights, ids, w_gate_up, scales[w_gate_up], w_down, scales[w_down]))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

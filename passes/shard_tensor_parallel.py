@@ -59,6 +59,7 @@ import torch
 from kiln.compiler.graph_inputs import param_name
 from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.base import KilnPass, PassContext, PassStats
+from kiln.passes.fuse_moe import router_projections
 from kiln.passes.prune_logits import find_lm_head
 from kiln.passes.weight_transforms import ShardWeight
 
@@ -75,6 +76,17 @@ TP_ARCHITECTURES = {
     "helium": "as llama",
     "smollm3": "as llama",
     "mixtral": "as llama; experts split along their intermediate dimension",
+    "glm4_moe": "as mixtral; the router (with its selection bias) replicated, shared expert as an MLP",
+    "dots1": "as glm4_moe; q/k norm per head",
+    "solar_open": "as glm4_moe",
+    "exaone_moe": "as glm4_moe; sliding window is per head",
+    "minimax_m2": "as mixtral; q/k norm over all heads, as olmo2's",
+    "ernie4_5_moe": "as mixtral; shared experts as an MLP",
+    "hunyuan_v1_moe": "as mixtral; q/k norm per head; the router `gate.wg` replicated",
+    "phimoe": "as mixtral; the router `router` replicated, LayerNorms",
+    "granitemoe": "as mixtral with Granite's multipliers; the router `router` replicated",
+    "afmoe": "as mixtral; gated attention's gate_proj per head",
+    "flex_olmo": "as mixtral; q/k norm over all heads, as olmo2's",
     "gemma": "as llama; embedding scaled after the all-reduce",
     "gemma2": "as llama; soft-capping per head and on the gathered logits",
     "gemma3_text": "as llama; q/k norm per head",
@@ -143,7 +155,8 @@ _TRANSPOSED_MATMUL = {"falcon"}
 # CodeGenAttention.mp_num: transformers fixes it at 4 for every CodeGen checkpoint.
 _CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
-# needs all experts' scores).
+# needs all experts' scores). Routers of any name are found by kiln.passes.fuse_moe's
+# router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
 _REPLICATED = {"gate"}
 # Where an MoE block's output ends: the residual add (or the graph output).
 _BLOCK_END = {aten.add.Tensor, "output"}
@@ -305,11 +318,12 @@ class ShardTensorParallelPass(KilnPass):
                  "all_reduce": 0, "all_gather": 0}
         lm_head = find_lm_head(gm)
         unknown: list[str] = []
+        routers = router_projections(gm)
         for node in list(graph.find_nodes(op="call_function", target=aten.linear.default)):
             weight = node.args[1]
             name = param_name(weight)
             bias = node.args[2] if len(node.args) > 2 else None
-            if name is None:
+            if name is None or node in routers:  # (routers: replicated, whatever their name)
                 continue
             if node is lm_head:
                 ranges, size = plan.vocab(weight.meta["val"].shape[0])

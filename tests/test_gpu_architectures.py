@@ -13,6 +13,12 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     falcon       multi-query, parallel block, attention through the model's own SDPA call
     codegen      QKV in mp_num blocks; inline attention with the mask added before the scaling
                  on transformers 5.17 (the GPU image's version), the interface's on 5.24+
+    glm4_moe, ernie4_5_moe, minimax_m2, phimoe, granitemoe
+                 MoE routers other than softmax + top-k (`kiln::moe_experts` on the Triton
+                 kernels), selection biases read from the checkpoint; GLM-4.5's float32 router
+                 in a bfloat16 model
+
+Architectures the GPU image's transformers lacks are skipped.
 """
 
 from __future__ import annotations
@@ -20,17 +26,21 @@ from __future__ import annotations
 import pytest
 import torch
 from test_parity import NEW_TOKENS, PROMPTS, hf_greedy
+from tiny_models import SUPPORTED
 
 from kiln.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
+MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
-         "codegen"]
+         "codegen", *MOE_ROUTER_ARCHS]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_gpu_greedy_equals_cpu_reference_and_hf(arch: str, tiny_model_dir) -> None:
+    if arch not in SUPPORTED:
+        pytest.skip(f"this transformers has no {arch}")
     path, hf = tiny_model_dir(arch)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     cpu = LLM(str(path), device="cpu", dtype="float32", progress=False)
@@ -51,3 +61,18 @@ def test_gpu_greedy_equals_cpu_reference_and_hf(arch: str, tiny_model_dir) -> No
         # The compiled graphs take the ALiBi slopes (their attention runs the Triton kernel's ALIBI path).
         assert "constant:alibi_slopes" in gpu.engine.graph_spec.input_roles
         assert gpu.engine.graph_spec.constants["alibi_slopes"].abs().min() > 0
+    if arch in MOE_ROUTER_ARCHS:
+        records = {r["name"]: r["stats"] for r in gpu.engine.graph_spec.pass_records}
+        assert records["fuse_moe"]["moe_experts"] >= 1, records["fuse_moe"]
+
+
+def test_gpu_bfloat16_model_keeps_its_float32_router(tiny_model_dir) -> None:
+    """GLM-4.5 keeps its router weight in float32 in a bfloat16 model (its forward multiplies
+    float32 hidden states by it): the loader must read it so, or the router's GEMM fails."""
+    if "glm4_moe" not in SUPPORTED:
+        pytest.skip("this transformers has no glm4_moe")
+    path, _ = tiny_model_dir("glm4_moe")
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=8, progress=False)
+    assert llm.engine.graph_spec.param_dtypes == {"model.layers.1.mlp.gate.weight": torch.float32}
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)

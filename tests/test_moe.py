@@ -136,6 +136,73 @@ def test_fused_moe_rejects_bad_shapes() -> None:
         fused_moe_reference(hidden, torch.randn(3, 5), w_gate_up, w_down, 2, True, True)
 
 
+def naive_experts(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+    """moe_experts' definition, token by token: the routing given."""
+    inter = w_gate_up.shape[1] // 2
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gu = w_gate_up[e].double() @ hidden[t].double()
+            out[t] += w * (w_down[e].double() @ (F.silu(gu[:inter]) * gu[inter:]))
+    return out.to(hidden.dtype)
+
+
+def random_routing(t: int, e: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k] distinct experts a token (expert 3 never chosen) and positive weights (unnormalised)."""
+    scores = torch.rand(t, e, generator=g)
+    scores[:, 3] = -1.0
+    return torch.rand(t, k, generator=g) * 2.5, torch.topk(scores, k).indices
+
+
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_moe_experts_reference_matches_definition(ids_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    t, h, i, e, k = 11, 24, 16, 6, 3
+    hidden = torch.randn(t, h, generator=g)
+    w_gate_up, w_down = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    weights, ids = random_routing(t, e, k, g)
+    out = torch.ops.kiln.moe_experts(hidden, weights, ids.to(ids_dtype), w_gate_up, w_down)
+    torch.testing.assert_close(out, naive_experts(hidden, weights, ids, w_gate_up, w_down), rtol=1e-5, atol=1e-5)
+    assert out.shape == (t, h) and out.dtype == hidden.dtype
+    # fused_moe is the softmax router followed by these experts.
+    logits = torch.randn(t, e, generator=g)
+    probs = torch.softmax(logits, -1)
+    top = torch.topk(probs, k)
+    torch.testing.assert_close(torch.ops.kiln.fused_moe(hidden, logits, w_gate_up, w_down, k, False, True),
+                               torch.ops.kiln.moe_experts(hidden, top.values, top.indices, w_gate_up, w_down))
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_grouped_mm_equals_the_reference(weights_dtype: torch.dtype) -> None:
+    from kiln.kernels.moe import moe_experts_grouped_mm, moe_experts_reference
+
+    g = torch.Generator().manual_seed(3)
+    t, h, i, e, k = 13, 32, 24, 6, 2
+    hidden = torch.randn(t, h, generator=g).bfloat16()
+    w_gate_up = (torch.randn(e, 2 * i, h, generator=g) * 0.2).bfloat16()
+    w_down = (torch.randn(e, h, i, generator=g) * 0.2).bfloat16()
+    weights, ids = random_routing(t, e, k, g)
+    weights = weights.to(weights_dtype)
+    out = moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, moe_experts_reference(hidden, weights, ids, w_gate_up, w_down))
+
+
+def test_moe_experts_rejects_bad_routing() -> None:
+    hidden, w_gate_up, w_down = torch.randn(3, 8), torch.randn(4, 12, 8), torch.randn(4, 8, 6)
+    weights, ids = torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    with pytest.raises(ValueError, match="both be \\[T, k\\] with T = 3"):
+        torch.ops.kiln.moe_experts(hidden, weights[:2], ids[:2], w_gate_up, w_down)
+    with pytest.raises(ValueError, match="both be"):
+        torch.ops.kiln.moe_experts(hidden, weights, ids[:, :1], w_gate_up, w_down)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        torch.ops.kiln.moe_experts(hidden, weights, ids.float(), w_gate_up, w_down)
+    with pytest.raises(ValueError, match="must be in 1..4"):
+        torch.ops.kiln.moe_experts(hidden, torch.rand(3, 5), torch.zeros(3, 5, dtype=torch.long), w_gate_up, w_down)
+    with pytest.raises(ValueError, match="disagree"):
+        torch.ops.kiln.moe_experts(hidden, weights, ids, w_gate_up, torch.randn(4, 8, 5))
+
+
 # ---- the pass: before / after -------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch,dtype", [(a, torch.float32) for a in MOE_ARCHS]
@@ -148,7 +215,7 @@ def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dt
     after = before.copy()
     stats = FuseMoEPass(on_cpu=True)(after.graph_module, PassContext(config=config, dtype=dtype))
     n = MOE_LAYERS[arch]
-    assert stats == {"fused_moe": n}
+    assert stats == {"fused_moe": n, "moe_experts": 0}
     ops_before, ops_after = Counter(op_counts(before.graph_module)), Counter(op_counts(after.graph_module))
     assert ops_after[FUSED_OP] == n and ops_before[FUSED_OP] == 0
     # The experts' gathers and batched GEMMs, the router's softmax and top-k are all gone.
@@ -167,6 +234,161 @@ def test_fuse_moe_rewrites_each_block_and_equals_the_unfused_graph(arch: str, dt
     else:  # same roundings as the graph (fp32 or model-dtype routing weights): at most a last-place flip
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
         assert (out == ref).float().mean() > 0.99
+
+
+# Routers other than a softmax and a top-k (tiny configs of tests/tiny_models.py): the router
+# stays in the graph, the experts after it become kiln::moe_experts.
+ROUTED_ARCHS = {"glm4_moe": 1, "ernie4_5_moe": 1, "phimoe": 2, "granitemoe": 2, "minimax_m2": 2}
+EXPERTS_OP = "kiln.moe_experts.default"
+
+
+@pytest.mark.parametrize("arch,dtype", [(a, torch.float32) for a in ROUTED_ARCHS] + [("glm4_moe", torch.bfloat16)])
+def test_fuse_moe_fuses_the_experts_behind_any_router(arch: str, dtype: torch.dtype) -> None:
+    from tiny_models import tiny_config
+
+    from kiln.compiler.pass_testing import capture_through, run_graph
+
+    config = tiny_config(arch)
+    before = capture_through(config, "fusion", dtype=dtype)
+    after = before.copy()
+    n = ROUTED_ARCHS[arch]
+    assert FuseMoEPass(on_cpu=True)(after.graph_module, PassContext(config=config, dtype=dtype)) == {
+        "fused_moe": 0, "moe_experts": n}
+    ops_before, ops_after = op_counts(before.graph_module), op_counts(after.graph_module)
+    assert ops_after[EXPERTS_OP] == n and ops_after[FUSED_OP] == 0
+    for op in ("aten.bmm.default", "aten.index.Tensor", "aten.repeat_interleave.self_int"):
+        assert ops_before[op] - ops_after[op] == (1 if op.startswith("aten.repeat") else 2) * n, op  # (RoPE repeats too)
+    # The router is untouched: what picks the experts (top-k or max) still runs in the graph.
+    selects = ("aten.topk.default", "aten.max.dim")
+    assert sum(ops_after[op] for op in selects) == sum(ops_before[op] for op in selects) > 0
+    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+        assert (out == ref).float().mean() > 0.99
+
+
+def test_fuse_moe_leaves_experts_whose_ids_it_cannot_vouch_for() -> None:
+    """The kernels index the expert weights by the ids unchecked: ids the pass cannot trace to a
+    top-k or max over the experts' scores (here, the top-k's ids plus zero) are left unfused."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.pass_testing import capture_through, run_graph
+
+    config = tiny_config("glm4_moe")
+    before = capture_through(config, "fusion")
+    graph = before.graph_module.graph
+    for rep in graph.find_nodes(op="call_function", target=torch.ops.aten.repeat_interleave.self_int):
+        from kiln.passes.fuse_moe import match_experts
+
+        ids = match_experts(rep).topk_ids
+        flat = next(u for u in ids.users if u.target in (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+                    and list(u.args[1]) == [-1])
+        with graph.inserting_before(flat):
+            shifted = graph.call_function(torch.ops.aten.add.Tensor, (ids, 0))
+        shifted.meta["val"] = ids.meta["val"]
+        flat.replace_input_with(ids, shifted)
+    before.graph_module.recompile()
+    after = before.copy()
+    assert FuseMoEPass(on_cpu=True)(after.graph_module, PassContext(config=config)) == {"fused_moe": 0,
+                                                                                       "moe_experts": 0}
+    torch.testing.assert_close(run_graph(after, num_tokens=5), run_graph(before, num_tokens=5))
+
+
+@pytest.mark.parametrize("arch,routers", [
+    ("phimoe", ["model.layers.0.mlp.router.weight", "model.layers.1.mlp.router.weight"]),
+    ("granitemoe", ["model.layers.0.block_sparse_moe.router.weight", "model.layers.1.block_sparse_moe.router.weight"]),
+    ("glm4_moe", ["model.layers.1.mlp.gate.weight"])])  # (its layer 0 is dense)
+def test_router_projections_are_found_by_structure_and_stay_unquantized(arch: str, routers: list[str]) -> None:
+    """quantize_fp8 keeps routers in the model dtype whatever their name (PhiMoE's and Granite's
+    `router`): the projections that decide a block's routing, found in the graph with the
+    experts fused or not, and nothing else (Granite's router output takes the block input's
+    dtype by `type_as`: a path back to every earlier layer if the walk followed it)."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.graph_inputs import param_name
+    from kiln.compiler.pass_testing import capture_through, graph_for_pass
+    from kiln.passes.fuse_moe import router_projections
+    from kiln.passes.quantize_fp8 import QuantizeFP8Pass
+
+    config = tiny_config(arch)
+    unfused = capture_through(config, "fusion")
+    fused = graph_for_pass(config, "quantize_fp8", cpu_fusions=True)
+    for graph in (unfused, fused):
+        assert sorted(param_name(n.args[1]) for n in router_projections(graph.graph_module)) == routers
+    stats = fused.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=True))
+    assert stats["fp8_experts"] == ROUTED_ARCHS[arch]
+    counts = op_counts(fused.graph_module)
+    assert counts["kiln.moe_experts_fp8.default"] == ROUTED_ARCHS[arch] and counts[EXPERTS_OP] == 0
+    linears = {param_name(n.args[1]) for n in fused.graph_module.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.linear.default)}
+    assert set(routers) <= linears  # the routers stay unquantized linears
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bfloat16_engine_reads_the_float32_router_as_float32(fused: bool, tiny_model_dir, monkeypatch) -> None:
+    """GLM-4.5's router weight is float32 in a bfloat16 model (the graph multiplies float32
+    hidden states by it): the spec records it and the loader reads it so, or the step fails."""
+    monkeypatch.setenv(CPU_FUSIONS_ENV, "1" if fused else "0")
+    from kiln.runtime import LLM, SamplingParams
+
+    path, hf = tiny_model_dir("glm4_moe")
+    llm = LLM(str(path), dtype="bfloat16", device="cpu", progress=False)
+    assert llm.engine.graph_spec.param_dtypes == {"model.layers.1.mlp.gate.weight": torch.float32}
+    out = llm.generate([[1, 5, 7, 9, 11]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_moe_experts_fp8_is_the_dequantized_op() -> None:
+    from kiln.kernels.fp8 import quantize_fp8_rows
+    from kiln.kernels.moe import dequantize_experts, moe_experts_reference
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(9, 32, generator=g)
+    w_gate_up, w_down = torch.randn(4, 48, 32, generator=g), torch.randn(4, 32, 24, generator=g)
+    weights, ids = random_routing(9, 4, 2, g)
+    (gq, gs), (dq, ds) = quantize_fp8_rows(w_gate_up), quantize_fp8_rows(w_down)
+    gs, ds = gs.squeeze(-1), ds.squeeze(-1)
+    out = torch.ops.kiln.moe_experts_fp8(hidden, weights, ids, gq, gs, dq, ds)
+    ref = moe_experts_reference(hidden, weights, ids, dequantize_experts(gq, gs, torch.float32),
+                                dequantize_experts(dq, ds, torch.float32))
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(ValueError, match="one scale per expert and output channel"):
+        torch.ops.kiln.moe_experts_fp8(hidden, weights, ids, gq, gs[:, :10], dq, ds)
+
+
+def test_checkpoint_buffers_replace_the_captured_values(tmp_path) -> None:
+    """A router's selection bias is a persistent buffer: zero when captured from the config,
+    trained in the checkpoint. The loader takes the checkpoint's (under the name transformers
+    saves it, Exaone-MoE's `mlp.e_score_correction_bias` for the model's
+    `mlp.gate.e_score_correction_bias`), keeps the captured value where a checkpoint lacks it,
+    and refuses one of another shape."""
+    from safetensors.torch import load_file, save_file
+    from tiny_models import save_tiny_model
+
+    from kiln.compiler.capture import capture
+    from kiln.compiler.model_source import resolve_model
+    from kiln.runtime.model_loading import constants_from_checkpoint
+
+    model = save_tiny_model("exaone_moe", tmp_path)
+    captured = capture(model.config)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert captured.checkpoint_buffers[name] == [name, "model.layers.1.mlp.e_score_correction_bias"]
+    assert torch.count_nonzero(captured.constants[name]) == 0
+    source = resolve_model(str(tmp_path))
+    loaded = constants_from_checkpoint(captured.constants, captured.checkpoint_buffers, source)
+    torch.testing.assert_close(loaded[name], dict(model.named_buffers())[name])
+    assert torch.count_nonzero(loaded[name]) > 0
+    tensors = load_file(tmp_path / "model.safetensors")
+    saved = tensors.pop("model.layers.1.mlp.e_score_correction_bias")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    kept = constants_from_checkpoint(captured.constants, captured.checkpoint_buffers, source)
+    assert torch.equal(kept[name], captured.constants[name])
+    tensors["model.layers.1.mlp.e_score_correction_bias"] = torch.cat([saved, saved])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="checkpoint and its config.json disagree"):
+        constants_from_checkpoint(captured.constants, captured.checkpoint_buffers, source)
 
 
 # ---- FP8 experts (QuantizeFP8Pass(experts=True), kiln::fused_moe_fp8) ------------------------------
@@ -246,7 +468,7 @@ def test_fuse_moe_matches_after_fuse_silu_mul() -> None:
     after = before.copy()
     ctx = PassContext(config=config)
     assert FuseSiluMulPass(on_cpu=True)(after.graph_module, ctx)["silu_and_mul"] == 2
-    assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": 2}
+    assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": 2, "moe_experts": 0}
     assert op_counts(after.graph_module)["kiln.silu_and_mul.default"] == 0
     torch.testing.assert_close(run_graph(after, num_tokens=5), run_graph(before, num_tokens=5), rtol=1e-5, atol=1e-5)
 
@@ -260,9 +482,9 @@ def test_fuse_moe_follows_the_device_policy_and_ignores_dense_models(monkeypatch
     moe = capture_through(moe_config("mixtral"), "fusion")
     assert FuseMoEPass()(moe.graph_module, PassContext(config=None)) == {"skipped_on_cpu": 1}
     monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
-    assert FuseMoEPass()(moe.graph_module, PassContext(config=None)) == {"fused_moe": 2}
+    assert FuseMoEPass()(moe.graph_module, PassContext(config=None)) == {"fused_moe": 2, "moe_experts": 0}
     dense = capture_through(tiny_config("llama"), "fusion")
-    assert FuseMoEPass()(dense.graph_module, PassContext(config=None)) == {"fused_moe": 0}
+    assert FuseMoEPass()(dense.graph_module, PassContext(config=None)) == {"fused_moe": 0, "moe_experts": 0}
     assert FuseMoEPass(on_cpu=True).uuid() != FuseMoEPass(on_cpu=False).uuid()
 
 
@@ -459,7 +681,7 @@ def test_fuse_moe_matches_the_ids_clamp_of_older_transformers() -> None:
         elif high_minus_e != 0:
             continue  # already the 5.17 form with the right bounds; the wrong-bounds case needs the insert
         after = before.copy()
-        assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": fused}
+        assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": fused, "moe_experts": 0}
         if fused:
             assert op_counts(after.graph_module)["aten.clamp.default"] == 0
             torch.testing.assert_close(run_graph(after, num_tokens=7), run_graph(before, num_tokens=7),

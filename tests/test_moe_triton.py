@@ -142,6 +142,39 @@ def test_steps_group_in_one_kernel_up_to_a_limit(monkeypatch) -> None:
     assert triton_moe.GROUPING_KERNEL_MAX_EXPERTS == 16
 
 
+def deepseek_routing(logits: torch.Tensor, top_k: int, scale: float = 2.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router fused_moe does not compute (DeepSeek-V3's, without groups): sigmoid scores, the
+    top-k picked with a selection bias, their unbiased scores renormalised and scaled; float32
+    weights and int32 ids, as `kiln::moe_experts` may get them."""
+    scores = torch.sigmoid(logits.float())
+    bias = torch.linspace(-0.5, 0.5, logits.shape[1], device=logits.device)
+    ids = torch.topk(scores + bias, top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True) * scale, ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,e,top_k,per_pair,tma", [(1, 8, 2, True, False), (17, 6, 3, False, False),
+                                                    (40, 4, 2, False, True)])
+def test_moe_experts_kernels_match_reference(t, e, top_k, per_pair, tma, dtype) -> None:
+    """`kiln::moe_experts` (the routing given) on the pointer kernels, per pair and grouped, and
+    the sorted-rows kernels: the reference's result for a router of another kind."""
+    from kiln.kernels.moe import moe_experts_reference
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    if tma and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, 32, 24, e, dtype, seed=t)
+    weights, ids = deepseek_routing(logits, top_k)
+    out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=per_pair, tma=tma)
+    ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
+    assert out.dtype == ref.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if DEVICE == "cuda":  # the op's CUDA registration is this function
+        torch.testing.assert_close(torch.ops.kiln.moe_experts(hidden, weights, ids, w_gate_up, w_down), out)
+
+
 def test_tiling_follows_rows_per_expert() -> None:
     decode = choose_tiling(num_pairs=2, num_experts=8, n=14336, k=4096)
     prefill = choose_tiling(num_pairs=8192 * 2, num_experts=8, n=14336, k=4096)

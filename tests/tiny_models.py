@@ -99,6 +99,41 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "jais2": (dict(head_dim=16), "LayerNorm, biases everywhere, squared-ReLU MLP without gate"),
     "vaultgemma": (dict(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=1.0, final_logit_softcapping=3.0),
                    "soft-capping, windowed + global layers, Gemma norms without post-norms"),
+    # Mixture-of-experts beyond Mixtral (tests/test_moe.py has Qwen2-MoE, Qwen3-MoE and OLMoE):
+    # routers other than a softmax and a top-k stay in the graph, their experts become
+    # kiln::moe_experts; selection biases (persistent buffers) are random, so they must load.
+    "glm4_moe": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                      topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                      use_qk_norm=True),
+                 "DeepSeek-V3 routing (sigmoid scores, selection bias, expert groups, scaling), shared expert, "
+                 "dense first layer, partial rotary"),
+    "dots1": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                   norm_topk_prob=True, layer_types=["full_attention"] * 2),
+              "DeepSeek-V3 routing without groups, q/k norm"),
+    "ernie4_5_moe": (dict(head_dim=16, moe_intermediate_size=32, moe_num_experts=4, moe_k=2, moe_num_shared_experts=1,
+                          moe_layer_start_index=1, moe_layer_end_index=1),
+                     "softmax router with a selection bias, shared experts, dense first layer"),
+    "minimax_m2": (dict(head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+                   "sigmoid router with a selection bias, q/k norm over all heads"),
+    "exaone_moe": (dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, n_group=2,
+                        topk_group=1, num_shared_experts=1, first_k_dense_replace=1, sliding_window=WINDOW,
+                        layer_types=ALTERNATING, mlp_layer_types=["dense", "sparse"]),
+                   "grouped sigmoid router with a selection bias (kept under another checkpoint name), windowed layers"),
+    "hunyuan_v1_moe": (dict(head_dim=16, num_experts=4, moe_topk=2, moe_intermediate_size=32),
+                       "softmax top-k router (kiln::fused_moe), shared MLP, q/k norm after RoPE"),
+    "phimoe": (dict(num_local_experts=4, num_experts_per_tok=2), "sparsemixer router (two maxima), LayerNorm"),
+    "granitemoe": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, embedding_multiplier=2.0,
+                        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0),
+                   "softmax over the top-k logits, stacked experts in the checkpoint, multipliers"),
+    "granitemoeshared": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                              shared_intermediate_size=48), "as granitemoe, with a shared expert"),
+    "afmoe": (dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                   num_dense_layers=1, sliding_window=WINDOW, layer_types=ALTERNATING, route_scale=2.0),
+              "sigmoid router with a selection bias, gated attention, pre/post MLP norms, dense first layer"),
+    "solar_open": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1), "sigmoid router with a selection bias, shared expert"),
+    "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
+                  "softmax top-k router (kiln::fused_moe), q/k norm over all heads, post-norms"),
     # Attention written inline (no attention interface): capture's inline_attention pass.
     "bloom": (dict(_IDS, hidden_size=96, n_layer=2, n_head=6, vocab_size=128),
               "ALiBi (6 heads: slopes of a non-power-of-two count) in baddbmm, fused qkv, embedding LayerNorm"),
@@ -176,5 +211,9 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+        # Routers' selection biases start at zero: random ones check that the checkpoint's load.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
