@@ -316,6 +316,12 @@ for stage in $STAGES; do
       run_stage tune_moe 560 $PY bench/tune_moe.py ${TUNE_MOE_ARGS:-} --out "$OUT/tune_moe.json" ;;
     moe_qwen3)
       run_stage moe_qwen3 560 $PY bench/moe.py --shape qwen3-moe-30b-a3b --out "$OUT/moe_qwen3.json" ;;
+    moe_routers)  # issue 17: kiln::moe_experts behind other routers, MLA; GLM-4.5's float32 router in bf16
+      run_stage moe_routers 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
+        -k "moe or ernie or minimax or granitemoe or deepseek or lite or float32_router" ;;
+    moe_deepseek_v2_lite)  # issue 17: MLA (cached expanded) + moe_experts at DeepSeek-V2-Lite's shape, decode 1/64
+      run_stage moe_deepseek_v2_lite 560 $PY bench/moe.py --shape deepseek-v2-lite --no-offline ${MOE_ARGS:-} \
+        --out "$OUT/moe_deepseek_v2_lite.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
       run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
         tests/test_kernels_triton.py ;;

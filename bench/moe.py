@@ -62,9 +62,12 @@ class MoEShape:
 SHAPES = {
     "mixtral-8x7b": MoEShape("mixtral-8x7b", "mixtral_8x7b.json", offline=True),
     "qwen3-moe-30b-a3b": MoEShape("qwen3-moe-30b-a3b", "qwen3_moe_30b_a3b.json", offline=False),
+    # Multi-head latent attention (cached expanded, V padded to K's 192) and kiln::moe_experts
+    # behind a router fused_moe does not take (softmax top-6, then scaled); ~31 GB in bf16.
+    "deepseek-v2-lite": MoEShape("deepseek-v2-lite", "deepseek_v2_lite.json", offline=False),
 }
 
-# --tiny: the two architectures at test-model size (tests/test_moe.py's scale).
+# --tiny: the architectures at test-model size (tests/test_moe.py's scale).
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], hidden_size=64,
                          intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -75,6 +78,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16,
                               num_experts_per_tok=4, norm_topk_prob=True, vocab_size=256,
                               max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], hidden_size=64,
+                             intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                             n_shared_experts=1, num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=1,
+                             vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                             eos_token_id=2),
 }
 
 

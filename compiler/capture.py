@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401  (registers kiln::attention)
 from kiln.compiler.graph_inputs import (
@@ -108,8 +109,17 @@ def _kiln_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    # Multi-head latent attention (DeepSeek-V2/V3) expands K to qk_nope + qk_rope dims and V to
+    # v_head_dim: the cache holds both at the larger size (`kv_heads_and_head_dim`), the
+    # smaller zero-padded (zeros add nothing to q.k, and give output columns that are cut off).
+    dk, dv = key.shape[-1], value.shape[-1]
+    if dk != dv:
+        d = max(dk, dv)
+        q, k, v = (F.pad(x, (0, d - x.shape[-1])) if x.shape[-1] < d else x for x in (q, k, v))
     out = torch.ops.kiln.attention(q, k, v, int(module.layer_idx), scale, int(sliding_window or 0),
                                    float(softcap or 0.0))
+    if dk != dv:
+        out = out[..., :dv]
     return out.unsqueeze(0), None
 
 
@@ -355,9 +365,17 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     try:
         program = _export(wrapper, fake_mode, (input_ids, position_ids),
                           {"input_ids": {1: num_tokens}, "position_ids": {1: num_tokens}})
+    except torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode as e:
+        raise UnsupportedArchitectureError(
+            f"shapes that depend on tensor values ({_model_frame(e)}; e.g. experts that loop over the "
+            "tokens each one got): Kiln traces one graph for every token count") from e
     except torch._dynamo.exc.UserError as e:
-        if not inline or e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+        if e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
             raise
+        if not inline:
+            raise UnsupportedArchitectureError(
+                f"code that ties the token count to another size ({_model_frame(e)}; export: "
+                f"{str(e).splitlines()[0].split('!')[0]}): Kiln traces one graph for every token count") from e
         # An inline bias sized by the model's context (MPT slices a max_seq_len-long ALiBi
         # tensor) bounds the token count. That bias is replaced by the marker below and each
         # bucket is exported again at its own static shape, so let export narrow the range.
@@ -474,6 +492,19 @@ def _persistent_buffer_names(hf: torch.nn.Module) -> dict[str, list[str]]:
             name = f"{prefix}.{local}" if prefix else local
             names[name] = [n for n in revert_weight_conversion(hf, {name: buf}) if n != name]
     return names
+
+
+def _model_frame(error: BaseException) -> str:
+    """The innermost frame of transformers' modeling code in `error`'s traceback ("modeling_dbrx.py,
+    in forward"), where a trace failed; "the model's forward" if none is. (No line number: the
+    message names the construct, and transformers' releases move lines.)"""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/transformers/models/" in f.filename]
+    if not frames:
+        return "the model's forward"
+    last = frames[-1]
+    return f"{last.filename.rsplit('/', 1)[-1]}, in {last.name}"
 
 
 def _strip_wrapper(name: str) -> str:

@@ -41,6 +41,13 @@ from kiln.kernels.attention import causal_attention
 from kiln.kernels.library import kiln_op
 
 
+def is_latent_attention(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash): K and V of each
+    head are expanded from a shared latent, with head sizes of their own."""
+    return all(isinstance(getattr(config, a, None), int)
+               for a in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+
+
 def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
     """A Hugging Face config's KV heads and head size.
 
@@ -56,6 +63,12 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
         heads = 1
     heads = int(heads or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    if is_latent_attention(config):
+        # DeepSeek-V2/V3's K per head is qk_nope + qk_rope dims, V v_head_dim: both cached at
+        # the larger (capture pads the other with zeros); its `head_dim` is the RoPE part's.
+        # Every query head gets its own K and V from the latent, whatever num_key_value_heads says.
+        heads = int(config.num_attention_heads)
+        head_dim = max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
     if tp_size > 1:
         heads = heads // tp_size if heads >= tp_size else 1
     return heads, head_dim

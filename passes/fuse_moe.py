@@ -1,16 +1,17 @@
-"""`fuse_moe`: a mixture-of-experts block's router -> top-k -> experts -> weighted sum as one
-`kiln::fused_moe` op.
+"""`fuse_moe`: a mixture-of-experts block's experts (and, where it is a softmax top-k, its
+router) as one op: `kiln::fused_moe`, or `kiln::moe_experts` after any other router.
 
 Capture builds every model with transformers' pluggable experts (`@use_experts_implementation`:
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...) set to `batched_mm`, the form export can trace.
-After `normalize` one block reads (float32 drops the two optional casts):
+Mixtral, Qwen2/3-MoE, OLMoE, GLM-4.5, DeepSeek-V3, ...) set to `batched_mm`, the form export
+can trace. After `normalize` one block reads (float32 drops the optional casts):
 
-    logits = linear(x, router_w)
+    logits = linear(x, router_w)                         # the router: here softmax -> top-k
     probs  = softmax(to(logits, f32), -1)  |  softmax(logits, -1, f32)
     vals, idx = topk(probs, k)
     vals   = div_(vals, sum(vals, [-1], True))           # renormalised top-k only
     vals   = to(vals, dtype)                             # Qwen2/3-MoE, OLMoE below float32
-    ids    = reshape(idx, [-1])                          # then clamp(ids, 0, E - 1) up to transformers 5.17
+    ids    = reshape(idx, [-1])                          # the experts, from here on
+                                                         # (then clamp(ids, 0, E - 1) up to transformers 5.17)
     h      = squeeze(bmm(index(w_gate_up, [ids]), unsqueeze(repeat_interleave(x, k, 0), -1)), -1)
     g, u   = chunk(h, 2, -1)
     y      = squeeze(bmm(index(w_down, [ids]), unsqueeze(silu(g) * u, -1)), -1)
@@ -18,14 +19,22 @@ After `normalize` one block reads (float32 drops the two optional casts):
     y      = to(y, dtype)                                # Mixtral below float32
 
 (`silu(g) * u` is `kiln::silu_and_mul(g, u)` when `fuse_silu_mul` ran first, as it does in the
-registry's order) and becomes `y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`.
-The router GEMM (`logits`) stays in the graph: it is one small projection. Qwen2-MoE's shared
-expert and its sigmoid gate are a dense MLP beside this subgraph, untouched here (the dense
-passes merge and fuse it like any MLP).
+registry's order). `match_experts` finds the experts from each `repeat_interleave`, with the
+two [T, k] tensors the pairs' weights and ids are flattened from. Where those come from the
+softmax router above (`match_softmax_router`) the block becomes
+`y = kiln::fused_moe(x, logits, w_gate_up, w_down, k, renormalize, fp32_weights)`; any other
+router (DeepSeek-V3's sigmoid scores with a selection bias and expert groups, PhiMoE's two
+maxima, ...) stays in the graph as the model computes it and the experts become
+`y = kiln::moe_experts(x, weights, ids, w_gate_up, w_down)`, provided the ids are indices of a
+`topk` or `max` over the experts' scores (`_expert_indices`: the kernels index the weights by
+them unchecked). The router GEMM stays in the graph: it is one small projection, which
+`router_projections` finds by structure for the passes that must leave routers alone.
+Shared experts (Qwen2-MoE, GLM-4.5) are a dense MLP beside this subgraph, untouched here (the
+dense passes merge and fuse it like any MLP).
 
-The match is written by hand, walking back from each `topk` rather than with
-`kiln.passes.pattern`: the block's `view(..., [T, k, H])` carries the symbolic token count,
-which a pattern traced at fixed example shapes cannot match.
+The match is written by hand rather than with `kiln.passes.pattern`: the block's
+`view(..., [T, k, H])` carries the symbolic token count, which a pattern traced at fixed
+example shapes cannot match.
 
 The `batched_mm` graph gathers every pair's expert matrices (tokens x top-k x 3 matrices);
 the fused op reads each expert's weights once per step. So unlike the elementwise fusions it

@@ -12,8 +12,9 @@ logits decide every token; prune_logits already cut it to the sampled rows) and 
 to the embedding, and MoE routers (`...gate.weight`, and every projection that
 `kiln.passes.fuse_moe.router_projections` finds deciding a block's routing: a few columns
 whose ranking picks the experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
-as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`; off by default until timed on a
-GPU): then each `kiln::fused_moe` becomes `kiln::fused_moe_fp8` over e4m3 experts with one
+as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`, and by default for a pre-quantized FP8
+checkpoint whose experts are quantized: `fp8_experts_by_default`; off otherwise until timed on a
+GPU): then each `kiln::fused_moe` (`kiln::moe_experts`) becomes its `_fp8` op over e4m3 experts with one
 scale per expert and output channel, the activations staying in the model dtype
 (weight-only; kernels/moe.py). A pre-quantized checkpoint's FP8 experts are dequantized as
 the loader stacks them, then quantized again per channel.
@@ -137,9 +138,11 @@ class QuantizeFP8Pass(KilnPass):
     def __init__(self, keep_edge_layers: bool | None = None, experts: bool | None = None):
         """`keep_edge_layers`: None keeps the first and last layers in the compute dtype in
         models of fewer than EDGE_LAYERS_MAX_PARAMS parameters (module doc). `experts`: MoE
-        experts in FP8 too (None: KILN_FP8_EXPERTS, off unless set to 1)."""
+        experts in FP8 too; None: KILN_FP8_EXPERTS (1 on, 0 off), and unset, on for a
+        pre-quantized FP8 checkpoint whose experts it quantized (`fp8_experts_by_default`)."""
         self.keep_edge_layers = keep_edge_layers
-        self.experts = os.environ.get("KILN_FP8_EXPERTS", "0") == "1" if experts is None else bool(experts)
+        env = os.environ.get("KILN_FP8_EXPERTS")
+        self.experts = bool(experts) if experts is not None else (None if env is None else env == "1")
 
     def options(self) -> dict[str, Any]:
         return {"keep_edge_layers": self.keep_edge_layers, "edge_layers_max_params": EDGE_LAYERS_MAX_PARAMS,
@@ -211,9 +214,34 @@ class QuantizeFP8Pass(KilnPass):
             replaced += 1
         fused = fuse_quantization_into_producers(graph, [xq.args[0] for xq, _ in quantized_inputs.values()])
         stats = {"fp8_linear": replaced, "kept_high_precision": kept, **fused}
-        if self.experts:
+        experts = self.experts if self.experts is not None else fp8_experts_by_default(gm, ctx.config)
+        if experts:
             stats.update(quantize_experts(gm, ctx, scales, num_layers))
         return stats
+
+
+def fp8_experts_by_default(gm: torch.fx.GraphModule, config: Any) -> bool:
+    """Whether experts run in FP8 without KILN_FP8_EXPERTS: for a pre-quantized FP8 checkpoint
+    whose experts are quantized (Qwen3-30B-A3B-FP8, GLM-4.5-Air-FP8, DeepSeek-V3), as vLLM runs
+    them. 16-bit experts would hold twice the bytes the checkpoint does (GLM-4.5-Air's 106 B
+    parameters: ~110 GB in FP8, ~212 GB widened, more than an H200), and its e4m3 values are
+    what the model was published as. A 16-bit checkpoint quantized at load keeps 16-bit experts
+    unless asked (compiler/README.md, Mixture of experts: their prefill is slower in FP8)."""
+    qc = quantization_config(config)
+    # (The engine has refused any other quantization by now: compiler/fp8_checkpoint.py.)
+    if qc is None or qc.get("quant_method") not in ("fp8", "compressed-tensors"):
+        return False
+    unquantized = checkpoint_unquantized(config)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = param_name(node)
+        if name is None or not name.endswith(".experts.gate_up_proj"):
+            continue
+        # The first expert's Hub names (Qwen/DeepSeek's gate_proj, Mixtral's w1) or the stacked one.
+        prefix = name.removesuffix(".experts.gate_up_proj")
+        hub = prefix.replace(".mlp", ".block_sparse_moe")
+        names = [f"{prefix}.experts.0.gate_proj", f"{hub}.experts.0.w1", f"{prefix}.experts.gate_up_proj"]
+        return not any(unquantized(n) for n in names)
+    return False
 
 
 def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[torch.fx.Node, torch.fx.Node],

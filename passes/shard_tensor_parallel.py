@@ -85,6 +85,7 @@ TP_ARCHITECTURES = {
     "hunyuan_v1_moe": "as mixtral; q/k norm per head; the router `gate.wg` replicated",
     "phimoe": "as mixtral; the router `router` replicated, LayerNorms",
     "granitemoe": "as mixtral with Granite's multipliers; the router `router` replicated",
+    "granitemoeshared": "as granitemoe; the shared MLP's fused input_linear [gate; up] per part, output_linear",
     "afmoe": "as mixtral; gated attention's gate_proj per head",
     "flex_olmo": "as mixtral; q/k norm over all heads, as olmo2's",
     "gemma": "as llama; embedding scaled after the all-reduce",
@@ -135,7 +136,7 @@ TP_ARCHITECTURES = {
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
            "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
-        "fc_out": "mlp", "dense_4h_to_h": "mlp"}
+        "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}
 # Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's
 # and CodeGen's fused qkv are laid out otherwise): module -> `_Plan.fused` layout.
 _FUSED = {
@@ -146,6 +147,7 @@ _FUSED = {
     "gpt2": {"c_attn": "qkv"},  # along the columns of Conv1D's [in, out] weight
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
+    "granitemoeshared": {"input_linear": "gate_up"},  # the shared MLP's [gate; up]
     "gpt_neox": {"query_key_value": "heads3"},
     "persimmon": {"query_key_value": "heads3"},
     "bloom": {"query_key_value": "heads3"},

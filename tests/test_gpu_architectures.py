@@ -17,6 +17,9 @@ and Hugging Face's (gpu marker; skipped without CUDA).
                  MoE routers other than softmax + top-k (`kiln::moe_experts` on the Triton
                  kernels), selection biases read from the checkpoint; GLM-4.5's float32 router
                  in a bfloat16 model
+    deepseek_v3, glm4_moe_lite
+                 multi-head latent attention: K of 24 dims and V of 16 per head, cached padded
+                 to 24 (the kernels' head-size padding past a power of two), DeepSeek-V3 routing
 
 Architectures the GPU image's transformers lacks are skipped.
 """
@@ -32,7 +35,7 @@ from kiln.runtime import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe"]
+MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe", "deepseek_v3", "glm4_moe_lite"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
          "codegen", *MOE_ROUTER_ARCHS]
 

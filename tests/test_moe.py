@@ -423,6 +423,65 @@ def test_fp8_experts_rewrite_each_fused_moe_and_stay_close(arch: str) -> None:
     assert QuantizeFP8Pass(experts=True).uuid() != QuantizeFP8Pass(experts=False).uuid()
 
 
+def test_fp8_checkpoints_run_their_experts_in_fp8_by_default(monkeypatch) -> None:
+    """A pre-quantized FP8 checkpoint's experts stay FP8 (as vLLM runs them; widened to 16 bits
+    they would hold twice the checkpoint's bytes), unless the checkpoint left them unquantized or
+    KILN_FP8_EXPERTS=0 says so; a 16-bit checkpoint quantized at load keeps 16-bit experts."""
+    import copy
+
+    from kiln.compiler.pass_testing import graph_for_pass
+    from kiln.passes.quantize_fp8 import QuantizeFP8Pass
+
+    monkeypatch.delenv("KILN_FP8_EXPERTS", raising=False)
+    config = moe_config("qwen3_moe")
+    before = graph_for_pass(config, "quantize_fp8", cpu_fusions=True)
+
+    def fp8_experts(quantization_config: dict | None, **pass_options) -> int:
+        graph = before.copy()
+        graph.context.config = copy.copy(graph.context.config)
+        graph.context.config.quantization_config = quantization_config
+        stats = graph.run_pass(QuantizeFP8Pass(keep_edge_layers=False, **pass_options))
+        return stats.get("fp8_experts", 0)
+
+    layers = MOE_LAYERS["qwen3_moe"]
+    hf_fp8 = {"quant_method": "fp8", "weight_block_size": [32, 32], "modules_to_not_convert": ["lm_head"]}
+    compressed = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp\\.gate$"]}
+    assert fp8_experts(None) == 0
+    assert fp8_experts(hf_fp8) == layers and fp8_experts(compressed) == layers
+    assert fp8_experts({**hf_fp8, "modules_to_not_convert": ["lm_head", "mlp.experts"]}) == 0
+    assert fp8_experts({**compressed, "ignore": ["re:.*mlp\\.experts\\..*"]}) == 0
+    monkeypatch.setenv("KILN_FP8_EXPERTS", "0")
+    assert fp8_experts(hf_fp8) == 0
+    monkeypatch.setenv("KILN_FP8_EXPERTS", "1")
+    assert fp8_experts(None) == layers
+    monkeypatch.delenv("KILN_FP8_EXPERTS")
+    assert len({QuantizeFP8Pass(experts=e).uuid() for e in (None, True, False)}) == 3  # auto, on, off
+
+
+def test_fp8_moe_checkpoint_loads_with_fp8_experts(tmp_path, moe_model_dir, monkeypatch) -> None:
+    """End to end: a block-wise FP8 Qwen3-MoE checkpoint (every projection, the per-expert Hub
+    tensors included, in e4m3) runs its experts as kiln::fused_moe_fp8 without being asked,
+    and its greedy tokens mostly agree with the 16-bit model's."""
+    from test_fp8 import save_fp8_checkpoint
+
+    from kiln.runtime import LLM, SamplingParams
+
+    monkeypatch.delenv("KILN_FP8_EXPERTS", raising=False)
+    monkeypatch.setenv(CPU_FUSIONS_ENV, "1")
+    path, _ = moe_model_dir("qwen3_moe")
+    save_fp8_checkpoint(path, tmp_path / "fp8", "hf-block")
+    prompts = [[1, 5, 9, 20, 33, 7], list(range(3, 30))]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float32", progress=False).generate(
+        prompts, greedy)]
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", progress=False)
+    records = {r["name"]: r["stats"] for r in llm.engine.graph_spec.pass_records}
+    assert records["quantize_fp8"]["fp8_experts"] == MOE_LAYERS["qwen3_moe"]
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    same = sum(a == b for x, y in zip(out, reference) for a, b in zip(x, y)) / sum(map(len, reference))
+    assert same > 0.5, (out, reference)
+
+
 def test_fp8_experts_op_is_the_dequantized_fused_moe_and_checks_its_scales() -> None:
     from kiln.kernels.fp8 import quantize_fp8_rows
     from kiln.kernels.moe import dequantize_experts

@@ -88,3 +88,25 @@ def test_chunked_prefill_matches_whole_prefill(tiny_model_dir) -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0, -1:]
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_latent_attention_caches_each_heads_k_and_v_padded_to_k(tiny_model_dir) -> None:
+    """DeepSeek-V3's multi-head latent attention: K per head is qk_nope + qk_rope = 24 dims, V
+    16. The cache is sized for every query head at 24 (not from `head_dim`, which is the RoPE
+    part's 8, nor `num_key_value_heads`), and V's last 8 columns are the zeros capture pads it
+    with."""
+    from tiny_models import tiny_config
+
+    from kiln.kernels.paged_attention import is_latent_attention, kv_heads_and_head_dim
+
+    config = tiny_config("deepseek_v3")
+    assert is_latent_attention(config) and not is_latent_attention(tiny_config("llama"))
+    assert (config.head_dim, config.v_head_dim) == (8, 16)
+    assert kv_heads_and_head_dim(config) == (4, 24)
+    path, hf = tiny_model_dir("deepseek_v3")
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
+    llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    cache = llm.engine.runner.kv_caches[0]
+    assert tuple(cache.shape[-2:]) == (4, 24)
+    written = cache[1, 1:3]  # V of the prompt's first blocks (block 0 is the null block)
+    assert written[..., :16].abs().sum() > 0 and torch.count_nonzero(written[..., 16:]) == 0

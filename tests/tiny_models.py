@@ -26,6 +26,9 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 _IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 # Architectures whose configs have no KV-head count (every head has its own K/V).
 MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
+# DeepSeek-V2/V3-style multi-head latent attention at tiny sizes (K 16 + 8, V 16 per head).
+_MLA = dict(num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16)
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
 WINDOW = 6
 ALTERNATING = ["sliding_attention", "full_attention"]
@@ -134,6 +137,17 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                         n_shared_experts=1), "sigmoid router with a selection bias, shared expert"),
     "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
                   "softmax top-k router (kiln::fused_moe), q/k norm over all heads, post-norms"),
+    # Multi-head latent attention: K (qk_nope + qk_rope dims) and V (v_head_dim) expanded per
+    # head from a shared latent, cached expanded (V zero-padded to K's size).
+    "deepseek_v3": (dict(_MLA, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
+                    "multi-head latent attention (q and kv LoRA, K and V of other sizes), DeepSeek-V3 routing"),
+    "deepseek_v2": (dict(_MLA, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, topk_method="greedy"),
+                    "multi-head latent attention without q LoRA, softmax top-k router"),
+    "glm4_moe_lite": (dict(_MLA, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                           n_shared_experts=1, first_k_dense_replace=1),
+                      "multi-head latent attention (GLM-4.7-Flash), sigmoid router with a selection bias"),
     # Attention written inline (no attention interface): capture's inline_attention pass.
     "bloom": (dict(_IDS, hidden_size=96, n_layer=2, n_head=6, vocab_size=128),
               "ALiBi (6 heads: slopes of a non-power-of-two count) in baddbmm, fused qkv, embedding LayerNorm"),
@@ -152,6 +166,14 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
+    # Experts that loop over the tokens each one got (not transformers' pluggable experts).
+    "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
+                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
+             "shapes that depend on tensor values"),
+    # Llama 4's chunked attention and temperature tuning tie the token count to other sizes.
+    "llama4_text": (dict(COMMON, intermediate_size=64, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=1), "code that ties the token count to another size"),
 }
 
 
