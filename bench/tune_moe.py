@@ -60,6 +60,8 @@ import bench_common as bc
 SHAPES = {  # experts, hidden, intermediate, top_k, renormalize
     "mixtral-8x7b": (8, 4096, 14336, 2, True),
     "qwen3-moe-30b-a3b": (128, 2048, 768, 8, True),
+    "glm-4.5-air": (128, 4096, 1408, 8, True),        # kiln::moe_experts behind DeepSeek-V3 routing
+    "deepseek-v2-lite": (64, 2048, 1408, 6, False),
 }
 
 

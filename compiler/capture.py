@@ -372,19 +372,24 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     except torch._dynamo.exc.UserError as e:
         if e.error_type != torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
             raise
-        if not inline:
-            raise UnsupportedArchitectureError(
-                f"code that ties the token count to another size ({_model_frame(e)}; export: "
-                f"{str(e).splitlines()[0].split('!')[0]}): Kiln traces one graph for every token count") from e
-        # An inline bias sized by the model's context (MPT slices a max_seq_len-long ALiBi
-        # tensor) bounds the token count. That bias is replaced by the marker below and each
-        # bucket is exported again at its own static shape, so let export narrow the range.
+        # The trace narrowed the token count's range: an inline bias sized by the model's
+        # context (MPT slices a max_seq_len-long ALiBi tensor) bounds it, or the model's code
+        # ties it to another input's size first (Llama 4's RoPE meets the position ids' own
+        # symbol, whose range starts at 2, before the token count's). The bias is replaced by
+        # the marker below and each bucket is exported again at its own static shape, and the
+        # graph runs one token as well as two (tests/test_parity.py), so let export narrow it.
         # A new model and fake mode: the failed trace left its guards in the old one's shapes.
-        logger.info("capture: %s bounds the token count (%s); tracing with the range export infers",
+        logger.info("capture: %s narrows the token count's range (%s); tracing with the range export infers",
                     type(hf).__name__, str(e).splitlines()[1].strip() if "\n" in str(e) else e)
         hf, wrapper, fake_mode = _build_for_export(config, dtype, device)
-        program = _export(wrapper, fake_mode, (input_ids, position_ids),
-                          {"input_ids": {1: Dim.DYNAMIC}, "position_ids": {1: Dim.DYNAMIC}})
+        try:
+            program = _export(wrapper, fake_mode, (input_ids, position_ids),
+                              {"input_ids": {1: Dim.DYNAMIC}, "position_ids": {1: Dim.DYNAMIC}})
+        except torch._dynamo.exc.UserError as again:
+            raise UnsupportedArchitectureError(
+                f"code that ties the token count to another size ({_model_frame(again)}; export: "
+                f"{str(again).splitlines()[0].split('!')[0]}): Kiln traces one graph for every token count"
+            ) from again
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)

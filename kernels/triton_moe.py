@@ -717,8 +717,9 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
             return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down,
                                              w_down_scale)
         return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down)
-    # The grouping and the per-pair kernels read int64 expert ids (a top-k's indices).
-    topk_ids = topk_ids.to(torch.int64)
+    # The grouping and the per-pair kernels read the ids as a dense int64 [T, top_k] (a router's
+    # may come as int32, or as a view: PhiMoE's are a concatenation).
+    topk_ids = topk_ids.to(torch.int64).contiguous()
     top_k = topk_ids.shape[1]
     t, h = hidden.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2

@@ -154,7 +154,7 @@ def deepseek_routing(logits: torch.Tensor, top_k: int, scale: float = 2.5) -> tu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("t,e,top_k,per_pair,tma", [(1, 8, 2, True, False), (17, 6, 3, False, False),
+@pytest.mark.parametrize("t,e,top_k,per_pair,tma", [(3, 8, 2, True, False), (17, 6, 3, False, False),
                                                     (40, 4, 2, False, True)])
 def test_moe_experts_kernels_match_reference(t, e, top_k, per_pair, tma, dtype) -> None:
     """`kiln::moe_experts` (the routing given) on the pointer kernels, per pair and grouped, and
@@ -166,6 +166,7 @@ def test_moe_experts_kernels_match_reference(t, e, top_k, per_pair, tma, dtype) 
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
     hidden, logits, w_gate_up, w_down = moe_inputs(t, 32, 24, e, dtype, seed=t)
     weights, ids = deepseek_routing(logits, top_k)
+    ids = ids.t().contiguous().t()  # a column-major view: the kernels must not read its storage as [T, k]
     out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=per_pair, tma=tma)
     ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
     assert out.dtype == ref.dtype == dtype
@@ -451,6 +452,7 @@ def test_sorted_rows_kernels_take_large_steps_on_sm90_only_and_refuse_what_they_
 REAL_SHAPES = {  # name: hidden, moe intermediate, experts, top_k, renormalize
     "mixtral-8x7b": (4096, 14336, 8, 2, True),
     "qwen3-moe-30b-a3b": (2048, 768, 128, 8, True),
+    "glm-4.5-air": (4096, 1408, 128, 8, True),
 }
 
 
@@ -469,6 +471,23 @@ def test_fused_moe_triton_matches_reference_at_real_shapes(shape: str, tokens: i
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 1e-2, f"{shape}, {tokens} tokens: relative error {rel:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1000])
+def test_moe_experts_at_glm45_air_shape(tokens: int) -> None:
+    """`kiln::moe_experts` on CUDA at GLM-4.5-Air's expert shape (128 experts, top-8) behind a
+    DeepSeek-style router (float32 weights scaled by 2.5, int32 ids)."""
+    from kiln.kernels.moe import moe_experts_reference
+
+    h, i, e, k, _ = REAL_SHAPES["glm-4.5-air"]
+    hidden, logits, w_gate_up, w_down = moe_inputs(tokens, h, i, e, torch.bfloat16, seed=tokens, device="cuda",
+                                                   skew=False)
+    weights, ids = deepseek_routing(logits, k)
+    out = torch.ops.kiln.moe_experts(hidden, weights, ids, w_gate_up, w_down)
+    ref = moe_experts_reference(hidden.float(), weights, ids, w_gate_up.float(), w_down.float())
+    rel = (out.float() - ref).norm() / ref.norm()
+    assert out.dtype == torch.bfloat16 and rel < 1e-2, f"{tokens} tokens: relative error {rel:.2e}"
 
 
 @pytest.mark.gpu

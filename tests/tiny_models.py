@@ -148,6 +148,12 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "glm4_moe_lite": (dict(_MLA, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                            n_shared_experts=1, first_k_dense_replace=1),
                       "multi-head latent attention (GLM-4.7-Flash), sigmoid router with a selection bias"),
+    # Llama 4 (the text model): its RoPE ties the token count to the position ids' own symbol
+    # (capture lets export narrow the range), NoPE layers with attention-temperature tuning, L2
+    # q/k norm, a sigmoid top-1 router and experts computed densely (not the pluggable kind).
+    "llama4_text": (dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=128, num_local_experts=4,
+                         num_experts_per_tok=1, no_rope_layers=[1, 0]),
+                    "RoPE and NoPE layers with attention-temperature tuning, L2 q/k norm, dense top-1 experts"),
     # Attention written inline (no attention interface): capture's inline_attention pass.
     "bloom": (dict(_IDS, hidden_size=96, n_layer=2, n_head=6, vocab_size=128),
               "ALiBi (6 heads: slopes of a non-power-of-two count) in baddbmm, fused qkv, embedding LayerNorm"),
@@ -171,9 +177,6 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                   ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
              "shapes that depend on tensor values"),
-    # Llama 4's chunked attention and temperature tuning tie the token count to other sizes.
-    "llama4_text": (dict(COMMON, intermediate_size=64, intermediate_size_mlp=128, head_dim=16, num_local_experts=4,
-                         num_experts_per_tok=1), "code that ties the token count to another size"),
 }
 
 
