@@ -172,6 +172,9 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
+    # GPT-OSS: a learned per-head logit in every softmax's denominator.
+    "gpt_oss": (dict(COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                     layer_types=["sliding_attention", "full_attention"]), "attention sinks"),
     # Experts that loop over the tokens each one got (not transformers' pluggable experts).
     "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
