@@ -390,6 +390,13 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
                 f"code that ties the token count to another size ({_model_frame(again)}; export: "
                 f"{str(again).splitlines()[0].split('!')[0]}): Kiln traces one graph for every token count"
             ) from again
+        upper = _token_count_upper_bound(program)
+        if not inline and upper is not None and upper < max_num_tokens:
+            # A bound the marker does not replace (a buffer sliced to the step, say): a step of
+            # more tokens, several sequences packed, would run past it.
+            raise UnsupportedArchitectureError(
+                f"code that bounds the token count at {upper} ({_model_frame(e)}): a step packs up to "
+                f"{max_num_tokens} tokens, and Kiln traces one graph for every token count")
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -497,6 +504,21 @@ def _persistent_buffer_names(hf: torch.nn.Module) -> dict[str, list[str]]:
             name = f"{prefix}.{local}" if prefix else local
             names[name] = [n for n in revert_weight_conversion(hf, {name: buf}) if n != name]
     return names
+
+
+def _token_count_upper_bound(program: Any) -> int | None:
+    """The largest token count an exported program's range allows (None: unbounded or static)."""
+    user = [node for node, spec in zip(program.graph_module.graph.find_nodes(op="placeholder"),
+                                       program.graph_signature.input_specs) if spec.kind.name == "USER_INPUT"]
+    size = user[0].meta["val"].shape[1] if user else None
+    if not isinstance(size, torch.SymInt):
+        return None
+    bound = program.range_constraints.get(size.node.expr)
+    upper = getattr(bound, "upper", None)
+    try:
+        return int(upper) if upper is not None else None
+    except (TypeError, ValueError, AttributeError):  # sympy's infinities (int_oo) have no int
+        return None
 
 
 def _model_frame(error: BaseException) -> str:

@@ -79,3 +79,26 @@ def test_kv_cache_shape_mismatch_is_caught_at_compile_time() -> None:
     config.num_key_value_heads = 2
     with pytest.raises(ValueError, match=r"paged_kv: layer 0 has \(1, 16\) KV heads x head_dim.*\(2, 16\)"):
         build_model_graph(config, torch.float32, "cpu")
+
+
+def test_token_count_bound_of_an_export_is_read() -> None:
+    """Capture lets export narrow the token count's range (Llama 4: from 2 up), but refuses a
+    model whose code bounds it below the tokens a step packs: the bound it reads is this."""
+    import torch
+    from torch.export import Dim
+
+    from kiln.compiler.capture import _token_count_upper_bound
+
+    class Sliced(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.arange(64.0))
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return input_ids * self.table[: input_ids.shape[1]]
+
+    ids = torch.ones(1, 8)
+    bounded = torch.export.export(Sliced(), (ids,), dynamic_shapes={"input_ids": {1: Dim("t", min=1, max=64)}})
+    assert _token_count_upper_bound(bounded) == 64
+    free = torch.export.export(torch.nn.Flatten(0), (ids,), dynamic_shapes=({1: Dim.DYNAMIC},))
+    assert _token_count_upper_bound(free) is None
