@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401  (registers kiln::attention)
 from kiln.compiler.graph_inputs import (
-    INPUT_META_KEY, batch_role, constant_role, graph_input_roles, param_role,
+    INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
 
 logger = logging.getLogger("kiln.compiler")
@@ -444,12 +444,71 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     if inline:
         _mark_inline_attention(gm, constants, hf)
     _unwrap_single_output(gm)
+    _fold_input_free_computations(gm, constants)
     gm.recompile()
     # The HF model sits in reference cycles: collected here, not at some later point.
     del hf, wrapper, program, named_params, named_buffers, aliases
     gc.collect()
     return CapturedModel(graph_module=gm, config=config, dtype=dtype, param_aliases=param_aliases, constants=constants,
                          checkpoint_buffers=checkpoint_buffers, param_dtypes=param_dtypes)
+
+
+# Ops whose output is not a function of their inputs alone (uninitialised memory, random draws)
+# or that write their input: never folded (a fold would freeze or share their result).
+_UNFOLDABLE_PREFIXES = ("empty", "new_empty", "rand", "normal", "bernoulli", "uniform", "_assert", "sym_")
+
+
+def _fold_input_free_computations(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor]) -> int:
+    """Compute, once at capture, what the graph computes from no input at all, and make each
+    such result that the rest of the graph reads a constant input (`constant:folded_N`).
+
+    Some models build tensors in their forward from nothing but the config: PhiMoE's rotary
+    embedding recomputes inv_freq each call (`arange` on the CPU, then `.to(x.device)`). Left in
+    the graph, that is a host-to-device copy in every step, which a CUDA graph cannot capture
+    (the GPU suite's PhiMoE failed so); as a constant input it is moved to the device once with
+    the others. Only pure ops are folded (nothing random, uninitialised or written in place),
+    from call_function nodes that read no placeholder, directly or through another node."""
+    graph = gm.graph
+    free: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name.startswith(_UNFOLDABLE_PREFIXES) or name.endswith("_") or (
+                isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable):
+            continue
+        if all(inp in free for inp in node.all_input_nodes):
+            free.add(node)
+    # What the rest of the graph reads: the free nodes with a user outside them.
+    frontier = [n for n in free if any(u not in free for u in n.users)]
+    if not frontier:
+        return 0
+    values: dict[torch.fx.Node, Any] = {}
+    for node in graph.nodes:  # in order: each free node's inputs are computed before it
+        if node in free:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: values[n])
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": "cpu"}  # computed here; the runner moves constants
+            values[node] = node.target(*args, **kwargs)
+    folded = 0
+    for node in sorted(frontier, key=lambda n: list(graph.nodes).index(n)):
+        value = values[node]
+        if not isinstance(value, torch.Tensor) or value.numel() > 1 << 20:
+            continue  # (a large constant costs more memory than the ops that build it)
+        name = f"folded_{folded}"
+        while name in constants:
+            name += "_"
+        constants[name] = value.detach().to("cpu").clone()
+        placeholder = add_graph_input(gm, name, constant_role(name), node.meta["val"])
+        node.replace_all_uses_with(placeholder)
+        folded += 1
+    if folded:
+        for node in reversed(list(graph.nodes)):  # the free nodes nothing reads any more
+            if node in free and not node.users:
+                graph.erase_node(node)
+        gm.recompile()
+        logger.info("capture: %d input-free computation(s) folded into constants", folded)
+    return folded
 
 
 def _mark_inline_attention(gm: torch.fx.GraphModule, constants: dict[str, torch.Tensor], hf: torch.nn.Module) -> None:

@@ -102,3 +102,36 @@ def test_token_count_bound_of_an_export_is_read() -> None:
     assert _token_count_upper_bound(bounded) == 64
     free = torch.export.export(torch.nn.Flatten(0), (ids,), dynamic_shapes=({1: Dim.DYNAMIC},))
     assert _token_count_upper_bound(free) is None
+
+
+def test_input_free_computations_become_constants() -> None:
+    """What a graph computes from no input (PhiMoE's RoPE recomputes inv_freq with an `arange`
+    on the CPU in every forward) is computed once at capture and read as a constant input: a
+    CUDA graph cannot capture the step's host-to-device copy. Random and uninitialised ops are
+    never folded, nor is anything that reads an input."""
+    import torch
+
+    from kiln.compiler.capture import _fold_input_free_computations, capture
+    from kiln.compiler.graph_inputs import INPUT_META_KEY
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            table = torch.arange(4, dtype=torch.float32) * 2.0       # folded
+            noise = torch.rand(4)                                     # random: kept
+            scratch = torch.empty(4).fill_(1.0)                       # uninitialised: kept
+            return x * table + noise * 0 + scratch + x.sum()
+
+    gm = torch.export.export(Model(), (torch.ones(4),)).module()
+    gm = torch.fx.symbolic_trace(gm) if not isinstance(gm, torch.fx.GraphModule) else gm
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node.meta[INPUT_META_KEY] = "batch:x"
+    constants: dict[str, torch.Tensor] = {}
+    assert _fold_input_free_computations(gm, constants) == 1
+    torch.testing.assert_close(constants["folded_0"], torch.arange(4.0) * 2)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "aten.arange.start_step" not in targets and "aten.arange.default" not in targets
+    assert any("rand" in t for t in targets) and any("empty" in t for t in targets)
+
+    phimoe = capture(tiny_config("phimoe"))
+    assert {k for k in phimoe.constants if k.startswith("folded")} == {"folded_0", "folded_1"}
+    assert not phimoe.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.to.device)
