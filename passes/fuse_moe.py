@@ -238,14 +238,14 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
         output = after
     if _dtype(output) != hidden_dtype or not _shapes_agree(hidden, None, w_gate_up, w_down):
         return None
-    nodes = [repeated, col_gu, gate_up_index(bmm_gu), bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes, col_act,
-             gate_up_index(bmm_down), bmm_down, squeeze_down, flat_weights, col_weights, weighted,
+    nodes = [repeated, col_gu, _gather_of(bmm_gu), bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes, col_act,
+             _gather_of(bmm_down), bmm_down, squeeze_down, flat_weights, col_weights, weighted,
              *dict.fromkeys([flat_ids, ids]), slots, summed, *([output] if output is not summed else [])]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
                         w_down=w_down, top_k=top_k, output=output, nodes=nodes)
 
 
-def gate_up_index(bmm: torch.fx.Node) -> torch.fx.Node:
+def _gather_of(bmm: torch.fx.Node) -> torch.fx.Node:
     """The `index(W, [ids])` gather a matched bmm multiplies by."""
     return bmm.args[0]  # type: ignore[return-value]
 
