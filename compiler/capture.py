@@ -479,8 +479,8 @@ def _fold_input_free_computations(gm: torch.fx.GraphModule, constants: dict[str,
             continue
         if all(inp in free for inp in node.all_input_nodes):
             free.add(node)
-    # What the rest of the graph reads: the free nodes with a user outside them.
-    frontier = [n for n in free if any(u not in free for u in n.users)]
+    # What the rest of the graph reads: the free nodes with a user outside them, in graph order.
+    frontier = [n for n in graph.nodes if n in free and any(u not in free for u in n.users)]
     if not frontier:
         return 0
     values: dict[torch.fx.Node, Any] = {}
@@ -491,7 +491,7 @@ def _fold_input_free_computations(gm: torch.fx.GraphModule, constants: dict[str,
                 kwargs = {**kwargs, "device": "cpu"}  # computed here; the runner moves constants
             values[node] = node.target(*args, **kwargs)
     folded = 0
-    for node in sorted(frontier, key=lambda n: list(graph.nodes).index(n)):
+    for node in frontier:
         value = values[node]
         if not isinstance(value, torch.Tensor) or value.numel() > 1 << 20:
             continue  # (a large constant costs more memory than the ops that build it)

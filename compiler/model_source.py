@@ -605,6 +605,7 @@ def _load_safetensors_dir(
     from kiln.passes.weight_transforms import fp8_scale_name
     from tqdm import tqdm
 
+    param_dtypes = param_dtypes or {}
     shards = sorted(path.glob("*.safetensors"))
     where: dict[str, Path] = {}
     for shard in shards:
@@ -639,7 +640,7 @@ def _load_safetensors_dir(
         for shard, items in plan.items():
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
-                    want = (param_dtypes or {}).get(name, dtype)
+                    want = param_dtypes.get(name, dtype)
                     if tp_shards and name in tp_shards and key not in derived_sources:
                         _load_rank_slice(out, f, name, key, tp_shards[name], where, shard, name in keep_fp8, want,
                                          device, on_tensor)
@@ -665,7 +666,7 @@ def _load_safetensors_dir(
         combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
-        _keep(out, name, combined.to(device=device, dtype=(param_dtypes or {}).get(name, dtype)), on_tensor)
+        _keep(out, name, combined.to(device=device, dtype=param_dtypes.get(name, dtype)), on_tensor)
     return out
 
 
