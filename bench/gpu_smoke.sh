@@ -14,7 +14,7 @@
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
-#                                         moe_swap_offline fp8_70b tp70b_fp8
+#                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -322,6 +322,13 @@ for stage in $STAGES; do
     moe_deepseek_v2_lite)  # issue 17: MLA (cached expanded) + moe_experts at DeepSeek-V2-Lite's shape, decode 1/64
       run_stage moe_deepseek_v2_lite 560 $PY bench/moe.py --shape deepseek-v2-lite --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_deepseek_v2_lite.json" ;;
+    gpt_oss_tests)  # GPT-OSS: attention sinks in the attention kernel, biased experts with the clamped SwiGLU in
+                    # the MoE kernels' epilogues, the tiny model through Triton + CUDA graphs (~2 min)
+      run_stage gpt_oss_tests 300 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_architectures.py \
+        tests/test_kernels_triton.py tests/test_moe_triton.py -k "gpt_oss or sinks or biased" ;;
+    moe_gpt_oss_20b)  # GPT-OSS-20B's shape (dummy bf16, ~41 GB): decode 1/64 against Hugging Face eager
+      run_stage moe_gpt_oss_20b 560 $PY bench/moe.py --shape gpt-oss-20b --no-offline ${MOE_ARGS:-} \
+        --out "$OUT/moe_gpt_oss_20b.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
       run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
         tests/test_kernels_triton.py ;;

@@ -65,6 +65,10 @@ SHAPES = {
     # Multi-head latent attention (cached expanded, V padded to K's 192) and kiln::moe_experts
     # behind a router fused_moe does not take (softmax top-6, then scaled); ~31 GB in bf16.
     "deepseek-v2-lite": MoEShape("deepseek-v2-lite", "deepseek_v2_lite.json", offline=False),
+    # GPT-OSS-20B (openai/gpt-oss-20b's config without its MXFP4 quantization_config: dummy
+    # bf16 weights, ~41 GB): attention sinks, 64 query heads of 64 over 8 KV heads, windowed
+    # (128) and global layers, 32 biased experts top-4 with the clamped SwiGLU.
+    "gpt-oss-20b": MoEShape("gpt-oss-20b", "gpt_oss_20b.json", offline=False),
 }
 
 # --tiny: the architectures at test-model size (tests/test_moe.py's scale).
@@ -85,6 +89,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                              n_shared_experts=1, num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=1,
                              vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
                              eos_token_id=2),
+    "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=64,
+                        intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"], vocab_size=256,
+                        max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -126,8 +135,14 @@ def hf_moe_model(config: Any, dtype: torch.dtype, device: torch.device, experts_
     config = copy.deepcopy(config)
     config.use_cache = True  # whatever the caller's object says: the baseline decodes with a KV cache
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
-                                                 experts_implementation=experts_implementation)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                                     experts_implementation=experts_implementation)
+        except ValueError as e:  # GPT-OSS's sinks: transformers has no sdpa path for it, only eager
+            if "scaled_dot_product_attention" not in str(e):
+                raise
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager",
+                                                     experts_implementation=experts_implementation)
     model.eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.use_cache = True
@@ -211,7 +226,7 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
 
     if not args.no_baseline:
         model_hf = hf_moe_model(config, dtype, device, args.hf_experts)
-        result["baseline"] = {"name": "transformers eager (sdpa)",
+        result["baseline"] = {"name": f"transformers eager ({model_hf.config._attn_implementation} attention)",
                               "experts_implementation": getattr(model_hf.config, "_experts_implementation", None),
                               # generate's decode loop runs it too (its switch to batched_mm is off)
                               "experts_implementation_pinned": True,

@@ -51,9 +51,8 @@ class UnsupportedArchitectureError(ValueError):
 
 # Arguments transformers' attention modules hand the attention function that change what
 # it computes, and which Kiln's marker does not carry: the construct each one stands for.
+# (Attention sinks, GPT-OSS's `s_aux`, it carries: `_SINK_KWARGS`.)
 _REFUSED_ATTENTION_KWARGS: dict[str, str] = {
-    "s_aux": "attention sinks (learned per-head softmax offset)",
-    "sinks": "attention sinks (learned per-head softmax offset)",
     "position_bias": "relative position bias added to attention logits",
     "alibi": "ALiBi attention bias",
     "head_mask": "attention head mask",
@@ -62,6 +61,7 @@ _REFUSED_ATTENTION_KWARGS: dict[str, str] = {
 # positions). Any other tensor handed to the attention function is something it would
 # compute with, which the marker would silently drop: refused by name. (Flags such as
 # output_router_logits also travel in the kwargs and are not tensors.)
+_SINK_KWARGS = ("s_aux", "sinks")
 _IGNORED_ATTENTION_KWARGS = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
     "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_past", "return_dict",
@@ -91,8 +91,12 @@ def _kiln_attention_forward(
     for name, construct in _REFUSED_ATTENTION_KWARGS.items():
         if kwargs.get(name) is not None:
             raise UnsupportedArchitectureError(f"{construct} is not supported (argument {name!r} of {where})")
+    sinks = next((kwargs[name] for name in _SINK_KWARGS if kwargs.get(name) is not None), None)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise UnsupportedArchitectureError(f"attention sinks of shape {tuple(sinks.shape)} for {query.shape[1]} "
+                                           f"query heads are not supported ({where})")
     unknown = sorted(k for k, v in kwargs.items()
-                     if isinstance(v, torch.Tensor) and k not in _IGNORED_ATTENTION_KWARGS)
+                     if isinstance(v, torch.Tensor) and k not in _IGNORED_ATTENTION_KWARGS and k not in _SINK_KWARGS)
     if unknown:
         raise UnsupportedArchitectureError(
             f"attention argument(s) {', '.join(map(repr, unknown))} that Kiln's attention marker does not carry "
@@ -117,7 +121,7 @@ def _kiln_attention_forward(
         d = max(dk, dv)
         q, k, v = (F.pad(x, (0, d - x.shape[-1])) if x.shape[-1] < d else x for x in (q, k, v))
     out = torch.ops.kiln.attention(q, k, v, int(module.layer_idx), scale, int(sliding_window or 0),
-                                   float(softcap or 0.0))
+                                   float(softcap or 0.0), **({"sinks": sinks} if sinks is not None else {}))
     if dk != dv:
         out = out[..., :dv]
     return out.unsqueeze(0), None

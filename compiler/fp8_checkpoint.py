@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.mxfp4_checkpoint import MXFP4_METHOD
 from kiln.passes.quantize_fp8 import quantization_config
 
-FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+FP8_CHECKPOINT_METHODS = ("fp8", "compressed-tensors")  # and MXFP4, read by kiln.compiler.mxfp4_checkpoint
 _SCALE_SUFFIXES = ("_scale", "_scale_inv")  # appended to "....weight"
 
 
@@ -44,6 +45,8 @@ def checkpoint_quantization(config: Any) -> str | None:
     method = qc.get("quant_method")
     if method == "fp8":
         return "fp8"
+    if method == MXFP4_METHOD:
+        return None  # dequantized as it loads (kiln.compiler.mxfp4_checkpoint): no FP8 implied
     if method == "compressed-tensors":
         groups = qc.get("config_groups") or {}
         if not groups:

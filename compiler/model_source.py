@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from kiln.compiler.mxfp4_checkpoint import expert_tensor_from_mxfp4, is_mxfp4_source, mxfp4_source_names
+
 logger = logging.getLogger("kiln.compiler")
 
 # What a loader calls with each tensor as it lands on the device (name, tensor), and keeps in
@@ -663,7 +665,8 @@ def _load_safetensors_dir(
                     bar.update(1)
     for name, sources in derived.items():
         # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
-        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources])
+        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources], sources,
+                                              param_dtypes.get(name, dtype))
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
         _keep(out, name, combined.to(device=device, dtype=param_dtypes.get(name, dtype)), on_tensor)
@@ -746,9 +749,9 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
         return [[f"{m.group(1)}.block_sparse_moe.gate.weight"]]
     if m := _MOE_STACKED.match(name):
         prefix, kind = m.group(1), m.group(2)
+        layouts = [mxfp4_source_names(name)]  # GPT-OSS's MXFP4 experts (kiln.compiler.mxfp4_checkpoint)
         if num_experts is None:
-            return []
-        layouts = []
+            return layouts
         for gate, up, down in _EXPERT_LAYOUTS:
             if kind == "gate_up_proj":
                 layouts.append([n.format(p=prefix, e=e) for e in range(num_experts) for n in (gate, up)])
@@ -758,7 +761,12 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     return []
 
 
-def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor], sources: list[str],
+                               dtype: torch.dtype) -> torch.Tensor:
+    """Model tensor `name` from the checkpoint tensors `sources` (a layout of
+    `checkpoint_source_layouts`), read as `tensors`."""
+    if is_mxfp4_source(sources):
+        return expert_tensor_from_mxfp4(tensors[0], tensors[1], dtype)
     if _MOE_GATE.match(name):
         return tensors[0]
     if name.endswith("gate_up_proj"):

@@ -22,6 +22,11 @@ and the kernels need no knowledge of the architecture:
                   a per-model offset); per query row that differs by a constant, which
                   softmax drops. A tensor, not a scalar: it is a graph input (role
                   `constant:alibi_slopes`), so a captured CUDA graph reads it in place.
+  sinks           [Hq] or None, keyword-only: attention sinks (GPT-OSS), a learned logit per
+                  head that joins every query's softmax as one more key with no value: it
+                  adds exp(sink[h]) to the denominator and nothing to the output. A model
+                  parameter (read from the checkpoint). Keyword-only in this op and in the
+                  paged ops, so passes find it by name whatever the positional arguments.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def causal_attention(
     k_positions: torch.Tensor | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over k/v, causal by position, GQA by head grouping; float32 softmax.
 
@@ -48,7 +54,8 @@ def causal_attention(
     sliding_window > 0 limits each query to the last `sliding_window` keys (itself included),
     as Hugging Face's sliding-window mask does. softcap > 0 caps the scaled logits with
     softcap * tanh(logits / softcap), as Hugging Face's eager Gemma 2 attention does.
-    alibi_slopes [Hq] adds slope[h] * (k_pos - q_pos) to the logits (ALiBi).
+    alibi_slopes [Hq] adds slope[h] * (k_pos - q_pos) to the logits (ALiBi). sinks [Hq]
+    joins each head's softmax as one more logit whose probability is dropped (GPT-OSS).
     """
     tq, hq, _ = q.shape
     tk, hkv, _ = k.shape
@@ -69,7 +76,11 @@ def causal_attention(
     if sliding_window > 0:
         allowed = allowed & (k_positions[None, :] > q_positions[:, None] - sliding_window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink_column = sinks.float()[:, None, None].expand(hq, tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", probs, v.float())
     return out.to(q.dtype)
 
@@ -84,10 +95,12 @@ def attention(
     sliding_window: int,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return causal_attention(q, k, v, scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes)
+    return causal_attention(q, k, v, scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, layer_idx, scale, sliding_window, softcap=0.0, alibi_slopes=None):
+def _attention_fake(q, k, v, layer_idx, scale, sliding_window, softcap=0.0, alibi_slopes=None, *, sinks=None):
     return torch.empty_like(q)

@@ -34,11 +34,22 @@ selection bias and expert groups, GLM-4.5's, Ernie 4.5's, ...): `fuse_moe` leave
 router in the graph, as the model computes it, and fuses the experts after it. The weights'
 dtype decides the rounding of the weighted sum as `fp32_weights` does in `fused_moe`, which is
 `route` followed by this op.
+
+Keyword-only, for experts that are not a bias-free SiLU-and-mul (GPT-OSS):
+
+    b_gate_up  [E, 2I] or None   added to the gate/up GEMM's output (gate half, then up half)
+    b_down     [E, H] or None    added to the down GEMM's output, before the routing weight
+    activation "silu"            silu(gate) * up
+               "swiglu_oai"      GPT-OSS's clamped SwiGLU: gate = min(gate, limit),
+                                 up = clamp(up, -limit, limit),
+                                 (up + 1) * gate * sigmoid(alpha * gate)
+    alpha, limit                 that activation's constants (GPT-OSS: 1.702 and 7.0)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +94,48 @@ def check_fused_moe_args(hidden: torch.Tensor, router_logits: torch.Tensor, w_ga
         raise ValueError(f"fused_moe: top_k={top_k} must be in 1..{e} (the number of experts)")
 
 
+EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def expert_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """[rows, 2I] gate/up products (gate half first) -> [rows, I], as the model's graph
+    computes it (module doc), each op rounding in gate_up's dtype."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@dataclass(frozen=True)
+class ExpertExtras:
+    """`kiln::moe_experts`' keyword-only arguments (module doc), as one value the kernels' launchers pass on."""
+
+    b_gate_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"b_gate_up": self.b_gate_up, "b_down": self.b_down, "activation": self.activation,
+                "alpha": self.alpha, "limit": self.limit}
+
+
+def check_expert_extras(w_gate_up: torch.Tensor, w_down: torch.Tensor, b_gate_up: torch.Tensor | None,
+                        b_down: torch.Tensor | None, activation: str) -> None:
+    """ValueError unless the biases and activation are those of the module doc."""
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"moe_experts: activation {activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
+    for bias, weight, name in ((b_gate_up, w_gate_up, "b_gate_up"), (b_down, w_down, "b_down")):
+        if bias is not None and tuple(bias.shape) != tuple(weight.shape[:2]):
+            raise ValueError(f"moe_experts: {name} must be {tuple(weight.shape[:2])} (one per expert and output "
+                             f"channel), got {tuple(bias.shape)}")
+
+
 def check_moe_experts_args(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                            w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
     """ValueError unless the shapes and dtypes are those of `kiln::moe_experts` (module doc)."""
@@ -105,9 +158,12 @@ def check_moe_experts_args(hidden: torch.Tensor, topk_weights: torch.Tensor, top
 
 
 def moe_experts_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                          w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                          w_gate_up: torch.Tensor, w_down: torch.Tensor, *, b_gate_up: torch.Tensor | None = None,
+                          b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                          limit: float = 7.0) -> torch.Tensor:
     """The routed experts of `kiln::moe_experts` (module doc), grouped by expert."""
     check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    check_expert_extras(w_gate_up, w_down, b_gate_up, b_down, activation)
     t, h = hidden.shape
     top_k = topk_ids.shape[1]
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
@@ -126,8 +182,12 @@ def moe_experts_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk
         rows = slice(start, start + n)
         x = hidden[tokens[rows]]
         gate_up = F.linear(x, w_gate_up[e])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        if b_gate_up is not None:
+            gate_up = gate_up + b_gate_up[e]
+        act = expert_activation(gate_up, activation, alpha, limit)
         y = F.linear(act, w_down[e])
+        if b_down is not None:
+            y = y + b_down[e]
         out[order[rows]] = y * weights[rows, None]
         start += n
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
@@ -149,7 +209,9 @@ def fused_moe_grouped_mm(hidden: torch.Tensor, router_logits: torch.Tensor, w_ga
 
 
 def moe_experts_grouped_mm(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                           w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+                           w_gate_up: torch.Tensor, w_down: torch.Tensor, *, b_gate_up: torch.Tensor | None = None,
+                           b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                           limit: float = 7.0) -> torch.Tensor:
     """The reference's computation with each GEMM one `torch._grouped_mm` over every expert
     (on CUDA, CUTLASS's grouped GEMM; torch also runs it on CPU) instead of a loop: the pairs
     sorted by expert, the per-expert row counts' prefix sums as the groups' ends. Device ops
@@ -157,9 +219,10 @@ def moe_experts_grouped_mm(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     it writes the [pairs, 2I] gate/up output (at 16k tokens of Mixtral, 1.9 GB): an
     alternative for prefill-sized steps, timed against them by bench/tune_moe.py."""
     check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    check_expert_extras(w_gate_up, w_down, b_gate_up, b_down, activation)
     t, h = hidden.shape
     top_k = topk_ids.shape[1]
-    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    num_experts = w_gate_up.shape[0]
     out_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     pairs = topk_ids.reshape(-1).long()
     order = torch.argsort(pairs, stable=True)
@@ -169,8 +232,13 @@ def moe_experts_grouped_mm(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     x = hidden[order // top_k]
     # [E, H, 2I] and [E, I, H] views: column-major per expert, as the grouped GEMM takes them.
     gate_up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=ends)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    sorted_experts = pairs[order]
+    if b_gate_up is not None:
+        gate_up = gate_up + b_gate_up[sorted_experts]
+    act = expert_activation(gate_up, activation, alpha, limit)
     y = torch._grouped_mm(act, w_down.transpose(1, 2), offs=ends)
+    if b_down is not None:
+        y = y + b_down[sorted_experts]
     out = torch.empty(t * top_k, h, dtype=out_dtype, device=hidden.device)
     out[order] = y * topk_weights.reshape(-1)[order, None]
     return out.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
@@ -189,12 +257,15 @@ def _fused_moe_fake(hidden, router_logits, w_gate_up, w_down, top_k, renormalize
 
 @kiln_op("kiln::moe_experts", mutates_args=())
 def moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor) -> torch.Tensor:
-    return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+                w_down: torch.Tensor, *, b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+                activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down, b_gate_up=b_gate_up,
+                                 b_down=b_down, activation=activation, alpha=alpha, limit=limit)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+def _moe_experts_fake(hidden, topk_weights, topk_ids, w_gate_up, w_down, *, b_gate_up=None, b_down=None,
+                      activation="silu", alpha=1.702, limit=7.0):
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
 
@@ -253,22 +324,27 @@ def _fused_moe_fp8_fake(hidden, router_logits, w_gate_up, w_gate_up_scale, w_dow
 
 def moe_experts_fp8_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                               w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
-                              w_down_scale: torch.Tensor) -> torch.Tensor:
-    """moe_experts over the dequantized experts."""
+                              w_down_scale: torch.Tensor, **extras: Any) -> torch.Tensor:
+    """moe_experts over the dequantized experts (`extras`: moe_experts' keyword-only arguments)."""
     check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
     return moe_experts_reference(hidden, topk_weights, topk_ids,
                                  dequantize_experts(w_gate_up, w_gate_up_scale, hidden.dtype),
-                                 dequantize_experts(w_down, w_down_scale, hidden.dtype))
+                                 dequantize_experts(w_down, w_down_scale, hidden.dtype), **extras)
 
 
 @kiln_op("kiln::moe_experts_fp8", mutates_args=())
 def moe_experts_fp8(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
-                    w_down_scale: torch.Tensor) -> torch.Tensor:
-    return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale)
+                    w_down_scale: torch.Tensor, *, b_gate_up: torch.Tensor | None = None,
+                    b_down: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+                    limit: float = 7.0) -> torch.Tensor:
+    return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale,
+                                     b_gate_up=b_gate_up, b_down=b_down, activation=activation, alpha=alpha,
+                                     limit=limit)
 
 
 @moe_experts_fp8.register_fake
-def _moe_experts_fp8_fake(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale):
+def _moe_experts_fp8_fake(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down, w_down_scale, *,
+                          b_gate_up=None, b_down=None, activation="silu", alpha=1.702, limit=7.0):
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 

@@ -23,6 +23,8 @@ Shapes and meaning (B sequences, T tokens in the step):
                normal numbers from 2^-6 to 448) are stored near it. None: scale 1. Read from
                the checkpoint or 1.0 (kiln.passes.kv_cache_scales); a tensor, not a float,
                so an artifact serves any checkpoint's scales.
+  sinks        [Hq] or None, keyword-only: attention sinks (GPT-OSS), one more logit per
+               head in every query's softmax, with no value (`kiln.kernels.attention`).
 Returns [T, Hq, D]; rows of padded tokens (past query_start_loc[-1]) are zero.
 
 The CPU reference below is plain torch with a Python loop over sequences; the CUDA
@@ -185,6 +187,7 @@ def paged_attention_reference(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_kv_scale(kv_scale, kv_cache)
     write_kv_cache(k, v, kv_cache, slot_mapping, kv_scale)
@@ -207,7 +210,7 @@ def paged_attention_reference(
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,
             q_positions=positions[seq_len - n_new:], k_positions=positions, softcap=softcap,
-            alibi_slopes=alibi_slopes,
+            alibi_slopes=alibi_slopes, sinks=sinks,
         )
     return out
 
@@ -227,14 +230,16 @@ def paged_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_attention_reference(
         q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap,
-        alibi_slopes, kv_scale,
+        alibi_slopes, kv_scale, sinks,
     )
 
 
 @paged_attention.register_fake
 def _paged_attention_fake(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                          softcap=0.0, alibi_slopes=None, kv_scale=None):
+                          softcap=0.0, alibi_slopes=None, kv_scale=None, *, sinks=None):
     return torch.empty_like(q)

@@ -3,7 +3,7 @@ and paged attention as one op, so the rotated keys go straight into the cache.
 
 Arguments are those of `kiln::rope` (q and k before rotation, cos/sin, the optional norm
 weights and eps) followed by those of `kiln::paged_attention` after q/k/v (the cache, the
-batch metadata, scale, sliding window, soft-cap, the FP8 cache's kv_scale); layouts are documented in `kiln.kernels.rope` and
+batch metadata, scale, sliding window, soft-cap, the FP8 cache's kv_scale; keyword-only, the attention sinks); layouts are documented in `kiln.kernels.rope` and
 `kiln.kernels.paged_attention`. It computes exactly
 
     q', k' = rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
@@ -43,16 +43,18 @@ def rope_paged_attention(
     sliding_window: int,
     softcap: float = 0.0,
     kv_scale: torch.Tensor | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_rope_args(q, k, cos, sin)
     q_rot, k_rot = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
     return paged_attention_reference(q_rot, k_rot, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                     query_start_loc, scale, sliding_window, softcap, kv_scale=kv_scale)
+                                     query_start_loc, scale, sliding_window, softcap, kv_scale=kv_scale, sinks=sinks)
 
 
 @rope_paged_attention.register_fake
 def _rope_paged_attention_fake(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
                                block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0,
-                               kv_scale=None):
+                               kv_scale=None, *, sinks=None):
     dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
     return torch.empty(q.shape, dtype=torch.promote_types(dtype, cos.dtype), device=q.device)

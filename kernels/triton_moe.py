@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
@@ -58,8 +59,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.fp8 import FP8_DTYPE
-from kiln.kernels.moe import (check_fused_moe_args, check_fused_moe_fp8_args, check_moe_experts_args,
-                              moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference, route)
+from kiln.kernels.moe import (ExpertExtras, check_expert_extras, check_fused_moe_args, check_fused_moe_fp8_args,
+                              check_moe_experts_args, moe_experts_fp8_reference, moe_experts_grouped_mm,
+                              moe_experts_reference, route)
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.moe import moe_experts as moe_experts_op
@@ -443,12 +445,47 @@ def _moe_dot(a, w, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit,
+                      BIAS: tl.constexpr, ACT_OAI: tl.constexpr):
+    """The gate/up products (float32) -> the activation (float32), rounded where the model's
+    graph rounds: the GEMMs' outputs, the biases' sums (BIAS: `bias_ptr` [E, 2N]), SiLU's output.
+    ACT_OAI: GPT-OSS's clamped SwiGLU (kiln.kernels.moe), else silu(gate) * up."""
+    dt = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dt).to(tl.float32)
+    up = acc_up.to(dt).to(tl.float32)
+    if BIAS:
+        bias_cols = bias_ptr + expert.to(tl.int64) * (2 * N) + tl.minimum(cols, N - 1)
+        gate = (gate + tl.load(bias_cols).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        up = (up + tl.load(bias_cols + N).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if ACT_OAI:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    else:
+        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    return act
+
+
+@triton.jit
+def _down_epilogue(acc, expert, cols, N, a_ptr, bias_ptr, BIAS: tl.constexpr):
+    """The down products (float32) rounded to the activations' dtype, plus the expert's bias
+    (BIAS: `bias_ptr` [E, N]) rounded likewise; float32 for the routing weight's product."""
+    dt = a_ptr.dtype.element_ty
+    y = acc.to(dt).to(tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1)).to(tl.float32)
+        y = (y + bias[None, :]).to(dt).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks, N, K,
                         stride_xt, stride_we, stride_wn, stride_om,
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
                         w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-                        SWAP_AB: tl.constexpr = False):
+                        SWAP_AB: tl.constexpr = False, bias_ptr=None, alpha=1.0, limit=0.0,
+                        BIAS: tl.constexpr = False, ACT_OAI: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -493,9 +530,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
         acc_gate = acc_gate * tl.load(scale_cols)[None, :]
         acc_up = acc_up * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
-    gate = acc_gate.to(dt).to(tl.float32)
-    up = acc_up.to(dt).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
     out_rows = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_om
     tl.store(out_rows + cols[None, :], act.to(dt), mask=valid[:, None] & (cols[None, :] < N))
 
@@ -506,7 +541,7 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
                      w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-                     SWAP_AB: tl.constexpr = False):
+                     SWAP_AB: tl.constexpr = False, bias_ptr=None, BIAS: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -539,9 +574,8 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
         acc = tl.trans(acc)
     if W_FP8:
         acc = acc * tl.load(w_scale_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1))[None, :]
-    dt = a_ptr.dtype.element_ty
     routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
-    y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
+    y = _down_epilogue(acc, expert, cols, N, a_ptr, bias_ptr, BIAS) * routing_weight[:, None]
     out_rows = out_ptr + safe_pair[:, None] * stride_om
     tl.store(out_rows + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
 
@@ -557,7 +591,9 @@ def _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N: tl.constexpr, GROUP_
 def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_blocks, N, K, stride_om,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                            a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False):
+                            a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False,
+                            bias_ptr=None, alpha=1.0, limit=0.0, BIAS: tl.constexpr = False,
+                            ACT_OAI: tl.constexpr = False):
     """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
     descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored.
@@ -586,9 +622,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
         acc_gate = acc_gate * row_scale * tl.load(scale_cols)[None, :]
         acc_up = acc_up * row_scale * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
-    gate = acc_gate.to(dt).to(tl.float32)
-    up = acc_up.to(dt).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], act.to(dt), mask=cols[None, :] < N)
 
 
@@ -596,7 +630,8 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
 def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_pairs, num_blocks,
                          N, K, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
-                         a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False):
+                         a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False,
+                         bias_ptr=None, BIAS: tl.constexpr = False):
     """`_moe_down_kernel` over the sorted rows `_moe_gate_up_tma_kernel` wrote (a [rows, K],
     w_down as [E * N, K], both through descriptors); each row's product goes to its pair's row.
     SCALED: as the gate/up kernel's (e4m3 rows, scales [rows] and [E, N]); `a_ptr` stays the
@@ -619,17 +654,29 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     if SCALED:
         acc = (acc * tl.load(a_scale_ptr + row0 + tl.arange(0, BLOCK_M))[:, None]
                * tl.load(w_scale_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1))[None, :])
-    dt = a_ptr.dtype.element_ty
     routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
-    y = acc.to(dt).to(tl.float32) * routing_weight[:, None]
+    y = _down_epilogue(acc, expert, cols, N, a_ptr, bias_ptr, BIAS) * routing_weight[:, None]
     tl.store(out_ptr + safe_pair[:, None] * stride_om + cols[None, :], y.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & (cols[None, :] < N))
+
+
+def _gate_up_extras(extras: ExpertExtras, stand_in: torch.Tensor) -> dict[str, Any]:
+    """The gate/up kernels' arguments for the experts' bias and activation (`stand_in`: a tensor
+    passed for a pointer never read)."""
+    bias = extras.b_gate_up
+    return {"bias_ptr": bias.contiguous() if bias is not None else stand_in, "alpha": float(extras.alpha),
+            "limit": float(extras.limit), "BIAS": bias is not None, "ACT_OAI": extras.activation == "swiglu_oai"}
+
+
+def _down_extras(extras: ExpertExtras, stand_in: torch.Tensor) -> dict[str, Any]:
+    bias = extras.b_down
+    return {"bias_ptr": bias.contiguous() if bias is not None else stand_in, "BIAS": bias is not None}
 
 
 def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                      blocks: PairBlocks, top_k: int, gu_tiling: MoETiling, down_tiling: MoETiling,
                      products: torch.Tensor, w_gate_up_scale: torch.Tensor | None = None,
-                     w_down_scale: torch.Tensor | None = None) -> None:
+                     w_down_scale: torch.Tensor | None = None, extras: ExpertExtras = ExpertExtras()) -> None:
     """Both GEMMs by the tensor-descriptor kernels into `products` [pairs, H]: the pairs' rows
     of `hidden` gathered into expert order first (padding rows take token 0's; never stored).
     With the experts' scales (e4m3 experts): e4m3 activations too, each token's hidden state
@@ -655,7 +702,7 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
         BLOCK_M=block_m, BLOCK_N=gu_tiling.block_n, BLOCK_K=gu_k, GROUP_M=gu_tiling.group_m, IEEE=ieee,
         # (without the scales, tensors never read stand in for their pointers)
         a_scale_ptr=x_scale if scaled else act, w_scale_ptr=w_gate_up_scale if scaled else act, SCALED=scaled,
-        num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+        **_gate_up_extras(extras, act), num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     act_q, act_scale = torch.ops.kiln.quantize_fp8_per_token(act) if scaled else (act, None)
     act_desc = TensorDescriptor.from_tensor(act_q, [block_m, down_k])
@@ -665,7 +712,7 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
         h, inter, products.stride(0),
         BLOCK_M=block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_k, GROUP_M=down_tiling.group_m, IEEE=ieee,
         a_scale_ptr=act_scale.reshape(-1) if scaled else act, w_scale_ptr=w_down_scale if scaled else act,
-        SCALED=scaled, num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
+        SCALED=scaled, **_down_extras(extras, act), num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages,
         **pdl_launch_args(hidden.device, "moe"),
     )
 
@@ -704,10 +751,12 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, tiling: MoETiling | None = None,
                        per_pair: bool | None = None, tma: bool | None = None, down_tiling: MoETiling | None = None,
                        w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
-                       fp8_activations: bool | None = None) -> torch.Tensor:
+                       fp8_activations: bool | None = None, extras: ExpertExtras = ExpertExtras()) -> torch.Tensor:
     """`kiln::moe_experts` (the routing given: `topk_weights`, `topk_ids` [T, top_k]) by the
-    kernels of `fused_moe_triton`, with the same overrides; with the scales, `kiln::moe_experts_fp8`."""
+    kernels of `fused_moe_triton`, with the same overrides; with the scales, `kiln::moe_experts_fp8`;
+    `extras`, the experts' biases and activation (GPT-OSS), applied in the kernels' epilogues."""
     check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    check_expert_extras(w_gate_up, w_down, extras.b_gate_up, extras.b_down, extras.activation)
     fp8 = w_gate_up_scale is not None
     if fp8:
         check_fused_moe_fp8_args(w_gate_up, w_gate_up_scale, w_down, w_down_scale)
@@ -715,8 +764,8 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if not _applies(hidden, w_gate_up, w_down, fp8):
         if fp8:
             return moe_experts_fp8_reference(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_scale, w_down,
-                                             w_down_scale)
-        return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+                                             w_down_scale, **extras.kwargs())
+        return moe_experts_reference(hidden, topk_weights, topk_ids, w_gate_up, w_down, **extras.kwargs())
     # The grouping and the per-pair kernels read the ids as a dense int64 [T, top_k] (a router's
     # may come as int32, or as a view: PhiMoE's are a concatenation).
     topk_ids = topk_ids.to(torch.int64).contiguous()
@@ -739,7 +788,7 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if fp8 and tma and not fp8_activations:
         raise ValueError("the sorted-rows kernels take FP8 experts only with e4m3 activations (fp8_activations)")
     if tiling is None and not fp8 and uses_grouped_mm(num_pairs, num_experts, hidden):
-        return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+        return moe_experts_grouped_mm(hidden, topk_weights, topk_ids, w_gate_up, w_down, **extras.kwargs())
     if per_pair is None:
         per_pair = pair_per_block(num_pairs, num_experts)
     if fp8_activations:
@@ -763,17 +812,17 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
             raise ValueError("the sorted-rows kernels take no swapped tiling (MoETiling.swap_ab: the pointer kernels')")
         blocks = group_pairs_for_step(topk_ids, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products,
-                         w_gate_up_scale, w_down_scale)
+                         w_gate_up_scale, w_down_scale, extras)
     else:
         _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, topk_ids, top_k, gu_tiling, down_tiling,
-                             per_pair, products, w_gate_up_scale, w_down_scale)
+                             per_pair, products, w_gate_up_scale, w_down_scale, extras)
     return products.view(t, top_k, h).sum(dim=1).to(hidden.dtype)
 
 
 def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                          experts: torch.Tensor, top_k: int, gu_tiling: MoETiling, down_tiling: MoETiling,
                          per_pair: bool, products: torch.Tensor, w_gate_up_scale: torch.Tensor | None,
-                         w_down_scale: torch.Tensor | None) -> None:
+                         w_down_scale: torch.Tensor | None, extras: ExpertExtras = ExpertExtras()) -> None:
     """Both GEMMs by the pointer kernels into `products` [pairs, H] (FP8 experts with the scales)."""
     num_pairs, h = products.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
@@ -792,7 +841,7 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
         w_scale_ptr=w_gate_up_scale if fp8 else w_gate_up, W_FP8=fp8,  # (never read without W_FP8)
-        SWAP_AB=gu_tiling.swap_ab, num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+        SWAP_AB=gu_tiling.swap_ab, **_gate_up_extras(extras, act), num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     _moe_down_kernel[(num_blocks * triton.cdiv(h, down_tiling.block_n),)](
         act, w_down, weights, products, sorted_pairs, block_expert, num_pairs, num_blocks, h, inter,
@@ -801,7 +850,7 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
         w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8, SWAP_AB=down_tiling.swap_ab,
-        num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+        **_down_extras(extras, act), num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
 
 
@@ -845,13 +894,13 @@ def _fused_moe_fp8_cuda(hidden: torch.Tensor, router_logits: torch.Tensor, w_gat
 
 @moe_experts_op.register_kernel("cuda")
 def _moe_experts_cuda(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                      w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return moe_experts_triton(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+                      w_gate_up: torch.Tensor, w_down: torch.Tensor, **extras: Any) -> torch.Tensor:
+    return moe_experts_triton(hidden, topk_weights, topk_ids, w_gate_up, w_down, extras=ExpertExtras(**extras))
 
 
 @moe_experts_fp8_op.register_kernel("cuda")
 def _moe_experts_fp8_cuda(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                           w_gate_up: torch.Tensor, w_gate_up_scale: torch.Tensor, w_down: torch.Tensor,
-                          w_down_scale: torch.Tensor) -> torch.Tensor:
+                          w_down_scale: torch.Tensor, **extras: Any) -> torch.Tensor:
     return moe_experts_triton(hidden, topk_weights, topk_ids, w_gate_up, w_down, w_gate_up_scale=w_gate_up_scale,
-                              w_down_scale=w_down_scale)
+                              w_down_scale=w_down_scale, extras=ExpertExtras(**extras))

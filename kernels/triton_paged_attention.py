@@ -18,6 +18,10 @@ with FUSED_ROPE a decode on the keys-as-rows kernel does both in that kernel, on
    (Gemma 2) the scaled logits pass through softcap * tanh(x / softcap) first; SOFTCAP is a
    compile-time flag, so models without it run the kernel they ran before. ALiBi (Bloom,
    MPT) adds slope[head] * (k_pos - q_pos) after that, behind the ALIBI flag likewise.
+   Attention sinks (GPT-OSS, the SINKS flag) start a row's online softmax at the sink: its
+   running max at sink[head] and its sum at one (exp(sink - max)), with nothing added to the
+   output; only the first KV split does, so the combine counts the sink once. The keys-as-rows
+   decode kernels take neither ALiBi nor sinks: such calls run this kernel.
 3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
    length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
    and log-sum-exp, and `_combine_splits_kernel` merges them (or, with FUSED_COMBINE, the
@@ -130,7 +134,7 @@ def _write_kv_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "num_tokens"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr, kv_scale_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, alibi_slopes_ptr, kv_scale_ptr, sinks_ptr,
     scale, num_seqs, sliding_window, softcap, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
@@ -138,7 +142,7 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, KV_SCALE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
-    SKIP_SINGLE_TOKENS: tl.constexpr = False, MASK_ALL_BLOCKS: tl.constexpr = False,
+    SKIP_SINGLE_TOKENS: tl.constexpr = False, MASK_ALL_BLOCKS: tl.constexpr = False, SINKS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
@@ -213,6 +217,10 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        if split == 0:  # the sink is one more logit of the whole row: counted by one split
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -404,16 +412,17 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
 
 
 def default_tiling(q: torch.Tensor, kv_cache: torch.Tensor, num_seqs: int, softcap: float = 0.0,
-                   alibi: bool = False) -> AttentionTiling:
+                   other_logits: bool = False) -> AttentionTiling:
     """The tiling `attend_paged_triton` takes for this call when none is given (choose_tiling
-    with the device's facts)."""
+    with the device's facts); `other_logits`: ALiBi or attention sinks."""
     t, _, d = q.shape
     e4m3_hardware = converts_e4m3_in_hardware(q.device)
     return choose_tiling(t, num_seqs, pow2_at_least(d, 16), max_shared_memory(q.device),
                          num_seqs * kv_cache.shape[3] >= multiprocessor_count(q.device),
                          fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
-                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi),
-                         rows_16bit=kv_cache.element_size() == 2 and decode_rows_supported(kv_cache, d, softcap, alibi))
+                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, other_logits),
+                         rows_16bit=kv_cache.element_size() == 2
+                         and decode_rows_supported(kv_cache, d, softcap, other_logits))
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
@@ -446,18 +455,20 @@ def paged_attention_triton(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write K/V into the cache and attend; `num_splits` and `tiling` override the heuristics (tests)."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"paged_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     if kv_cache.stride(-1) != 1 or q.stride(-1) != 1:
         return paged_attention_reference(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                         query_start_loc, scale, sliding_window, softcap, alibi_slopes, kv_scale)
+                                         query_start_loc, scale, sliding_window, softcap, alibi_slopes, kv_scale,
+                                         sinks)
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     write_kv_cache_triton(k, v, kv_cache, slot_mapping, kv_scale)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling, softcap, alibi_slopes, kv_scale)
+                               num_splits, tiling, softcap, alibi_slopes, kv_scale, sinks=sinks)
 
 
 def attend_paged_triton(
@@ -475,6 +486,7 @@ def attend_paged_triton(
     kv_scale: torch.Tensor | None = None,
     fuse_combine: bool | None = None,
     new_kv: NewTokensKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q over the cache, whose slots for this step's tokens are already written
     (an FP8 cache's values times `kv_scale`, [2] float32 k_scale, v_scale; None: 1). With
@@ -491,11 +503,16 @@ def attend_paged_triton(
     if alibi_slopes is not None and (alibi_slopes.shape != (hq,) or alibi_slopes.device != q.device):
         raise ValueError(f"paged_attention: alibi_slopes must be [{hq}] on {q.device}, "
                          f"got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+    if sinks is not None and (sinks.shape != (hq,) or sinks.device != q.device):
+        raise ValueError(f"paged_attention: sinks must be [{hq}] on {q.device}, "
+                         f"got {tuple(sinks.shape)} on {sinks.device}")
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]
-    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
-    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
+    # Logit terms the keys-as-rows kernels do not compute (ALiBi, sinks) keep to the general kernel.
+    other_logits = alibi_slopes is not None or sinks is not None
+    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, other_logits)
+    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, other_logits)
     keys_as_rows = tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits
     if new_kv is not None and not (keys_as_rows and t > 0):
         q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)
@@ -547,7 +564,7 @@ def attend_paged_triton(
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,
-            kv_scale if kv_scale is not None else q,
+            kv_scale if kv_scale is not None else q, sinks if sinks is not None else q,
             float(scale), num_seqs, int(sliding_window), float(softcap), t,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -556,7 +573,7 @@ def attend_paged_triton(
             HEAD_DIM=d, D_PAD=d_pad, SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=cache_block,
             NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
-            SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks,
+            SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks, SINKS=sinks is not None,
             num_warps=num_warps,
             num_stages=tiling.num_stages, **pdl_launch_args(q.device, "attention"),
         )
@@ -605,6 +622,7 @@ def rope_paged_attention_triton(
     tiling: AttentionTiling | None = None,
     fuse_rope: bool | None = None,
     fuse_norms: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE whose kernel writes the rotated k and v into the cache, then attention; with
     `fuse_rope` (None: FUSED_ROPE) and a decode on the keys-as-rows kernel, that kernel alone
@@ -627,20 +645,21 @@ def rope_paged_attention_triton(
     # (With new_kv, attend_paged_triton still runs the RoPE kernel first when the call is not
     # a decode on the keys-as-rows kernel.)
     return attend_paged_triton(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                               num_splits, tiling, softcap=softcap, kv_scale=kv_scale, new_kv=new_kv)
+                               num_splits, tiling, softcap=softcap, kv_scale=kv_scale, new_kv=new_kv, sinks=sinks)
 
 
 @paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                          sliding_window, softcap=0.0, alibi_slopes=None, kv_scale=None):
+                          sliding_window, softcap=0.0, alibi_slopes=None, kv_scale=None, *, sinks=None):
     return paged_attention_triton(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc,
-                                  scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, kv_scale=kv_scale)
+                                  scale, sliding_window, softcap=softcap, alibi_slopes=alibi_slopes, kv_scale=kv_scale,
+                                  sinks=sinks)
 
 
 @rope_paged_attention_op.register_kernel("cuda")
 def _rope_paged_attention_cuda(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
                                block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0,
-                               kv_scale=None):
+                               kv_scale=None, *, sinks=None):
     return rope_paged_attention_triton(q, k, v, cos, sin, q_norm_weight, k_norm_weight, eps, kv_cache, slot_mapping,
                                        block_tables, seq_lens, query_start_loc, scale, sliding_window,
-                                       softcap=softcap, kv_scale=kv_scale)
+                                       softcap=softcap, kv_scale=kv_scale, sinks=sinks)

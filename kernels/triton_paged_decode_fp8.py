@@ -383,19 +383,20 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
+def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, other_logits: bool) -> bool:
     """Whether this kernel can run the call: an e4m3 cache, a power-of-two head size of at
-    least 32 (one e4m3 MMA step), no soft-cap, no ALiBi."""
+    least 32 (one e4m3 MMA step), no soft-cap, no logit terms beside q.k (`other_logits`: ALiBi,
+    attention sinks)."""
     return (kv_cache.dtype == torch.float8_e4m3fn and head_dim >= 32 and head_dim == pow2_at_least(head_dim)
-            and softcap <= 0.0 and not has_alibi)
+            and softcap <= 0.0 and not other_logits)
 
 
-def decode_rows_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
+def decode_rows_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, other_logits: bool) -> bool:
     """Whether the kernel can run the call over this cache at all: an e4m3 cache as in
     `decode_fp8_supported`, or a bf16/f16 one with a power-of-two head size of at least 16."""
     if kv_cache.dtype in (torch.bfloat16, torch.float16):
-        return head_dim >= 16 and head_dim == pow2_at_least(head_dim) and softcap <= 0.0 and not has_alibi
-    return decode_fp8_supported(kv_cache, head_dim, softcap, has_alibi)
+        return head_dim >= 16 and head_dim == pow2_at_least(head_dim) and softcap <= 0.0 and not other_logits
+    return decode_fp8_supported(kv_cache, head_dim, softcap, other_logits)
 
 
 def launch_paged_decode_fp8(

@@ -50,8 +50,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import CudaByDefault
+from kiln.passes.weight_transforms import RearrangeExperts
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default)
@@ -70,6 +72,11 @@ class ExpertsMatch:
     top_k: int
     output: torch.fx.Node  # the node whose uses the op's result takes over
     nodes: list[torch.fx.Node]  # every node of the experts' subgraph (erased once unused)
+    # GPT-OSS's experts (`match_oai_experts`): [E, in, out] weights with gate and up channels
+    # interleaved, biases, the clamped SwiGLU; the pass rearranges them (`RearrangeExperts`).
+    b_gate_up: torch.fx.Node | None = None
+    b_down: torch.fx.Node | None = None
+    oai: tuple[float, float] | None = None  # (alpha, limit)
 
 
 @dataclass
@@ -245,6 +252,137 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
                         w_down=w_down, top_k=top_k, output=output, nodes=nodes)
 
 
+def _gathered_param(node: object, ids: torch.fx.Node) -> torch.fx.Node | None:
+    """P for index(P, [ids]) with P a graph input."""
+    if not (_is(node, aten.index.Tensor) and list(node.args[1]) == [ids]):  # type: ignore[union-attr]
+        return None
+    param = node.args[0]  # type: ignore[union-attr]
+    return param if isinstance(param, torch.fx.Node) and param.op == "placeholder" else None
+
+
+def _biased_transposed_bmm(squeeze: object) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node,
+                                                     torch.fx.Node, list[torch.fx.Node]] | None:
+    """add(squeeze(bmm(unsqueeze(x, 1), index(W, [ids])), 1), index(b, [ids])) from its squeeze
+    -> (W, b, ids, x, [its nodes]); transformers' batched_mm over [E, in, out] experts with biases."""
+    if not (_is(squeeze, aten.squeeze.dim) and squeeze.args[1] == 1):  # type: ignore[union-attr]
+        return None
+    bmm = squeeze.args[0]  # type: ignore[union-attr]
+    if not _is(bmm, aten.bmm.default):
+        return None
+    col, gathered = bmm.args
+    if not (_is(col, aten.unsqueeze.default) and col.args[1] == 1 and _is(gathered, aten.index.Tensor)
+            and len(gathered.args[1]) == 1):
+        return None
+    ids = gathered.args[1][0]
+    weight = _gathered_param(gathered, ids)
+    biased = _only_user(squeeze)
+    if weight is None or not (_is(biased, aten.add.Tensor, aten.add_.Tensor) and biased.args[0] is squeeze):
+        return None
+    bias = _gathered_param(biased.args[1], ids)
+    if bias is None:
+        return None
+    return weight, bias, ids, col.args[0], [col, gathered, bmm, squeeze, biased.args[1], biased]
+
+
+def _clamp_bounds(node: object) -> tuple[object, object] | None:
+    if not _is(node, aten.clamp.default):
+        return None
+    args = list(node.args[1:3]) + [None] * (3 - len(node.args))  # type: ignore[union-attr]
+    return node.kwargs.get("min", args[0]), node.kwargs.get("max", args[1])  # type: ignore[union-attr]
+
+
+def _other(node: torch.fx.Node, known: object) -> object:
+    """The other argument of a two-argument op one of whose arguments is `known`."""
+    a, b = node.args[:2]
+    return b if a is known else a if b is known else None
+
+
+def _oai_activation(gate_up: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], float, float] | None:
+    """GPT-OSS's clamped SwiGLU over interleaved gate/up channels, from its input:
+        g = clamp(gate_up[:, 0::2], max=limit); u = clamp(gate_up[:, 1::2], -limit, limit)
+        act = (u + 1) * (g * sigmoid(g * alpha))
+    -> (act, [its nodes], alpha, limit)."""
+    slices = {n.args[2]: n for n in gate_up.users if _is(n, aten.slice.Tensor)}
+    if len(gate_up.users) != 2 or set(slices) != {0, 1}:
+        return None
+    for n in slices.values():
+        if not (n.args[1] in (1, -1) and len(n.args) == 5 and n.args[4] == 2 and n.args[3] >= 2**62):
+            return None
+    gate_c, up_c = _only_user(slices[0]), _only_user(slices[1])
+    gate_b, up_b = _clamp_bounds(gate_c), _clamp_bounds(up_c)
+    if gate_b is None or up_b is None or gate_b[0] is not None or not isinstance(gate_b[1], float):
+        return None
+    limit = gate_b[1]
+    if up_b != (-limit, limit) or len(gate_c.users) != 2:
+        return None
+    scaled = next((u for u in gate_c.users if _is(u, aten.mul.Tensor) and isinstance(_other(u, gate_c), float)), None)
+    glu = next((u for u in gate_c.users if u is not scaled and _is(u, aten.mul.Tensor)), None)
+    sig = _only_user(scaled) if scaled is not None else None
+    if glu is None or not _is(sig, aten.sigmoid.default) or _other(glu, gate_c) is not sig:
+        return None
+    alpha = _other(scaled, gate_c)
+    plus_one, act = _only_user(up_c), _only_user(glu)
+    if not (_is(plus_one, aten.add.Tensor) and plus_one.args == (up_c, 1) and _is(act, aten.mul.Tensor)
+            and _other(act, plus_one) is glu and _only_user(plus_one) is act):
+        return None
+    return act, [slices[0], slices[1], gate_c, up_c, scaled, sig, glu, plus_one, act], float(alpha), float(limit)
+
+
+def match_oai_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
+    """GPT-OSS's experts around this `repeat_interleave(x, k, 0)`: transformers' batched_mm over
+    [E, in, out] weights with biases (`is_transposed`, `has_bias`) and its clamped SwiGLU over
+    interleaved gate/up channels, then the usual weighted sum; or None."""
+    if not (_is(repeated, aten.repeat_interleave.self_int) and len(repeated.args) >= 3 and repeated.args[2] == 0
+            and not repeated.kwargs and isinstance(repeated.args[1], int)):
+        return None
+    hidden, top_k = repeated.args[0], repeated.args[1]
+    col = _only_user(repeated)
+    bmm = _only_user(col) if col is not None else None
+    gate_up = _biased_transposed_bmm(_only_user(bmm) if bmm is not None else None)
+    if gate_up is None or gate_up[3] is not repeated:
+        return None
+    w_gate_up, b_gate_up, ids, _, gu_nodes = gate_up
+    activation = _oai_activation(gu_nodes[-1])
+    if activation is None:
+        return None
+    act, act_nodes, alpha, limit = activation
+    col_down = _only_user(act)
+    bmm_down = _only_user(col_down) if col_down is not None else None
+    down = _biased_transposed_bmm(_only_user(bmm_down) if bmm_down is not None else None)
+    if down is None or down[2] is not ids or down[3] is not act:
+        return None
+    w_down, b_down, _, _, down_nodes = down
+    weighted = _only_user(down_nodes[-1])
+    if not (_is(weighted, aten.mul.Tensor) and weighted.args[0] is down_nodes[-1]):
+        return None
+    col_weights = weighted.args[1]
+    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
+        return None
+    flat_weights = col_weights.args[0]
+    topk_weights, topk_ids = _flattened(flat_weights), _flattened(ids)
+    if not isinstance(topk_weights, torch.fx.Node) or not isinstance(topk_ids, torch.fx.Node):
+        return None
+    slots = _only_user(weighted)
+    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
+            and slots.args[1][1] == top_k):
+        return None
+    summed = _only_user(slots)
+    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
+        return None
+    output, after = summed, _only_user(summed)
+    if _is(after, *_CASTS) and _dtype(after) == _dtype(hidden):
+        output = after
+    gu, dn, hs = _shape(w_gate_up), _shape(w_down), _shape(hidden)
+    if (_dtype(output) != _dtype(hidden) or gu is None or dn is None or hs is None or len(gu) != 3 or len(dn) != 3
+            or not (gu[0] == dn[0] and gu[1] == dn[2] == hs[-1] and gu[2] == 2 * dn[1])):
+        return None
+    nodes = [repeated, *gu_nodes, *act_nodes, *down_nodes, flat_weights, col_weights, weighted, ids, slots, summed,
+             *([output] if output is not summed else [])]
+    return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
+                        w_down=w_down, top_k=top_k, output=output, nodes=nodes, b_gate_up=b_gate_up, b_down=b_down,
+                        oai=(alpha, limit))
+
+
 def _gather_of(bmm: torch.fx.Node) -> torch.fx.Node:
     """The `index(W, [ids])` gather a matched bmm multiplies by."""
     return bmm.args[0]  # type: ignore[return-value]
@@ -327,7 +465,7 @@ def _expert_indices(ids: object, num_experts: int) -> bool:
 
 def _routes_each_token(experts: ExpertsMatch) -> bool:
     """The ids and weights are [T, top_k] and the ids are valid experts (`_expert_indices`)."""
-    num_experts = _shape(experts.w_gate_up)[0]  # type: ignore[index]
+    num_experts = _shape(experts.w_gate_up)[0]  # type: ignore[index]  (either layout: E first)
     ids, weights = _shape(experts.topk_ids), _shape(experts.topk_weights)
     return (ids is not None and weights is not None and len(ids) == len(weights) == 2
             and ids[1] == weights[1] == experts.top_k and _expert_indices(experts.topk_ids, num_experts))
@@ -350,10 +488,10 @@ def find_moe_blocks(gm: torch.fx.GraphModule) -> list[MoEBlock]:
     or experts after any other router whose ids are valid experts (-> `kiln::moe_experts`)."""
     blocks = []
     for node in gm.graph.find_nodes(op="call_function", target=aten.repeat_interleave.self_int):
-        experts = match_experts(node)
+        experts = match_experts(node) or match_oai_experts(node)
         if experts is None:
             continue
-        router = match_softmax_router(experts)
+        router = match_softmax_router(experts) if experts.oai is None else None
         if router is not None and _private(experts.nodes + router.nodes, experts.output):
             blocks.append(MoEBlock(experts, router))
         elif _private(experts.nodes, experts.output) and _routes_each_token(experts):
@@ -376,7 +514,7 @@ def router_projections(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
         starts += [node.args[1], node.args[2]]
         blocked.add(node.args[0])
     for node in gm.graph.find_nodes(op="call_function", target=aten.repeat_interleave.self_int):
-        experts = match_experts(node)
+        experts = match_experts(node) or match_oai_experts(node)
         if experts is not None:
             starts += [experts.topk_weights, experts.topk_ids]
             blocked.add(experts.hidden)
@@ -409,11 +547,16 @@ class FuseMoEPass(CudaByDefault, KilnPass):
         graph = gm.graph
         for block in blocks:
             m, router = block.experts, block.router
+            if m.oai is not None:
+                oai_weights, oai_kwargs = _rearranged_oai_experts(gm, ctx, m)
             with graph.inserting_before(m.output):
                 if router is not None:
                     fused = graph.call_function(torch.ops.kiln.fused_moe.default, (
                         m.hidden, router.router_logits, m.w_gate_up, m.w_down, m.top_k, router.renormalize,
                         router.fp32_weights))
+                elif m.oai is not None:
+                    fused = graph.call_function(torch.ops.kiln.moe_experts.default, (
+                        m.hidden, m.topk_weights, m.topk_ids, *oai_weights), oai_kwargs)
                 else:
                     fused = graph.call_function(torch.ops.kiln.moe_experts.default, (
                         m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down))
@@ -423,11 +566,40 @@ class FuseMoEPass(CudaByDefault, KilnPass):
             for node in reversed(_topological(graph, block.nodes)):
                 if not node.users:
                     graph.erase_node(node)
+            for param in (m.w_gate_up, m.b_gate_up, m.w_down) if m.oai is not None else ():
+                if not param.users:  # rearranged into new inputs: the loader must not bind it
+                    graph.erase_node(param)
         if blocks:
             graph.lint()
             gm.recompile()
         return {"fused_moe": sum(b.router is not None for b in blocks),
                 "moe_experts": sum(b.router is None for b in blocks)}
+
+
+def _rearranged_oai_experts(gm: torch.fx.GraphModule, ctx: PassContext,
+                            m: ExpertsMatch) -> tuple[tuple[torch.fx.Node, torch.fx.Node], dict[str, object]]:
+    """GPT-OSS's expert tensors as `kiln::moe_experts` takes them: new inputs (w_gate_up
+    [E, 2I, H] gate rows then up rows, its bias likewise, w_down [E, H, I]) built at load by
+    `RearrangeExperts`; -> (w_gate_up, w_down) and the op's keyword arguments."""
+    made = {}
+    for key, param, transpose, deinterleave in (("w_gate_up", m.w_gate_up, True, True),
+                                                ("b_gate_up", m.b_gate_up, False, True),
+                                                ("w_down", m.w_down, True, False)):
+        source = param_name(param)
+        if source is None:
+            raise ValueError(f"fuse_moe: GPT-OSS expert input {param.name} is not a parameter")
+        name = f"{source.rsplit('.', 1)[0]}.{key}"  # model.layers.N.mlp.experts.w_gate_up, ...
+        val = param.meta.get("val")
+        example = None
+        if isinstance(val, torch.Tensor):
+            example = val.transpose(1, 2).contiguous() if transpose else val.clone()
+        made[key] = add_graph_input(gm, name.replace(".", "_"), param_role(name), example)
+        ctx.weight_transforms.append(RearrangeExperts(output=name, input=source, transpose=transpose,
+                                                      deinterleave=deinterleave))
+    alpha, limit = m.oai  # type: ignore[misc]
+    kwargs = {"b_gate_up": made["b_gate_up"], "b_down": m.b_down, "activation": "swiglu_oai",
+              "alpha": alpha, "limit": limit}
+    return (made["w_gate_up"], made["w_down"]), kwargs
 
 
 def _topological(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:

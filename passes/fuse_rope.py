@@ -138,10 +138,11 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         softcap = rest[0] if rest else 0.0
         if len(rest) > 1 and rest[1] is not None:
             continue  # ALiBi slopes: the fused op does not carry them (no model has both RoPE and ALiBi)
+        sinks = attn.kwargs.get("sinks")  # GPT-OSS: carried over by name
         with graph.inserting_before(attn):
             fused = graph.call_function(torch.ops.kiln.rope_paged_attention.default, (
                 q, k, v, cos, sin, q_weight, k_weight, eps, kv_cache, slot_mapping, block_tables, seq_lens,
-                query_start_loc, scale, window, softcap))
+                query_start_loc, scale, window, softcap), {"sinks": sinks} if sinks is not None else {})
         fused.meta.update({key: val for key, val in attn.meta.items() if key in ("val", "stack_trace", "nn_module_stack")})
         attn.replace_all_uses_with(fused)
         graph.erase_node(attn)  # the rope node and the views die with it (dead-code elimination)

@@ -1,16 +1,17 @@
 """`paged_kv`: replace each `kiln::attention` marker with `kiln::paged_attention`.
 
-Before: attention(q, k, v, layer_idx, scale, window, softcap[, alibi_slopes]) over the T tokens
-        of one sequence.
+Before: attention(q, k, v, layer_idx, scale, window, softcap[, alibi_slopes][, sinks=s]) over the
+        T tokens of one sequence.
 After:  paged_attention(q, k, v, kv_cache_<layer>, slot_mapping, block_tables, seq_lens,
-        query_start_loc, scale, window, softcap[, alibi_slopes]), which writes K/V into the layer's paged cache and
-        attends over each sequence's cached blocks, for any mix of prefills and decodes.
+        query_start_loc, scale, window, softcap[, alibi_slopes][, sinks=s]), which writes K/V into the
+        layer's paged cache and attends over each sequence's cached blocks, for any mix of
+        prefills and decodes.
 
 Graph inputs added (roles in brackets): one KV cache per layer [kv_cache:<layer>], and the
 batch metadata shared by all layers [batch:slot_mapping], [batch:block_tables],
 [batch:seq_lens], [batch:query_start_loc]. Layout is documented in
 `kiln.kernels.paged_attention`. The per-layer semantics (scale, window, soft-cap, ALiBi slopes) are
-copied from the marker as they are, so layers of one model may differ (Gemma 2's
+copied from the marker as they are (attention sinks too), so layers of one model may differ (Gemma 2's
 alternating windowed and global layers).
 
 The cache's shape comes from the config (`kv_heads_and_head_dim`); each marker's k is
@@ -54,6 +55,7 @@ class PagedKVPass(KilnPass):
                 paged = graph.call_function(
                     torch.ops.kiln.paged_attention.default,
                     (q, k, v, kv_cache, *metadata.values(), scale, window, softcap, *alibi),
+                    {"sinks": node.kwargs["sinks"]} if node.kwargs.get("sinks") is not None else {},
                 )
             paged.meta.update({k_: v_ for k_, v_ in node.meta.items() if k_ in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)

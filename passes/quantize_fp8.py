@@ -280,7 +280,8 @@ def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[to
             else:
                 x, weights, ids = node.args[:3]
                 new = graph.call_function(moe_experts_fp8_op.default,
-                                          (x, weights, ids, w_gate_up, scales[w_gate_up], w_down, scales[w_down]))
+                                          (x, weights, ids, w_gate_up, scales[w_gate_up], w_down, scales[w_down]),
+                                          dict(node.kwargs))  # GPT-OSS's biases and activation
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -58,6 +58,33 @@ class ConcatWeights:
         weights[self.output] = torch.cat(parts, dim=self.dim)
 
 
+@dataclass(frozen=True)
+class RearrangeExperts:
+    """`weights[output]` = `weights[input]` (dropped) in `kiln::moe_experts`' layout: with
+    `transpose`, its last two dimensions swapped (GPT-OSS keeps experts as [E, in, out]); with
+    `deinterleave`, its output channels (dim 1: a weight's rows once transposed, a bias's
+    columns), which alternate gate, up, reordered as every gate channel, then every up one."""
+
+    output: str
+    input: str
+    transpose: bool = False
+    deinterleave: bool = False
+    kind: str = "rearrange_experts"
+
+    def apply(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.input not in weights:
+            raise WeightTransformError(f"cannot build {self.output!r}: the loaded weights lack {self.input!r}")
+        w = weights.pop(self.input)
+        if self.transpose:
+            w = w.transpose(1, 2)
+        if self.deinterleave:
+            if w.shape[1] % 2:
+                raise WeightTransformError(f"cannot build {self.output!r}: {self.input!r} has {w.shape[1]} "
+                                           "output channels, not gate/up pairs")
+            w = torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
+        weights[self.output] = w.contiguous()
+
+
 def fp8_scale_name(weight_name: str) -> str:
     """Where an FP8 weight's per-output-channel scale lives in the weights dict (and its graph
     input's `param:` role): `<name>_scale`, which is also compressed-tensors' checkpoint name
@@ -283,10 +310,10 @@ def optional_checkpoint_names(transforms: Iterable[Any]) -> list[str]:
     return [name for t in transforms if isinstance(t, KVCacheScales) for name in t.source_names()]
 
 
-WeightTransform = ConcatWeights | QuantizeFP8Weight | ShardWeight | KVCacheScales
+WeightTransform = ConcatWeights | QuantizeFP8Weight | ShardWeight | KVCacheScales | RearrangeExperts
 
 _KINDS: dict[str, type] = {"concat": ConcatWeights, "quantize_fp8": QuantizeFP8Weight, "shard": ShardWeight,
-                           "kv_cache_scales": KVCacheScales}
+                           "kv_cache_scales": KVCacheScales, "rearrange_experts": RearrangeExperts}
 
 
 def shard_transforms(transforms: Iterable[WeightTransform]) -> dict[str, ShardWeight]:

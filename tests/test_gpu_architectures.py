@@ -20,6 +20,8 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     deepseek_v3, glm4_moe_lite
                  multi-head latent attention: K of 24 dims and V of 16 per head, cached padded
                  to 24 (the kernels' head-size padding past a power of two), DeepSeek-V3 routing
+    gpt_oss      attention sinks (the general attention kernel, not the keys-as-rows decode),
+                 biased experts with the clamped SwiGLU in the MoE kernels' epilogues
 
 Architectures the GPU image's transformers lacks are skipped.
 """
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.gpu
 
 MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe", "deepseek_v3", "glm4_moe_lite"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
-         "codegen", *MOE_ROUTER_ARCHS]
+         "codegen", *MOE_ROUTER_ARCHS, "gpt_oss"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -377,12 +377,13 @@ def assert_cache_matches(cache: torch.Tensor, ref_cache: torch.Tensor, batch: di
 
 def check_paged_attention(batch: dict, scale: float, window: int, num_splits: int | None,
                           atol: float = 2e-5, rtol: float = 2e-5, tiling: AttentionTiling | None = None,
-                          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None) -> None:
+                          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                          sinks: torch.Tensor | None = None) -> None:
     ref_batch = {k: v.clone() for k, v in batch.items()}
     out = paged_attention_triton(**batch, scale=scale, sliding_window=window, num_splits=num_splits, tiling=tiling,
-                                 softcap=softcap, alibi_slopes=alibi_slopes)
+                                 softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     ref = paged_attention_reference(**ref_batch, scale=scale, sliding_window=window, softcap=softcap,
-                                    alibi_slopes=alibi_slopes)
+                                    alibi_slopes=alibi_slopes, sinks=sinks)
     assert_attention_close(out, ref, batch, atol, rtol)
     # The cache after the write must match too (the write is a copy: exactly).
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch)
@@ -457,6 +458,28 @@ def test_paged_attention_alibi(hq, hkv, splits):
                                        alibi_slopes=slopes)
     assert (biased - plain).abs().max() > 1e-2  # the bias changes the result at these slopes
     check_paged_attention(batch, scale=0.25, window=0, num_splits=splits, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("hq,hkv,window,splits", [
+    (4, 2, 0, 1),   # GQA, one pass: every row starts at its head's sink
+    (4, 2, 5, 3),   # windowed (GPT-OSS's alternate layers), split-K: the sink counted once over the splits
+    (6, 2, 0, 2),   # grouped heads padded in the tile: each row must get its own head's sink
+])
+def test_paged_attention_sinks(hq, hkv, window, splits):
+    # GPT-OSS's attention sinks, large enough to take most of the probability in some heads
+    # and none in others: a kernel that dropped a sink, counted it in every split or read
+    # another head's fails.
+    batch = make_paged_batch(**MIXED, hq=hq, hkv=hkv, d=16, block_size=4, num_blocks=24, seed=61 + hq + splits)
+    sinks = torch.linspace(-4.0, 3.0, hq).to(batch["q"].device)
+    plain = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25, sliding_window=window)
+    sunk = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25, sliding_window=window,
+                                     sinks=sinks)
+    assert (sunk - plain).abs().max() > 1e-2
+    check_paged_attention(batch, scale=0.25, window=window, num_splits=splits, sinks=sinks)
+    # In half precision with a bf16 sink parameter (as the model holds it) too.
+    half = make_paged_batch(**MIXED, hq=hq, hkv=hkv, d=16, block_size=4, num_blocks=24, seed=62, dtype=HALF)
+    check_paged_attention(half, scale=0.25, window=window, num_splits=splits, sinks=sinks.to(HALF),
+                          atol=2e-3, rtol=2e-3)
 
 
 def test_paged_attention_half_precision():
@@ -1216,6 +1239,7 @@ for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+             "sinks_ptr": "*fp32",
              "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
              "scale": "fp32", "softcap": "fp32"}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}

@@ -269,6 +269,85 @@ def test_fuse_moe_fuses_the_experts_behind_any_router(arch: str, dtype: torch.dt
         assert (out == ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_moe_fuses_gpt_oss_experts(dtype: torch.dtype) -> None:
+    """GPT-OSS's experts ([E, in, out] weights with gate and up channels interleaved, biases, the
+    clamped SwiGLU) become `kiln::moe_experts` over rearranged weights: new inputs that the
+    loader builds (`RearrangeExperts`, through the transforms' JSON as a cached graph's are),
+    the checkpoint's own no longer bound; the result equals the unfused graph's."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.graph_inputs import param_name
+    from kiln.compiler.pass_testing import capture_through, run_graph
+    from kiln.passes.weight_transforms import RearrangeExperts, transforms_from_json, transforms_to_json
+
+    config = tiny_config("gpt_oss")
+    before = capture_through(config, "fusion", dtype=dtype)
+    after = before.copy()
+    assert after.run_pass(FuseMoEPass(on_cpu=True)) == {"fused_moe": 0, "moe_experts": 2}
+    ops_before, ops_after = op_counts(before.graph_module), op_counts(after.graph_module)
+    assert ops_after[EXPERTS_OP] == 2
+    # The gathers' batched GEMMs and the activation's clamps and sigmoids are all gone.
+    for op, per_layer in (("aten.bmm.default", 2), ("aten.sigmoid.default", 1), ("aten.clamp.default", 2)):
+        assert ops_before[op] == 2 * per_layer and ops_after[op] == 0, op
+    node = next(n for n in after.graph_module.graph.nodes if str(n.target) == EXPERTS_OP)
+    assert node.kwargs["activation"] == "swiglu_oai" and node.kwargs["limit"] == config.swiglu_limit
+    assert node.kwargs["alpha"] == pytest.approx(1.702)
+    assert param_name(node.args[3]) == "model.layers.0.mlp.experts.w_gate_up"
+    assert param_name(node.kwargs["b_down"]) == "model.layers.0.mlp.experts.down_proj_bias"
+    bound = {param_name(p) for p in after.graph_module.graph.find_nodes(op="placeholder")}
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in bound and "model.layers.0.mlp.experts.w_down" in bound
+    transforms = after.context.weight_transforms
+    assert sum(isinstance(t, RearrangeExperts) for t in transforms) == 3 * 2
+    assert transforms_from_json(transforms_to_json(transforms)) == transforms
+    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gpt_oss_experts_in_fp8_keep_their_biases_and_activation() -> None:
+    """FP8 experts (`experts=True`) over GPT-OSS's rearranged weights: `moe_experts_fp8` with the
+    same biases and activation, quantized after the rearrangement; close to the 16-bit graph."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.pass_testing import graph_for_pass, run_graph
+    from kiln.passes.quantize_fp8 import QuantizeFP8Pass
+    from kiln.passes.weight_transforms import QuantizeFP8Weight, RearrangeExperts
+
+    before = graph_for_pass(tiny_config("gpt_oss"), "quantize_fp8", cpu_fusions=True)
+    assert op_counts(before.graph_module)[EXPERTS_OP] == 2
+    plain, fp8 = before.copy(), before.copy()
+    plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    assert fp8.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=True))["fp8_experts"] == 2
+    node = next(n for n in fp8.graph_module.graph.nodes if str(n.target) == "kiln.moe_experts_fp8.default")
+    assert node.kwargs["activation"] == "swiglu_oai" and node.kwargs["b_gate_up"] is not None
+    transforms = fp8.context.weight_transforms
+    name = "model.layers.0.mlp.experts.w_gate_up"
+    rearranged = next(i for i, t in enumerate(transforms) if isinstance(t, RearrangeExperts) and t.output == name)
+    quantized = next(i for i, t in enumerate(transforms) if isinstance(t, QuantizeFP8Weight) and t.weight == name)
+    assert rearranged < quantized  # the loader rearranges, then quantizes
+    out, ref = run_graph(fp8, num_tokens=13), run_graph(plain, num_tokens=13)
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max() and not torch.equal(out, ref)
+
+
+def test_rearrange_experts_transposes_and_deinterleaves() -> None:
+    from kiln.passes.weight_transforms import RearrangeExperts, WeightTransformError
+
+    w = torch.arange(2 * 3 * 4).reshape(2, 3, 4)  # [E, in, out]: out channels g0 u0 g1 u1
+    weights = {"w": w}
+    RearrangeExperts("new", "w", transpose=True, deinterleave=True).apply(weights)
+    assert set(weights) == {"new"}
+    expected = torch.stack([w[:, :, 0], w[:, :, 2], w[:, :, 1], w[:, :, 3]], dim=1)  # [E, out, in]: g0 g1 u0 u1
+    assert torch.equal(weights["new"], expected) and weights["new"].is_contiguous()
+    bias = {"b": torch.tensor([[1, 2, 3, 4]])}
+    RearrangeExperts("nb", "b", deinterleave=True).apply(bias)
+    assert bias["nb"].tolist() == [[1, 3, 2, 4]]
+    with pytest.raises(WeightTransformError, match="lack 'missing'"):
+        RearrangeExperts("x", "missing").apply({})
+
+
 def test_fuse_moe_leaves_experts_whose_ids_it_cannot_vouch_for() -> None:
     """The kernels index the expert weights by the ids unchecked: ids the pass cannot trace to a
     top-k or max over the experts' scores (here, the top-k's ids plus zero) are left unfused."""

@@ -176,6 +176,55 @@ def test_moe_experts_kernels_match_reference(t, e, top_k, per_pair, tma, dtype) 
         torch.testing.assert_close(torch.ops.kiln.moe_experts(hidden, weights, ids, w_gate_up, w_down), out)
 
 
+def oai_extras(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0):
+    """GPT-OSS-style experts' extras: biases of both GEMMs and the clamped SwiGLU, with a limit
+    the products reach (so a kernel that skipped the clamp differs)."""
+    from kiln.kernels.moe import ExpertExtras
+
+    g = torch.Generator().manual_seed(seed)
+    return ExpertExtras(b_gate_up=(torch.randn(e, 2 * i, generator=g) * 0.5).to(DEVICE, dtype),
+                        b_down=(torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype),
+                        activation="swiglu_oai", alpha=1.702, limit=0.6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,e,top_k,path", [(3, 8, 2, "per_pair"), (17, 6, 3, "grouped"), (40, 4, 2, "tma"),
+                                            (9, 4, 2, "swapped"), (12, 4, 2, "fp8"), (30, 4, 2, "grouped_mm")])
+def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, dtype) -> None:
+    """GPT-OSS's experts (biases after both GEMMs, the clamped SwiGLU) in every kernel's
+    epilogue: the reference's result, which differs from the bias-free SiLU one."""
+    from kiln.kernels.moe import moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    if path == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    if path == "grouped_mm" and dtype != torch.float32 and DEVICE == "cpu":
+        pytest.skip("torch's CPU grouped GEMM takes float32 and bfloat16")
+    h, i = 32, 24
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
+    weights, ids = deepseek_routing(logits, top_k)
+    extras = oai_extras(e, h, i, dtype, seed=t)
+    ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
+    plain = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
+    assert (ref - plain).abs().max() > 0.1
+    if path == "fp8":
+        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+        out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds, tiling=None,
+                                 per_pair=False, tma=False, extras=extras)
+        ref = moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
+    elif path == "grouped_mm":
+        out = moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
+    else:
+        tiling = MoETiling(16, 16, 16, 4, 2, swap_ab=True) if path == "swapped" else None
+        out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, tiling=tiling,
+                                 per_pair=path == "per_pair", tma=path == "tma", extras=extras)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if DEVICE == "cuda" and path != "fp8":
+        torch.testing.assert_close(torch.ops.kiln.moe_experts(hidden, weights, ids, w_gate_up, w_down,
+                                                              **extras.kwargs()), ref, rtol=tol, atol=tol)
+
+
 def test_tiling_follows_rows_per_expert() -> None:
     decode = choose_tiling(num_pairs=2, num_experts=8, n=14336, k=4096)
     prefill = choose_tiling(num_pairs=8192 * 2, num_experts=8, n=14336, k=4096)

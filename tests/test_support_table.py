@@ -41,8 +41,10 @@ def test_remote_code_model_is_refused() -> None:
 
 
 def test_attention_argument_kiln_cannot_honour_is_refused() -> None:
-    # An attention module handing the attention function learned sinks (GPT-OSS's s_aux):
-    # the marker has no such argument, so capture refuses instead of dropping it.
+    # An attention module handing the attention function a relative position bias (T5's
+    # position_bias): the marker has no such argument, so capture refuses instead of
+    # dropping it. Attention sinks (GPT-OSS's s_aux) it carries, one per query head: sinks
+    # of another shape are refused likewise.
     import torch
 
     from kiln.compiler.capture import _kiln_attention_forward
@@ -50,8 +52,10 @@ def test_attention_argument_kiln_cannot_honour_is_refused() -> None:
     module = torch.nn.Module()
     module.layer_idx = 0
     q = torch.zeros(1, 2, 3, 4)
-    with pytest.raises(UnsupportedArchitectureError, match="attention sinks"):
-        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, s_aux=torch.zeros(2))
+    with pytest.raises(UnsupportedArchitectureError, match="relative position bias"):
+        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, position_bias=torch.zeros(1, 2, 3, 3))
+    with pytest.raises(UnsupportedArchitectureError, match=r"attention sinks of shape \(3,\) for 2 query heads"):
+        _kiln_attention_forward(module, q, q, q, None, scaling=0.5, s_aux=torch.zeros(3))
 
 
 def test_unknown_tensor_argument_to_attention_is_refused() -> None:

@@ -154,6 +154,12 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "llama4_text": (dict(head_dim=16, intermediate_size=64, intermediate_size_mlp=128, num_local_experts=4,
                          num_experts_per_tok=1, no_rope_layers=[1, 0]),
                     "RoPE and NoPE layers with attention-temperature tuning, L2 q/k norm, dense top-1 experts"),
+    # GPT-OSS: attention sinks (a learned per-head logit in every softmax's denominator),
+    # alternating windowed and global layers, biased experts with a clamped SwiGLU over
+    # interleaved gate/up columns behind a biased softmax-of-top-k router.
+    "gpt_oss": (dict(COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                     layer_types=["sliding_attention", "full_attention"]),
+                "attention sinks, windowed and global layers, biased experts with a clamped SwiGLU"),
     # Attention written inline (no attention interface): capture's inline_attention pass.
     "bloom": (dict(_IDS, hidden_size=96, n_layer=2, n_head=6, vocab_size=128),
               "ALiBi (6 heads: slopes of a non-power-of-two count) in baddbmm, fused qkv, embedding LayerNorm"),
@@ -172,9 +178,6 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
-    # GPT-OSS: a learned per-head logit in every softmax's denominator.
-    "gpt_oss": (dict(COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-                     layer_types=["sliding_attention", "full_attention"]), "attention sinks"),
     # Experts that loop over the tokens each one got (not transformers' pluggable experts).
     "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
@@ -243,5 +246,9 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.5)
+        # GPT-OSS's attention sinks (one logit per head) of the size trained ones reach.
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.normal_(0.0, 2.0)
     model.save_pretrained(path)
     return model
