@@ -29,6 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 def ptx(fn, consts, types, num_warps, num_stages):
+    # Compile-time flags not given take their defaults, as at a launch that leaves them out.
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     # Multiples of 16, as Triton's launcher specializes them at the Llama shapes: pointers,
     # strides, and the GEMVs' N and K (without K's, no load of a weight tile is known to be

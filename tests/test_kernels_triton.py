@@ -1235,7 +1235,7 @@ found = {}
 for name, fp8, asm, v_trans, stages, divisible in json.loads(sys.argv[1]):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=fp8, GROUP=4, GROUP_PAD=4, BLOCK_T=4, BLOCK_M=16,
                   BLOCK_N=128, HEAD_DIM=128, D_PAD=128, SEQ_CHUNK=64, CACHE_BLOCK=16, NUM_SPLITS=1, FP8_CACHE=fp8,
-                  WIDEN_ASM=asm, V_TRANS=v_trans, SKIP_SINGLE_TOKENS=False, MASK_ALL_BLOCKS=True)
+                  WIDEN_ASM=asm, V_TRANS=v_trans, SKIP_SINGLE_TOKENS=False, MASK_ALL_BLOCKS=True, SINKS=False)
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "out_ptr": "*bf16",
              "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "alibi_slopes_ptr": "*fp32", "kv_scale_ptr": "*fp32",
