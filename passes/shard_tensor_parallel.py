@@ -88,6 +88,9 @@ TP_ARCHITECTURES = {
     "granitemoeshared": "as granitemoe; the shared MLP's fused input_linear [gate; up] per part, output_linear",
     "afmoe": "as mixtral; gated attention's gate_proj per head",
     "flex_olmo": "as mixtral; q/k norm over all heads, as olmo2's",
+    "gpt_oss": "as mixtral over [E, in, out] experts whose gate/up channels alternate (a rank's pairs are one run "
+               "of columns) with biases (the down projection's on rank 0 only); attention sinks per head; "
+               "o_proj's bias after the all-reduce",
     "gemma": "as llama; embedding scaled after the all-reduce",
     "gemma2": "as llama; soft-capping per head and on the gathered logits",
     "gemma3_text": "as llama; q/k norm per head",
@@ -163,6 +166,7 @@ _REPLICATED = {"gate"}
 # Where an MoE block's output ends: the residual add (or the graph output).
 _BLOCK_END = {aten.add.Tensor, "output"}
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_OAI_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 def check_tp_size(config: Any, tp_size: int) -> None:
@@ -397,10 +401,12 @@ class ShardTensorParallelPass(KilnPass):
             all_reduce_after(self._mask_embedding(graph, node, start, stop))
             stats["vocab_parallel"] += 1
             stats["all_reduce"] += 1
-        stats["experts_sharded"] = self._shard_experts(gm, plan, shard, all_reduce_after)
+        shard_experts = self._shard_oai_experts if model_type == "gpt_oss" else self._shard_experts
+        stats["experts_sharded"] = shard_experts(gm, plan, shard, all_reduce_after)
         stats["all_reduce"] += stats["experts_sharded"]
         stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
+        stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
         stats["all_reduce"] += _reshape_params(gm, new_shapes, plan.size_map(ctx.config), plan)
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
@@ -550,6 +556,51 @@ class ShardTensorParallelPass(KilnPass):
                     count += 1
         return count
 
+
+    @staticmethod
+    def _shard_oai_experts(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, all_reduce_after: Any) -> int:
+        """GPT-OSS's experts, [E, in, out] with gate and up channels alternating: gate_up_proj
+        [E, H, 2I] (and its bias [E, 2I]) keeps the columns of this rank's channel pairs, one run;
+        down_proj [E, I, H] its rows, all-reduced where the block ends as in `_shard_experts`.
+        The down projection's bias [E, H] is added before the routing weights and the sum over a
+        token's experts, which the all-reduce then adds up over the ranks: rank 0 keeps it, the
+        others read zeros (a zero-padded empty shard), so it is added once."""
+        count = 0
+        for node in gm.graph.find_nodes(op="placeholder"):
+            name = param_name(node)
+            match = _OAI_EXPERTS.search(name or "")
+            if match is None:
+                continue
+            shape = node.meta["val"].shape
+            kind, is_bias = match.group(1), match.group(2) is not None
+            if kind == "gate_up_proj":
+                a, b = plan.even(shape[-1] // 2, name)
+                shard(node, len(shape) - 1, [(2 * a, 2 * b)], 2 * (b - a))
+            elif is_bias:
+                shard(node, 1, [(0, shape[1] if plan.rank == 0 else 0)], shape[1])
+            else:
+                a, b = plan.even(shape[1], name)
+                shard(node, 1, [(a, b)], b - a)
+                for user in [u for u in node.users if u.op == "call_function"]:
+                    target = user
+                    while len(target.users) == 1 and next(iter(target.users)).target not in _BLOCK_END:
+                        target = next(iter(target.users))
+                    all_reduce_after(target)
+                    count += 1
+        return count
+
+    @staticmethod
+    def _shard_sinks(gm: torch.fx.GraphModule, plan: _Plan, shard: Any) -> int:
+        """Attention sinks (GPT-OSS): a parameter of one logit per query head; each rank reads
+        its heads' (the attention markers carry them as `sinks`)."""
+        h0, h1 = plan.q[0] // plan.head_dim, plan.q[1] // plan.head_dim
+        count = 0
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+            sinks = node.kwargs.get("sinks")
+            if isinstance(sinks, torch.fx.Node) and param_name(sinks) is not None:
+                shard(sinks, 0, [(h0, h1)], h1 - h0)
+                count += 1
+        return count
 
     @staticmethod
     def _slice_alibi_slopes(gm: torch.fx.GraphModule, plan: _Plan) -> int:

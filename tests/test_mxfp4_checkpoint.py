@@ -91,3 +91,18 @@ def test_mxfp4_gpt_oss_matches_hf(tmp_path: Path) -> None:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
+def test_mxfp4_gpt_oss_at_tp2_gives_tp1_tokens(tmp_path: Path) -> None:
+    """GPT-OSS at tensor_parallel_size=2 (two CPU workers over gloo) from the MXFP4 checkpoint:
+    each rank dequantizes the experts and reads its slices (its gate/up channel pairs, its
+    heads' sinks, the down projection's bias on rank 0 only); greedy tokens equal TP=1's."""
+    save_mxfp4_gpt_oss(tmp_path)
+    options = dict(progress=False, max_model_len=128, max_num_seqs=8)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **options).generate(PROMPTS, greedy)]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **options)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == expected
+    finally:
+        llm.engine.shutdown()
