@@ -179,6 +179,40 @@ def _flattened(node: object) -> torch.fx.Node | None:
     return None
 
 
+@dataclass
+class _WeightedSum:
+    """The block's tail: y * unsqueeze(flat_weights, -1) -> sum(view(., [T, k, H]), [1]) [-> cast]."""
+
+    flat_weights: torch.fx.Node
+    output: torch.fx.Node
+    nodes: list[torch.fx.Node]
+
+
+def _weighted_sum(expert_out: torch.fx.Node, hidden: torch.fx.Node, top_k: int) -> _WeightedSum | None:
+    """The weighted sum over each token's k slots after the experts' output `expert_out`
+    (the cast back to hidden's dtype included when there is one), or None."""
+    weighted = _only_user(expert_out)
+    if not (_is(weighted, aten.mul.Tensor) and weighted.args[0] is expert_out):
+        return None
+    col_weights = weighted.args[1]
+    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
+        return None
+    slots = _only_user(weighted)
+    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
+            and slots.args[1][1] == top_k):
+        return None
+    summed = _only_user(slots)
+    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
+        return None
+    output, after = summed, _only_user(summed)
+    if _is(after, *_CASTS) and _dtype(after) == _dtype(hidden):
+        output = after
+    if _dtype(output) != _dtype(hidden):
+        return None
+    return _WeightedSum(flat_weights=col_weights.args[0], output=output,
+                        nodes=[col_weights, weighted, slots, summed, *([output] if output is not summed else [])])
+
+
 def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     """The experts around this `repeat_interleave(x, k, 0)` (the module doc's lines from `ids`
     on), or None when it is not a block of transformers' batched_mm experts."""
@@ -218,38 +252,21 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     if down is None or down[1] is not ids or down[2] is not act:
         return None
     w_down = down[0]
-    weighted = _only_user(squeeze_down)
-    if not (_is(weighted, aten.mul.Tensor) and weighted.args[0] is squeeze_down):
+    tail = _weighted_sum(squeeze_down, hidden, top_k)
+    if tail is None:
         return None
-    col_weights = weighted.args[1]
-    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
-        return None
-    flat_weights = col_weights.args[0]
-    topk_weights = _flattened(flat_weights)
+    topk_weights = _flattened(tail.flat_weights)
     flat_ids = _unclamped_ids(ids, w_down)
     topk_ids = _flattened(flat_ids) if flat_ids is not None else None
     if not isinstance(topk_weights, torch.fx.Node) or not isinstance(topk_ids, torch.fx.Node):
         return None
-    # The weighted sum over each token's k slots: sum(view(y, [T, k, H]), [1]) [to(dtype)].
-    slots = _only_user(weighted)
-    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
-            and slots.args[1][1] == top_k):
-        return None
-    summed = _only_user(slots)
-    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
-        return None
-    output = summed
-    hidden_dtype = _dtype(hidden)
-    after = _only_user(summed)
-    if _is(after, *_CASTS) and _dtype(after) == hidden_dtype:
-        output = after
-    if _dtype(output) != hidden_dtype or not _shapes_agree(hidden, None, w_gate_up, w_down):
+    if not _shapes_agree(hidden, None, w_gate_up, w_down):
         return None
     nodes = [repeated, col_gu, _gather_of(bmm_gu), bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes, col_act,
-             _gather_of(bmm_down), bmm_down, squeeze_down, flat_weights, col_weights, weighted,
-             *dict.fromkeys([flat_ids, ids]), slots, summed, *([output] if output is not summed else [])]
+             _gather_of(bmm_down), bmm_down, squeeze_down, tail.flat_weights, *dict.fromkeys([flat_ids, ids]),
+             *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
-                        w_down=w_down, top_k=top_k, output=output, nodes=nodes)
+                        w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes)
 
 
 def _gathered_param(node: object, ids: torch.fx.Node) -> torch.fx.Node | None:
@@ -352,35 +369,20 @@ def match_oai_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     if down is None or down[2] is not ids or down[3] is not act:
         return None
     w_down, b_down, _, _, down_nodes = down
-    weighted = _only_user(down_nodes[-1])
-    if not (_is(weighted, aten.mul.Tensor) and weighted.args[0] is down_nodes[-1]):
+    tail = _weighted_sum(down_nodes[-1], hidden, top_k)
+    if tail is None:
         return None
-    col_weights = weighted.args[1]
-    if not (_is(col_weights, aten.unsqueeze.default) and col_weights.args[1] == -1):
-        return None
-    flat_weights = col_weights.args[0]
-    topk_weights, topk_ids = _flattened(flat_weights), _flattened(ids)
+    topk_weights, topk_ids = _flattened(tail.flat_weights), _flattened(ids)
     if not isinstance(topk_weights, torch.fx.Node) or not isinstance(topk_ids, torch.fx.Node):
         return None
-    slots = _only_user(weighted)
-    if not (_is(slots, aten.view.default, aten.reshape.default) and len(slots.args[1]) == 3
-            and slots.args[1][1] == top_k):
-        return None
-    summed = _only_user(slots)
-    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
-        return None
-    output, after = summed, _only_user(summed)
-    if _is(after, *_CASTS) and _dtype(after) == _dtype(hidden):
-        output = after
-    gu, dn, hs = _shape(w_gate_up), _shape(w_down), _shape(hidden)
-    if (_dtype(output) != _dtype(hidden) or gu is None or dn is None or hs is None or len(gu) != 3 or len(dn) != 3
+    gu, dn, hs = _shape(w_gate_up), _shape(w_down), _shape(hidden)  # [E, H, 2I], [E, I, H], [T, H]
+    if (gu is None or dn is None or hs is None or len(gu) != 3 or len(dn) != 3
             or not (gu[0] == dn[0] and gu[1] == dn[2] == hs[-1] and gu[2] == 2 * dn[1])):
         return None
-    nodes = [repeated, *gu_nodes, *act_nodes, *down_nodes, flat_weights, col_weights, weighted, ids, slots, summed,
-             *([output] if output is not summed else [])]
+    nodes = [repeated, *gu_nodes, *act_nodes, *down_nodes, tail.flat_weights, ids, *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
-                        w_down=w_down, top_k=top_k, output=output, nodes=nodes, b_gate_up=b_gate_up, b_down=b_down,
-                        oai=(alpha, limit))
+                        w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes, b_gate_up=b_gate_up,
+                        b_down=b_down, oai=(alpha, limit))
 
 
 def _gather_of(bmm: torch.fx.Node) -> torch.fx.Node:

@@ -282,6 +282,20 @@ class _Plan:
         return (start, min(size, start + per)), per
 
 
+def _all_reduce_at_block_end(down_proj: torch.fx.Node, all_reduce_after: Any) -> int:
+    """An all-reduce where each reader of a row-sharded experts' down projection leads, through
+    single-use nodes (the routing weights, the sum over a token's experts, reshapes: linear in
+    it), to the block's end (the residual add); how many were placed."""
+    count = 0
+    for user in [u for u in down_proj.users if u.op == "call_function"]:
+        target = user
+        while len(target.users) == 1 and next(iter(target.users)).target not in _BLOCK_END:
+            target = next(iter(target.users))
+        all_reduce_after(target)
+        count += 1
+    return count
+
+
 class ShardTensorParallelPass(KilnPass):
     name = "shard_tensor_parallel"
     # Last of the normalize phase: every later pass (paged_kv's KV-cache shape, the merges'
@@ -547,15 +561,8 @@ class ShardTensorParallelPass(KilnPass):
             else:
                 a, b = plan.even(shape[2], name)
                 shard(node, 2, [(a, b)], b - a)
-                readers = [u for u in node.users if u.op == "call_function"]
-                for user in readers:
-                    target = user
-                    while len(target.users) == 1 and next(iter(target.users)).target not in _BLOCK_END:
-                        target = next(iter(target.users))
-                    all_reduce_after(target)
-                    count += 1
+                count += _all_reduce_at_block_end(node, all_reduce_after)
         return count
-
 
     @staticmethod
     def _shard_oai_experts(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, all_reduce_after: Any) -> int:
@@ -581,12 +588,7 @@ class ShardTensorParallelPass(KilnPass):
             else:
                 a, b = plan.even(shape[1], name)
                 shard(node, 1, [(a, b)], b - a)
-                for user in [u for u in node.users if u.op == "call_function"]:
-                    target = user
-                    while len(target.users) == 1 and next(iter(target.users)).target not in _BLOCK_END:
-                        target = next(iter(target.users))
-                    all_reduce_after(target)
-                    count += 1
+                count += _all_reduce_at_block_end(node, all_reduce_after)
         return count
 
     @staticmethod
