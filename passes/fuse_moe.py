@@ -372,14 +372,17 @@ def match_oai_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     tail = _weighted_sum(down_nodes[-1], hidden, top_k)
     if tail is None:
         return None
-    topk_weights, topk_ids = _flattened(tail.flat_weights), _flattened(ids)
+    flat_ids = _unclamped_ids(ids, w_down)  # (transformers 5.17 clamps them too)
+    topk_weights = _flattened(tail.flat_weights)
+    topk_ids = _flattened(flat_ids) if flat_ids is not None else None
     if not isinstance(topk_weights, torch.fx.Node) or not isinstance(topk_ids, torch.fx.Node):
         return None
     gu, dn, hs = _shape(w_gate_up), _shape(w_down), _shape(hidden)  # [E, H, 2I], [E, I, H], [T, H]
     if (gu is None or dn is None or hs is None or len(gu) != 3 or len(dn) != 3
             or not (gu[0] == dn[0] and gu[1] == dn[2] == hs[-1] and gu[2] == 2 * dn[1])):
         return None
-    nodes = [repeated, *gu_nodes, *act_nodes, *down_nodes, tail.flat_weights, ids, *tail.nodes]
+    nodes = [repeated, *gu_nodes, *act_nodes, *down_nodes, tail.flat_weights, *dict.fromkeys([flat_ids, ids]),
+             *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
                         w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes, b_gate_up=b_gate_up,
                         b_down=b_down, oai=(alpha, limit))

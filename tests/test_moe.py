@@ -789,7 +789,7 @@ def _insert_ids_clamp(gm: torch.fx.GraphModule, high_minus_e: int) -> int:
     count = 0
     for ids in list(gm.graph.nodes):
         gathers = [u for u in ids.users if u.target == aten.index.Tensor]
-        if ids.target != aten.reshape.default or len(gathers) != 2:
+        if ids.target != aten.reshape.default or len(gathers) not in (2, 4):  # (4: GPT-OSS's biases too)
             continue
         num_experts = gathers[0].args[0].meta["val"].shape[0]
         with gm.graph.inserting_after(ids):
@@ -822,6 +822,30 @@ def test_fuse_moe_matches_the_ids_clamp_of_older_transformers() -> None:
         assert FuseMoEPass(on_cpu=True)(after.graph_module, ctx) == {"fused_moe": fused, "moe_experts": 0}
         if fused:
             assert op_counts(after.graph_module)["aten.clamp.default"] == 0
+            torch.testing.assert_close(run_graph(after, num_tokens=7), run_graph(before, num_tokens=7),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_moe_matches_gpt_oss_experts_behind_the_ids_clamp_of_older_transformers() -> None:
+    """GPT-OSS's experts as transformers 5.17 (the GPU image's) traces them: the ids clamped to
+    [0, E - 1] before the four gathers (weights and biases). Fused with that clamp, unfused
+    with any other."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.pass_testing import capture_through, run_graph
+
+    plain = capture_through(tiny_config("gpt_oss"), "fusion")
+    ids_clamps = sum(1 for nd in plain.graph_module.graph.nodes if nd.target == torch.ops.aten.clamp.default
+                     and nd.args[1:] == (0, 3))
+    for high_minus_e, fused in ((0, 2), (-1, 0)):
+        before = plain.copy()
+        if ids_clamps == 0:
+            assert _insert_ids_clamp(before.graph_module, high_minus_e) == 2
+        elif high_minus_e != 0:
+            continue
+        after = before.copy()
+        assert after.run_pass(FuseMoEPass(on_cpu=True)) == {"fused_moe": 0, "moe_experts": fused}
+        if fused:
             torch.testing.assert_close(run_graph(after, num_tokens=7), run_graph(before, num_tokens=7),
                                        rtol=1e-5, atol=1e-5)
 
