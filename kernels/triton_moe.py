@@ -140,8 +140,11 @@ FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024
 # FP8 experts in steps with at least this many rows an expert run W8A8 on sm_90: the sorted-rows
 # kernels over e4m3 rows (each token's hidden state, then each row's SiLU-and-mul output,
 # quantized per row, as the dense FP8 projections quantize theirs) and e4m3 experts, on e4m3
-# MMAs (twice bf16's rate on Hopper), instead of widening the experts. Not yet run on a GPU:
-# 0 (the default) never does; KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (1: every grouped step).
+# MMAs (twice bf16's rate on Hopper), instead of widening the experts. With 1 (every step) the
+# Mixtral offline run made 5,769 output tokens/s against weight-only's 3,824 and decode 3,592.5
+# against 2,973.5 at batch 64 (bench/RESULTS.md AF4-AF6). 0 (the default, until the GPU suite has
+# run with 1: its weight-only tests take the default path) never does;
+# KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (1: every grouped step).
 FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "0"))
 
 
