@@ -6,6 +6,9 @@ Before (Hugging Face's apply_rotary_pos_emb, q [1, Hq, T, D], k [1, Hkv, T, D], 
 After:
     q', k' = kiln::rope(q[0].T, k[0].T, cos[0], sin[0], None, None, 0.0)   (transposed back as views)
 
+GPT-OSS rotates by halves (`chunk`, cos/sin of D/2, `cat`): the same rotation, which
+becomes `kiln::rope` with cos/sin repeated over both halves (`rope_halves`).
+
 Qwen3 normalises each head right before RoPE; that form (RMSNorm of the [1, T, H, D] head
 view, transpose, rotate) becomes one `kiln::rope` with the two norm weights, so the q/k
 norm costs no launch of its own. It is matched first. This pass must run before
@@ -73,8 +76,25 @@ def qk_norm_rope_replacement(q, k, q_weight, k_weight, cos, sin, eps):
     return _to_head_major(q_out), _to_head_major(k_out)
 
 
-def rope_patterns(head_dim: int) -> tuple[Pattern, Pattern]:
-    """The two patterns for one head_dim: Qwen3's q/k norm + RoPE, and plain RoPE."""
+def _halves_rope(x, cos, sin):
+    # GPT-OSS's _apply_rotary_emb: cos/sin of D/2, the two halves rotated and concatenated.
+    first, second = torch.chunk(x, 2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def halves_rope_pattern(q, k, cos, sin):
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return _halves_rope(q, c, s), _halves_rope(k, c, s)
+
+
+def halves_rope_replacement(q, k, cos, sin):
+    # The same rotation with cos/sin repeated over both halves, as kiln::rope (HF's form) takes them.
+    return rope_replacement(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
+
+
+def rope_patterns(head_dim: int) -> tuple[Pattern, ...]:
+    """The patterns for one head_dim: Qwen3's q/k norm + RoPE, plain RoPE, and GPT-OSS's RoPE
+    by halves (cos/sin of D/2)."""
     t, hq, hkv, d = 4, 4, 2, head_dim
     cos, sin = torch.randn(1, t, d), torch.randn(1, t, d)
     qk_norm = Pattern(
@@ -83,7 +103,10 @@ def rope_patterns(head_dim: int) -> tuple[Pattern, Pattern]:
     )
     plain = Pattern("rope", rope_pattern, rope_replacement,
                     (torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), cos, sin))
-    return qk_norm, plain
+    halves = Pattern("rope_halves", halves_rope_pattern, halves_rope_replacement,
+                     (torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), torch.randn(1, t, d // 2),
+                      torch.randn(1, t, d // 2)))
+    return qk_norm, plain, halves
 
 
 aten = torch.ops.aten
@@ -104,11 +127,24 @@ def _follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | 
     return None
 
 
-def _same_layout(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    if not isinstance(va, torch.Tensor) or not isinstance(vb, torch.Tensor):
+def _same_layout(end: torch.fx.Node, start: torch.fx.Node) -> bool:
+    """Whether the views from `start` (a rope output) to `end` give back start's own layout.
+
+    The views are replayed on start's example value rather than read from their own: a
+    pattern's replacement gives its outputs fresh values, but the views after it keep those
+    of the rotation they replaced, whose layout may differ (GPT-OSS's `cat` made q contiguous
+    head-major, the rope op writes it token-major)."""
+    va = start.meta.get("val")
+    if not isinstance(va, torch.Tensor):
         return False
-    return va.shape == vb.shape and va.stride() == vb.stride()
+    replayed, node = va, start
+    try:
+        while node is not end:
+            node = next(iter(node.users))
+            replayed = node.target(replayed, *node.args[1:], **node.kwargs)
+    except Exception:  # a view the example value does not support: no fold
+        return False
+    return replayed.shape == va.shape and replayed.stride() == va.stride()
 
 
 def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
@@ -159,7 +195,7 @@ class FuseRoPEPass(CustomOpFusionPass):
 
     def __init__(self, on_cpu: bool | None = None):
         super().__init__(on_cpu)
-        self._patterns_by_head_dim: dict[int, tuple[Pattern, Pattern]] = {}
+        self._patterns_by_head_dim: dict[int, tuple[Pattern, ...]] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         if not self.applies_to(gm):

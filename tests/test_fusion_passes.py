@@ -142,7 +142,8 @@ def test_merge_gate_up_leaves_moe_experts_alone():
 def test_fuse_rope_llama31_scaling(tiny_model_dir):
     _, hf = tiny_model_dir("llama3.1")  # Llama 3.1 frequency scaling lives in the inv_freq constant
     before, after = build("llama3.1", torch.float32), build("llama3.1", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "kv_write_fused": LAYERS}
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0,
+                                            "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     # Each layer's rope then went into its attention: rope + KV write + attention, one op.
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["kiln.paged_attention.default"] == -LAYERS
@@ -155,11 +156,26 @@ def test_fuse_rope_llama31_scaling(tiny_model_dir):
 def test_fuse_rope_takes_qwen3_qk_norm(tiny_model_dir):
     _, hf = tiny_model_dir("qwen3")
     before, after = build("qwen3", torch.float32), build("qwen3", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "kv_write_fused": LAYERS}
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "rope_halves": 0,
+                                            "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
     fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
     assert len(fused) == LAYERS and all(n.args[5] is not None and n.args[6] is not None for n in fused)  # norm weights in
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+def test_fuse_rope_takes_gpt_oss_rotation_by_halves(tiny_model_dir):
+    """GPT-OSS rotates by halves (chunk, cos/sin of D/2, cat): one kiln::rope with cos/sin
+    repeated, folded into the attention with the layer's sinks carried over."""
+    _, hf = tiny_model_dir("gpt_oss")
+    before, after = build("gpt_oss", torch.float32), build("gpt_oss", torch.float32, FuseRoPEPass(on_cpu=True))
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": LAYERS,
+                                            "kv_write_fused": LAYERS}
+    delta = counts_delta(before, after)
+    assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.chunk.default"] == -2 * LAYERS
+    fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
+    assert all(isinstance(n.kwargs.get("sinks"), torch.fx.Node) for n in fused)
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 
