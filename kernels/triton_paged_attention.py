@@ -20,8 +20,8 @@ with FUSED_ROPE a decode on the keys-as-rows kernel does both in that kernel, on
    MPT) adds slope[head] * (k_pos - q_pos) after that, behind the ALIBI flag likewise.
    Attention sinks (GPT-OSS, the SINKS flag) start a row's online softmax at the sink: its
    running max at sink[head] and its sum at one (exp(sink - max)), with nothing added to the
-   output; only the first KV split does, so the combine counts the sink once. The keys-as-rows
-   decode kernels take neither ALiBi nor sinks: such calls run this kernel.
+   output; only the first KV split does, so the combine counts the sink once (the keys-as-rows
+   decode kernel likewise; it takes no ALiBi, so such decodes run this kernel).
 3. When the grid would leave most SMs idle (few sequences: small-batch decode), the KV
    length is split NUM_SPLITS ways (flash-decoding): each split writes its partial output
    and log-sum-exp, and `_combine_splits_kernel` merges them (or, with FUSED_COMBINE, the
@@ -412,17 +412,16 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
 
 
 def default_tiling(q: torch.Tensor, kv_cache: torch.Tensor, num_seqs: int, softcap: float = 0.0,
-                   other_logits: bool = False) -> AttentionTiling:
+                   alibi: bool = False) -> AttentionTiling:
     """The tiling `attend_paged_triton` takes for this call when none is given (choose_tiling
-    with the device's facts); `other_logits`: ALiBi or attention sinks."""
+    with the device's facts)."""
     t, _, d = q.shape
     e4m3_hardware = converts_e4m3_in_hardware(q.device)
     return choose_tiling(t, num_seqs, pow2_at_least(d, 16), max_shared_memory(q.device),
                          num_seqs * kv_cache.shape[3] >= multiprocessor_count(q.device),
                          fp8_cache=kv_cache.element_size() == 1, widen_asm=e4m3_hardware,
-                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, other_logits),
-                         rows_16bit=kv_cache.element_size() == 2
-                         and decode_rows_supported(kv_cache, d, softcap, other_logits))
+                         e4m3_mma=e4m3_hardware and decode_fp8_supported(kv_cache, d, softcap, alibi),
+                         rows_16bit=kv_cache.element_size() == 2 and decode_rows_supported(kv_cache, d, softcap, alibi))
 
 
 def choose_num_splits(num_tokens: int, num_seqs: int, num_kv_heads: int, block_t: int, block_n: int,
@@ -509,10 +508,9 @@ def attend_paged_triton(
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]
-    # Logit terms the keys-as-rows kernels do not compute (ALiBi, sinks) keep to the general kernel.
-    other_logits = alibi_slopes is not None or sinks is not None
-    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, other_logits)
-    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, other_logits)
+    # ALiBi, which the keys-as-rows kernels do not compute, keeps to the general kernel.
+    rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
+    tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
     keys_as_rows = tiling.keys_as_rows and t <= num_seqs and rows_kernel_fits
     if new_kv is not None and not (keys_as_rows and t > 0):
         q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)
@@ -553,14 +551,14 @@ def attend_paged_triton(
         launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                 kv_scale, scale, sliding_window, num_splits, block_n, num_warps, tiling.num_stages,
                                 tiling.widen_asm, heads_fastest=tiling.heads_fastest,
-                                combine_counters=combine_counters, new_kv=new_kv)
+                                combine_counters=combine_counters, new_kv=new_kv, sinks=sinks)
     else:
         if singles_as_rows:
             rows = KEYS_AS_ROWS_DECODE  # the decode's measured launch shape (L1)
             launch_paged_decode_fp8(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                     kv_scale, scale, sliding_window, num_splits, rows.block_n, rows.num_warps,
                                     rows.num_stages, e4m3_hardware, single_tokens_only=True,
-                                    heads_fastest=rows.heads_fastest)
+                                    heads_fastest=rows.heads_fastest, sinks=sinks)
         _paged_attention_kernel[(num_tiles, hkv, num_splits)](
             q, k_cache, v_cache, out, part_out, part_lse,
             block_tables, seq_lens, query_start_loc, alibi_slopes if alibi_slopes is not None else q,

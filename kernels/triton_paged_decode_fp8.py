@@ -221,9 +221,11 @@ def _attend_one_token(
     KV_SCALE: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, WIDEN_ASM: tl.constexpr,
     E4M3: tl.constexpr, COMBINE: tl.constexpr, ROPE: tl.constexpr, HAS_NORM: tl.constexpr,
-    NO_CONTRACT: tl.constexpr,
+    NO_CONTRACT: tl.constexpr, sinks_ptr, SINKS: tl.constexpr,
 ):
-    """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len)."""
+    """The GROUP heads of token `q_row` (at position ctx_len - 1) over keys [0, ctx_len).
+    SINKS: each head's softmax starts at its attention sink (max = sink, sum = 1), in the
+    first KV split only, as in the general kernel."""
     offs_d = tl.arange(0, HEAD_DIM)
     cols = tl.arange(0, COLS)
     col_ok = cols < GROUP
@@ -243,6 +245,10 @@ def _attend_one_token(
 
     m_i = tl.full([COLS], float("-inf"), tl.float32)
     l_i = tl.zeros([COLS], tl.float32)
+    if SINKS:
+        if split == 0:
+            m_i = tl.load(sinks_ptr + heads, mask=col_ok, other=0.0).to(tl.float32)
+            l_i = tl.full([COLS], 1.0, tl.float32)
     acc_t = tl.zeros([HEAD_DIM, COLS], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -307,7 +313,7 @@ def _paged_decode_fp8_kernel(
     SINGLE_TOKENS_ONLY: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, E4M3: tl.constexpr = True,
     COMBINE: tl.constexpr = False, NEW_KV: tl.constexpr = False, ROPE: tl.constexpr = False,
     HAS_NORM: tl.constexpr = False, NO_CONTRACT: tl.constexpr = False, ONE_WRITER: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, sinks_ptr=None, SINKS: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     if HEADS_FASTEST:  # the grid is (KV heads, sequences, splits): see launch_paged_decode_fp8
@@ -357,7 +363,7 @@ def _paged_decode_fp8_kernel(
             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_blk, stride_c_off, stride_c_h,
             stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_cos, stride_sin,
             KV_SCALE, GROUP, COLS, BLOCK_N, HEAD_DIM, CACHE_BLOCK, NUM_SPLITS, WIDEN_ASM, E4M3, COMBINE, ROPE,
-            HAS_NORM, NO_CONTRACT)
+            HAS_NORM, NO_CONTRACT, sinks_ptr, SINKS)
 
 
 @dataclass(frozen=True)
@@ -383,20 +389,19 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, other_logits: bool) -> bool:
+def decode_fp8_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
     """Whether this kernel can run the call: an e4m3 cache, a power-of-two head size of at
-    least 32 (one e4m3 MMA step), no soft-cap, no logit terms beside q.k (`other_logits`: ALiBi,
-    attention sinks)."""
+    least 32 (one e4m3 MMA step), no soft-cap, no ALiBi (attention sinks it takes)."""
     return (kv_cache.dtype == torch.float8_e4m3fn and head_dim >= 32 and head_dim == pow2_at_least(head_dim)
-            and softcap <= 0.0 and not other_logits)
+            and softcap <= 0.0 and not has_alibi)
 
 
-def decode_rows_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, other_logits: bool) -> bool:
+def decode_rows_supported(kv_cache: torch.Tensor, head_dim: int, softcap: float, has_alibi: bool) -> bool:
     """Whether the kernel can run the call over this cache at all: an e4m3 cache as in
     `decode_fp8_supported`, or a bf16/f16 one with a power-of-two head size of at least 16."""
     if kv_cache.dtype in (torch.bfloat16, torch.float16):
-        return head_dim >= 16 and head_dim == pow2_at_least(head_dim) and softcap <= 0.0 and not other_logits
-    return decode_fp8_supported(kv_cache, head_dim, softcap, other_logits)
+        return head_dim >= 16 and head_dim == pow2_at_least(head_dim) and softcap <= 0.0 and not has_alibi
+    return decode_fp8_supported(kv_cache, head_dim, softcap, has_alibi)
 
 
 def launch_paged_decode_fp8(
@@ -405,6 +410,7 @@ def launch_paged_decode_fp8(
     scale: float, sliding_window: int, num_splits: int, block_n: int, num_warps: int, num_stages: int,
     widen_asm: bool, single_tokens_only: bool = False, heads_fastest: bool = False,
     combine_counters: torch.Tensor | None = None, new_kv: NewTokensKV | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` (num_splits == 1) or the split partials (the general launcher combines them).
     With `single_tokens_only`, only the rows of sequences that bring one token this step. With
@@ -420,7 +426,7 @@ def launch_paged_decode_fp8(
 
     With `new_kv` every program first writes its sequence's new keys (rotated, with cos/sin:
     then `q` is the unrotated query) and values of its KV head into the cache: no token may be
-    another kernel's (`single_tokens_only` False)."""
+    another kernel's (`single_tokens_only` False). `sinks` ([Hq]): attention sinks (GPT-OSS)."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     group = hq // hkv
@@ -470,6 +476,6 @@ def launch_paged_decode_fp8(
         # RoPE's products rounded on their own as `kiln::rope` rounds them (its kernel compiles
         # with contraction off); here only they are, by inline assembly (CUDA), so the rest of
         # the kernel keeps its FMAs.
-        NO_CONTRACT=rope and q.is_cuda,
+        NO_CONTRACT=rope and q.is_cuda, sinks_ptr=sinks if sinks is not None else q, SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q.device, "attention"),
     )

@@ -669,6 +669,49 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
     assert not torch.equal(fused_cache, batch["kv_cache"])  # (the step's tokens were written)
 
 
+@pytest.mark.parametrize("cache,splits,window,fuse_rope", [("16bit", 1, 0, False), ("16bit", 3, 20, True),
+                                                          ("fp8", 2, 0, True), ("fp8", 1, 20, False)])
+def test_keys_as_rows_decode_takes_attention_sinks(cache, splits, window, fuse_rope):
+    # GPT-OSS's sinks in the keys-as-rows decode kernel (each head's softmax starts at its sink
+    # in the first split only), with the rotation and cache write fused in or not: over a 16-bit
+    # cache the reference's output. Over an e4m3 cache the kernel quantizes the query too, which
+    # moves its output from the reference's as much without sinks as with them; but a sink only
+    # scales each token's head output by 1 / (1 + exp(sink - lse)), so the kernel's output with
+    # sinks must be its own sink-free output times the reference's factor for that head.
+    batch, kv_scale, tiling = _new_tokens_decode(cache, seed=71 + splits)
+    t, hq = batch["q"].shape[:2]
+    cos, sin = (x.to(HALF) for x in _cos_sin(t, 32, seed=72))
+    sinks = torch.linspace(-3.0, 4.0, hq).to(DEVICE, HALF)
+
+    def run(with_sinks: bool, reference: bool, rows: bool = True) -> torch.Tensor:
+        b = {k: v.clone() for k, v in batch.items()}
+        args = (b["q"], b["k"], b["v"], cos, sin, None, None, 1e-6, b["kv_cache"], b["slot_mapping"],
+                b["block_tables"], b["seq_lens"], b["query_start_loc"], 0.2, window)
+        if reference:
+            q_rot, k_rot = rope_reference(b["q"], b["k"], cos, sin, None, None, 1e-6)
+            return paged_attention_reference(q_rot, k_rot, *args[2:3], *args[8:], kv_scale=kv_scale,
+                                             sinks=sinks if with_sinks else None)
+        return rope_paged_attention_triton(*args, num_splits=splits, kv_scale=kv_scale,
+                                           tiling=tiling if rows else dataclasses.replace(tiling, keys_as_rows=False),
+                                           fuse_rope=fuse_rope, sinks=sinks if with_sinks else None)
+
+    real = int(batch["query_start_loc"][-1])
+    out, plain = run(True, False)[:real].float(), run(False, False)[:real].float()
+    assert (out - plain).abs().max() > 0.1
+    if cache == "16bit":
+        torch.testing.assert_close(out, run(True, True)[:real].float(), atol=2e-3, rtol=2e-3)
+        return
+
+    def factor(with_sinks: torch.Tensor, without: torch.Tensor) -> torch.Tensor:  # per token and head
+        return (with_sinks * without).sum(-1) / (without * without).sum(-1)
+
+    ref_factor = factor(run(True, True)[:real].float(), run(False, True)[:real].float())
+    kernel_factor = factor(out, plain)
+    assert ref_factor.min() < 0.2 and ref_factor.max() > 0.8  # the sinks weigh very differently per head
+    torch.testing.assert_close(kernel_factor, ref_factor, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(out, kernel_factor[..., None] * plain, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("min_tokens,new_tokens,fused", [(2, [1], False), (2, [1, 1], True), (0, [1, 1], False),
                                                        (1, [1], True)])
 def test_norms_fuse_into_the_decode_kernel_from_a_token_count(monkeypatch, min_tokens, new_tokens, fused):
