@@ -166,7 +166,7 @@ def moe_experts_reference(hidden: torch.Tensor, topk_weights: torch.Tensor, topk
     check_expert_extras(w_gate_up, w_down, b_gate_up, b_down, activation)
     t, h = hidden.shape
     top_k = topk_ids.shape[1]
-    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    num_experts = w_gate_up.shape[0]
     # The graph multiplies bf16 expert outputs by float32 weights (Mixtral) in float32.
     out_dtype = torch.promote_types(hidden.dtype, topk_weights.dtype)
     pairs = topk_ids.reshape(-1).long()                     # pair p = token p // top_k, slot p % top_k
@@ -232,7 +232,7 @@ def moe_experts_grouped_mm(hidden: torch.Tensor, topk_weights: torch.Tensor, top
     x = hidden[order // top_k]
     # [E, H, 2I] and [E, I, H] views: column-major per expert, as the grouped GEMM takes them.
     gate_up = torch._grouped_mm(x, w_gate_up.transpose(1, 2), offs=ends)
-    sorted_experts = pairs[order]
+    sorted_experts = pairs[order] if b_gate_up is not None or b_down is not None else None
     if b_gate_up is not None:
         gate_up = gate_up + b_gate_up[sorted_experts]
     act = expert_activation(gate_up, activation, alpha, limit)
