@@ -428,28 +428,64 @@ def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(mo
 
 def w8a8_moe_reference(hidden: torch.Tensor, logits: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor,
                        dq: torch.Tensor, ds: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
-    """fused_moe over e4m3 experts with e4m3 activations, pair by pair, rounding where the
-    kernels round: each token's hidden state quantized per row, gate and up to the model dtype,
-    SiLU-and-mul in it, that row quantized, the down product to the model dtype, weighted in float32."""
-    from kiln.kernels.fp8 import quantize_fp8_rows
+    """fused_moe over e4m3 experts with e4m3 activations (`w8a8_experts_reference` after the router)."""
     from kiln.kernels.moe import route
 
+    routing = route(logits, top_k, renormalize, True, hidden.dtype)
+    return w8a8_experts_reference(hidden, routing.weights, routing.experts, gq, gs, dq, ds)
+
+
+def w8a8_experts_reference(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gq: torch.Tensor,
+                           gs: torch.Tensor, dq: torch.Tensor, ds: torch.Tensor, extras: Any = None) -> torch.Tensor:
+    """moe_experts over e4m3 experts with e4m3 activations, pair by pair, rounding where the
+    kernels round: each token's hidden state quantized per row, gate and up to the model dtype
+    (and their biases' sums, with `extras`), the activation (SiLU-and-mul with SiLU rounded,
+    or GPT-OSS's clamped SwiGLU in float32) to the model dtype, that row quantized, the down
+    product (and its bias's sum) to the model dtype, weighted in float32."""
+    from kiln.kernels.fp8 import quantize_fp8_rows
+
     dt, inter = hidden.dtype, gq.shape[1] // 2
-    routing = route(logits, top_k, renormalize, True, dt)
     xq, xs = quantize_fp8_rows(hidden)
     x = xq.float() * xs
     w_gate_up, w_down = gq.float() * gs[..., None], dq.float() * ds[..., None]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for t in range(hidden.shape[0]):
-        for j in range(top_k):
-            e = int(routing.experts[t, j])
-            gate_up = x[t] @ w_gate_up[e].T
-            gate, up = gate_up[:inter].to(dt).float(), gate_up[inter:].to(dt).float()
-            act = ((gate * torch.sigmoid(gate)).to(dt).float() * up).to(dt)
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate_up = (x[t] @ w_gate_up[e].T).to(dt).float()
+            if extras is not None and extras.b_gate_up is not None:
+                gate_up = (gate_up + extras.b_gate_up[e].float()).to(dt).float()
+            gate, up = gate_up[:inter], gate_up[inter:]
+            if extras is not None and extras.activation == "swiglu_oai":
+                gate, up = gate.clamp(max=extras.limit), up.clamp(-extras.limit, extras.limit)
+                act = ((up + 1) * (gate * torch.sigmoid(gate * extras.alpha))).to(dt)
+            else:
+                act = ((gate * torch.sigmoid(gate)).to(dt).float() * up).to(dt)
             aq, a_scale = quantize_fp8_rows(act[None])
             y = ((aq.float() * a_scale)[0] @ w_down[e].T).to(dt).float()
-            out[t] += y * routing.weights[t, j].float()
+            if extras is not None and extras.b_down is not None:
+                y = (y + extras.b_down[e].float()).to(dt).float()
+            out[t] += y * weights[t, j].float()
     return out.to(dt)
+
+
+def test_w8a8_experts_take_gpt_oss_biases_and_activation() -> None:
+    """W8A8 (the sorted-rows kernels over e4m3 rows and experts) with GPT-OSS's biases and
+    clamped SwiGLU in their epilogues: the rounding reference's result, not the bias-free one."""
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    hidden, logits, w_gate_up, w_down = moe_inputs(24, 32, 48, 4, torch.float16, seed=5)
+    weights, ids = deepseek_routing(logits, 2)
+    gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+    extras = oai_extras(4, 32, 48, torch.float16, seed=6)
+    out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds,
+                             fp8_activations=True, extras=extras)
+    ref = w8a8_experts_reference(hidden, weights, ids, gq, gs, dq, ds, extras)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
+    plain = w8a8_experts_reference(hidden, weights, ids, gq, gs, dq, ds)
+    assert (ref.float() - plain.float()).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("t,e,top_k", [(40, 4, 2), (7, 8, 2), (64, 16, 4)])
