@@ -18,8 +18,6 @@ Kiln has no FP4 GEMM; running the experts in FP4 is not built.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 MXFP4_METHOD = "mxfp4"
@@ -31,13 +29,6 @@ _BLOCKS_SUFFIX, _SCALES_SUFFIX = "_blocks", "_scales"
 
 class MXFP4CheckpointError(ValueError):
     """An MXFP4 tensor pair Kiln cannot read; the message names it."""
-
-
-def is_mxfp4_config(config: Any) -> bool:
-    from kiln.passes.quantize_fp8 import quantization_config
-
-    qc = quantization_config(config)
-    return qc is not None and qc.get("quant_method") == MXFP4_METHOD
 
 
 def mxfp4_source_names(name: str) -> list[str]:
