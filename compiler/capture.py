@@ -49,9 +49,10 @@ class UnsupportedArchitectureError(ValueError):
     """The model holds a construct Kiln cannot run; the message names it and where it is."""
 
 
+# Attention sinks (GPT-OSS's `s_aux`): the marker carries them, as its `sinks`.
+_SINK_KWARGS = ("s_aux", "sinks")
 # Arguments transformers' attention modules hand the attention function that change what
 # it computes, and which Kiln's marker does not carry: the construct each one stands for.
-# (Attention sinks, GPT-OSS's `s_aux`, it carries: `_SINK_KWARGS`.)
 _REFUSED_ATTENTION_KWARGS: dict[str, str] = {
     "position_bias": "relative position bias added to attention logits",
     "alibi": "ALiBi attention bias",
@@ -61,7 +62,6 @@ _REFUSED_ATTENTION_KWARGS: dict[str, str] = {
 # positions). Any other tensor handed to the attention function is something it would
 # compute with, which the marker would silently drop: refused by name. (Flags such as
 # output_router_logits also travel in the kwargs and are not tensors.)
-_SINK_KWARGS = ("s_aux", "sinks")
 _IGNORED_ATTENTION_KWARGS = frozenset({
     "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_attentions",
     "use_cache", "cache_position", "past_key_values", "past_key_value", "layer_past", "return_dict",

@@ -665,11 +665,11 @@ def _load_safetensors_dir(
                     bar.update(1)
     for name, sources in derived.items():
         # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
-        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources], sources,
-                                              param_dtypes.get(name, dtype))
+        want = param_dtypes.get(name, dtype)
+        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources], sources, want)
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
-        _keep(out, name, combined.to(device=device, dtype=param_dtypes.get(name, dtype)), on_tensor)
+        _keep(out, name, combined.to(device=device, dtype=want), on_tensor)
     return out
 
 

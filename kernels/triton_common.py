@@ -199,6 +199,21 @@ def kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
+def online_softmax_start(sinks_ptr, heads, heads_ok, split, ROWS: tl.constexpr, SINKS: tl.constexpr):
+    """(running max, running sum) of ROWS rows' online softmax before their first key: -inf and
+    0; with attention sinks (SINKS, `sinks_ptr` [Hq], the rows' `heads`) each row's head's sink
+    and 1 (exp(sink - sink)), the sink being one more logit of the row with no value. Only the
+    first KV split starts there, so a split-K combine counts each sink once."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    if SINKS:
+        if split == 0:
+            m_i = tl.load(sinks_ptr + heads, mask=heads_ok, other=0.0).to(tl.float32)
+            l_i = tl.full([ROWS], 1.0, tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
 def zero_padded_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, first, step, kv_head, stride_ot, stride_oh,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     """Zero the attention output of KV head `kv_head`'s GROUP query heads in the rows of

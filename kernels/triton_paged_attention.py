@@ -44,8 +44,9 @@ from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (SPLIT_K_COUNTERS, converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range,
-                                        max_shared_memory, multiprocessor_count, num_warps_for, pdl_launch_args,
-                                        pow2_at_least, split_k_counters, wait_for_previous_kernel, zero_padded_rows)
+                                        max_shared_memory, multiprocessor_count, num_warps_for, online_softmax_start,
+                                        pdl_launch_args, pow2_at_least, split_k_counters, wait_for_previous_kernel,
+                                        zero_padded_rows)
 from kiln.kernels.triton_paged_decode_fp8 import (NewTokensKV, decode_fp8_supported, decode_rows_supported,
                                                   launch_paged_decode_fp8)
 from kiln.kernels.rope import check_rope_args
@@ -215,12 +216,7 @@ def _paged_attention_kernel(
     # from below as well: every block is masked then.
     kv_full = tl.where(sliding_window > 0, kv_lo, tl.minimum(first_pos + tok0 + 1, kv_hi))
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    if SINKS:
-        if split == 0:  # the sink is one more logit of the whole row: counted by one split
-            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
-            l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    m_i, l_i = online_softmax_start(sinks_ptr, head, row_ok, split, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -499,12 +495,10 @@ def attend_paged_triton(
     hkv = kv_cache.shape[3]
     if hq % hkv:
         raise ValueError(f"paged_attention: {hq} query heads are not a multiple of {hkv} KV heads")
-    if alibi_slopes is not None and (alibi_slopes.shape != (hq,) or alibi_slopes.device != q.device):
-        raise ValueError(f"paged_attention: alibi_slopes must be [{hq}] on {q.device}, "
-                         f"got {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
-    if sinks is not None and (sinks.shape != (hq,) or sinks.device != q.device):
-        raise ValueError(f"paged_attention: sinks must be [{hq}] on {q.device}, "
-                         f"got {tuple(sinks.shape)} on {sinks.device}")
+    for name, per_head in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if per_head is not None and (per_head.shape != (hq,) or per_head.device != q.device):
+            raise ValueError(f"paged_attention: {name} must be [{hq}] on {q.device}, "
+                             f"got {tuple(per_head.shape)} on {per_head.device}")
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]

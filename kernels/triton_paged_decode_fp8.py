@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, pdl_launch_args, pow2_at_least,
-                                        wait_for_previous_kernel, zero_padded_rows)
+from kiln.kernels.triton_common import (arrived_last, e4m3_to_f16, kv_split_range, online_softmax_start,
+                                        pdl_launch_args, pow2_at_least, wait_for_previous_kernel, zero_padded_rows)
 from kiln.kernels.triton_rope import inv_rms_rounded, rms_normed_rounded, rotate_rounded
 
 # With NEW_KV and splits: only the split programs that read one of the step's new keys (at a
@@ -243,12 +243,7 @@ def _attend_one_token(
 
     kv_lo, kv_hi = _key_range(ctx_len, sliding_window, split, NUM_SPLITS, BLOCK_N)
 
-    m_i = tl.full([COLS], float("-inf"), tl.float32)
-    l_i = tl.zeros([COLS], tl.float32)
-    if SINKS:
-        if split == 0:
-            m_i = tl.load(sinks_ptr + heads, mask=col_ok, other=0.0).to(tl.float32)
-            l_i = tl.full([COLS], 1.0, tl.float32)
+    m_i, l_i = online_softmax_start(sinks_ptr, heads, col_ok, split, COLS, SINKS)
     acc_t = tl.zeros([HEAD_DIM, COLS], tl.float32)
     for start in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)

@@ -276,6 +276,11 @@ class _Plan:
             return [(self.rank * per, (self.rank + 1) * per)], {}
         raise ValueError(f"shard_tensor_parallel: unknown fused layout {layout!r} of {what}")
 
+    @property
+    def heads(self) -> tuple[int, int]:
+        """This rank's query heads [first, last)."""
+        return self.q[0] // self.head_dim, self.q[1] // self.head_dim
+
     def vocab(self, size: int) -> tuple[tuple[int, int], int]:
         per = -(-size // self.tp)
         start = min(size, self.rank * per)
@@ -595,7 +600,7 @@ class ShardTensorParallelPass(KilnPass):
     def _shard_sinks(gm: torch.fx.GraphModule, plan: _Plan, shard: Any) -> int:
         """Attention sinks (GPT-OSS): a parameter of one logit per query head; each rank reads
         its heads' (the attention markers carry them as `sinks`)."""
-        h0, h1 = plan.q[0] // plan.head_dim, plan.q[1] // plan.head_dim
+        h0, h1 = plan.heads
         count = 0
         for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
             sinks = node.kwargs.get("sinks")
@@ -610,7 +615,7 @@ class ShardTensorParallelPass(KilnPass):
         capture for all heads. Each rank's attention gets the slopes of its heads, sliced in
         the graph (the input stays whole, so its binding does not depend on the rank)."""
         sliced: dict[torch.fx.Node, torch.fx.Node] = {}
-        h0, h1 = plan.q[0] // plan.head_dim, plan.q[1] // plan.head_dim
+        h0, h1 = plan.heads
         for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
             slopes = node.args[7] if len(node.args) > 7 else node.kwargs.get("alibi_slopes")
             if not isinstance(slopes, torch.fx.Node):
