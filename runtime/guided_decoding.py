@@ -178,13 +178,54 @@ def _short(e: Exception) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class AfterMarker:
+    """A compiled grammar that constrains only the output after `marker` (token ids): a
+    reasoning model thinks freely first, and the grammar holds its answer (the server wraps a
+    request's grammar so with `--reasoning-parser`, kiln.runtime.serving.reasoning_parser).
+    Until the marker is written, the sequence's rows are not masked."""
+
+    grammar: Any
+    marker: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.marker:
+            raise ValueError("AfterMarker needs a non-empty marker")
+
+
+def find_token_run(tokens: list[int], run: tuple[int, ...]) -> int:
+    """Index of the first occurrence of `run` in `tokens` (-1: none)."""
+    n = len(run)
+    for i in range(len(tokens) - n + 1):
+        if tokens[i] == run[0] and tuple(tokens[i:i + n]) == run:
+            return i
+    return -1
+
+
 class _SequenceMatcher:
     def __init__(self, compiled: Any, stop_token_ids: list[int]):
         import xgrammar as xgr
 
+        self.waiting_for: tuple[int, ...] | None = None
+        if isinstance(compiled, AfterMarker):
+            compiled, self.waiting_for = compiled.grammar, compiled.marker
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
-        self.num_accepted = 0
+        self.num_accepted = 0  # output tokens given to the matcher (or, while waiting, scanned)
         self.broken = False
+
+    def reached_grammar(self, output: list[int]) -> bool:
+        """Whether the grammar has started (after its marker, if it waits for one); the
+        tokens up to and including the marker are never the matcher's."""
+        if self.waiting_for is None:
+            return True
+        # Only the tokens since the last scan (and a marker's length before them) are read.
+        start = max(self.num_accepted - len(self.waiting_for) + 1, 0)
+        at = find_token_run(list(output[start:]), self.waiting_for)
+        if at < 0:
+            self.num_accepted = len(output)
+            return False
+        self.num_accepted, self.waiting_for = start + at + len(self.waiting_for), None
+        return True
 
 
 class GrammarMasker:
@@ -229,7 +270,7 @@ class GrammarMasker:
             m = per_request.get(seq.index)
             if m is None:
                 m = per_request[seq.index] = _SequenceMatcher(compiled, self.stop_token_ids)
-            if m.broken:
+            if m.broken or not m.reached_grammar(seq.output_token_ids):
                 continue
             for token in seq.output_token_ids[m.num_accepted:]:
                 if not m.matcher.accept_token(int(token)):

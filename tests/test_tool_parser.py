@@ -1,4 +1,4 @@
-"""Tool-call parsers per model family (hermes, llama3_json, mistral, qwen3_coder), on the
+"""Tool-call parsers per model family (hermes, llama3_json, mistral, qwen3_coder, openai), on the
 formats models really write; streamed calls arrive as a name, then argument fragments."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from kiln.runtime.serving.tool_parser import TOOL_PARSERS, HermesToolParser, ToolParser, get_tool_parser, parse_tool_calls
+from kiln.runtime.serving.parsers import TOOL_PARSERS, get_tool_parser
+from kiln.runtime.serving.tool_parser import HermesToolParser, ToolParser, parse_tool_calls
 
 StreamingToolParser = HermesToolParser
 
@@ -192,6 +193,10 @@ FAMILIES = {
                     "<parameter=days>\n5\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n</function>\n"
                     "</tool_call>",
                     [("get_weather", {"city": "New York", "days": 5, "metric": True})], "Checking."),
+    # GPT-OSS (harmony): its analysis is not content; more in tests/test_reasoning_parser.py
+    "openai": ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}<|call|>',
+               [("get_weather", {"city": "Paris", "days": 3})], None),
 }
 
 
@@ -219,9 +224,11 @@ def test_plain_replies_and_unknown_functions_stay_content(family: str) -> None:
     unknown = {"hermes": '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
                "llama3_json": '{"name": "nope", "parameters": {}}',
                "mistral": '[TOOL_CALLS][{"name": "nope", "arguments": {}}]',
-               "qwen3_coder": "<tool_call>\n<function=nope>\n</function>\n</tool_call>"}[family]
+               "qwen3_coder": "<tool_call>\n<function=nope>\n</function>\n</tool_call>",
+               "openai": "<|channel|>commentary to=functions.nope <|constrain|>json<|message|>{}<|call|>"}[family]
     parsed = parser(WEATHER).parse(unknown)
-    assert parsed.tool_calls == [] and parsed.content == unknown
+    # (harmony's content is a message's text, never its markers)
+    assert parsed.tool_calls == [] and parsed.content == ("{}" if family == "openai" else unknown)
 
 
 def test_qwen3_coder_values_follow_the_schema() -> None:
@@ -235,7 +242,7 @@ def test_qwen3_coder_values_follow_the_schema() -> None:
 
 def test_unknown_parser_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown parser 'nope'; choose one of hermes, llama3_json, mistral, "
-                                         "qwen3_coder"):
+                                         "openai, qwen3_coder"):
         get_tool_parser("nope")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from kiln.runtime.serving.app import (DEFAULT_CHAT_TEMPLATE_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES,
                                       DEFAULT_MAX_WAITING_REQUESTS, DEFAULT_STATS_INTERVAL_S, PROMPT_CHARS_PER_TOKEN,
                                       ServerConfig, build_app)
-from kiln.runtime.serving.tool_parser import TOOL_PARSERS
+from kiln.runtime.serving.parsers import REASONING_PARSERS, TOOL_PARSERS
 
 
 def add_subcommands(sub: Any) -> None:
@@ -62,6 +62,11 @@ def add_subcommands(sub: Any) -> None:
     v.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                    help="how tool calls are written by this model family, for parsing them and constraining "
                         "tool_choice (default hermes: <tool_call> JSON, Hermes / Qwen)")
+    v.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return the reasoning of this model family's replies apart from the answer, as "
+                        "reasoning_content (qwen3, deepseek_r1: <think> tags; openai_gptoss: GPT-OSS's harmony "
+                        "channels, tool calls included); a response_format or tool grammar then constrains only "
+                        "the answer (default: none, the reply is all content)")
     v.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto" (the default when tools are given): the model may answer or call '
                         "tools, and calls are parsed with --tool-call-parser")
@@ -149,6 +154,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                          allow_client_chat_template=args.allow_client_chat_template,
                                          chat_template_timeout=args.chat_template_timeout,
                                          tool_call_parser=args.tool_call_parser,
+                                         reasoning_parser=args.reasoning_parser,
                                          enable_auto_tool_choice=args.enable_auto_tool_choice,
                                          chat_template=chat_template,
                                          disable_log_requests=args.disable_log_requests,

@@ -69,6 +69,7 @@ class ServerConfig:
     prepare_threads: int = DEFAULT_PREPARE_THREADS
     # vLLM's options (kiln.runtime.serving.vllm_compat.ServingOptions).
     tool_call_parser: str = "hermes"
+    reasoning_parser: str | None = None
     enable_auto_tool_choice: bool = False
     chat_template: str | None = None  # the server's template, used instead of the tokenizer's
     disable_log_requests: bool = False
@@ -91,7 +92,7 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
                                               server_error)
     from kiln.runtime.serving.openai_serving import ClientDisconnected, OpenAIServing, RequestLimits
     from kiln.runtime.serving.metrics import CONTENT_TYPE, ServerMetrics, StatsLogger
-    from kiln.runtime.serving.tool_parser import get_tool_parser
+    from kiln.runtime.serving.parsers import get_reasoning_parser, get_tool_parser
     from kiln.runtime.serving.vllm_compat import (DetokenizeRequest, ServingOptions, TokenizeRequest, detokenize,
                                                   tokenize)
     from kiln.runtime.version import __version__
@@ -104,6 +105,8 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     if not config.chat_template_timeout > 0:
         raise ValueError(f"chat_template_timeout must be > 0 seconds, got {config.chat_template_timeout}")
     get_tool_parser(config.tool_call_parser)  # an unknown name fails here, naming the choices
+    if config.reasoning_parser is not None:
+        get_reasoning_parser(config.reasoning_parser)
     if config.stats_interval < 0:
         raise ValueError(f"stats_interval must be >= 0 seconds (0: off), got {config.stats_interval}")
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=config.max_waiting_requests)
@@ -115,7 +118,7 @@ def build_app(engine: Any, config: ServerConfig) -> Any:
     limits = RequestLimits(max_prompt_chars=config.max_prompt_chars,
                            allow_client_chat_template=config.allow_client_chat_template,
                            chat_template_timeout=config.chat_template_timeout)
-    options = ServingOptions(tool_call_parser=config.tool_call_parser,
+    options = ServingOptions(tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                              enable_auto_tool_choice=config.enable_auto_tool_choice,
                              chat_template=config.chat_template, log_requests=not config.disable_log_requests)
     serving = OpenAIServing(async_engine, config.served_model_names, metrics, limits, prepare_pool, options)

@@ -87,6 +87,9 @@ def to_template_messages(req: ChatCompletionRequest, native_tools: bool) -> list
                 text = [msg["content"]] if msg["content"] else []
                 text += [_tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
                 msg["content"] = "\n".join(text)
+        reasoning = getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None)
+        if reasoning:  # an earlier reply's reasoning: Qwen3's template reads one name, GPT-OSS's the other
+            msg["reasoning_content"] = msg["thinking"] = reasoning
         if m.role == "tool":
             if native_tools:
                 msg["tool_call_id"] = m.tool_call_id
@@ -166,6 +169,8 @@ def template_inputs(template: str, req: ChatCompletionRequest, tools: list[dict[
         if reserved in kwargs:
             raise bad_request(f"chat_template_kwargs.{reserved} is set by the server; pass it as a "
                               "request field instead", f"chat_template_kwargs.{reserved}")
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     template_tools = tools
     if tools and not native:
         messages = _with_tools_system_prompt(messages, tools, tool_format)

@@ -37,13 +37,15 @@ from kiln.runtime.serving.async_engine import (AsyncLLMEngine, EngineStepError, 
 from kiln.runtime.serving.chat_prompt import (client_chat_template, continue_final, conversation_chars,
                                              render_chat_prompt, template_inputs)
 from kiln.runtime.serving.template_sandbox import HOST_BUSY_TIMEOUT_S, render_in_sandbox
-from kiln.runtime.guided_decoding import GrammarError, ToolSchema
+from kiln.runtime.guided_decoding import AfterMarker, GrammarError, ToolSchema
 from kiln.runtime.serving.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, OpenAIError,
                                           bad_request, server_error)
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestOutput, top_entries
 from kiln.runtime.sampling_params import SamplingParams, truncate_prompt
 from kiln.runtime.serving.metrics import ServerMetrics
-from kiln.runtime.serving.tool_parser import ToolParser, get_tool_parser
+from kiln.runtime.serving.parsers import get_reasoning_parser, get_tool_parser
+from kiln.runtime.serving.reasoning_parser import ReasoningDelta, ReasoningParser
+from kiln.runtime.serving.tool_parser import ToolParser
 from kiln.runtime.serving.vllm_compat import (ServingOptions, UnknownFieldLog, prompt_logprobs_json,
                                               request_log_line, system_fingerprint)
 
@@ -54,6 +56,8 @@ request_logger = logging.getLogger("kiln.serving")
 # What JSON cannot hold (-inf logprobs of masked tokens) is sent as this, like OpenAI does.
 MIN_LOGPROB = -9999.0
 RETRY_AFTER_S = 1
+# Tokens at the prompt's end a reasoning parser reads (its generation prompt, e.g. `<think>\n`).
+PROMPT_TAIL_TOKENS = 8
 
 
 WaitDisconnect = Callable[[], Awaitable[None]]
@@ -118,6 +122,7 @@ class _ChoiceProgress:
     started: bool = False
     finished: bool = False
     tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
 
     def advance(self, c: CompletionOutput) -> tuple[str, list[int], list[dict[int, Logprob]]]:
         """(new text, new token ids, new logprobs) of `c` since the last call."""
@@ -127,6 +132,75 @@ class _ChoiceProgress:
         lps = (c.logprobs or [])[self.num_tokens:] if c.logprobs is not None else []
         self.num_tokens = max(self.num_tokens, len(c.token_ids))
         return text, tokens, lps
+
+
+@dataclass
+class _ReplyParsers:
+    """How one chat request's replies are read: reasoning split off first (the reasoning
+    parser), then tool calls out of the rest (the tool parser), unless the reasoning parser
+    reads those itself (harmony)."""
+
+    tool_parser_cls: type[ToolParser]
+    reasoning_parser_cls: type[ReasoningParser] | None
+    tool_specs: dict[str, Any] | None  # None: the request has no tools (no calls are parsed)
+    prompt_tail: str
+    include_reasoning: bool
+
+    def _reasoning(self) -> ReasoningParser | None:
+        cls = self.reasoning_parser_cls
+        return cls(self.prompt_tail, self.tool_specs) if cls is not None else None
+
+    def _tools(self) -> ToolParser | None:
+        reads_calls = self.reasoning_parser_cls is not None and self.reasoning_parser_cls.parses_tool_calls
+        return self.tool_parser_cls(self.tool_specs) if self.tool_specs is not None and not reads_calls else None
+
+    def message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """A whole reply as the response's message, and whether it holds tool calls."""
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        calls = []
+        reasoning = self._reasoning()
+        if reasoning is not None:
+            split = reasoning.parse(text)
+            message["content"], calls = split.content, split.tool_calls
+            message["reasoning_content"] = message["reasoning"] = split.reasoning if self.include_reasoning else None
+        tools = self._tools()
+        if tools is not None:
+            parsed = tools.parse(message["content"] or "")
+            if parsed.tool_calls or tools.keeps_special_tokens:  # (harmony's content is its final channel)
+                message["content"], calls = parsed.content, parsed.tool_calls
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, bool(calls)
+
+    def for_stream(self) -> tuple[ToolParser | None, ReasoningParser | None]:
+        """The parsers of one streamed choice."""
+        return self._tools(), self._reasoning()
+
+    def delta(self, tools: ToolParser | None, reasoning: ReasoningParser | None, text: str, last: bool
+              ) -> dict[str, Any]:
+        """A stream chunk's delta for `text`, the choice's new text (`last`: its final piece)."""
+        delta: dict[str, Any] = {}
+        part = ReasoningDelta(content=text)
+        if reasoning is not None:
+            part = reasoning.feed(text)
+            if last:
+                part.add(reasoning.finish())
+            if part.reasoning and self.include_reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = part.reasoning
+        calls = part.tool_calls
+        content = part.content
+        if tools is not None:
+            parsed = tools.feed(content)
+            if last:
+                rest = tools.finish()
+                parsed.content += rest.content
+                parsed.tool_calls += rest.tool_calls
+            content, calls = parsed.content, calls + parsed.tool_calls
+        if content:
+            delta["content"] = content
+        if calls:  # per call: id and name first, then argument fragments
+            delta["tool_calls"] = [d.to_openai() for d in calls]
+        return delta
 
 
 @dataclass
@@ -183,6 +257,12 @@ class OpenAIServing:
         self._encode_fast = getattr(backend, "encode_batch_fast", None)
         self.options = options or ServingOptions()
         self.tool_parser_cls = get_tool_parser(self.options.tool_call_parser)
+        self.reasoning_parser_cls = (get_reasoning_parser(self.options.reasoning_parser)
+                                     if self.options.reasoning_parser else None)
+        self._reasoning_end_ids: tuple[int, ...] | None = None
+        if self.reasoning_parser_cls is not None and self.reasoning_parser_cls.parses_tool_calls:
+            # Harmony's calls are harmony's, whatever --tool-call-parser says (its grammar too).
+            self.tool_parser_cls = get_tool_parser("openai")
         self.unknown_fields = UnknownFieldLog()
         self.fingerprint = system_fingerprint(self.llm)
 
@@ -644,31 +724,33 @@ class OpenAIServing:
                                   f"generate within max_model_len ({self.max_model_len})", "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs, rename)
+        reasoning = self.reasoning_parser_cls
+        if (reasoning is not None and reasoning.keeps_special_tokens) or (tools and self.tool_parser_cls.keeps_special_tokens):
+            params = replace(params, skip_special_tokens=False)  # the parser reads the model's special markers
         await self._off_loop(self._validate, prompt_ids, params, rename, "messages")
         grammar = await self._chat_grammar(req, tools, mode)
+        prompt_tail = self._prompt_tail(prompt_ids) if reasoning is not None else ""
+        if grammar is not None and reasoning is not None and reasoning.answer_waits_for_marker(prompt_tail):
+            grammar = AfterMarker(grammar, self._reasoning_end_tokens())  # the model reasons freely first
         sub = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, grammar, arrival)
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
         self._log_request(response_id, "/v1/chat/completions", [prompt_ids], params, grammar is not None)
-        # The family's parser (--tool-call-parser) reads calls back, with each tool's schema.
+        # The family's parser (--tool-call-parser) reads calls back, with each tool's schema;
+        # the reasoning parser (--reasoning-parser) splits the reasoning off first.
         tool_specs = {t.name: t.parameters for t in tools} if tools else None
+        replies = _ReplyParsers(self.tool_parser_cls, reasoning, tool_specs, prompt_tail, req.include_reasoning)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._abort_when_dropped(self._guard_stream(sub, response_id, self._stream_chat(
-                sub, response_id, model, logprobs, include_usage, tool_specs)), sub)
+                sub, response_id, model, logprobs, include_usage, replies)), sub)
         (out,) = await self._collect(sub, wait_disconnect)
         usage = _Usage()
         usage.add_prompt(out)
         choices = []
         for c in out.outputs:
             usage.completion_tokens += len(c.token_ids)
-            message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
-            finish = c.finish_reason
-            if tool_specs is not None:
-                parsed = self.tool_parser_cls(tool_specs).parse(c.text)
-                if parsed.tool_calls:
-                    message["content"] = parsed.content
-                    message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-                    finish = "tool_calls"
+            message, has_calls = replies.message(c.text)
+            finish = "tool_calls" if has_calls else c.finish_reason
             choices.append({"index": c.index, "message": message,
                             "logprobs": (self._chat_logprobs(c.token_ids, c.logprobs or [], logprobs)
                                          if logprobs is not None else None),
@@ -753,6 +835,12 @@ class OpenAIServing:
                 raise bad_request("structured_outputs / guided_* cannot be combined with tools or response_format",
                                   "structured_outputs")
             return structured
+        if tools and not self.tool_parser_cls.has_grammar:
+            if mode == "auto":
+                return None  # the parser reads whatever calls the model writes
+            raise bad_request(f"tool_choice {'naming a function' if mode == 'named' else repr(mode)} needs a grammar of "
+                              f"the tool-call format, and there is none for --tool-call-parser "
+                              f"{self.tool_parser_cls.name}; use tool_choice \"auto\"", "tool_choice")
         try:
             if tools:
                 return await asyncio.to_thread(self.engine.grammars.tool_calls, tools, mode,
@@ -781,8 +869,19 @@ class OpenAIServing:
                             "top_logprobs": [entry(t, lp.logprob) for t, lp in best]})
         return {"content": content}
 
+    def _prompt_tail(self, prompt_ids: list[int]) -> str:
+        """The rendered prompt's last tokens as text, special tokens included (where a reasoning
+        parser reads whether the reply starts inside the reasoning)."""
+        return self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+
+    def _reasoning_end_tokens(self) -> tuple[int, ...]:
+        if self._reasoning_end_ids is None:
+            marker = self.reasoning_parser_cls.reasoning_end
+            self._reasoning_end_ids = tuple(self.tokenizer.encode(marker, add_special_tokens=False))
+        return self._reasoning_end_ids
+
     async def _stream_chat(self, sub: _Submitted, response_id: str, model: str, num_logprobs: int | None,
-                           include_usage: bool, tool_specs: dict[str, Any] | None) -> AsyncIterator[str]:
+                           include_usage: bool, replies: _ReplyParsers) -> AsyncIterator[str]:
         created = int(time.time())
         progress: dict[int, _ChoiceProgress] = {}
         usage = _Usage()
@@ -805,29 +904,17 @@ class OpenAIServing:
                     continue
                 if not p.started:
                     p.started = True
-                    if tool_specs is not None:
-                        p.tool_parser = self.tool_parser_cls(tool_specs)
+                    p.tool_parser, p.reasoning_parser = replies.for_stream()
                     yield chunk(c.index, {"role": "assistant", "content": ""})
                 text, new_tokens, lps = p.advance(c)
                 logprobs = (self._chat_logprobs(new_tokens, lps, num_logprobs)
                             if num_logprobs is not None and lps else None)
-                delta: dict[str, Any] = {}
-                if p.tool_parser is not None:
-                    parsed = p.tool_parser.feed(text)
-                    if c.finish_reason is not None:
-                        rest = p.tool_parser.finish()
-                        parsed.content += rest.content
-                        parsed.tool_calls += rest.tool_calls
-                    if parsed.content:
-                        delta["content"] = parsed.content
-                    if parsed.tool_calls:  # per call: id and name first, then argument fragments
-                        delta["tool_calls"] = [d.to_openai() for d in parsed.tool_calls]
-                elif text:
-                    delta["content"] = text
+                delta = replies.delta(p.tool_parser, p.reasoning_parser, text, c.finish_reason is not None)
                 if c.finish_reason is not None:
                     p.finished = True
                     usage.completion_tokens += len(c.token_ids)
-                    finish = "tool_calls" if p.tool_parser is not None and p.tool_parser.num_calls else c.finish_reason
+                    calls = sum(x.num_calls for x in (p.tool_parser, p.reasoning_parser) if x is not None)
+                    finish = "tool_calls" if calls else c.finish_reason
                     if delta or logprobs:
                         yield chunk(c.index, delta, logprobs)
                     yield chunk(c.index, {}, None, finish, c.stop_reason)

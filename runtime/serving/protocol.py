@@ -310,6 +310,10 @@ class AssistantMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None
     refusal: str | None = None
+    # An earlier reply's reasoning, as this server returns it (vLLM's names; templates that
+    # keep it, Qwen3's and GPT-OSS's, see it as `reasoning_content` and `thinking`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ToolMessage(_Strict):
@@ -387,6 +391,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # With --reasoning-parser: whether the reply's reasoning is returned (vLLM's field), and
+    # OpenAI's effort level, passed to the chat template (GPT-OSS's reads it).
+    include_reasoning: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # A client's own chat template: refused unless the server allows it
     # (--allow-client-chat-template), then rendered in a sandboxed child process.
     chat_template: str | None = None

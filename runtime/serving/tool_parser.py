@@ -7,6 +7,8 @@
                `[TOOL_CALLS]NAME[ARGS]{...}` (Mistral / Mixtral instruct)
   qwen3_coder  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
                </function>\\n</tool_call>` (Qwen3-Coder): values converted by the tool's schema
+  openai       GPT-OSS's harmony `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`
+               (kiln.runtime.serving.reasoning_parser reads harmony; "auto" tool choice only)
 
 `ToolParser.parse` splits a finished reply into content + tool calls. `feed` / `finish` do
 the same on text that arrives in pieces (one parser object per streamed choice): content
@@ -234,6 +236,11 @@ class ToolParser:
     start_markers: ClassVar[tuple[str, ...]] = ()
     # xgrammar's built-in structural tag for this format (kiln.runtime.guided_decoding).
     xgrammar_format: ClassVar[str | None] = None
+    # Whether tool_choice "required" / a named function can be enforced by a grammar of this
+    # format; without one, only "auto" is served.
+    has_grammar: ClassVar[bool] = True
+    # Its markers are special tokens, which the server then keeps in the text it parses.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: dict[str, dict[str, Any]] | set[str] | None = None):
         if isinstance(tools, set):
@@ -599,17 +606,8 @@ class Qwen3CoderToolParser(ToolParser):
         return [(name, self._arguments(name, body, complete="</function>" in body))]
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser)
-}
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--tool-call-parser: unknown parser {name!r}; choose one of "
-                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
+# The families by name (`--tool-call-parser`) are kiln.runtime.serving.parsers' table, with
+# GPT-OSS's, which reads harmony (kiln.runtime.serving.reasoning_parser).
 
 
 # ---- the Hermes parser under its old names (kept for callers of the first version) ---------

@@ -162,6 +162,7 @@ class ServingOptions:
     """The server options vLLM users know (`kiln serve` flags of the same names)."""
 
     tool_call_parser: str = "hermes"  # --tool-call-parser (kiln.runtime.serving.tool_parser)
+    reasoning_parser: str | None = None  # --reasoning-parser (kiln.runtime.serving.reasoning_parser)
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" is allowed
     chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
     log_requests: bool = True  # off with --disable-log-requests
