@@ -15,6 +15,10 @@ xgrammar (grammar compiler and per-sequence token-mask matcher). What the server
   starts a call cannot produce a broken one.
 - `response_format` `json_object` / `json_schema`: the reply is JSON (following the schema).
 
+With a reasoning parser (`kiln serve --reasoning-parser`) the server wraps any of these in
+`AfterMarker`: the grammar holds only after the reasoning's end marker (`</think>`, harmony's
+final channel), so the model thinks freely first.
+
 `GrammarMasker` is the engine's logits processor: before each draw it advances every guided
 sequence's matcher by the tokens sampled since, and masks the rows of the logits that belong
 to guided sequences. Unguided rows are left untouched, so a batch mixes both freely. All its
