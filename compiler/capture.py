@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401  (registers kiln::attention)
+from kiln.kernels.paged_attention import caches_latent
 from kiln.compiler.graph_inputs import (
     INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
@@ -108,6 +109,8 @@ def _kiln_attention_forward(
         raise UnsupportedArchitectureError(f"a model-built attention mask is not supported ({where})")
     if key.shape[2] != query.shape[2]:
         raise UnsupportedArchitectureError(f"cross-attention (keys from another sequence) is not supported ({where})")
+    if getattr(module, "_kiln_latent", False):
+        return _latent_attention(module, query, key, value, scaling, sliding_window, softcap, sinks)
     # HF hands [1, H, T, D]; the marker op is token-major [T, H, D] like the paged cache.
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
@@ -124,6 +127,39 @@ def _kiln_attention_forward(
                                    float(softcap or 0.0), **({"sinks": sinks} if sinks is not None else {}))
     if dk != dv:
         out = out[..., :dv]
+    return out.unsqueeze(0), None
+
+
+def _keep_latent(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MLA module's `expand_kv` in a latent-cached model: the attention function gets the
+    latent and the shared RoPE key as they are ([B, 1, T, kv_lora_rank], [B, 1, T, rope])."""
+    return kv_nope, k_rot
+
+
+def _latent_attention(module: torch.nn.Module, query: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                      scaling: float | None, sliding_window: int | None, softcap: float | None,
+                      sinks: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+    """Multi-head latent attention over its latent (`kiln.kernels.paged_attention.caches_latent`).
+
+    Each head's key is W_UK c (c the token's latent) next to the shared RoPE key, its value
+    W_UV c, with W_UK, W_UV that head's rows of kv_b_proj. So q . k = (W_UK^T q_nope) . c +
+    q_rot . k_rot, and the output is W_UV (sum_j p_j c_j): the marker attends with one KV head
+    [c; k_rot] (kv_lora_rank + rope wide), the queries [W_UK^T q_nope; q_rot], and the head's
+    W_UV applies after it. The cache then holds that one head (its V plane the same vector;
+    the output's RoPE columns are dropped)."""
+    if sinks is not None:
+        raise UnsupportedArchitectureError(f"attention sinks with a latent cache ({_module_path(module)})")
+    nope, rank = int(module.qk_nope_head_dim), latent.shape[-1]
+    q = query[0].transpose(0, 1)  # [T, H, nope + rope]
+    # kv_b_proj's rows are per head [k_nope (nope); v (v_head_dim)], each over the latent.
+    w = module.kv_b_proj.weight.view(-1, nope + int(module.v_head_dim), rank)
+    q_latent = torch.einsum("thn,hnr->thr", q[..., :nope], w[:, :nope])
+    q = torch.cat((q_latent, q[..., nope:]), dim=-1)
+    kv = torch.cat((latent[0], k_rot[0]), dim=-1).transpose(0, 1)  # [T, 1, rank + rope]
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    out = torch.ops.kiln.attention(q, kv, kv, int(module.layer_idx), scale, int(sliding_window or 0),
+                                   float(softcap or 0.0))
+    out = torch.einsum("thr,hvr->thv", out[..., :rank], w[:, nope:])
     return out.unsqueeze(0), None
 
 
@@ -250,9 +286,13 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
     construct = find_unsupported_construct(model)
     if construct is not None:
         raise UnsupportedArchitectureError(f"{construct} is not supported by Kiln")
+    latent = caches_latent(config)
     for name, module in model.named_modules():
         # Where each module sits, for refusals raised while tracing (attention arguments).
         module._kiln_path = f"{name} ({type(module).__name__})"
+        if latent and callable(getattr(module, "expand_kv", None)) and hasattr(module, "kv_b_proj"):
+            module.expand_kv = _keep_latent
+            module._kiln_latent = True
     model.eval()
     model.config.use_cache = False
     return model

@@ -35,6 +35,9 @@ Triton and a GPU are present.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import inspect
 from typing import Any, Iterator
 
 import torch
@@ -48,6 +51,32 @@ def is_latent_attention(config: Any) -> bool:
     head are expanded from a shared latent, with head sizes of their own."""
     return all(isinstance(getattr(config, a, None), int)
                for a in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+
+
+# MLA architectures whose latent cache (absorbed attention, kiln.compiler.capture) is tested
+# against Hugging Face (tests/test_parity.py). Other MLA models cache K and V expanded.
+LATENT_CACHE_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite"})
+
+
+def caches_latent(config: Any) -> bool:
+    """Whether `config`'s multi-head latent attention is cached as its latent: one KV "head"
+    of kv_lora_rank + qk_rope_head_dim values a token (576 for DeepSeek-V2/V3, against 16-128
+    heads of 2 x 192 expanded), with kv_b_proj absorbed into the query and the output.
+
+    Needs transformers' `expand_kv` (the expansion isolated in a method, transformers PR
+    47460, so that engines can skip it): with an older transformers the expanded cache stays."""
+    model_type = getattr(config, "model_type", None)
+    return (is_latent_attention(config) and model_type in LATENT_CACHE_MODEL_TYPES
+            and _attention_expands_kv_apart(model_type))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_expands_kv_apart(model_type: str) -> bool:
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return False
+    return any(inspect.isclass(c) and "expand_kv" in vars(c) for c in vars(module).values())
 
 
 def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
@@ -65,7 +94,11 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
         heads = 1
     heads = int(heads or config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    if is_latent_attention(config):
+    if caches_latent(config):
+        # The latent (kv_lora_rank) and the shared RoPE key, one "head" that every query head
+        # reads (`caches_latent`).
+        heads, head_dim = 1, int(config.kv_lora_rank + config.qk_rope_head_dim)
+    elif is_latent_attention(config):
         # DeepSeek-V2/V3's K per head is qk_nope + qk_rope dims, V v_head_dim: both cached at
         # the larger (capture pads the other with zeros); its `head_dim` is the RoPE part's.
         # Every query head gets its own K and V from the latent, whatever num_key_value_heads says.

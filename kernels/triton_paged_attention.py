@@ -356,6 +356,14 @@ KEYS_AS_ROWS_DECODE = AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4
                                       keys_as_rows=True, heads_fastest=True)
 
 
+# Multi-head latent attention cached as its latent (kv_lora_rank + rope = 576 values, padded to
+# 1,024; kiln.kernels.paged_attention.caches_latent): 16 keys and 16 query rows (one token's
+# 16 heads of a GQA group) a step, one stage, 8 warps, for every step shape: ~96 KB of shared
+# memory for the Q, K and V tiles and the fp32 accumulator at 64 registers a thread. Compiled
+# for sm_90 (tests/test_kernels_sm90_compile.py), not yet run on a GPU nor tuned.
+LATENT_TILING = AttentionTiling(DECODE_TILE_ROWS, block_n=16, num_warps=8, num_stages=1, mask_all_blocks=True)
+
+
 def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int, fills_gpu: bool,
                   fp8_cache: bool = False, widen_asm: bool = False, e4m3_mma: bool = False,
                   rows_16bit: bool = False) -> AttentionTiling:
@@ -389,6 +397,8 @@ def choose_tiling(num_tokens: int, num_seqs: int, d_pad: int, shared_memory: int
     Prefill tiles mask only the key blocks their rows see in part; decode tiles mask every
     block (`AttentionTiling.mask_all_blocks`).
     """
+    if d_pad > 256:
+        return LATENT_TILING
     if num_tokens <= num_seqs and e4m3_mma and fills_gpu and d_pad <= 128:
         return KEYS_AS_ROWS_DECODE
     if num_tokens <= num_seqs and e4m3_mma and SMALL_DECODE_ROWS_BLOCK_N and d_pad <= 128:

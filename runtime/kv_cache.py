@@ -21,7 +21,7 @@ import torch
 
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
-from kiln.kernels.paged_attention import kv_heads_and_head_dim
+from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim
 from kiln.runtime.config import EngineConfig
 
 logger = logging.getLogger("kiln.runtime")
@@ -152,6 +152,9 @@ def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, 
                    max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> KVCache:
     """Size (profiling a probe runner from `make_runner` on CUDA) and allocate the KV cache."""
     blocks, peak = size_kv_cache(config, model_config, dtype, device, max_model_len, make_runner)
+    if caches_latent(model_config):
+        logger.info("KV cache: multi-head latent attention cached as its latent (one head of %d values a token)",
+                    kv_heads_and_head_dim(model_config)[1])
     return KVCache(layers=allocate_kv_cache(config, model_config, blocks, dtype, device), num_blocks=blocks,
                    activation_peak_bytes=peak)
 

@@ -221,3 +221,47 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
     # The experts' widening for prefill-sized steps: from e4m3, rounded to nearest into bf16.
     widen, to_bf16 = found["dequantize"]
     assert widen and to_bf16, found["dequantize"]
+
+
+_LATENT_SCRIPT = _PTX + """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kiln.kernels.triton_paged_attention import LATENT_TILING, _paged_attention_kernel
+
+fn = _paged_attention_kernel
+found = {}
+for splits in (1, 4):
+    consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=False, GROUP=16, GROUP_PAD=16, BLOCK_T=1, BLOCK_M=16,
+                  BLOCK_N=LATENT_TILING.block_n, HEAD_DIM=576, D_PAD=1024, SEQ_CHUNK=16, CACHE_BLOCK=16,
+                  NUM_SPLITS=splits, FP8_CACHE=False, WIDEN_ASM=False, V_TRANS=False,
+                  MASK_ALL_BLOCKS=LATENT_TILING.mask_all_blocks, PDL=True)
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+    types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    types.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                 query_start_loc_ptr="*i32", kv_scale_ptr="*fp32", sinks_ptr="*fp32", alibi_slopes_ptr="*fp32",
+                 scale="fp32", softcap="fp32")
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                              options={"num_warps": LATENT_TILING.num_warps, "num_stages": LATENT_TILING.num_stages})
+    found[f"splits {splits}"] = [compiled.metadata.shared, "mma" in compiled.asm["ptx"]]
+print(json.dumps(found))
+"""
+
+
+def test_latent_attention_tiling_compiles_for_sm90() -> None:
+    """Multi-head latent attention over its latent (576 values a token, 16 query heads a KV
+    head: DeepSeek-V2-Lite's shape) compiles in the general attention kernel with its own
+    tiling (`LATENT_TILING`), within the H100/H200's 227 KB of shared memory a block, on
+    tensor-core MMAs; not yet run on a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _LATENT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (shared, mma) in found.items():
+        assert 0 < shared <= 227 * 1024 and mma, (name, shared, mma)

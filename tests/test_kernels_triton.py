@@ -29,7 +29,7 @@ from kiln.kernels.rope import rope_reference  # noqa: E402
 from kiln.kernels.triton_activation import gelu_tanh_and_mul_triton, silu_and_mul_triton  # noqa: E402
 from kiln.kernels.triton_common import converts_e4m3_in_hardware  # noqa: E402
 from kiln.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from kiln.kernels.triton_paged_attention import (SMALL_DECODE_ROWS_16BIT_BLOCK_N,  # noqa: E402
+from kiln.kernels.triton_paged_attention import (LATENT_TILING, SMALL_DECODE_ROWS_16BIT_BLOCK_N,  # noqa: E402
                                                  SMALL_DECODE_ROWS_BLOCK_N, AttentionTiling,
                                                  attend_paged_triton, choose_num_splits, choose_tiling,
                                                  paged_attention_triton, rope_paged_attention_triton)
@@ -495,6 +495,19 @@ def test_paged_attention_decode_heuristic_splits():
     assert choose_num_splits(2, 2, 2, 4, 64, kv_capacity=4096, num_sms=132) == 16
     assert choose_num_splits(2048, 1, 8, 16, 64, kv_capacity=4096, num_sms=132) == 1
     check_paged_attention(batch, scale=32 ** -0.5, window=0, num_splits=None)
+
+
+def test_paged_attention_latent_shape():
+    """Multi-head latent attention over its latent: one KV head that 16 query heads read,
+    head dim over 256 (DeepSeek's 576 scaled down to 288: padded to 512), in its own
+    tiling (`LATENT_TILING`, chosen for every step shape there), split and not."""
+    assert choose_tiling(5, 2, 512, 232448, fills_gpu=False) == LATENT_TILING
+    assert choose_tiling(8000, 256, 1024, 232448, fills_gpu=True, fp8_cache=True, e4m3_mma=True) == LATENT_TILING
+    batch = make_paged_batch(new_tokens=[3, 1, 0], cached=[5, 9, 0], pad_tokens=1, hq=16, hkv=1, d=288, block_size=4,
+                             num_blocks=12, seed=7)
+    for splits in (1, 2):
+        check_paged_attention({k: v.clone() for k, v in batch.items()}, scale=288 ** -0.5, window=0,
+                              num_splits=splits)
 
 
 def test_attention_tiling_choice():

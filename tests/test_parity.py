@@ -90,23 +90,34 @@ def test_chunked_prefill_matches_whole_prefill(tiny_model_dir) -> None:
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_latent_attention_caches_each_heads_k_and_v_padded_to_k(tiny_model_dir) -> None:
-    """DeepSeek-V3's multi-head latent attention: K per head is qk_nope + qk_rope = 24 dims, V
-    16. The cache is sized for every query head at 24 (not from `head_dim`, which is the RoPE
-    part's 8, nor `num_key_value_heads`), and V's last 8 columns are the zeros capture pads it
-    with."""
+def test_latent_attention_caches_the_latent(tiny_model_dir, monkeypatch) -> None:
+    """DeepSeek-V3's multi-head latent attention is cached as its latent: one KV "head" of
+    kv_lora_rank (16) + qk_rope_head_dim (8) values a token, whatever the query heads (4 here;
+    not `head_dim`, the RoPE part's 8, nor `num_key_value_heads`). The K plane holds what
+    Hugging Face computes for that token (kv_a_layernorm of the latent, then the RoPE key),
+    the V plane the same vector; kv_b_proj is absorbed (the greedy parity tests above)."""
+    import kiln.kernels.paged_attention as pa
     from tiny_models import tiny_config
 
-    from kiln.kernels.paged_attention import is_latent_attention, kv_heads_and_head_dim
-
     config = tiny_config("deepseek_v3")
-    assert is_latent_attention(config) and not is_latent_attention(tiny_config("llama"))
-    assert (config.head_dim, config.v_head_dim) == (8, 16)
-    assert kv_heads_and_head_dim(config) == (4, 24)
+    assert pa.is_latent_attention(config) and not pa.is_latent_attention(tiny_config("llama"))
+    assert (config.head_dim, config.v_head_dim, config.kv_lora_rank) == (8, 16, 16)
+    assert pa.caches_latent(config) and pa.kv_heads_and_head_dim(config) == (1, 24)
     path, hf = tiny_model_dir("deepseek_v3")
     llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
     llm.generate([PROMPTS[2]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     cache = llm.engine.runner.kv_caches[0]
-    assert tuple(cache.shape[-2:]) == (4, 24)
-    written = cache[1, 1:3]  # V of the prompt's first blocks (block 0 is the null block)
-    assert written[..., :16].abs().sum() > 0 and torch.count_nonzero(written[..., 16:]) == 0
+    assert tuple(cache.shape[-2:]) == (1, 24)
+    ids = torch.tensor([PROMPTS[2]])
+    n = min(ids.shape[1], cache.shape[2])
+    with torch.no_grad():
+        attn = hf.model.layers[0].self_attn
+        x = hf.model.layers[0].input_layernorm(hf.model.embed_tokens(ids))
+        latent = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[..., :16])[0]
+    k, v = cache[0, 1, :n, 0], cache[1, 1, :n, 0]  # the prompt's first block (block 0 is the null block)
+    torch.testing.assert_close(k[:, :16], latent[:n], rtol=1e-5, atol=1e-5)
+    assert torch.equal(k, v)
+    # Where transformers has no separate expansion (before its `expand_kv`), or for other MLA
+    # models, every query head's K and V are cached expanded, V zero-padded to K's 24.
+    monkeypatch.setattr(pa, "_attention_expands_kv_apart", lambda model_type: False)
+    assert not pa.caches_latent(config) and pa.kv_heads_and_head_dim(config) == (4, 24)

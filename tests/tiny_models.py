@@ -137,8 +137,8 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                         n_shared_experts=1), "sigmoid router with a selection bias, shared expert"),
     "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
                   "softmax top-k router (kiln::fused_moe), q/k norm over all heads, post-norms"),
-    # Multi-head latent attention: K (qk_nope + qk_rope dims) and V (v_head_dim) expanded per
-    # head from a shared latent, cached expanded (V zero-padded to K's size).
+    # Multi-head latent attention: K (qk_nope + qk_rope dims) and V (v_head_dim) per head from a
+    # shared latent, which the cache holds (kv_lora_rank + qk_rope_head_dim values a token).
     "deepseek_v3": (dict(_MLA, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                          n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5),
                     "multi-head latent attention (q and kv LoRA, K and V of other sizes), DeepSeek-V3 routing"),
