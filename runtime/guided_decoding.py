@@ -89,13 +89,13 @@ class GrammarCompiler:
         or 'auto' (free text; any call the model starts must be a valid one; with `parallel`
         False, generation stops after the first call). `parser` is the model family's call
         format (kiln.runtime.serving.tool_parser): hermes and mistral are built here,
-        llama3_json and qwen3_coder come from xgrammar's built-in structural tags."""
+        llama3_json, qwen3_coder and openai (harmony) come from xgrammar's built-in structural tags."""
         from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, StructuralTag, TagFormat,
                                              TriggeredTagsFormat)
 
         for tool in tools:
             self._check_schema(tool.parameters, tool.param)
-        builtin = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder"}.get(parser)
+        builtin = {"llama3_json": "llama", "qwen3_coder": "qwen_3_coder", "openai": "harmony"}.get(parser)
         if builtin is not None:
             return self._compile(lambda c: c.compile_structural_tag(self._builtin_tag(builtin, tools, mode, parallel)),
                                  "tools")
@@ -128,7 +128,8 @@ class GrammarCompiler:
         return get_builtin_structural_tag(
             model, tools=[{"type": "function", "function": {"name": t.name, "parameters": t.parameters}}
                           for t in tools],
-            tool_choice=choice, reasoning="disabled", parallel_tool_calls=parallel,
+            # GPT-OSS reasons (its analysis channel) before it calls: harmony's tag allows it.
+            tool_choice=choice, reasoning="enabled" if model == "harmony" else "disabled", parallel_tool_calls=parallel,
             max_whitespace_cnt=MAX_JSON_WHITESPACE)
 
     def structured(self, spec: Any, param: str = "structured_outputs") -> Any:

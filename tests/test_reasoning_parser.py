@@ -254,7 +254,8 @@ def test_response_format_constrains_the_answer_not_the_reasoning(engine) -> None
 
 def test_harmony_tool_call_through_the_server(engine) -> None:
     """GPT-OSS's harmony call (special tokens kept in the text for the parser), whole and
-    streamed, with `--reasoning-parser openai_gptoss` and with `--tool-call-parser openai` alone."""
+    streamed, with `--reasoning-parser openai_gptoss` and with `--tool-call-parser openai` alone;
+    tool_choice required and named through harmony's grammar."""
     for options in ({"reasoning_parser": "openai_gptoss"}, {"tool_call_parser": "openai"}):
         with serve(engine, enable_auto_tool_choice=True, **options) as http:
             c = client(http)
@@ -269,8 +270,11 @@ def test_harmony_tool_call_through_the_server(engine) -> None:
                     args += d.function.arguments or ""
                 finish = chunk.choices[0].finish_reason or finish
             assert names == ["get_weather"] and json.loads(args) == {"city": "Paris"} and finish == "tool_calls"
-            with pytest.raises(openai.BadRequestError, match="openai.*auto"):
-                ask(c, TOOL_PROMPT, tools=[WEATHER_TOOL], tool_choice="required")
+            # tool_choice required / named: xgrammar's harmony tag (its analysis channel allowed)
+            for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+                forced = ask(c, TOOL_PROMPT, tools=[WEATHER_TOOL], tool_choice=choice).choices[0]
+                assert forced.finish_reason == "tool_calls"
+                assert json.loads(forced.message.tool_calls[0].function.arguments) == {"city": "Paris"}
 
 
 def test_earlier_reasoning_reaches_the_template(engine) -> None:

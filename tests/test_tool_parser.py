@@ -252,6 +252,9 @@ GRAMMAR_EXAMPLES = {
     "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
                    "</tool_call>",
+    # (harmony's markers are plain text to this tokenizer; tests/test_reasoning_parser.py runs
+    # them as the special tokens they are)
+    "openai": '<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{"city": "Paris"}<|call|>',
 }
 
 

@@ -725,13 +725,16 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs, rename)
         reasoning = self.reasoning_parser_cls
-        if (reasoning is not None and reasoning.keeps_special_tokens) or (tools and self.tool_parser_cls.keeps_special_tokens):
+        if ((reasoning is not None and reasoning.keeps_special_tokens)
+                or (tools and self.tool_parser_cls.keeps_special_tokens)):
             params = replace(params, skip_special_tokens=False)  # the parser reads the model's special markers
         await self._off_loop(self._validate, prompt_ids, params, rename, "messages")
         grammar = await self._chat_grammar(req, tools, mode)
         prompt_tail = self._prompt_tail(prompt_ids) if reasoning is not None else ""
-        if grammar is not None and reasoning is not None and reasoning.answer_waits_for_marker(prompt_tail):
-            grammar = AfterMarker(grammar, self._reasoning_end_tokens())  # the model reasons freely first
+        # The model reasons freely first; harmony's tool grammar spells its reasoning out itself.
+        if (grammar is not None and reasoning is not None and reasoning.answer_waits_for_marker(prompt_tail)
+                and not (tools and reasoning.parses_tool_calls)):
+            grammar = AfterMarker(grammar, self._reasoning_end_tokens())
         sub = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt_ids], params, grammar, arrival)
         response_id = sub.request_ids[0].rsplit("-", 1)[0]
         self._log_request(response_id, "/v1/chat/completions", [prompt_ids], params, grammar is not None)
@@ -766,7 +769,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise bad_request("this model has no chat template; use /v1/completions with a plain prompt", "messages")
         text = render_chat_prompt(self.tokenizer, req, tools, self.options.chat_template,
-                                  self.options.tool_call_parser)
+                                  self.tool_parser_cls.name)
         # The template's own special tokens are in the text already.
         return self._tokenize(text, "messages", add_special_tokens=False)
 
@@ -779,7 +782,7 @@ class OpenAIServing:
                               "--allow-client-chat-template)", param, "chat_template_not_allowed")
         if self.tokenizer is None:
             raise bad_request(f"{param}: this model has no tokenizer; use /v1/completions with token ids", param)
-        inputs = template_inputs(template, req, tools, self.options.tool_call_parser)
+        inputs = template_inputs(template, req, tools, self.tool_parser_cls.name)
         special = {k: v for k, v in (getattr(self.tokenizer, "special_tokens_map", None) or {}).items()
                    if isinstance(v, str)}
         timeout = self.limits.chat_template_timeout
@@ -835,16 +838,10 @@ class OpenAIServing:
                 raise bad_request("structured_outputs / guided_* cannot be combined with tools or response_format",
                                   "structured_outputs")
             return structured
-        if tools and not self.tool_parser_cls.has_grammar:
-            if mode == "auto":
-                return None  # the parser reads whatever calls the model writes
-            raise bad_request(f"tool_choice {'naming a function' if mode == 'named' else repr(mode)} needs a grammar of "
-                              f"the tool-call format, and there is none for --tool-call-parser "
-                              f"{self.tool_parser_cls.name}; use tool_choice \"auto\"", "tool_choice")
         try:
             if tools:
                 return await asyncio.to_thread(self.engine.grammars.tool_calls, tools, mode,
-                                               req.parallel_tool_calls is not False, self.options.tool_call_parser)
+                                               req.parallel_tool_calls is not False, self.tool_parser_cls.name)
             if wants_json:
                 if fmt.type == "json_object":
                     return await asyncio.to_thread(self.engine.grammars.json, None, "response_format")

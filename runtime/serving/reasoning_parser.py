@@ -141,7 +141,8 @@ class ThinkTagsParser(ReasoningParser):
     def __init__(self, prompt_tail: str = "", tools: dict[str, Any] | set[str] | None = None):
         super().__init__(prompt_tail, tools)
         opened = self._prompt_state(prompt_tail)
-        self._state = {True: _REASONING, False: _CONTENT, None: _REASONING if self.thinks_by_default else _START}[opened]
+        default = _REASONING if self.thinks_by_default else _START
+        self._state = {True: _REASONING, False: _CONTENT, None: default}[opened]
         self._lead = True  # at the start of the current part: leading whitespace (and a `<think>`) is dropped
 
     @staticmethod
@@ -303,7 +304,6 @@ class HarmonyToolParser(ToolParser):
 
     name = "openai"
     keeps_special_tokens = True
-    has_grammar = False
 
     def __init__(self, tools: dict[str, dict[str, Any]] | set[str] | None = None):
         super().__init__(tools)

@@ -8,7 +8,7 @@
   qwen3_coder  `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
                </function>\\n</tool_call>` (Qwen3-Coder): values converted by the tool's schema
   openai       GPT-OSS's harmony `<|channel|>commentary to=functions.NAME ...<|message|>{...}<|call|>`
-               (kiln.runtime.serving.reasoning_parser reads harmony; "auto" tool choice only)
+               (kiln.runtime.serving.reasoning_parser reads harmony)
 
 `ToolParser.parse` splits a finished reply into content + tool calls. `feed` / `finish` do
 the same on text that arrives in pieces (one parser object per streamed choice): content
@@ -236,9 +236,6 @@ class ToolParser:
     start_markers: ClassVar[tuple[str, ...]] = ()
     # xgrammar's built-in structural tag for this format (kiln.runtime.guided_decoding).
     xgrammar_format: ClassVar[str | None] = None
-    # Whether tool_choice "required" / a named function can be enforced by a grammar of this
-    # format; without one, only "auto" is served.
-    has_grammar: ClassVar[bool] = True
     # Its markers are special tokens, which the server then keeps in the text it parses.
     keeps_special_tokens: ClassVar[bool] = False
 
