@@ -145,8 +145,8 @@ def _latent_attention(module: torch.nn.Module, query: torch.Tensor, latent: torc
     W_UV c, with W_UK, W_UV that head's rows of kv_b_proj. So q . k = (W_UK^T q_nope) . c +
     q_rot . k_rot, and the output is W_UV (sum_j p_j c_j): the marker attends with one KV head
     [c; k_rot] (kv_lora_rank + rope wide), the queries [W_UK^T q_nope; q_rot], and the head's
-    W_UV applies after it. The cache then holds that one head (its V plane the same vector;
-    the output's RoPE columns are dropped)."""
+    W_UV applies after it. The cache then holds that one head, in one plane read as both K and
+    V (the output's RoPE columns are dropped)."""
     if sinks is not None:
         raise UnsupportedArchitectureError(f"attention sinks with a latent cache ({_module_path(module)})")
     nope, rank = int(module.qk_nope_head_dim), latent.shape[-1]

@@ -7,7 +7,9 @@ continue a cached prefix, and single-token decodes. The step's tokens are packed
 Shapes and meaning (B sequences, T tokens in the step):
   q            [T, Hq, D]    queries of the step's tokens
   k, v         [T, Hkv, D]   keys/values of the step's tokens, written to the cache
-  kv_cache     [2, num_blocks, block_size, Hkv, D]  this layer's cache (0 = K, 1 = V); mutated
+  kv_cache     [2, num_blocks, block_size, Hkv, D]  this layer's cache (0 = K, 1 = V); mutated.
+               A latent cache (multi-head latent attention, `caches_latent`) has one plane,
+               [1, ...], which is read as both K and V (its k and v are the same tensor)
   slot_mapping [T] int64     flat cache slot (block * block_size + offset) of each token;
                              padded tokens point at the null block 0, which no sequence owns
   block_tables [B, max_blocks] int32  the blocks of each sequence, in order
@@ -109,9 +111,16 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
     return heads, head_dim
 
 
+def kv_planes(config: Any) -> int:
+    """Planes of `config`'s cache: K and V (2), or the latent alone (1), which attention reads
+    as both (its V plane would repeat it)."""
+    return 1 if caches_latent(config) else 2
+
+
 def kv_cache_shape(config: Any, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    """One layer's cache for `config` (one rank's of `tp_size`): [2, num_blocks, block_size, kv_heads, head_dim]."""
-    return (2, num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size))
+    """One layer's cache for `config` (one rank's of `tp_size`): [planes, num_blocks, block_size, kv_heads,
+    head_dim], planes 2 (K, V) or 1 (`kv_planes`)."""
+    return (kv_planes(config), num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size))
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,17 +195,19 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     them divided by `kv_scale` ([2]: k_scale, v_scale; None: 1)."""
     if kv_cache.element_size() == 1:
         record_kv_amax(k, v, kv_scale, slot_mapping, kv_cache.shape[2])
-    _, num_blocks, block_size, hkv, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, hkv, d)
+    planes, num_blocks, block_size, hkv, d = kv_cache.shape
+    flat = kv_cache.view(planes, num_blocks * block_size, hkv, d)  # (one plane: v is k, written once)
     if kv_cache.element_size() == 1:
         # index_copy_ has no FP8 kernel: copy the bytes.
         k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         flat = flat.view(torch.uint8)
         flat[0].index_copy_(0, slot_mapping, to_cache_dtype(k, kv_cache.dtype, k_scale).view(torch.uint8))
-        flat[1].index_copy_(0, slot_mapping, to_cache_dtype(v, kv_cache.dtype, v_scale).view(torch.uint8))
+        if planes == 2:
+            flat[1].index_copy_(0, slot_mapping, to_cache_dtype(v, kv_cache.dtype, v_scale).view(torch.uint8))
         return
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    if planes == 2:
+        flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def read_kv_cache(cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +249,7 @@ def paged_attention_reference(
         # An FP8 cache is read back in the query's dtype, times its scales.
         k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
         keys = read_kv_cache(kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], k_scale, q.dtype)
-        values = read_kv_cache(kv_cache[1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], v_scale, q.dtype)
+        values = read_kv_cache(kv_cache[-1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], v_scale, q.dtype)
         positions = torch.arange(seq_len, device=q.device)
         out[q_start:q_end] = causal_attention(
             q[q_start:q_end], keys, values, scale, sliding_window,

@@ -309,7 +309,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
         return
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     record_kv_amax(k, v, kv_scale, slot_mapping, kv_cache.shape[2])  # start-up KV-scale calibration only (else a no-op)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # (a one-plane cache: V is K)
     d_pad = pow2_at_least(d)
     h_pad = pow2_at_least(hkv)
     _write_kv_kernel[(t,)](
@@ -534,7 +534,7 @@ def attend_paged_triton(
         num_splits = choose_num_splits(t, num_seqs, hkv, block_t, block_n, block_tables.shape[1] * cache_block,
                                        num_sms)
     num_tiles = t // block_t + num_seqs
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # (a one-plane cache: V is K)
     singles_as_rows = not keys_as_rows and tiling.singles_as_rows and rows_kernel_fits
     # Nothing is pre-filled. With splits, the combine writes every row of `out` (padded tokens
     # as zeros) and each split every partial a real token needs: at small-batch decode, two

@@ -425,7 +425,7 @@ def launch_paged_decode_fp8(
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     group = hq // hkv
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache[0], kv_cache[-1]  # (a one-plane cache: V is K)
     num_seqs = block_tables.shape[0]
     # A grid's second axis holds at most 65,535 programs: more sequences than that stay first.
     heads_fastest = heads_fastest and num_seqs <= 65535

@@ -209,7 +209,7 @@ def rope_triton(
         v, kv_cache, slot_mapping = write_kv[:3]
         kv_scale = kv_scale if fp8_cache else None  # a cache of the compute dtype: no scale applies
         v = v if v.stride(-1) == 1 else v.contiguous()
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache = kv_cache[0], kv_cache[-1]  # (a one-plane cache: V is K)
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         cache_block = kv_cache.shape[2]
     else:

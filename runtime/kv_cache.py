@@ -21,7 +21,7 @@ import torch
 
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
-from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim
+from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes
 from kiln.runtime.config import EngineConfig
 
 logger = logging.getLogger("kiln.runtime")
@@ -34,7 +34,8 @@ CUDA_RESERVE_BYTES = 512 * 2**20
 
 @dataclass
 class KVCache:
-    """The allocated cache: one tensor per layer, [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """The allocated cache: one tensor per layer, [planes, num_blocks, block_size, kv_heads, head_dim]
+    (planes: K and V, or a latent's one, `kv_planes`)."""
 
     layers: list[torch.Tensor]
     num_blocks: int
@@ -45,18 +46,18 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) 
     """Bytes of K and V per token over all layers (on one rank of `tp_size`)."""
     kv_heads, head_dim = kv_heads_and_head_dim(model_config, tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * elem
+    return kv_planes(model_config) * model_config.num_hidden_layers * kv_heads * head_dim * elem
 
 
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device,
+    dtype: torch.dtype, device: torch.device, planes: int = 2,
 ) -> list[torch.Tensor]:
     caches = []
     for _ in range(num_layers):
         # Uninitialised: attention only reads slots a sequence has written. The null block
         # (padding's target) is zeroed so padded rows never see NaN garbage.
-        cache = torch.empty((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        cache = torch.empty((planes, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
         cache[:, 0].zero_()
         caches.append(cache)
     return caches
@@ -131,7 +132,7 @@ def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, 
     """`num_blocks` blocks per layer, of this rank's KV heads (tensor parallelism: its share)."""
     kv_heads, head_dim = kv_heads_and_head_dim(model_config, config.tensor_parallel_size)
     return allocate_kv_caches(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads, head_dim,
-                              dtype, device)
+                              dtype, device, kv_planes(model_config))
 
 
 def size_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,

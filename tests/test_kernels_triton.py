@@ -500,11 +500,14 @@ def test_paged_attention_decode_heuristic_splits():
 def test_paged_attention_latent_shape():
     """Multi-head latent attention over its latent: one KV head that 16 query heads read,
     head dim over 256 (DeepSeek's 576 scaled down to 288: padded to 512), in its own
-    tiling (`LATENT_TILING`, chosen for every step shape there), split and not."""
+    tiling (`LATENT_TILING`, chosen for every step shape there), split and not, over a
+    one-plane cache."""
     assert choose_tiling(5, 2, 512, 232448, fills_gpu=False) == LATENT_TILING
     assert choose_tiling(8000, 256, 1024, 232448, fills_gpu=True, fp8_cache=True, e4m3_mma=True) == LATENT_TILING
     batch = make_paged_batch(new_tokens=[3, 1, 0], cached=[5, 9, 0], pad_tokens=1, hq=16, hkv=1, d=288, block_size=4,
                              num_blocks=12, seed=7)
+    # The latent cache's one plane, read as both K and V (the op's k and v are one tensor).
+    batch["kv_cache"], batch["v"] = batch["kv_cache"][:1].clone(), batch["k"]
     for splits in (1, 2):
         check_paged_attention({k: v.clone() for k, v in batch.items()}, scale=288 ** -0.5, window=0,
                               num_splits=splits)
