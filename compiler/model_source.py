@@ -37,6 +37,13 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Fields capture and the runtime read from config.json; a config without one is unusable
 # (Hugging Face's config classes would silently fill in the defaults of a 7B model).
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Multimodal checkpoints whose language model Kiln runs alone, as a text model (the images'
+# tower is never read): Llama 4, Gemma 3, Mistral Small 3.x. Their config.json nests the text
+# model's config as `text_config`, and their tensors carry a prefix (`multimodal_aliases`).
+MULTIMODAL_TEXT_MODELS = frozenset({"llama4", "gemma3", "mistral3"})
+# Top-level fields of such a config.json that hold for the text model too, where its own
+# config does not say.
+_MULTIMODAL_SHARED_FIELDS = ("torch_dtype", "dtype", "quantization_config")
 
 
 # Set to 1 to let transformers see torchvision while Kiln reads configs and tokenizers.
@@ -172,6 +179,9 @@ class ModelSource:
     _tokenizer_factory: Callable[[], Any] | None = field(default=None, repr=False)
     # config.json as read (hf_dir and bare-config sources): the key of its config snapshot.
     raw_config: dict[str, Any] | None = field(default=None, repr=False)
+    # A multimodal checkpoint run as its language model: tensors are looked up under its
+    # prefixes too (`multimodal_aliases`).
+    multimodal: bool = False
 
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer, or None when the source ships none."""
@@ -207,6 +217,9 @@ class ModelSource:
         still loads).
         """
         shards = shards or {}
+        if self.multimodal:
+            names = {name: [*aliases, *(m for a in aliases for m in multimodal_aliases(a))]
+                     for name, aliases in names.items()}
         if self.load_format == "dummy":
             return dummy_weights(names, self._shapes(), dtype, device, shards, on_tensor, param_dtypes)
         if self.weights_dir is not None:
@@ -416,9 +429,48 @@ def _config_of(config_path: Path, config_from_cache: ConfigLookup | None) -> tup
     return raw, (cached if cached is not None else load_config(config_path, raw))
 
 
+def text_config_of(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The language model's config of a multimodal config.json (`MULTIMODAL_TEXT_MODELS`), with
+    the top-level fields that apply to it; None for any other config."""
+    text = raw.get("text_config")
+    if raw.get("model_type") not in MULTIMODAL_TEXT_MODELS or not isinstance(text, dict):
+        return None
+    text = dict(text)
+    for name in _MULTIMODAL_SHARED_FIELDS:
+        if name in raw and name not in text:
+            text[name] = raw[name]
+    # Whether the LM head is the embedding is the multimodal model's call (transformers ties
+    # by its config, whatever text_config says), its class's default where config.json is silent.
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", _default_tie(raw["model_type"]))
+    return text
+
+
+def _default_tie(model_type: str) -> bool:
+    with text_only_transformers():
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        return bool(getattr(CONFIG_MAPPING[model_type](), "tie_word_embeddings", False))
+
+
+def multimodal_aliases(name: str) -> list[str]:
+    """Where a text model's tensor `name` sits in a multimodal checkpoint: under
+    `language_model.` (Llama 4, Gemma 3 and Mistral 3 as published), or, as transformers 5 saves
+    them, `model.language_model.` for the model's own tensors (`lm_head` unprefixed)."""
+    if name.startswith("model."):
+        return ["language_model." + name, "model.language_model." + name[len("model."):]]
+    return ["language_model." + name, name]
+
+
 def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
-    """Read a config.json into a transformers config, checking the fields Kiln needs."""
+    """Read a config.json into a transformers config, checking the fields Kiln needs. A
+    multimodal checkpoint's (`MULTIMODAL_TEXT_MODELS`) is its language model's."""
     raw = read_raw_config(config_path) if raw is None else raw
+    text = text_config_of(raw)
+    if text is not None:
+        if "model_type" not in text:
+            raise ModelSourceError(f"{config_path}: the text_config of this {raw['model_type']!r} checkpoint names no "
+                                   "model_type, so its language model's architecture is unknown")
+        raw = text
     if "model_type" not in raw:
         raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
     missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw]
@@ -501,6 +553,7 @@ def _hf_dir_source(path: Path, load_format: str, config_from_cache: ConfigLookup
     return ModelSource(
         name=path.name, kind="hf_dir", config=config, path=path, load_format=load_format,
         weights_dir=path, _tokenizer_factory=tokenizer, raw_config=raw,
+        multimodal=text_config_of(raw) is not None,
     )
 
 

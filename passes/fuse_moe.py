@@ -32,6 +32,11 @@ them unchecked). The router GEMM stays in the graph: it is one small projection,
 Shared experts (Qwen2-MoE, GLM-4.5) are a dense MLP beside this subgraph, untouched here (the
 dense passes merge and fuse it like any MLP).
 
+Llama 4's experts are not transformers' pluggable kind: every expert runs on every token, its
+input scaled by the token's sigmoid score (0 off the top k). `match_llama4_experts` finds them
+from their `repeat(x, [E, 1])`; they become `kiln::moe_experts` over the top-k pairs, each
+pair's input x times its score (weights 1), the [E, in, out] weights transposed at load.
+
 The match is written by hand rather than with `kiln.passes.pattern`: the block's
 `view(..., [T, k, H])` carries the symbolic token count, which a pattern traced at fixed
 example shapes cannot match.
@@ -53,6 +58,7 @@ import torch
 from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import CudaByDefault
+from kiln.passes.pattern import propagate_val
 from kiln.passes.weight_transforms import RearrangeExperts
 
 aten = torch.ops.aten
@@ -77,6 +83,10 @@ class ExpertsMatch:
     b_gate_up: torch.fx.Node | None = None
     b_down: torch.fx.Node | None = None
     oai: tuple[float, float] | None = None  # (alpha, limit)
+    # Llama 4's experts (`match_llama4_experts`): [E, in, out] weights, every expert's input
+    # scaled by the token's score for it; `topk_weights` is then the [T, E] scores (0 off the
+    # top k), which the pass gathers per pair.
+    input_scaled: bool = False
 
 
 @dataclass
@@ -267,6 +277,104 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
              *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
                         w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes)
+
+
+def _sigmoid_of_top_k(scores: object) -> tuple[torch.fx.Node, int] | None:
+    """(ids, k) when `scores` is Llama 4's router output: sigmoid of the logits' top k scattered
+    over -inf (so exactly 0 off the top k), casts around the sigmoid allowed."""
+    node = scores
+    while _is(node, *_CASTS):
+        node = node.args[0]  # type: ignore[union-attr]
+    if not _is(node, aten.sigmoid.default):
+        return None
+    node = node.args[0]  # type: ignore[union-attr]
+    while _is(node, *_CASTS):
+        node = node.args[0]  # type: ignore[union-attr]
+    if not (_is(node, aten.scatter_.src, aten.scatter.src) and node.args[1] == 1):  # type: ignore[union-attr]
+        return None
+    base, ids, vals = node.args[0], node.args[2], node.args[3]  # type: ignore[union-attr]
+    if not (_is(base, aten.full_like.default) and base.args[1] == float("-inf")):
+        return None
+    if not (_is(ids, operator.getitem) and ids.args[1] == 1 and _is(vals, operator.getitem) and vals.args[1] == 0
+            and ids.args[0] is vals.args[0] and _is(ids.args[0], aten.topk.default)):
+        return None
+    topk = ids.args[0]
+    if topk.args[0] is not base.args[0] or not isinstance(topk.args[1], int):
+        return None
+    return ids, topk.args[1]
+
+
+def match_llama4_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
+    """Llama 4's experts (`Llama4TextMoe`) around this `repeat(x, [E, 1])`: every expert runs
+    on every token, its input scaled by the token's score for it:
+
+        scores = to(sigmoid(to(scatter_(full_like(logits, -inf), 1, idx, vals), f32)), dtype)  # [T, E]
+        x_e    = repeat(x, [E, 1]) * reshape(transpose(scores, 0, 1), [-1, 1])                 # [E*T, H]
+        h      = bmm(view(x_e, [E, -1, H]), gate_up_proj)                                     # [E, H, 2I]
+        g, u   = chunk(h, 2, -1)
+        y      = view(bmm(u * silu(g), down_proj), [-1, H])                                   # [E, I, H]
+        y      = sum(reshape(y, [E, -1, H]), [0])
+
+    The experts have no biases, so an expert given 0 gives 0: only a token's top k add
+    anything, and the op computes just those pairs, on x times the pair's score."""
+    if not (_is(repeated, aten.repeat.default) and len(repeated.args) == 2 and len(repeated.args[1]) == 2
+            and repeated.args[1][1] == 1 and isinstance(repeated.args[1][0], int)):
+        return None
+    hidden, num_experts = repeated.args[0], repeated.args[1][0]
+    scaled = _only_user(repeated)
+    if not _is(scaled, aten.mul.Tensor) or repeated not in scaled.args:
+        return None
+    col = _other(scaled, repeated)
+    if not (_is(col, aten.reshape.default, aten.view.default) and list(col.args[1]) == [-1, 1]):
+        return None
+    transposed = col.args[0]
+    if not (_is(transposed, aten.transpose.int) and tuple(transposed.args[1:]) in ((0, 1), (1, 0))):
+        return None
+    scores = transposed.args[0]
+    routing = _sigmoid_of_top_k(scores)
+    if routing is None:
+        return None
+    topk_ids, top_k = routing
+    view_in = _only_user(scaled)
+    bmm_gu = _only_user(view_in) if _is(view_in, aten.view.default, aten.reshape.default) else None
+    if not (_is(bmm_gu, aten.bmm.default) and bmm_gu.args[0] is view_in and param_name(bmm_gu.args[1])):
+        return None
+    chunk = _only_user(bmm_gu)
+    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
+        return None
+    items = _getitems(chunk)
+    if set(items) != {0, 1} or len(chunk.users) != 2:
+        return None
+    gate, up = items[0], items[1]
+    silu = _only_user(gate)
+    if _is(silu, aten.silu.default):
+        act = _only_user(silu)
+        if not (_is(act, aten.mul.Tensor) and set(act.args) == {silu, up}):
+            return None
+        act_nodes = [silu, act]
+    elif _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):
+        act, act_nodes = silu, [silu]
+    else:
+        return None
+    bmm_down = _only_user(act)
+    if not (_is(bmm_down, aten.bmm.default) and bmm_down.args[0] is act and param_name(bmm_down.args[1])):
+        return None
+    flat = _only_user(bmm_down)
+    per_expert = _only_user(flat) if _is(flat, aten.view.default, aten.reshape.default) else None
+    summed = _only_user(per_expert) if _is(per_expert, aten.view.default, aten.reshape.default) else None
+    if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [0] and len(summed.args) == 2):
+        return None
+    w_gate_up, w_down = bmm_gu.args[1], bmm_down.args[1]
+    shapes = _shape(hidden), _shape(w_gate_up), _shape(w_down)
+    if None in shapes or len(shapes[1]) != 3 or len(shapes[2]) != 3:
+        return None
+    (_, h), (e, h_in, two_i), (e2, i, h_out) = shapes  # type: ignore[misc]
+    if not (e == e2 == num_experts and h == h_in == h_out and two_i == 2 * i):
+        return None
+    nodes = [repeated, transposed, col, scaled, view_in, bmm_gu, chunk, gate, up, *act_nodes, bmm_down, flat,
+             per_expert, summed]
+    return ExpertsMatch(hidden=hidden, topk_weights=scores, topk_ids=topk_ids, w_gate_up=w_gate_up, w_down=w_down,
+                        top_k=top_k, output=summed, nodes=nodes, input_scaled=True)
 
 
 def _gathered_param(node: object, ids: torch.fx.Node) -> torch.fx.Node | None:
@@ -492,6 +600,10 @@ def find_moe_blocks(gm: torch.fx.GraphModule) -> list[MoEBlock]:
     """Every MoE block of the graph: a softmax router with its experts (-> `kiln::fused_moe`),
     or experts after any other router whose ids are valid experts (-> `kiln::moe_experts`)."""
     blocks = []
+    for node in gm.graph.find_nodes(op="call_function", target=aten.repeat.default):
+        experts = match_llama4_experts(node)
+        if experts is not None and _private(experts.nodes, experts.output):
+            blocks.append(MoEBlock(experts, None))
     for node in gm.graph.find_nodes(op="call_function", target=aten.repeat_interleave.self_int):
         experts = match_experts(node) or match_oai_experts(node)
         if experts is None:
@@ -551,34 +663,42 @@ class FuseMoEPass(CudaByDefault, KilnPass):
         blocks = find_moe_blocks(gm)
         graph = gm.graph
         for block in blocks:
-            m, router = block.experts, block.router
-            if m.oai is not None:
-                oai_weights, oai_kwargs = _rearranged_oai_experts(gm, ctx, m)
-            with graph.inserting_before(m.output):
-                if router is not None:
-                    fused = graph.call_function(torch.ops.kiln.fused_moe.default, (
-                        m.hidden, router.router_logits, m.w_gate_up, m.w_down, m.top_k, router.renormalize,
-                        router.fp32_weights))
-                elif m.oai is not None:
-                    fused = graph.call_function(torch.ops.kiln.moe_experts.default, (
-                        m.hidden, m.topk_weights, m.topk_ids, *oai_weights), oai_kwargs)
-                else:
-                    fused = graph.call_function(torch.ops.kiln.moe_experts.default, (
-                        m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down))
+            m = block.experts
+            fused = _fused_op(gm, ctx, block)
             if "val" in m.output.meta:
                 fused.meta["val"] = m.output.meta["val"]
             m.output.replace_all_uses_with(fused)
             for node in reversed(_topological(graph, block.nodes)):
                 if not node.users:
                     graph.erase_node(node)
-            for param in (m.w_gate_up, m.b_gate_up, m.w_down) if m.oai is not None else ():
-                if not param.users:  # rearranged into new inputs: the loader must not bind it
+            for param in (m.w_gate_up, m.b_gate_up, m.w_down) if m.oai is not None or m.input_scaled else ():
+                if param is not None and not param.users:  # rearranged into new inputs: the loader must not bind it
                     graph.erase_node(param)
         if blocks:
             graph.lint()
             gm.recompile()
         return {"fused_moe": sum(b.router is not None for b in blocks),
                 "moe_experts": sum(b.router is None for b in blocks)}
+
+
+def _fused_op(gm: torch.fx.GraphModule, ctx: PassContext, block: MoEBlock) -> torch.fx.Node:
+    """The op that computes `block` (inserted before its output)."""
+    m, router = block.experts, block.router
+    if m.input_scaled:
+        return _input_scaled_experts(gm, ctx, m)
+    graph = gm.graph
+    if m.oai is not None:
+        weights, kwargs = _rearranged_oai_experts(gm, ctx, m)
+        with graph.inserting_before(m.output):
+            return graph.call_function(torch.ops.kiln.moe_experts.default,
+                                       (m.hidden, m.topk_weights, m.topk_ids, *weights), kwargs)
+    with graph.inserting_before(m.output):
+        if router is not None:
+            return graph.call_function(torch.ops.kiln.fused_moe.default, (
+                m.hidden, router.router_logits, m.w_gate_up, m.w_down, m.top_k, router.renormalize,
+                router.fp32_weights))
+        return graph.call_function(torch.ops.kiln.moe_experts.default,
+                                   (m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down))
 
 
 def _rearranged_oai_experts(gm: torch.fx.GraphModule, ctx: PassContext,
@@ -605,6 +725,44 @@ def _rearranged_oai_experts(gm: torch.fx.GraphModule, ctx: PassContext,
     kwargs = {"b_gate_up": made["b_gate_up"], "b_down": m.b_down, "activation": "swiglu_oai",
               "alpha": alpha, "limit": limit}
     return (made["w_gate_up"], made["w_down"]), kwargs
+
+
+def _transposed_experts(gm: torch.fx.GraphModule, ctx: PassContext, param: torch.fx.Node, key: str) -> torch.fx.Node:
+    """An [E, in, out] expert tensor as `kiln::moe_experts` takes it ([E, out, in]): a new input
+    that the loader builds (`RearrangeExperts`, a transpose)."""
+    source = param_name(param)
+    if source is None:
+        raise ValueError(f"fuse_moe: expert input {param.name} is not a parameter")
+    name = f"{source.rsplit('.', 1)[0]}.{key}"  # model.layers.N.feed_forward.experts.w_gate_up, ...
+    val = param.meta.get("val")
+    example = val.transpose(1, 2).contiguous() if isinstance(val, torch.Tensor) else None
+    ctx.weight_transforms.append(RearrangeExperts(output=name, input=source, transpose=True))
+    return add_graph_input(gm, name.replace(".", "_"), param_role(name), example)
+
+
+def _input_scaled_experts(gm: torch.fx.GraphModule, ctx: PassContext, m: ExpertsMatch) -> torch.fx.Node:
+    """Llama 4's block as `kiln::moe_experts` over its (token, expert) pairs (`match_llama4_experts`):
+    each pair's input is the token's hidden state times the pair's score, rounded as the model
+    rounds it, one pair a row (weight 1), then each token's k rows summed."""
+    graph = gm.graph
+    hidden_size = _shape(m.hidden)[-1]  # type: ignore[index]
+    w_gate_up = _transposed_experts(gm, ctx, m.w_gate_up, "w_gate_up")
+    w_down = _transposed_experts(gm, ctx, m.w_down, "w_down")
+
+    def call(target: object, *args: object, **kwargs: object) -> torch.fx.Node:
+        node = graph.call_function(target, args, kwargs)
+        propagate_val(node)
+        return node
+
+    with graph.inserting_before(m.output):
+        pair_scores = call(aten.gather.default, m.topk_weights, 1, m.topk_ids)  # [T, k]
+        scaled = call(aten.mul.Tensor, call(aten.unsqueeze.default, m.hidden, 1),
+                      call(aten.unsqueeze.default, pair_scores, -1))  # [T, k, H]
+        rows = call(aten.reshape.default, scaled, [-1, hidden_size])
+        ids = call(aten.reshape.default, m.topk_ids, [-1, 1])
+        ones = call(aten.ones_like.default, ids, dtype=torch.float32)
+        out = call(torch.ops.kiln.moe_experts.default, rows, ones, ids, w_gate_up, w_down)
+        return call(aten.sum.dim_IntList, call(aten.reshape.default, out, [-1, m.top_k, hidden_size]), [1])
 
 
 def _topological(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -535,7 +535,7 @@ def _rewrite_one(graph: torch.fx.Graph, traced: TracedPattern, m: InternalMatch,
             env[node] = new
             new_nodes.append(new)
     for node in new_nodes:
-        _propagate_val(node)
+        propagate_val(node)
     new_outputs = [env[v] if isinstance(v, torch.fx.Node) else v for v in _output_values(rep_graph)]
     for i, (old, new) in enumerate(zip(m.returning_nodes, new_outputs)):
         problem = _output_mismatch(old, new)
@@ -564,7 +564,7 @@ def _rewrite_one(graph: torch.fx.Graph, traced: TracedPattern, m: InternalMatch,
             graph.erase_node(node)
 
 
-def _propagate_val(node: torch.fx.Node) -> None:
+def propagate_val(node: torch.fx.Node) -> None:
     """Give a new node a fake `meta["val"]` computed from its inputs' fake values."""
     from torch._guards import detect_fake_mode
 

@@ -62,3 +62,47 @@ def test_loader_reads_save_pretrained_layout(arch: str, tiny_model_dir) -> None:
     assert set(weights) == set(captured.param_aliases)
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, hf_params[name], rtol=0, atol=0, msg=f"{arch}: {name}")
+
+
+# Multimodal checkpoints as published (and as transformers saves them): the language model
+# under `language_model.`, a vision tower beside it, the text model's config nested.
+_TINY_VISION = {
+    "llama4": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                   patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
+    "gemma3": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                   patch_size=14),
+    "mistral3": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                     patch_size=14, head_dim=16),
+}
+
+
+@pytest.mark.parametrize("model_type,text_arch", [("llama4", "llama4_text"), ("gemma3", "gemma3_text"),
+                                                  ("mistral3", "mistral")])
+def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_arch: str, tmp_path) -> None:
+    """Llama 4, Gemma 3 and Mistral Small 3.x are published as image-text models; Kiln reads the text model's config
+    out of `text_config` and its tensors from under `language_model.` (the vision tower is never
+    read), and generates the multimodal model's own greedy tokens for a text prompt."""
+    from tiny_models import tiny_config
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from kiln.runtime import LLM, SamplingParams
+    from test_parity import hf_greedy
+
+    text = tiny_config(text_arch)
+    config = AutoConfig.for_model(model_type, text_config=text.to_dict(), vision_config=_TINY_VISION[model_type])
+    torch.manual_seed(0)
+    hf = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.08)
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    assert "language_model.model.embed_tokens.weight" in saved and any(k.startswith(("vision_model.", "vision_tower.")) for k in saved)
+
+    source = resolve_model(tmp_path)
+    assert source.multimodal and source.config.model_type == text_arch
+    prompt = [1, 5, 7, 9, 11, 13, 2, 17]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 6)

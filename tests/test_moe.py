@@ -307,6 +307,43 @@ def test_fuse_moe_fuses_gpt_oss_experts(dtype: torch.dtype) -> None:
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_moe_fuses_llama4_experts(dtype: torch.dtype) -> None:
+    """Llama 4's experts (every expert on every token, its input scaled by the token's sigmoid
+    score, 0 off the top k) become `kiln::moe_experts` over the top-k pairs alone, on inputs
+    scaled as the model scales them, with the [E, in, out] weights transposed at load; the
+    shared expert and the router stay; the result equals the unfused graph's."""
+    from tiny_models import tiny_config
+
+    from kiln.compiler.graph_inputs import param_name
+    from kiln.compiler.pass_testing import capture_through, run_graph
+    from kiln.passes.weight_transforms import RearrangeExperts, transforms_from_json, transforms_to_json
+
+    config = tiny_config("llama4_text")
+    layers = sum(1 for i in range(config.num_hidden_layers) if i in config.moe_layers)
+    before = capture_through(config, "fusion", dtype=dtype)
+    after = before.copy()
+    assert after.run_pass(FuseMoEPass(on_cpu=True)) == {"fused_moe": 0, "moe_experts": layers}
+    ops_before, ops_after = op_counts(before.graph_module), op_counts(after.graph_module)
+    assert ops_after[EXPERTS_OP] == layers > 0
+    assert ops_before["aten.bmm.default"] == 2 * layers and ops_after["aten.bmm.default"] == 0
+    assert ops_after["aten.repeat.default"] == ops_before["aten.repeat.default"] - layers
+    assert ops_after["aten.topk.default"] == ops_before["aten.topk.default"] == layers  # the router stays
+    node = next(n for n in after.graph_module.graph.nodes if str(n.target) == EXPERTS_OP)
+    prefix = f"model.layers.{min(config.moe_layers)}.feed_forward.experts"
+    assert param_name(node.args[3]) == f"{prefix}.w_gate_up" and param_name(node.args[4]) == f"{prefix}.w_down"
+    bound = {param_name(p) for p in after.graph_module.graph.find_nodes(op="placeholder")}
+    assert f"{prefix}.gate_up_proj" not in bound and f"{prefix}.down_proj" not in bound
+    transforms = after.context.weight_transforms
+    assert sum(isinstance(t, RearrangeExperts) and t.transpose and not t.deinterleave for t in transforms) == 2 * layers
+    assert transforms_from_json(transforms_to_json(transforms)) == transforms
+    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_gpt_oss_experts_in_fp8_keep_their_biases_and_activation() -> None:
     """FP8 experts (`experts=True`) over GPT-OSS's rearranged weights: `moe_experts_fp8` with the
     same biases and activation, quantized after the rearrangement; close to the 16-bit graph."""
