@@ -15,6 +15,7 @@
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
+#                                         moe_llama4_scout
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_b latency throughput startup)
 #
@@ -331,6 +332,9 @@ for stage in $STAGES; do
     moe_gpt_oss_20b)  # GPT-OSS-20B's shape (dummy bf16, ~41 GB): decode 1/64 against Hugging Face eager
       run_stage moe_gpt_oss_20b 560 $PY bench/moe.py --shape gpt-oss-20b --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_gpt_oss_20b.json" ;;
+    moe_llama4_scout)  # Llama 4 Scout's language model (dummy, FP8 with FP8 experts, ~108 GB): decode 1/64, no baseline
+      KILN_FP8_EXPERTS=1 run_stage moe_llama4_scout 560 $PY bench/moe.py --shape llama4-scout --no-offline \
+        --no-baseline --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_llama4_scout.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
       run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \
         tests/test_kernels_triton.py ;;

@@ -69,6 +69,11 @@ SHAPES = {
     # bf16 weights, ~41 GB): attention sinks, 64 query heads of 64 over 8 KV heads, windowed
     # (128) and global layers, 32 biased experts top-4 with the clamped SwiGLU.
     "gpt-oss-20b": MoEShape("gpt-oss-20b", "gpt_oss_20b.json", offline=False),
+    # Llama 4 Scout's language model (107.8 B parameters: 16 experts top-1 and a shared expert in
+    # all 48 layers, chunked attention with NoPE every 4th layer): 216 GB in bf16, so on one
+    # H200 only with --quantization fp8 (KILN_FP8_EXPERTS=1 for the experts; ~108 GB), and
+    # without the Hugging Face baseline, which would need the bf16 weights on the device.
+    "llama4-scout": MoEShape("llama4-scout", "llama4_scout.json", offline=False),
 }
 
 # --tiny: the architectures at test-model size (tests/test_moe.py's scale).
@@ -89,6 +94,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                              n_shared_experts=1, num_experts_per_tok=2, topk_method="greedy", first_k_dense_replace=1,
                              vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
                              eos_token_id=2),
+    "llama4-scout": dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], hidden_size=64,
+                         intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                         no_rope_layers=[1, 0], vocab_size=256, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=64,
                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
