@@ -109,6 +109,11 @@ def _kiln_attention_forward(
         raise UnsupportedArchitectureError(f"a model-built attention mask is not supported ({where})")
     if key.shape[2] != query.shape[2]:
         raise UnsupportedArchitectureError(f"cross-attention (keys from another sequence) is not supported ({where})")
+    chunk = _attention_chunk(module)
+    if chunk:
+        if sliding_window:
+            raise UnsupportedArchitectureError(f"a sliding window and chunked attention in one layer ({where})")
+        sliding_window = -chunk  # the marker's encoding of chunked attention (kiln.kernels.attention)
     if getattr(module, "_kiln_latent", False):
         return _latent_attention(module, query, key, value, scaling, sliding_window, softcap, sinks)
     # HF hands [1, H, T, D]; the marker op is token-major [T, H, D] like the paged cache.
@@ -128,6 +133,24 @@ def _kiln_attention_forward(
     if dk != dv:
         out = out[..., :dv]
     return out.unsqueeze(0), None
+
+
+def _attention_chunk(module: torch.nn.Module) -> int:
+    """The chunk size of a chunked-attention layer (Llama 4: `layer_types[i] ==
+    "chunked_attention"`, `attention_chunk_size`), which transformers expresses only in the mask
+    it builds (and "kiln" builds none); 0 for any other layer."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer_types, (list, tuple)) or not isinstance(layer, int) or layer >= len(layer_types):
+        return 0
+    if layer_types[layer] != "chunked_attention":
+        return 0
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not isinstance(chunk, int) or chunk <= 0:
+        raise UnsupportedArchitectureError(f"chunked attention without a positive attention_chunk_size "
+                                           f"({_module_path(module)})")
+    return chunk
 
 
 def _keep_latent(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,10 @@ and the kernels need no knowledge of the architecture:
   scale           multiplies q.k (transformers' `scaling`: head_dim ** -0.5, Gemma's
                   query_pre_attn_scalar ** -0.5, Granite's attention_multiplier, ...)
   sliding_window  > 0: each query sees its last `sliding_window` keys (itself included);
-                  0 on global layers, so windowed and global layers mix freely (Gemma 2/3)
+                  0 on global layers, so windowed and global layers mix freely (Gemma 2/3);
+                  < 0: chunked attention (Llama 4's `attention_chunk_size`, C = -sliding_window):
+                  each query sees the keys of its own chunk of C positions (p // C the same)
+                  up to itself, as Hugging Face's chunked causal mask does
   softcap         > 0: logits become softcap * tanh(logits / softcap) before the mask and
                   softmax (Gemma 2's attn_logit_softcapping); 0 = off
   alibi_slopes    [Hq] float32 or None: ALiBi (Bloom, MPT, Falcon-RW) adds
@@ -52,7 +55,8 @@ def causal_attention(
 
     q [Tq, Hq, D], k/v [Tk, Hkv, D]. Positions default to 0..T-1 for both (a whole prefill).
     sliding_window > 0 limits each query to the last `sliding_window` keys (itself included),
-    as Hugging Face's sliding-window mask does. softcap > 0 caps the scaled logits with
+    as Hugging Face's sliding-window mask does; < 0 to its own chunk of -sliding_window
+    positions (chunked attention). softcap > 0 caps the scaled logits with
     softcap * tanh(logits / softcap), as Hugging Face's eager Gemma 2 attention does.
     alibi_slopes [Hq] adds slope[h] * (k_pos - q_pos) to the logits (ALiBi). sinks [Hq]
     joins each head's softmax as one more logit whose probability is dropped (GPT-OSS).
@@ -75,6 +79,8 @@ def causal_attention(
     allowed = k_positions[None, :] <= q_positions[:, None]
     if sliding_window > 0:
         allowed = allowed & (k_positions[None, :] > q_positions[:, None] - sliding_window)
+    elif sliding_window < 0:  # chunked: the query's own chunk of -sliding_window positions
+        allowed = allowed & (k_positions[None, :] // -sliding_window == q_positions[:, None] // -sliding_window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     if sinks is not None:
         sink_column = sinks.float()[:, None, None].expand(hq, tq, 1)

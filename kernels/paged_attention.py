@@ -15,7 +15,8 @@ Shapes and meaning (B sequences, T tokens in the step):
   block_tables [B, max_blocks] int32  the blocks of each sequence, in order
   seq_lens     [B] int32     tokens in each sequence's context after this step (cached + new)
   query_start_loc [B+1] int32 offsets of each sequence's tokens in q (cumulative)
-  scale        softmax scale; sliding_window > 0 limits attention to the last N positions;
+  scale        softmax scale; sliding_window > 0 limits attention to the last N positions,
+               < 0 to the query's own chunk of -N positions (`kiln.kernels.attention`);
   softcap      > 0: logits capped as softcap * tanh(logits / softcap) (Gemma 2); 0 = off.
   alibi_slopes [Hq] float32 or None: ALiBi, slope[h] * (k_pos - q_pos) added to the logits
                (positions within the sequence), as in `kiln.kernels.attention`.

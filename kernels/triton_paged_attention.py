@@ -207,14 +207,18 @@ def _paged_attention_kernel(
 
     # Keys this tile can see: up to its last token, from its first token's window start.
     kv_hi = first_pos + tl.minimum(tok0 + BLOCK_T, n_new)
-    kv_lo = tl.where(sliding_window > 0, tl.maximum(first_pos + tok0 - sliding_window + 1, 0), 0)
+    # Windowed: the tile's first row sees back sliding_window - 1 keys; chunked (< 0): back to
+    # the start of its chunk of -sliding_window positions (later rows start no earlier).
+    chunk = tl.maximum(-sliding_window, 1)
+    kv_lo = tl.where(sliding_window > 0, tl.maximum(first_pos + tok0 - sliding_window + 1, 0),
+                     tl.where(sliding_window < 0, first_pos + tok0 - (first_pos + tok0) % chunk, 0))
     kv_lo, kv_hi = kv_split_range(kv_lo, kv_hi, split, NUM_SPLITS, BLOCK_N)
     # Keys below kv_full are visible to every row of the tile (the tile's first token sees up
     # to its own position): a block wholly below it needs no mask, which spares the mask's
     # integer work on each of its BLOCK_M x BLOCK_N logits. Only the last block or two of a
     # tile (the causal diagonal, the cache's end) are masked. A sliding window bounds rows
     # from below as well: every block is masked then.
-    kv_full = tl.where(sliding_window > 0, kv_lo, tl.minimum(first_pos + tok0 + 1, kv_hi))
+    kv_full = tl.where(sliding_window != 0, kv_lo, tl.minimum(first_pos + tok0 + 1, kv_hi))
 
     m_i, l_i = online_softmax_start(sinks_ptr, head, row_ok, split, BLOCK_M, SINKS)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -238,6 +242,7 @@ def _paged_attention_kernel(
         if MASK_ALL_BLOCKS or start + BLOCK_N > kv_full:
             allowed = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
             allowed = allowed & ((sliding_window <= 0) | (offs_n[None, :] > pos[:, None] - sliding_window))
+            allowed = allowed & ((sliding_window >= 0) | (offs_n[None, :] >= pos[:, None] - pos[:, None] % chunk))
             qk = tl.where(allowed, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet

@@ -132,7 +132,10 @@ def _write_new_kv(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_
 @triton.jit
 def _key_range(ctx_len, sliding_window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys [lo, hi) that split `split` reads for the token at position ctx_len - 1."""
-    kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0), 0)
+    # (chunked, sliding_window < 0: from the start of the query's chunk; the query is key ctx_len - 1)
+    chunk = tl.maximum(-sliding_window, 1)
+    kv_lo = tl.where(sliding_window > 0, tl.maximum(ctx_len - sliding_window, 0),
+                     tl.where(sliding_window < 0, (ctx_len - 1) - (ctx_len - 1) % chunk, 0))
     return kv_split_range(kv_lo, ctx_len, split, NUM_SPLITS, BLOCK_N)
 
 

@@ -33,8 +33,7 @@ from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_l
 from kiln.runtime.tp_executor import PendingLogits, TensorParallelExecutor, start_executor
 from kiln.runtime.detokenizer import IncrementalDetokenizer, OutputText
 from kiln.runtime.guided_decoding import GrammarCompiler, GrammarMasker
-from kiln.runtime.hardware_defaults import (FALLBACK_CONTEXT, check_max_model_len, choose_max_model_len,
-                                            exact_context_limit, model_context_length)
+from kiln.runtime.hardware_defaults import FALLBACK_CONTEXT, choose_max_model_len, model_context_length
 from kiln.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs, TopLogprob
 from kiln.runtime.sampler import PendingSample, Sampler
 from kiln.runtime.sampling_params import SamplingParams
@@ -148,7 +147,6 @@ class LLMEngine:
                 self.tokenizer = self.source.tokenizer()
         # Provisional until the KV cache is sized: the user's value or the model's context.
         model_context = model_context_length(self.model_config)
-        check_max_model_len(config.max_model_len, exact_context_limit(self.model_config))  # before any loading
         self.max_model_len = int(config.max_model_len or model_context or FALLBACK_CONTEXT)
         # FP8 (kiln.passes.quantize_fp8): asked for, or implied by a pre-quantized checkpoint.
         self.quantization = config.resolved_quantization(self.model_config)
@@ -242,7 +240,7 @@ class LLMEngine:
         # Block 0 is the null block: one sequence can use the others.
         self.max_model_len, why = choose_max_model_len(config.max_model_len, model_context,
                                                        (self.num_kv_blocks - 1) * config.block_size,
-                                                       config.block_size, exact_context_limit(self.model_config))
+                                                       config.block_size)
         logger.info("engine limits: max_model_len=%d (%s)", self.max_model_len, why)
 
     def _start_workers(self, config: EngineConfig) -> None:

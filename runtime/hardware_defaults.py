@@ -71,13 +71,6 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
 
-def check_max_model_len(explicit: int | None, limit: tuple[int, str] | None) -> None:
-    """ValueError when the user's max_model_len passes `limit` (`exact_context_limit`)."""
-    if explicit is not None and limit is not None and explicit > limit[0]:
-        raise ValueError(f"max_model_len={explicit} is longer than this model runs exactly on Kiln ({limit[1]}): "
-                         f"use max_model_len <= {limit[0]}")
-
-
 def model_context_length(model_config: Any) -> int | None:
     """The longest sequence the model was built for, from its config; None if it names none."""
     for name in _CONTEXT_FIELDS:
@@ -87,29 +80,11 @@ def model_context_length(model_config: Any) -> int | None:
     return None
 
 
-def exact_context_limit(model_config: Any) -> tuple[int, str] | None:
-    """(tokens, why) where Kiln computes the model exactly only up to a length under its context:
-    Llama 4's chunked local attention (`attention_chunk_size`) masks by chunk, which Kiln's
-    attention marker does not carry, so a sequence must stay within one chunk, where chunked
-    and plain causal attention agree. None for every other model."""
-    chunk = getattr(model_config, "attention_chunk_size", None)
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0:
-        return chunk, (f"its attention_chunk_size {chunk}: Kiln's attention does not mask by chunk, so a sequence "
-                       "stays within one chunk")
-    return None
-
-
 def choose_max_model_len(explicit: int | None, model_context: int | None, kv_capacity_tokens: int,
-                         block_size: int, limit: tuple[int, str] | None = None) -> tuple[int, str]:
+                         block_size: int) -> tuple[int, str]:
     """(max_model_len, why): the user's value, or the model's context if one sequence of it
     fits in the KV cache (`kv_capacity_tokens`), else the most the cache holds, in whole
-    blocks; never past `limit` (`exact_context_limit`). Raises ValueError when the user's value
-    does not fit, or passes the limit."""
-    check_max_model_len(explicit, limit)
-    if limit is not None and (model_context is None or model_context > limit[0]) and explicit is None:
-        model_context = limit[0]
-        if limit[0] <= kv_capacity_tokens:
-            return int(limit[0]), f"capped at {limit[1]}"
+    blocks. Raises ValueError when the user's value does not fit."""
     if explicit is not None:
         if explicit > kv_capacity_tokens:
             raise ValueError(

@@ -112,33 +112,3 @@ def test_engine_logs_the_limits_it_chose(tiny_model_dir, caplog):
     assert small.engine.max_model_len == 128
 
 
-def test_chunked_attention_caps_max_model_len(tiny_model_dir, tmp_path):
-    """Llama 4's chunked local attention masks by chunk, which Kiln's attention does not: a
-    sequence must stay within one chunk (where chunked and causal attention agree), so the
-    default max_model_len stops there and a longer explicit one is refused before loading."""
-    import json
-    import shutil
-
-    from kiln.runtime import LLM
-    from kiln.runtime.hardware_defaults import exact_context_limit
-
-    class Config:
-        attention_chunk_size = 64
-
-    limit = exact_context_limit(Config())
-    assert limit is not None and limit[0] == 64 and exact_context_limit(object()) is None
-    assert choose_max_model_len(None, 512, 10_000, 16, limit) == (64, f"capped at {limit[1]}")
-    assert choose_max_model_len(None, 32, 10_000, 16, limit)[0] == 32  # a shorter context stays
-    assert choose_max_model_len(48, 512, 10_000, 16, limit) == (48, "set explicitly")
-    with pytest.raises(ValueError, match="attention_chunk_size 64.*max_model_len <= 64"):
-        choose_max_model_len(100, 512, 10_000, 16, limit)
-
-    path, _ = tiny_model_dir("llama4_text")
-    chunked = tmp_path / "llama4-chunk64"
-    shutil.copytree(path, chunked)
-    config = json.loads((chunked / "config.json").read_text())
-    config["attention_chunk_size"] = 64
-    (chunked / "config.json").write_text(json.dumps(config))
-    assert LLM(str(chunked), device="cpu", progress=False).engine.max_model_len == 64
-    with pytest.raises(ValueError, match="max_model_len=100 is longer than this model runs exactly"):
-        LLM(str(chunked), device="cpu", progress=False, max_model_len=100)

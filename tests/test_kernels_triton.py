@@ -426,6 +426,20 @@ def test_paged_attention_sliding_window():
     check_paged_attention(batch, scale=0.25, window=5, num_splits=2)
 
 
+@pytest.mark.parametrize("chunk,splits,block_size", [(5, 1, 4), (5, 3, 4), (8, 2, 4), (3, 1, 16)])
+def test_paged_attention_chunked(chunk, splits, block_size):
+    # Llama 4's chunked attention (sliding_window = -chunk): each query sees its own chunk of
+    # positions up to itself. Prefill chunks that cross chunk boundaries, decodes at and past
+    # one; the chunk must change the result (against a global layer) or the test says nothing.
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=block_size, num_blocks=24,
+                             seed=61 + chunk + splits)
+    plain = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25, sliding_window=0)
+    chunked = paged_attention_reference(**{k: v.clone() for k, v in batch.items()}, scale=0.25,
+                                        sliding_window=-chunk)
+    assert (chunked - plain).abs().max() > 1e-2
+    check_paged_attention(batch, scale=0.25, window=-chunk, num_splits=splits)
+
+
 @pytest.mark.parametrize("hkv,window,splits", [
     (2, 0, 1),   # GQA, global layer
     (1, 5, 2),   # multi-query, windowed layer, split-K
@@ -686,7 +700,8 @@ def test_keys_as_rows_decode_rotates_and_writes_the_new_tokens(monkeypatch, cach
 
 
 @pytest.mark.parametrize("cache,splits,window,fuse_rope", [("16bit", 1, 0, False), ("16bit", 3, 20, True),
-                                                          ("fp8", 2, 0, True), ("fp8", 1, 20, False)])
+                                                          ("fp8", 2, 0, True), ("fp8", 1, 20, False),
+                                                          ("16bit", 2, -7, False)])  # chunked (Llama 4)
 def test_keys_as_rows_decode_takes_attention_sinks(cache, splits, window, fuse_rope):
     # GPT-OSS's sinks in the keys-as-rows decode kernel (each head's softmax starts at its sink
     # in the first split only), with the rotation and cache write fused in or not: over a 16-bit

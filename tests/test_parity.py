@@ -121,3 +121,35 @@ def test_latent_attention_caches_the_latent(tiny_model_dir, monkeypatch) -> None
     # models, every query head's K and V are cached expanded, V zero-padded to K's 24.
     monkeypatch.setattr(pa, "_attention_expands_kv_apart", lambda model_type: False)
     assert not pa.caches_latent(config) and pa.kv_heads_and_head_dim(config) == (4, 24)
+
+
+def test_llama4_chunked_attention_matches_hf(tiny_model_dir, tmp_path) -> None:
+    """Llama 4's RoPE layers attend within chunks of `attention_chunk_size` positions (its NoPE
+    layers globally). At a chunk of 8, a 37-token prompt and its continuation cross four chunk
+    boundaries: Kiln (the chunk carried by the attention ops) gives Hugging Face's chunk-masked
+    tokens, and not those of plain causal attention."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_model_dir("llama4_text")
+    chunked = tmp_path / "llama4-chunk8"
+    shutil.copytree(path, chunked)
+    config = json.loads((chunked / "config.json").read_text())
+    config.update(attention_chunk_size=8, layer_types=None)  # (transformers derives them from the chunk)
+    (chunked / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(str(chunked), dtype=torch.float32).eval()
+    assert "chunked_attention" in hf.config.layer_types and "full_attention" in hf.config.layer_types
+    prompt = PROMPTS[2]
+    want = hf_greedy(hf, prompt, 12)
+    llm = LLM(str(chunked), dtype="float32", device="cpu", progress=False)
+    assert llm.engine.max_model_len > 8  # the whole context, no longer capped at one chunk
+    assert_first_step_logits_match(llm, hf, [prompt], "llama4 chunked")
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                       ignore_eos=True))
+    assert list(out.outputs[0].token_ids) == want
+    unchunked = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(unchunked(torch.tensor([prompt])).logits, hf(torch.tensor([prompt])).logits,
+                                  atol=1e-4)  # the chunk matters at this length
