@@ -187,7 +187,8 @@ def _short(e: Exception) -> str:
 class AfterMarker:
     """A compiled grammar that constrains only the output after `marker` (token ids): a
     reasoning model thinks freely first, and the grammar holds its answer (the server wraps a
-    request's grammar so with `--reasoning-parser`, kiln.runtime.serving.reasoning_parser).
+    request's grammar in one when it runs with `--reasoning-parser`,
+    kiln.runtime.serving.reasoning_parser).
     Until the marker is written, the sequence's rows are not masked."""
 
     grammar: Any
