@@ -223,6 +223,27 @@ def _weighted_sum(expert_out: torch.fx.Node, hidden: torch.fx.Node, top_k: int) 
                         nodes=[col_weights, weighted, slots, summed, *([output] if output is not summed else [])])
 
 
+def _swiglu_of(gate_up: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """(act, nodes) when `gate_up`'s only use is chunk(., 2, -1) into g, u and act = silu(g) * u
+    (or `kiln::silu_and_mul(g, u)`, when fuse_silu_mul ran first); nodes: the chunk to act."""
+    chunk = _only_user(gate_up)
+    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
+        return None
+    items = _getitems(chunk)
+    if set(items) != {0, 1} or len(chunk.users) != 2:
+        return None
+    gate, up = items[0], items[1]
+    silu = _only_user(gate)
+    if _is(silu, aten.silu.default):
+        act = _only_user(silu)
+        if not (_is(act, aten.mul.Tensor) and set(act.args) == {silu, up} and len(act.args) == 2):
+            return None
+        return act, [chunk, gate, up, silu, act]
+    if _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):
+        return silu, [chunk, gate, up, silu]
+    return None
+
+
 def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     """The experts around this `repeat_interleave(x, k, 0)` (the module doc's lines from `ids`
     on), or None when it is not a block of transformers' batched_mm experts."""
@@ -237,24 +258,10 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     if gate_up is None or gate_up[2] is not repeated:
         return None
     w_gate_up, ids, _ = gate_up
-    chunk = _only_user(squeeze_gu)
-    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
+    swiglu = _swiglu_of(squeeze_gu)
+    if swiglu is None:
         return None
-    items = _getitems(chunk)
-    if set(items) != {0, 1} or len(chunk.users) != 2:
-        return None
-    gate, up = items[0], items[1]
-    silu = _only_user(gate)
-    if _is(silu, aten.silu.default):
-        act = _only_user(silu)
-        if not (_is(act, aten.mul.Tensor) and act.args == (silu, up)):
-            return None
-        act_nodes = [silu, act]
-    elif _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):  # fuse_silu_mul ran first
-        act = silu
-        act_nodes = [act]
-    else:
-        return None
+    act, act_nodes = swiglu
     col_act = _only_user(act)
     bmm_down = _only_user(col_act) if col_act is not None else None
     squeeze_down = _only_user(bmm_down) if bmm_down is not None else None
@@ -272,7 +279,7 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
         return None
     if not _shapes_agree(hidden, None, w_gate_up, w_down):
         return None
-    nodes = [repeated, col_gu, _gather_of(bmm_gu), bmm_gu, squeeze_gu, chunk, gate, up, *act_nodes, col_act,
+    nodes = [repeated, col_gu, _gather_of(bmm_gu), bmm_gu, squeeze_gu, *act_nodes, col_act,
              _gather_of(bmm_down), bmm_down, squeeze_down, tail.flat_weights, *dict.fromkeys([flat_ids, ids]),
              *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
@@ -339,23 +346,10 @@ def match_llama4_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     bmm_gu = _only_user(view_in) if _is(view_in, aten.view.default, aten.reshape.default) else None
     if not (_is(bmm_gu, aten.bmm.default) and bmm_gu.args[0] is view_in and param_name(bmm_gu.args[1])):
         return None
-    chunk = _only_user(bmm_gu)
-    if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
+    swiglu = _swiglu_of(bmm_gu)
+    if swiglu is None:
         return None
-    items = _getitems(chunk)
-    if set(items) != {0, 1} or len(chunk.users) != 2:
-        return None
-    gate, up = items[0], items[1]
-    silu = _only_user(gate)
-    if _is(silu, aten.silu.default):
-        act = _only_user(silu)
-        if not (_is(act, aten.mul.Tensor) and set(act.args) == {silu, up}):
-            return None
-        act_nodes = [silu, act]
-    elif _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):
-        act, act_nodes = silu, [silu]
-    else:
-        return None
+    act, act_nodes = swiglu
     bmm_down = _only_user(act)
     if not (_is(bmm_down, aten.bmm.default) and bmm_down.args[0] is act and param_name(bmm_down.args[1])):
         return None
@@ -371,8 +365,7 @@ def match_llama4_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     (_, h), (e, h_in, two_i), (e2, i, h_out) = shapes  # type: ignore[misc]
     if not (e == e2 == num_experts and h == h_in == h_out and two_i == 2 * i):
         return None
-    nodes = [repeated, transposed, col, scaled, view_in, bmm_gu, chunk, gate, up, *act_nodes, bmm_down, flat,
-             per_expert, summed]
+    nodes = [repeated, transposed, col, scaled, view_in, bmm_gu, *act_nodes, bmm_down, flat, per_expert, summed]
     return ExpertsMatch(hidden=hidden, topk_weights=scores, topk_ids=topk_ids, w_gate_up=w_gate_up, w_down=w_down,
                         top_k=top_k, output=summed, nodes=nodes, input_scaled=True)
 

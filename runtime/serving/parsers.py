@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kiln.runtime.serving.reasoning_parser import (DeepSeekR1ReasoningParser, HarmonyReasoningParser,
                                                    HarmonyToolParser, Qwen3ReasoningParser, ReasoningParser)
 from kiln.runtime.serving.tool_parser import (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
@@ -19,16 +21,15 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
-    try:
-        return TOOL_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--tool-call-parser: unknown parser {name!r}; choose one of "
-                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
+    return _lookup(TOOL_PARSERS, name, "--tool-call-parser")
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    try:
-        return REASONING_PARSERS[name]
-    except KeyError:
-        raise ValueError(f"--reasoning-parser: unknown parser {name!r}; choose one of "
-                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
+    return _lookup(REASONING_PARSERS, name, "--reasoning-parser")
+
+
+def _lookup(table: dict[str, Any], name: str, option: str) -> Any:
+    """table[name], or ValueError naming the option and its choices."""
+    if name not in table:
+        raise ValueError(f"{option}: unknown parser {name!r}; choose one of {', '.join(sorted(table))}")
+    return table[name]
