@@ -35,7 +35,12 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
   count (refused when KV heads are replicated: a head would count once per rank). Any other
   reduction over a dimension the rank holds part of is refused, naming the node;
-- ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads.
+- ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads;
+- multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): q_b_proj / q_proj and kv_b_proj
+  keep the rank's heads' rows (whatever a head's width: `_Plan.head_rows`), kv_b_proj also
+  where it is no linear but the per-head weight the latent cache's absorbed attention views;
+  q_a_proj and kv_a_proj_with_mqa (into the shared latents) are replicated, and so is the
+  latent cache's one KV head.
 
 Shapes in the graph's views mostly use -1 for the head count (`[1, T, -1, head_dim]`), so
 after the weights shrink, fake-tensor propagation gives every node its rank's shape (a view
@@ -91,6 +96,11 @@ TP_ARCHITECTURES = {
     "gpt_oss": "as mixtral over [E, in, out] experts whose gate/up channels alternate (a rank's pairs are one run "
                "of columns) with biases (the down projection's on rank 0 only); attention sinks per head; "
                "o_proj's bias after the all-reduce",
+    "deepseek_v3": "multi-head latent attention: q_b_proj / kv_b_proj per head (kv_b_proj a view when the latent is "
+                   "cached), the latents' projections replicated, o_proj by heads; experts as mixtral, the "
+                   "router (with its selection bias) replicated, shared experts as an MLP",
+    "deepseek_v2": "as deepseek_v3, q_proj by heads (no q LoRA), the softmax router replicated",
+    "glm4_moe_lite": "as deepseek_v3",
     "gemma": "as llama; embedding scaled after the all-reduce",
     "gemma2": "as llama; soft-capping per head and on the gathered logits",
     "gemma3_text": "as llama; q/k norm per head",
@@ -137,7 +147,10 @@ TP_ARCHITECTURES = {
 # q/k/v/o_proj and gate/up/down_proj, Phi's dense and fc1/fc2, StarCoder2's c_fc/c_proj,
 # GPT-J's out_proj and fc_in/fc_out.
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
-           "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp"}
+           "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp",
+           # Multi-head latent attention's up-projections from the latents: rows per head
+           # (q_b_proj: nope + rope; kv_b_proj, where it is a linear: k_nope + v).
+           "q_b_proj": "q", "kv_b_proj": "q"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
         "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}
 # Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's
@@ -162,7 +175,7 @@ _CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores). Routers of any name are found by kiln.passes.fuse_moe's
 # router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
-_REPLICATED = {"gate"}
+_REPLICATED = {"gate", "q_a_proj", "kv_a_proj_with_mqa"}  # (MLA's: into the shared q and kv latents)
 # Where an MoE block's output ends: the residual add (or the graph output).
 _BLOCK_END = {aten.add.Tensor, "output"}
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
@@ -211,6 +224,7 @@ class _Plan:
         heads = int(config.num_attention_heads)
         kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         per = heads // tp
+        self.num_heads, self.heads_per_rank = heads, per
         self.q = (rank * per * self.head_dim, (rank + 1) * per * self.head_dim)
         self.kv_heads, self.kv_replicated = kv_heads, kv_heads < tp
         self.full_width = {"q": heads * self.head_dim, "kv": kv_heads * self.head_dim}
@@ -228,6 +242,14 @@ class _Plan:
         kv_rank = (self.kv[1] - self.kv[0]) // self.head_dim
         return {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
                 kv_heads: kv_rank, kv_heads * self.head_dim: kv_rank * self.head_dim}
+
+    def head_rows(self, size: int, what: str) -> tuple[int, int]:
+        """This rank's part of a dimension laid out per query head, whatever a head's width (MLA's
+        q_b_proj and kv_b_proj rows are not head_dim a head): `q` where the width is head_dim."""
+        if size % self.num_heads:
+            raise ValueError(f"shard_tensor_parallel: {what} of size {size} is not {self.num_heads} heads' rows")
+        width = size // self.num_heads
+        return (self.rank * self.heads_per_rank * width, (self.rank + 1) * self.heads_per_rank * width)
 
     def even(self, size: int, what: str) -> tuple[int, int]:
         if size % self.tp:
@@ -377,14 +399,15 @@ class ShardTensorParallelPass(KilnPass):
                 stats["column_parallel"] += 1
             elif module in _COLUMN:
                 kind = _COLUMN[module]
-                rows = (plan.q if kind == "q" else plan.kv if kind == "kv"
+                rows = (plan.head_rows(weight.meta["val"].shape[0], name) if kind == "q" else plan.kv if kind == "kv"
                         else plan.even(weight.meta["val"].shape[0], name))
                 shard(weight, 0, [rows], rows[1] - rows[0])
                 if bias is not None:
                     shard(bias, 0, [rows], rows[1] - rows[0])
                 stats["column_parallel"] += 1
             elif module in _ROW:
-                cols = plan.q if _ROW[module] == "q" else plan.even(weight.meta["val"].shape[1], name)
+                cols = (plan.head_rows(weight.meta["val"].shape[1], name) if _ROW[module] == "q"
+                        else plan.even(weight.meta["val"].shape[1], name))
                 shard(weight, 1, [cols], cols[1] - cols[0])
                 if bias is not None:
                     node.args = node.args[:2]
@@ -426,6 +449,7 @@ class ShardTensorParallelPass(KilnPass):
         stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
         stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
+        stats["latent_up_projections_sharded"] = self._shard_latent_up_projections(gm, plan, shard)
         stats["all_reduce"] += _reshape_params(gm, new_shapes, plan.size_map(ctx.config), plan)
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
@@ -597,6 +621,23 @@ class ShardTensorParallelPass(KilnPass):
         return count
 
     @staticmethod
+    def _shard_latent_up_projections(gm: torch.fx.GraphModule, plan: _Plan, shard: Any) -> int:
+        """Multi-head latent attention cached as its latent (kiln.compiler.capture's
+        `_latent_attention`): kv_b_proj is no linear but a per-head [k_nope; v] weight read by
+        `view(-1, ...)` into the queries and outputs; each rank reads its heads' rows, and the
+        latent (one KV head) is replicated."""
+        count = 0
+        for node in gm.graph.find_nodes(op="placeholder"):
+            name = param_name(node)
+            if (name is None or not name.endswith(".kv_b_proj.weight")
+                    or any(u.target == aten.linear.default for u in node.users)):
+                continue
+            (a, b) = plan.head_rows(int(node.meta["val"].shape[0]), name)
+            shard(node, 0, [(a, b)], b - a)
+            count += 1
+        return count
+
+    @staticmethod
     def _shard_sinks(gm: torch.fx.GraphModule, plan: _Plan, shard: Any) -> int:
         """Attention sinks (GPT-OSS): a parameter of one logit per query head; each rank reads
         its heads' (the attention markers carry them as `sinks`)."""
@@ -749,6 +790,10 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
         raise ValueError("shard_tensor_parallel: the graph's inputs carry no fake values to propagate shapes with")
     full_vals = {node: node.meta.get("val") for node in gm.graph.nodes}
     reduced = 0
+    # Only what the sharded inputs reach is recomputed: re-running the rest (DeepSeek-V2's
+    # complex-valued RoPE) could add a guard that pins the symbolic token count to its example
+    # value, and every later shape would come out fixed.
+    reached: set[torch.fx.Node] = set(new_shapes)
     with mode:
         for node, shape in new_shapes.items():
             old = node.meta["val"]
@@ -756,6 +801,9 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
+            if "val" in node.meta and not any(a in reached for a in node.all_input_nodes):
+                continue
+            reached.add(node)
             old = node.meta.get("val")
             shrunk = _shrunk_reduced_dims(node, full_vals)
             if shrunk and node.target == aten.mean.dim:
