@@ -101,6 +101,9 @@ TP_ARCHITECTURES = {
                    "router (with its selection bias) replicated, shared experts as an MLP",
     "deepseek_v2": "as deepseek_v3, q_proj by heads (no q LoRA), the softmax router replicated",
     "glm4_moe_lite": "as deepseek_v3",
+    "llama4_text": "as llama; its [E, in, out] experts split along their intermediate dimension (the routed sum "
+                   "all-reduced before the shared expert's output is added), the router replicated; chunked "
+                   "attention per head",
     "gemma": "as llama; embedding scaled after the all-reduce",
     "gemma2": "as llama; soft-capping per head and on the gathered logits",
     "gemma3_text": "as llama; q/k norm per head",
@@ -175,9 +178,13 @@ _CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores). Routers of any name are found by kiln.passes.fuse_moe's
 # router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
-_REPLICATED = {"gate", "q_a_proj", "kv_a_proj_with_mqa"}  # (MLA's: into the shared q and kv latents)
-# Where an MoE block's output ends: the residual add (or the graph output).
+_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa"}  # (MLA's: into the shared q and kv latents)
+# Where an MoE block's output ends: the residual add (or the graph output); for Llama 4's
+# experts also the in-place add of the routed sum to the shared expert's (reduced) output.
 _BLOCK_END = {aten.add.Tensor, "output"}
+_LLAMA4_BLOCK_END = _BLOCK_END | {aten.add_.Tensor}
+# Stacked experts kept as [E, in, out] (Llama 4's), not transformers' pluggable [E, out, in].
+_TRANSPOSED_EXPERTS = {"llama4_text"}
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 _OAI_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
@@ -309,14 +316,15 @@ class _Plan:
         return (start, min(size, start + per)), per
 
 
-def _all_reduce_at_block_end(down_proj: torch.fx.Node, all_reduce_after: Any) -> int:
+def _all_reduce_at_block_end(down_proj: torch.fx.Node, all_reduce_after: Any,
+                             ends: set[object] = _BLOCK_END) -> int:
     """An all-reduce where each reader of a row-sharded experts' down projection leads, through
     single-use nodes (the routing weights, the sum over a token's experts, reshapes: linear in
-    it), to the block's end (the residual add); how many were placed."""
+    it), to the block's end (`ends`: the residual add); how many were placed."""
     count = 0
     for user in [u for u in down_proj.users if u.op == "call_function"]:
         target = user
-        while len(target.users) == 1 and next(iter(target.users)).target not in _BLOCK_END:
+        while len(target.users) == 1 and next(iter(target.users)).target not in ends:
             target = next(iter(target.users))
         all_reduce_after(target)
         count += 1
@@ -443,8 +451,11 @@ class ShardTensorParallelPass(KilnPass):
             all_reduce_after(self._mask_embedding(graph, node, start, stop))
             stats["vocab_parallel"] += 1
             stats["all_reduce"] += 1
-        shard_experts = self._shard_oai_experts if model_type == "gpt_oss" else self._shard_experts
-        stats["experts_sharded"] = shard_experts(gm, plan, shard, all_reduce_after)
+        if model_type == "gpt_oss":
+            stats["experts_sharded"] = self._shard_oai_experts(gm, plan, shard, all_reduce_after)
+        else:
+            stats["experts_sharded"] = self._shard_experts(gm, plan, shard, all_reduce_after,
+                                                           transposed=model_type in _TRANSPOSED_EXPERTS)
         stats["all_reduce"] += stats["experts_sharded"]
         stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
@@ -570,12 +581,16 @@ class ShardTensorParallelPass(KilnPass):
         return masked
 
     @staticmethod
-    def _shard_experts(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, all_reduce_after: Any) -> int:
+    def _shard_experts(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, all_reduce_after: Any,
+                       transposed: bool = False) -> int:
         """Stacked experts: gate_up_proj [E, 2I, H] keeps each half's rows of this rank,
-        down_proj [E, H, I] its columns. What follows the down projection (routing weights,
-        the sum over each token's experts, reshapes) is linear in it, so the all-reduce goes
-        at the end of that chain, where the block's output meets the residual add: one
-        [T, H] message per layer rather than one per routed token."""
+        down_proj [E, H, I] its columns (`transposed`: Llama 4's [E, in, out] experts,
+        gate_up_proj [E, H, 2I] each half's columns, down_proj [E, I, H] its rows). What follows
+        the down projection (routing weights, the sum over each token's experts, reshapes) is
+        linear in it, so the all-reduce goes at the end of that chain, where the block's output
+        meets the residual add (or a shared expert's, already reduced): one [T, H] message per
+        layer rather than one per routed token."""
+        out_dim, in_dim = (2, 1) if transposed else (1, 2)
         count = 0
         for node in gm.graph.find_nodes(op="placeholder"):
             name = param_name(node)
@@ -584,13 +599,14 @@ class ShardTensorParallelPass(KilnPass):
                 continue
             shape = node.meta["val"].shape
             if match.group(1) == "gate_up_proj":
-                inter = shape[1] // 2
+                inter = shape[out_dim] // 2
                 a, b = plan.even(inter, name)
-                shard(node, 1, [(a, b), (inter + a, inter + b)], 2 * (b - a))
+                shard(node, out_dim, [(a, b), (inter + a, inter + b)], 2 * (b - a))
             else:
-                a, b = plan.even(shape[2], name)
-                shard(node, 2, [(a, b)], b - a)
-                count += _all_reduce_at_block_end(node, all_reduce_after)
+                a, b = plan.even(shape[in_dim], name)
+                shard(node, in_dim, [(a, b)], b - a)
+                count += _all_reduce_at_block_end(node, all_reduce_after,
+                                                  _LLAMA4_BLOCK_END if transposed else _BLOCK_END)
         return count
 
     @staticmethod
