@@ -429,13 +429,17 @@ def _config_of(config_path: Path, config_from_cache: ConfigLookup | None) -> tup
     return raw, (cached if cached is not None else load_config(config_path, raw))
 
 
+def is_multimodal(raw: dict[str, Any]) -> bool:
+    """Whether config.json is a multimodal checkpoint's that Kiln runs as its language model."""
+    return raw.get("model_type") in MULTIMODAL_TEXT_MODELS and isinstance(raw.get("text_config"), dict)
+
+
 def text_config_of(raw: dict[str, Any]) -> dict[str, Any] | None:
     """The language model's config of a multimodal config.json (`MULTIMODAL_TEXT_MODELS`), with
     the top-level fields that apply to it; None for any other config."""
-    text = raw.get("text_config")
-    if raw.get("model_type") not in MULTIMODAL_TEXT_MODELS or not isinstance(text, dict):
+    if not is_multimodal(raw):
         return None
-    text = dict(text)
+    text = dict(raw["text_config"])
     for name in _MULTIMODAL_SHARED_FIELDS:
         if name in raw and name not in text:
             text[name] = raw[name]
@@ -553,7 +557,7 @@ def _hf_dir_source(path: Path, load_format: str, config_from_cache: ConfigLookup
     return ModelSource(
         name=path.name, kind="hf_dir", config=config, path=path, load_format=load_format,
         weights_dir=path, _tokenizer_factory=tokenizer, raw_config=raw,
-        multimodal=text_config_of(raw) is not None,
+        multimodal=is_multimodal(raw),  # (no transformers import: a warm start has the config cached)
     )
 
 
