@@ -98,11 +98,13 @@ def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         saved = set(f.keys())
-    assert "language_model.model.embed_tokens.weight" in saved and any(k.startswith(("vision_model.", "vision_tower.")) for k in saved)
+    assert "language_model.model.embed_tokens.weight" in saved
+    assert any(k.startswith(("vision_model.", "vision_tower.")) for k in saved)
 
     source = resolve_model(tmp_path)
     assert source.multimodal and source.config.model_type == text_arch
     prompt = [1, 5, 7, 9, 11, 13, 2, 17]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
-    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], greedy)
     assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 6)
