@@ -699,37 +699,31 @@ def _rearranged_oai_experts(gm: torch.fx.GraphModule, ctx: PassContext,
     """GPT-OSS's expert tensors as `kiln::moe_experts` takes them: new inputs (w_gate_up
     [E, 2I, H] gate rows then up rows, its bias likewise, w_down [E, H, I]) built at load by
     `RearrangeExperts`; -> (w_gate_up, w_down) and the op's keyword arguments."""
-    made = {}
-    for key, param, transpose, deinterleave in (("w_gate_up", m.w_gate_up, True, True),
-                                                ("b_gate_up", m.b_gate_up, False, True),
-                                                ("w_down", m.w_down, True, False)):
-        source = param_name(param)
-        if source is None:
-            raise ValueError(f"fuse_moe: GPT-OSS expert input {param.name} is not a parameter")
-        name = f"{source.rsplit('.', 1)[0]}.{key}"  # model.layers.N.mlp.experts.w_gate_up, ...
-        val = param.meta.get("val")
-        example = None
-        if isinstance(val, torch.Tensor):
-            example = val.transpose(1, 2).contiguous() if transpose else val.clone()
-        made[key] = add_graph_input(gm, name.replace(".", "_"), param_role(name), example)
-        ctx.weight_transforms.append(RearrangeExperts(output=name, input=source, transpose=transpose,
-                                                      deinterleave=deinterleave))
+    made = {key: _rearranged_input(gm, ctx, param, key, transpose, deinterleave)
+            for key, param, transpose, deinterleave in (("w_gate_up", m.w_gate_up, True, True),
+                                                        ("b_gate_up", m.b_gate_up, False, True),
+                                                        ("w_down", m.w_down, True, False))}
     alpha, limit = m.oai  # type: ignore[misc]
     kwargs = {"b_gate_up": made["b_gate_up"], "b_down": m.b_down, "activation": "swiglu_oai",
               "alpha": alpha, "limit": limit}
     return (made["w_gate_up"], made["w_down"]), kwargs
 
 
-def _transposed_experts(gm: torch.fx.GraphModule, ctx: PassContext, param: torch.fx.Node, key: str) -> torch.fx.Node:
-    """An [E, in, out] expert tensor as `kiln::moe_experts` takes it ([E, out, in]): a new input
-    that the loader builds (`RearrangeExperts`, a transpose)."""
+def _rearranged_input(gm: torch.fx.GraphModule, ctx: PassContext, param: torch.fx.Node, key: str,
+                      transpose: bool, deinterleave: bool = False) -> torch.fx.Node:
+    """Expert tensor `param` as `kiln::moe_experts` takes it: a new input `<experts>.<key>`
+    that the loader builds (`RearrangeExperts`: [E, in, out] transposed, interleaved gate/up
+    channels reordered)."""
     source = param_name(param)
     if source is None:
         raise ValueError(f"fuse_moe: expert input {param.name} is not a parameter")
-    name = f"{source.rsplit('.', 1)[0]}.{key}"  # model.layers.N.feed_forward.experts.w_gate_up, ...
+    name = f"{source.rsplit('.', 1)[0]}.{key}"  # model.layers.N.mlp.experts.w_gate_up, ...
     val = param.meta.get("val")
-    example = val.transpose(1, 2).contiguous() if isinstance(val, torch.Tensor) else None
-    ctx.weight_transforms.append(RearrangeExperts(output=name, input=source, transpose=True))
+    example = None
+    if isinstance(val, torch.Tensor):
+        example = val.transpose(1, 2).contiguous() if transpose else val.clone()
+    ctx.weight_transforms.append(RearrangeExperts(output=name, input=source, transpose=transpose,
+                                                  deinterleave=deinterleave))
     return add_graph_input(gm, name.replace(".", "_"), param_role(name), example)
 
 
@@ -739,8 +733,8 @@ def _input_scaled_experts(gm: torch.fx.GraphModule, ctx: PassContext, m: Experts
     rounds it, one pair a row (weight 1), then each token's k rows summed."""
     graph = gm.graph
     hidden_size = _shape(m.hidden)[-1]  # type: ignore[index]
-    w_gate_up = _transposed_experts(gm, ctx, m.w_gate_up, "w_gate_up")
-    w_down = _transposed_experts(gm, ctx, m.w_down, "w_down")
+    w_gate_up = _rearranged_input(gm, ctx, m.w_gate_up, "w_gate_up", transpose=True)
+    w_down = _rearranged_input(gm, ctx, m.w_down, "w_down", transpose=True)
 
     def call(target: object, *args: object, **kwargs: object) -> torch.fx.Node:
         node = graph.call_function(target, args, kwargs)

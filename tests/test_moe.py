@@ -269,6 +269,17 @@ def test_fuse_moe_fuses_the_experts_behind_any_router(arch: str, dtype: torch.dt
         assert (out == ref).float().mean() > 0.99
 
 
+def assert_runs_like(after: Any, before: Any, dtype: torch.dtype) -> None:
+    """The fused graph's logits equal the unfused one's (within bf16 rounding in bfloat16)."""
+    from kiln.compiler.pass_testing import run_graph
+
+    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fuse_moe_fuses_gpt_oss_experts(dtype: torch.dtype) -> None:
     """GPT-OSS's experts ([E, in, out] weights with gate and up channels interleaved, biases, the
@@ -278,7 +289,7 @@ def test_fuse_moe_fuses_gpt_oss_experts(dtype: torch.dtype) -> None:
     from tiny_models import tiny_config
 
     from kiln.compiler.graph_inputs import param_name
-    from kiln.compiler.pass_testing import capture_through, run_graph
+    from kiln.compiler.pass_testing import capture_through
     from kiln.passes.weight_transforms import RearrangeExperts, transforms_from_json, transforms_to_json
 
     config = tiny_config("gpt_oss")
@@ -300,11 +311,7 @@ def test_fuse_moe_fuses_gpt_oss_experts(dtype: torch.dtype) -> None:
     transforms = after.context.weight_transforms
     assert sum(isinstance(t, RearrangeExperts) for t in transforms) == 3 * 2
     assert transforms_from_json(transforms_to_json(transforms)) == transforms
-    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert_runs_like(after, before, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -316,7 +323,7 @@ def test_fuse_moe_fuses_llama4_experts(dtype: torch.dtype) -> None:
     from tiny_models import tiny_config
 
     from kiln.compiler.graph_inputs import param_name
-    from kiln.compiler.pass_testing import capture_through, run_graph
+    from kiln.compiler.pass_testing import capture_through
     from kiln.passes.weight_transforms import RearrangeExperts, transforms_from_json, transforms_to_json
 
     config = tiny_config("llama4_text")
@@ -337,11 +344,7 @@ def test_fuse_moe_fuses_llama4_experts(dtype: torch.dtype) -> None:
     transforms = after.context.weight_transforms
     assert sum(isinstance(t, RearrangeExperts) and t.transpose and not t.deinterleave for t in transforms) == 2 * layers
     assert transforms_from_json(transforms_to_json(transforms)) == transforms
-    out, ref = run_graph(after, num_tokens=13), run_graph(before, num_tokens=13)
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    else:
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert_runs_like(after, before, dtype)
 
 
 def test_gpt_oss_experts_in_fp8_keep_their_biases_and_activation() -> None:
