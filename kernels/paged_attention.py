@@ -23,7 +23,8 @@ Shapes and meaning (B sequences, T tokens in the step):
   kv_scale     [2] float32 or None: the FP8 cache's per-layer scales (k_scale, v_scale). The
                write stores k / k_scale and v / v_scale in e4m3 (saturating at +-448), the
                read multiplies by them, so values far from e4m3's range (which is fixed:
-               normal numbers from 2^-6 to 448) are stored near it. None: scale 1. Read from
+               normal numbers from 2^-6 to 448) are stored near it (a one-plane cache, whose
+               values are its keys, reads both with k_scale). None: scale 1. Read from
                the checkpoint or 1.0 (kiln.passes.kv_cache_scales); a tensor, not a float,
                so an artifact serves any checkpoint's scales.
   sinks        [Hq] or None, keyword-only: attention sinks (GPT-OSS), one more logit per
@@ -248,7 +249,8 @@ def paged_attention_reference(
         n_blocks = -(-seq_len // block_size)
         blocks = block_tables[i, :n_blocks].long()
         # An FP8 cache is read back in the query's dtype, times its scales.
-        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
+        # (A one-plane cache holds keys only, stored with k_scale: its values are those keys.)
+        k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[kv_cache.shape[0] - 1])
         keys = read_kv_cache(kv_cache[0, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], k_scale, q.dtype)
         values = read_kv_cache(kv_cache[-1, blocks].reshape(-1, *kv_cache.shape[3:])[:seq_len], v_scale, q.dtype)
         positions = torch.arange(seq_len, device=q.device)

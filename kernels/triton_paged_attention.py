@@ -107,7 +107,7 @@ def _write_kv_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     CACHE_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr,
     KV_SCALE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, V_IS_K: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -118,15 +118,17 @@ def _write_kv_kernel(
     dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
     dest_offs = dest + h[:, None] * stride_c_h + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     if KV_SCALE:
         # An FP8 cache holds k / k_scale and v / v_scale (the scales are loaded, not passed
         # as floats, so a captured graph serves any checkpoint's scales). The division is in
         # float32, as the reference's; the cast to e4m3 saturates.
         k = k.to(tl.float32) / tl.load(kv_scale_ptr)
-        v = v.to(tl.float32) / tl.load(kv_scale_ptr + 1)
     tl.store(k_cache_ptr + dest_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dest_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if not V_IS_K:  # (a one-plane cache holds the keys only, with k_scale)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+        if KV_SCALE:
+            v = v.to(tl.float32) / tl.load(kv_scale_ptr + 1)
+        tl.store(v_cache_ptr + dest_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 # Values that change from step to step are not specialised on (Triton compiles a variant per
@@ -144,7 +146,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8_CACHE: tl.constexpr, WIDEN_ASM: tl.constexpr, V_TRANS: tl.constexpr,
     SKIP_SINGLE_TOKENS: tl.constexpr = False, MASK_ALL_BLOCKS: tl.constexpr = False, SINKS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, V_IS_K: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     tile_id = tl.program_id(0)
@@ -249,7 +251,10 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if V_TRANS:
+        if V_IS_K:
+            # A one-plane (latent) cache: the values are the keys just loaded, not read again.
+            v = tl.trans(k)
+        elif V_TRANS:
             v = tl.load(v_cache_ptr + kv_offs[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
             v = tl.trans(e4m3_to_f16(v) if WIDEN_ASM else v.to(q_dot.dtype))
         else:
@@ -261,7 +266,7 @@ def _paged_attention_kernel(
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if KV_SCALE:
-        out = out * tl.load(kv_scale_ptr + 1)
+        out = out * tl.load(kv_scale_ptr + (0 if V_IS_K else 1))  # a one-plane cache's values: k_scale
     store_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS > 1:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -322,7 +327,7 @@ def write_kv_cache_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tens
         hkv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         CACHE_BLOCK=kv_cache.shape[2], HEAD_DIM=d, D_PAD=d_pad, H_PAD=h_pad, KV_SCALE=kv_scale is not None,
-        num_warps=num_warps_for(h_pad * d_pad), **pdl_launch_args(k.device, "attention"),
+        V_IS_K=kv_cache.shape[0] == 1, num_warps=num_warps_for(h_pad * d_pad), **pdl_launch_args(k.device, "attention"),
     )
 
 
@@ -364,8 +369,9 @@ KEYS_AS_ROWS_DECODE = AttentionTiling(DECODE_TILE_ROWS, block_n=128, num_warps=4
 # Multi-head latent attention cached as its latent (kv_lora_rank + rope = 576 values, padded to
 # 1,024; kiln.kernels.paged_attention.caches_latent): 16 keys and 16 query rows (one token's
 # 16 heads of a GQA group) a step, one stage, 8 warps, for every step shape: ~96 KB of shared
-# memory for the Q, K and V tiles and the fp32 accumulator at 64 registers a thread. Compiled
-# for sm_90 (tests/test_kernels_sm90_compile.py), not yet run on a GPU nor tuned.
+# memory for the Q, K and V tiles and the fp32 accumulator at 64 registers a thread; the one-plane
+# cache's K tile serves as V (`V_IS_K`), so each key is read once. Compiled for sm_90
+# (tests/test_kernels_sm90_compile.py), not yet run on a GPU nor tuned.
 LATENT_TILING = AttentionTiling(DECODE_TILE_ROWS, block_n=16, num_warps=8, num_stages=1, mask_all_blocks=True)
 
 
@@ -581,7 +587,7 @@ def attend_paged_triton(
             NUM_SPLITS=num_splits, FP8_CACHE=kv_cache.element_size() == 1,
             WIDEN_ASM=tiling.widen_asm and kv_cache.element_size() == 1, V_TRANS=tiling.v_trans,
             SKIP_SINGLE_TOKENS=singles_as_rows, MASK_ALL_BLOCKS=tiling.mask_all_blocks, SINKS=sinks is not None,
-            num_warps=num_warps,
+            V_IS_K=kv_cache.shape[0] == 1, num_warps=num_warps,
             num_stages=tiling.num_stages, **pdl_launch_args(q.device, "attention"),
         )
     if num_splits > 1 and combine_counters is None:

@@ -235,7 +235,7 @@ for splits in (1, 4):
     consts = dict(SOFTCAP=False, ALIBI=False, KV_SCALE=False, GROUP=16, GROUP_PAD=16, BLOCK_T=1, BLOCK_M=16,
                   BLOCK_N=LATENT_TILING.block_n, HEAD_DIM=576, D_PAD=1024, SEQ_CHUNK=16, CACHE_BLOCK=16,
                   NUM_SPLITS=splits, FP8_CACHE=False, WIDEN_ASM=False, V_TRANS=False,
-                  MASK_ALL_BLOCKS=LATENT_TILING.mask_all_blocks, PDL=True)
+                  MASK_ALL_BLOCKS=LATENT_TILING.mask_all_blocks, PDL=True, V_IS_K=True)
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
     types.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",

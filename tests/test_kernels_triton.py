@@ -527,6 +527,35 @@ def test_paged_attention_latent_shape():
                               num_splits=splits)
 
 
+def test_paged_attention_latent_fp8_values_use_the_key_scale():
+    """An FP8 one-plane cache stores the keys with k_scale, and its values are those keys: the
+    read scales both by k_scale, whatever v_scale says (a checkpoint's scales may differ), in
+    the reference and in the Triton attention (the K tile reused as V, `V_IS_K`); on CUDA the
+    Triton write stores what the reference's does (the interpreter's e4m3 casts differ)."""
+    batch = make_paged_batch(new_tokens=[3, 1], cached=[5, 9], hq=16, hkv=1, d=288, block_size=4, num_blocks=8,
+                             seed=9, dtype=HALF)
+    batch["kv_cache"], batch["v"] = batch["kv_cache"][:1].clone(), batch["k"]
+    batch = _fp8_cache(batch)
+
+    def reference(k_scale: float, v_scale: float) -> tuple[torch.Tensor, dict]:
+        kv_scale = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=DEVICE)
+        written = {k: v.clone() for k, v in batch.items()}
+        return paged_attention_reference(**written, scale=288 ** -0.5, sliding_window=0, kv_scale=kv_scale), written
+
+    ref, written = reference(0.05, 4.0)
+    assert torch.equal(ref, reference(0.05, 0.05)[0]) and torch.equal(ref, reference(0.05, 0.1)[0])
+    assert not torch.allclose(ref, reference(0.1, 4.0)[0])  # k_scale does matter
+    kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
+    for splits in (1, 2):
+        out = attend_paged_triton(*_attention_args(written)[:5], 288 ** -0.5, 0, num_splits=splits,
+                                  kv_scale=kv_scale)
+        assert_attention_close(out, ref, batch, 2e-3, 2e-3)
+    if DEVICE == "cuda":
+        triton_written = {k: v.clone() for k, v in batch.items()}
+        paged_attention_triton(**triton_written, scale=288 ** -0.5, sliding_window=0, kv_scale=kv_scale)
+        assert_cache_matches(triton_written["kv_cache"], written["kv_cache"], batch)
+
+
 def test_attention_tiling_choice():
     h200_smem, a100_smem = 232448, 166912
     # Large-batch decode: 128 keys per iteration, 3 stages, where shared memory holds them;
