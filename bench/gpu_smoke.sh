@@ -15,7 +15,7 @@
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
-#                                         moe_llama4_scout
+#                                         moe_llama4_scout latent_kernel_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_c tests_b latency throughput startup)
 #
@@ -330,6 +330,16 @@ for stage in $STAGES; do
     moe_deepseek_v2_lite)  # issue 17: MLA (cached expanded) + moe_experts at DeepSeek-V2-Lite's shape, decode 1/64
       run_stage moe_deepseek_v2_lite 560 $PY bench/moe.py --shape deepseek-v2-lite --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_deepseek_v2_lite.json" ;;
+    latent_kernel_ab)  # issue 17: DeepSeek-V2-Lite's decode 1/64 over its latent on the latent kernel (512 + 64
+                       # columns, each key read once) against the general kernel's LATENT_TILING (1,024 padded),
+                       # alternating, two runs each (~4 min); then the latent kernel tests on CUDA
+      for i in 1 2; do
+        for on in 0 1; do
+          KILN_LATENT_KERNEL=$on run_stage latent_kernel_ab_${i}_kernel$on 200 $PY bench/moe.py --shape deepseek-v2-lite \
+            --no-offline --no-baseline --out "$OUT/latent_kernel_ab_${i}_kernel$on.json"
+        done
+      done
+      run_stage latent_kernel_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_triton.py -k latent ;;
     gpt_oss_tests)  # GPT-OSS: attention sinks in the attention kernel, biased experts with the clamped SwiGLU in
                     # the MoE kernels' epilogues, the tiny model through Triton + CUDA graphs (~2 min)
       run_stage gpt_oss_tests 300 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_gpu_architectures.py \

@@ -27,6 +27,11 @@ with FUSED_ROPE a decode on the keys-as-rows kernel does both in that kernel, on
    and log-sum-exp, and `_combine_splits_kernel` merges them (or, with FUSED_COMBINE, the
    e4m3-MMA decode kernel's last split of each token and KV head does).
 
+A one-plane latent cache (multi-head latent attention, head dim 576) runs
+`kiln.kernels.triton_paged_latent`'s kernel instead of 2. and 3.'s first launch: its head dim
+split as 512 + 64 rather than padded to 1,024 (`LATENT_TILING` here keeps the general kernel's
+path for what that kernel does not take).
+
 Every launch decision is taken from tensor shapes, never from tensor values, so the op
 runs inside a captured CUDA graph (shapes are static per bucket) and never synchronises.
 """
@@ -45,8 +50,10 @@ from kiln.kernels.paged_attention import check_kv_scale, paged_attention_referen
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (SPLIT_K_COUNTERS, converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range,
                                         max_shared_memory, multiprocessor_count, num_warps_for, online_softmax_start,
-                                        pdl_launch_args, pow2_at_least, split_k_counters, wait_for_previous_kernel,
-                                        zero_padded_rows)
+                                        pdl_launch_args, pow2_at_least, split_k_counters, tile_sequence,
+                                        wait_for_previous_kernel, zero_padded_rows)
+from kiln.kernels.triton_paged_latent import (LatentTiling, latent_kernel_applies, latent_tiling,
+                                              launch_paged_latent_attention)
 from kiln.kernels.triton_paged_decode_fp8 import (NewTokensKV, decode_fp8_supported, decode_rows_supported,
                                                   launch_paged_decode_fp8)
 from kiln.kernels.rope import check_rope_args
@@ -158,14 +165,8 @@ def _paged_attention_kernel(
         zero_padded_rows(out_ptr, query_start_loc_ptr, num_seqs, num_tokens, tile_id, tl.num_programs(0), kv_head,
                          stride_ot, stride_oh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
 
-    # Which sequence owns this tile (see the module docstring for the numbering): count the
-    # sequences whose first tile is at or before this one, SEQ_CHUNK starts at a time.
-    seq = -1
-    for chunk in range(0, num_seqs, SEQ_CHUNK):
-        offs_b = chunk + tl.arange(0, SEQ_CHUNK)
-        q_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
-        tile_starts = tl.where(offs_b < num_seqs, q_starts // BLOCK_T + offs_b, 2147483647)
-        seq += tl.sum((tile_starts <= tile_id).to(tl.int32), axis=0)
+    # Which sequence owns this tile (see the module docstring for the numbering).
+    seq = tile_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T, SEQ_CHUNK)
     q_start = tl.load(query_start_loc_ptr + seq)
     n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
     tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
@@ -467,7 +468,7 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int,
     num_splits: int | None = None,
-    tiling: AttentionTiling | None = None,
+    tiling: AttentionTiling | LatentTiling | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
@@ -496,7 +497,7 @@ def attend_paged_triton(
     scale: float,
     sliding_window: int,
     num_splits: int | None = None,
-    tiling: AttentionTiling | None = None,
+    tiling: AttentionTiling | LatentTiling | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
@@ -523,6 +524,12 @@ def attend_paged_triton(
     check_kv_scale(kv_scale, kv_cache)
     kv_scale = fp8_cache_scale(kv_cache, kv_scale)
     num_seqs = block_tables.shape[0]
+    if not isinstance(tiling, AttentionTiling) and latent_kernel_applies(kv_cache, d, sliding_window, softcap,
+                                                                          alibi_slopes, sinks):
+        if new_kv is not None:
+            q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)
+        return _attend_latent(q, kv_cache, block_tables, seq_lens, query_start_loc, scale, kv_scale, num_splits,
+                              tiling)
     # ALiBi, which the keys-as-rows kernels do not compute, keeps to the general kernel.
     rows_kernel_fits = decode_rows_supported(kv_cache, d, softcap, alibi_slopes is not None)
     tiling = tiling or default_tiling(q, kv_cache, num_seqs, softcap, alibi_slopes is not None)
@@ -591,13 +598,47 @@ def attend_paged_triton(
             num_stages=tiling.num_stages, **pdl_launch_args(q.device, "attention"),
         )
     if num_splits > 1 and combine_counters is None:
-        _combine_splits_kernel[(t, hq)](
-            part_out, part_lse, out, query_start_loc, num_seqs,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits), HEAD_DIM=d, D_PAD=pow2_at_least(d),
-            num_warps=4, **pdl_launch_args(out.device, "attention"),
-        )
+        _combine_splits(part_out, part_lse, out, query_start_loc, num_seqs)
+    return out
+
+
+def _combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+                    num_seqs: int) -> None:
+    """Merge a split launch's partial outputs and log-sum-exps into `out` [T, Hq, D] (padded
+    tokens' rows zeroed)."""
+    num_splits, t, hq, d = part_out.shape
+    _combine_splits_kernel[(t, hq)](
+        part_out, part_lse, out, query_start_loc, num_seqs,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=pow2_at_least(num_splits), HEAD_DIM=d, D_PAD=pow2_at_least(d),
+        num_warps=4, **pdl_launch_args(out.device, "attention"),
+    )
+
+
+def _attend_latent(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, scale: float, kv_scale: torch.Tensor | None,
+                   num_splits: int | None, tiling: LatentTiling | None) -> torch.Tensor:
+    """`attend_paged_triton` over a latent cache, on `kiln.kernels.triton_paged_latent`'s kernel."""
+    t, hq, d = q.shape
+    num_seqs, hkv = block_tables.shape[0], kv_cache.shape[3]
+    if t == 0 or num_seqs == 0:
+        return torch.zeros_like(q)
+    tiling = tiling or latent_tiling(t, num_seqs, hq // hkv)
+    if num_splits is None:
+        programs_per_tile = hkv * triton.cdiv(hq // hkv, tiling.heads)
+        num_splits = choose_num_splits(t, num_seqs, programs_per_tile, tiling.tile_rows // tiling.heads,
+                                       tiling.block_n, block_tables.shape[1] * kv_cache.shape[2],
+                                       multiprocessor_count(q.device))
+    out = torch.empty_like(q)
+    part_out = part_lse = out  # unused by the kernel without splits
+    if num_splits > 1:
+        part_out = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+    launch_paged_latent_attention(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+                                  kv_scale, scale, num_splits, tiling)
+    if num_splits > 1:
+        _combine_splits(part_out, part_lse, out, query_start_loc, num_seqs)
     return out
 
 
@@ -632,7 +673,7 @@ def rope_paged_attention_triton(
     num_splits: int | None = None,
     softcap: float = 0.0,
     kv_scale: torch.Tensor | None = None,
-    tiling: AttentionTiling | None = None,
+    tiling: AttentionTiling | LatentTiling | None = None,
     fuse_rope: bool | None = None,
     fuse_norms: bool | None = None,
     sinks: torch.Tensor | None = None,

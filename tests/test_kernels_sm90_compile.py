@@ -265,3 +265,60 @@ def test_latent_attention_tiling_compiles_for_sm90() -> None:
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (shared, mma) in found.items():
         assert 0 < shared <= 227 * 1024 and mma, (name, shared, mma)
+
+
+_LATENT_KERNEL_SCRIPT = """
+import json, os, re, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_PREFILL, _paged_latent_attention_kernel
+
+def spill_bytes(ptx):
+    # ptxas -v says how many bytes of registers spill (PTX itself has no register allocation).
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
+    return sum(int(n) for n in stores) if stores else -1  # (-1: ptxas said nothing of spills)
+
+fn = _paged_latent_attention_kernel
+found = {}
+for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode fp8", LATENT_DECODE, 1, True),
+                                  ("prefill", LATENT_PREFILL, 1, False)):
+    block_t = tiling.tile_rows // tiling.heads
+    consts = dict(KV_SCALE=fp8, FP8_CACHE=fp8, GROUP=16, HEADS=tiling.heads, HEAD_BLOCKS=1, BLOCK_T=block_t,
+                  BLOCK_M=tiling.tile_rows, BLOCK_N=tiling.block_n, D_MAIN=512, D_TAIL=64, SEQ_CHUNK=64,
+                  CACHE_BLOCK=16, NUM_SPLITS=splits, PDL=True)
+    types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+    types.update(cache_ptr="*fp8e4nv" if fp8 else "*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", kv_scale_ptr="*fp32",
+                 scale="fp32")
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+             if n.endswith("_ptr") or n.startswith("stride")}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                              options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
+    ptx = compiled.asm["ptx"]
+    found[name] = [compiled.metadata.shared, "mma" in ptx, spill_bytes(ptx)]
+print(json.dumps(found))
+"""
+
+
+def test_latent_kernel_compiles_for_sm90() -> None:
+    """The latent kernel (`kiln.kernels.triton_paged_latent`: 512 + 64 columns, 16 heads a
+    program) at its decode and prefill launch shapes, split, over an FP8 cache: within 227 KB
+    of shared memory a block, on tensor-core MMAs, and without register spills (ptxas -v);
+    not yet run on a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _LATENT_KERNEL_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, (shared, mma, spills) in found.items():
+        assert 0 < shared <= 227 * 1024 and mma and spills == 0, (name, shared, mma, spills)

@@ -9,6 +9,7 @@ Python. Real shapes are in test_gpu_kernels.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import os
 
@@ -524,6 +525,28 @@ def test_paged_attention_latent_shape():
     batch["kv_cache"], batch["v"] = batch["kv_cache"][:1].clone(), batch["k"]
     for splits in (1, 2):
         check_paged_attention({k: v.clone() for k, v in batch.items()}, scale=288 ** -0.5, window=0,
+                              num_splits=splits, tiling=LATENT_TILING)
+
+
+@pytest.mark.parametrize("hq,hkv,steps", [(16, 1, "mixed"), (40, 1, "decode"), (40, 2, "mixed"), (8, 1, "decode")])
+def test_paged_latent_attention_kernel(hq, hkv, steps):
+    """The latent kernel (`kiln.kernels.triton_paged_latent`: the head dim as 256 + 32 here,
+    DeepSeek's 512 + 64 scaled down; the keys read once as K and V), which a one-plane cache
+    takes by default: against the reference over mixed and decode-shaped steps with padded
+    tokens, split and not, with a group wider than a program's 16 heads (40: three head
+    blocks, the last partial), two KV heads, and a group narrower than 16."""
+    from kiln.kernels.triton_paged_latent import latent_dims, latent_kernel_applies, latent_tiling
+
+    assert latent_dims(576) == (512, 64) and latent_dims(288) == (256, 32) and latent_dims(300) is None
+    shape = MIXED if steps == "mixed" else dict(new_tokens=[1, 1, 1, 0], cached=[6, 13, 2, 0], pad_tokens=2)
+    batch = make_paged_batch(**shape, hq=hq, hkv=hkv, d=288, block_size=4, num_blocks=40, seed=hq + hkv)
+    batch["kv_cache"], batch["v"] = batch["kv_cache"][:1].clone(), batch["k"]
+    assert latent_kernel_applies(batch["kv_cache"], 288, 0, 0.0, None, None)
+    assert not latent_kernel_applies(batch["kv_cache"], 288, 4, 0.0, None, None)  # a window: the general kernel
+    t, num_seqs = batch["q"].shape[0], batch["block_tables"].shape[0]
+    assert latent_tiling(t, num_seqs, hq // hkv).heads == min(16, hq // hkv)
+    for splits in (1, 3):
+        check_paged_attention({k: v.clone() for k, v in batch.items()}, scale=288 ** -0.5, window=0,
                               num_splits=splits)
 
 
@@ -546,9 +569,9 @@ def test_paged_attention_latent_fp8_values_use_the_key_scale():
     assert torch.equal(ref, reference(0.05, 0.05)[0]) and torch.equal(ref, reference(0.05, 0.1)[0])
     assert not torch.allclose(ref, reference(0.1, 4.0)[0])  # k_scale does matter
     kv_scale = torch.tensor([0.05, 4.0], dtype=torch.float32, device=DEVICE)
-    for splits in (1, 2):
+    for splits, tiling in itertools.product((1, 2), (None, LATENT_TILING)):  # the latent kernel, the general one
         out = attend_paged_triton(*_attention_args(written)[:5], 288 ** -0.5, 0, num_splits=splits,
-                                  kv_scale=kv_scale)
+                                  kv_scale=kv_scale, tiling=tiling)
         assert_attention_close(out, ref, batch, 2e-3, 2e-3)
     if DEVICE == "cuda":
         triton_written = {k: v.clone() for k, v in batch.items()}
