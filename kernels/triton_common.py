@@ -214,18 +214,22 @@ def online_softmax_start(sinks_ptr, heads, heads_ok, split, ROWS: tl.constexpr, 
 
 
 @triton.jit
-def tile_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T: tl.constexpr, SEQ_CHUNK: tl.constexpr):
-    """The sequence that owns query tile `tile_id` of a paged attention launch, where sequence b
-    owns the tiles from query_start_loc[b] // BLOCK_T + b on (`kiln.kernels.triton_paged_attention`'s
-    numbering): the count of sequences whose first tile is at or before this one, minus one,
-    SEQ_CHUNK starts at a time."""
+def locate_query_tile(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T: tl.constexpr, SEQ_CHUNK: tl.constexpr):
+    """Where query tile `tile_id` of a paged attention launch lies: (its sequence, the
+    sequence's first row in q, its new tokens, the tile's first token among them; past them
+    the tile has nothing to do). Sequence b owns the tiles from query_start_loc[b] // BLOCK_T +
+    b on (`kiln.kernels.triton_paged_attention`'s numbering): it is the count of sequences
+    whose first tile is at or before this one, minus one, SEQ_CHUNK starts at a time."""
     seq = -1
     for chunk in range(0, num_seqs, SEQ_CHUNK):
         offs_b = chunk + tl.arange(0, SEQ_CHUNK)
         q_starts = tl.load(query_start_loc_ptr + offs_b, mask=offs_b < num_seqs, other=0)
         tile_starts = tl.where(offs_b < num_seqs, q_starts // BLOCK_T + offs_b, 2147483647)
         seq += tl.sum((tile_starts <= tile_id).to(tl.int32), axis=0)
-    return seq
+    q_start = tl.load(query_start_loc_ptr + seq)
+    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
+    return seq, q_start, n_new, tok0
 
 
 @triton.jit

@@ -49,8 +49,8 @@ from kiln.kernels.paged_attention import paged_attention as paged_attention_op
 from kiln.kernels.paged_attention import check_kv_scale, paged_attention_reference, record_kv_amax
 from kiln.kernels.rope_paged_attention import rope_paged_attention as rope_paged_attention_op
 from kiln.kernels.triton_common import (SPLIT_K_COUNTERS, converts_e4m3_in_hardware, e4m3_to_f16, kv_split_range,
-                                        max_shared_memory, multiprocessor_count, num_warps_for, online_softmax_start,
-                                        pdl_launch_args, pow2_at_least, split_k_counters, tile_sequence,
+                                        locate_query_tile, max_shared_memory, multiprocessor_count, num_warps_for,
+                                        online_softmax_start, pdl_launch_args, pow2_at_least, split_k_counters,
                                         wait_for_previous_kernel, zero_padded_rows)
 from kiln.kernels.triton_paged_latent import (LatentTiling, latent_kernel_applies, latent_tiling,
                                               launch_paged_latent_attention)
@@ -166,10 +166,7 @@ def _paged_attention_kernel(
                          stride_ot, stride_oh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD)
 
     # Which sequence owns this tile (see the module docstring for the numbering).
-    seq = tile_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T, SEQ_CHUNK)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
+    seq, q_start, n_new, tok0 = locate_query_tile(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T, SEQ_CHUNK)
     if tok0 >= n_new:
         return
     if SKIP_SINGLE_TOKENS:

@@ -11,8 +11,8 @@ RoPE key, and reads each key tile once for both dots (the values are the keys).
 
 One program per (query tile, block of HEADS query heads of one KV head, KV split): a tile is
 BLOCK_T tokens of one sequence times HEADS heads (the general kernel's tile numbering,
-`tile_sequence`); a KV head's GROUP query heads (16 for DeepSeek-V2-Lite, 128 for V3 on one
-GPU) take GROUP / HEADS programs, so a tile's accumulator stays within registers
+`locate_query_tile`); a KV head's GROUP query heads (16 for DeepSeek-V2-Lite, 128 for V3 on
+one GPU) take GROUP / HEADS programs, so a tile's accumulator stays within registers
 (BLOCK_M x 512 float32) at every group size. Causal masking only: the architectures that cache
 a latent have no sliding window, soft-cap, ALiBi or sinks (`latent_kernel_applies`; others run
 the general kernel). Splits over the KV length are merged by the general kernel's
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.triton_common import (kv_split_range, pdl_launch_args, pow2_at_least, tile_sequence,
-                                        wait_for_previous_kernel)
+from kiln.kernels.triton_common import (kv_split_range, locate_query_tile, online_softmax_start, pdl_launch_args,
+                                        pow2_at_least, wait_for_previous_kernel)
 
 LATENT_KERNEL = os.environ.get("KILN_LATENT_KERNEL", "1") != "0"
 SEQ_CHUNK = 64
@@ -110,10 +110,7 @@ def _paged_latent_attention_kernel(
             tl.store(base + offs_b[None, :], tl.zeros([HEADS, D_TAIL], tl.float32).to(out_ptr.dtype.element_ty),
                      mask=pad_ok)
 
-    seq = tile_sequence(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T, SEQ_CHUNK)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    n_new = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tok0 = (tile_id - (q_start // BLOCK_T + seq)) * BLOCK_T
+    seq, q_start, n_new, tok0 = locate_query_tile(query_start_loc_ptr, num_seqs, tile_id, BLOCK_T, SEQ_CHUNK)
     if tok0 >= n_new:
         return
     first_pos = tl.load(seq_lens_ptr + seq) - n_new  # position of the sequence's first new token
@@ -135,8 +132,7 @@ def _paged_latent_attention_kernel(
         qk_scale = qk_scale / shift
 
     kv_lo, kv_hi = kv_split_range(0, first_pos + tl.minimum(tok0 + BLOCK_T, n_new), split, NUM_SPLITS, BLOCK_N)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i, l_i = online_softmax_start(q_ptr, head, row_ok, split, BLOCK_M, False)  # (no sinks)
     acc_a = tl.zeros([BLOCK_M, D_MAIN], tl.float32)
     acc_b = tl.zeros([BLOCK_M, D_TAIL], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt

@@ -22,13 +22,16 @@ import os
 import subprocess
 import sys
 
-# Compiles a kernel for sm_90 (no GPU needed) and returns its PTX; each script below starts with it.
+# Compiles a kernel for sm_90 (no GPU needed) and returns it or its PTX; each script below starts with it.
 _PTX = """
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 def ptx(fn, consts, types, num_warps, num_stages):
+    return compile_sm90(fn, consts, types, num_warps, num_stages).asm["ptx"]
+
+def compile_sm90(fn, consts, types, num_warps, num_stages):
     # Compile-time flags not given take their defaults, as at a launch that leaves them out.
     consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -40,7 +43,7 @@ def ptx(fn, consts, types, num_warps, num_stages):
     src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
 """
 
 _SCRIPT = _PTX + """
@@ -224,9 +227,6 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
 
 
 _LATENT_SCRIPT = _PTX + """
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kiln.kernels.triton_paged_attention import LATENT_TILING, _paged_attention_kernel
 
 fn = _paged_attention_kernel
@@ -236,18 +236,11 @@ for splits in (1, 4):
                   BLOCK_N=LATENT_TILING.block_n, HEAD_DIM=576, D_PAD=1024, SEQ_CHUNK=16, CACHE_BLOCK=16,
                   NUM_SPLITS=splits, FP8_CACHE=False, WIDEN_ASM=False, V_TRANS=False,
                   MASK_ALL_BLOCKS=LATENT_TILING.mask_all_blocks, PDL=True, V_IS_K=True)
-    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
     types.update(part_out_ptr="*fp32", part_lse_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i32",
                  query_start_loc_ptr="*i32", kv_scale_ptr="*fp32", sinks_ptr="*fp32", alibi_slopes_ptr="*fp32",
                  scale="fp32", softcap="fp32")
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if n.endswith("_ptr") or n.startswith("stride")}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                              options={"num_warps": LATENT_TILING.num_warps, "num_stages": LATENT_TILING.num_stages})
+    compiled = compile_sm90(fn, consts, types, LATENT_TILING.num_warps, LATENT_TILING.num_stages)
     found[f"splits {splits}"] = [compiled.metadata.shared, "mma" in compiled.asm["ptx"]]
 print(json.dumps(found))
 """
@@ -267,18 +260,16 @@ def test_latent_attention_tiling_compiles_for_sm90() -> None:
         assert 0 < shared <= 227 * 1024 and mma, (name, shared, mma)
 
 
-_LATENT_KERNEL_SCRIPT = """
-import json, os, re, subprocess, tempfile, triton
-from triton.backends.compiler import GPUTarget
+_LATENT_KERNEL_SCRIPT = _PTX + """
+import os, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
 from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_PREFILL, _paged_latent_attention_kernel
 
-def spill_bytes(ptx):
+def spill_bytes(code):
     # ptxas -v says how many bytes of registers spill (PTX itself has no register allocation).
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(ptx)
+        open(path, "w").write(code)
         proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, check=True)
     stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
@@ -296,15 +287,9 @@ for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode 
     types.update(cache_ptr="*fp8e4nv" if fp8 else "*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                  block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", kv_scale_ptr="*fp32",
                  scale="fp32")
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if n.endswith("_ptr") or n.startswith("stride")}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 64),
-                              options={"num_warps": tiling.num_warps, "num_stages": tiling.num_stages})
-    ptx = compiled.asm["ptx"]
-    found[name] = [compiled.metadata.shared, "mma" in ptx, spill_bytes(ptx)]
+    compiled = compile_sm90(fn, consts, types, tiling.num_warps, tiling.num_stages)
+    code = compiled.asm["ptx"]
+    found[name] = [compiled.metadata.shared, "mma" in code, spill_bytes(code)]
 print(json.dumps(found))
 """
 
