@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import inspect
+import importlib.util
+import re
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -76,11 +77,15 @@ def caches_latent(config: Any) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _attention_expands_kv_apart(model_type: str) -> bool:
+    """Whether transformers' modeling file for `model_type` defines a method `expand_kv`. Read
+    as text, not imported: importing it takes seconds, and a warm start needs nothing else from
+    it (it sizes the KV cache from this). Capture then finds the method on the modules."""
     try:
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    except ImportError:
+        spec = importlib.util.find_spec(f"transformers.models.{model_type}.modeling_{model_type}")
+        source = Path(spec.origin).read_text() if spec is not None and spec.origin else ""
+    except (ImportError, ValueError, OSError):
         return False
-    return any(inspect.isclass(c) and "expand_kv" in vars(c) for c in vars(module).values())
+    return re.search(r"^\s+def expand_kv\(", source, re.MULTILINE) is not None
 
 
 def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:

@@ -123,6 +123,23 @@ def test_latent_attention_caches_the_latent(tiny_model_dir, monkeypatch) -> None
     assert not pa.caches_latent(config) and pa.kv_heads_and_head_dim(config) == (4, 24)
 
 
+def test_expand_kv_read_from_the_modeling_source() -> None:
+    """Whether transformers has `expand_kv` is read from its modeling files' text (a warm start
+    does not import them): the same answer as the classes the import defines, for every MLA
+    type Kiln caches as its latent and for one without MLA."""
+    import importlib
+    import inspect
+
+    from kiln.kernels import paged_attention as pa
+
+    for model_type in sorted(pa.LATENT_CACHE_MODEL_TYPES) + ["llama"]:
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        imported = any(inspect.isclass(c) and "expand_kv" in vars(c) for c in vars(module).values())
+        assert pa._attention_expands_kv_apart(model_type) == imported, model_type
+    assert pa._attention_expands_kv_apart("deepseek_v3") and not pa._attention_expands_kv_apart("llama")
+    assert not pa._attention_expands_kv_apart("no_such_model")
+
+
 def test_llama4_chunked_attention_matches_hf(tiny_model_dir, tmp_path) -> None:
     """Llama 4's RoPE layers attend within chunks of `attention_chunk_size` positions (its NoPE
     layers globally). At a chunk of 8, a 37-token prompt and its continuation cross four chunk
