@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401  (registers kiln::attention)
-from kiln.kernels.paged_attention import caches_latent
 from kiln.compiler.graph_inputs import (
     INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
+from kiln.compiler.stacked_experts import stack_experts
+from kiln.kernels.paged_attention import caches_latent
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -300,6 +301,7 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
             # path adds the bias twice (inline and folded into its mask); its SDPA path once.
             kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
         model = cls._from_config(config, **kwargs)
+        stack_experts(model, config)  # DBRX's looped experts as batched_mm ones (kiln.compiler.stacked_experts)
     model._kiln_inline_attention = inline
     if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":
         raise RuntimeError(

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from kiln.compiler.mxfp4_checkpoint import expert_tensor_from_mxfp4, is_mxfp4_source, mxfp4_source_names
+from kiln.compiler.stacked_experts import stacked_from_looped
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -723,7 +724,7 @@ def _load_safetensors_dir(
     for name, sources in derived.items():
         # Built whole from the per-expert tensors (one layer's worth at a time), then cut.
         want = param_dtypes.get(name, dtype)
-        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources], sources, want)
+        combined = combine_checkpoint_tensors(name, [raw.pop(s) for s in sources], sources, want, num_experts)
         if tp_shards and name in tp_shards:
             combined = tp_shards[name].read_shard(combined)
         _keep(out, name, combined.to(device=device, dtype=want), on_tensor)
@@ -778,6 +779,9 @@ def _fp8_scale(key: str, where: dict[str, Path], shard: Path) -> torch.Tensor:
 #                               (already the model's name; Qwen2-MoE's shared_expert and
 #                               shared_expert_gate are named as in the model too)
 _MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# DBRX keeps one layer's experts in three [E * I, H] matrices (ffn.experts.mlp.w1 gate, v1 up,
+# w2 down, untransposed), which capture's StackedExperts hold stacked (kiln.compiler.stacked_experts).
+_LOOPED_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 _MOE_GATE = re.compile(r"^(.*)\.mlp\.gate\.weight$")
 # Per layout: Hub names of an expert's (gate, up) and down matrices, from (layer prefix, expert).
 _EXPERT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
@@ -791,12 +795,13 @@ _EXPERT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
 def config_num_experts(config: Any) -> int | None:
     """Routed experts per layer (Mixtral, PhiMoE, MiniMax-M2: num_local_experts; Qwen2/3-MoE,
     OLMoE: num_experts; DeepSeek-V3, GLM-4.5, dots.llm1: n_routed_experts; Ernie 4.5:
-    moe_num_experts)."""
+    moe_num_experts; DBRX: its ffn_config's)."""
     for attr in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
             return value
-    return None
+    ffn = getattr(config, "ffn_config", None)  # DBRX: ffn_config.moe_num_experts
+    return config_num_experts(ffn) if ffn is not None else None
 
 
 def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list[list[str]]:
@@ -804,6 +809,9 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     (the loader takes the first whose tensors are all there); empty when no layout applies."""
     if m := _MOE_GATE.match(name):
         return [[f"{m.group(1)}.block_sparse_moe.gate.weight"]]
+    if m := _LOOPED_STACKED.match(name):
+        kind = ("w1", "v1") if m.group(2) == "gate_up_proj" else ("w2",)
+        return [[f"{m.group(1)}.mlp.{w}" for w in kind]] if num_experts is not None else []
     if m := _MOE_STACKED.match(name):
         prefix, kind = m.group(1), m.group(2)
         layouts = [mxfp4_source_names(name)]  # GPT-OSS's MXFP4 experts (kiln.compiler.mxfp4_checkpoint)
@@ -819,11 +827,13 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
 
 
 def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor], sources: list[str],
-                               dtype: torch.dtype) -> torch.Tensor:
+                               dtype: torch.dtype, num_experts: int | None = None) -> torch.Tensor:
     """Model tensor `name` from the checkpoint tensors `sources` (a layout of
-    `checkpoint_source_layouts`), read as `tensors`."""
+    `checkpoint_source_layouts`, given the same `num_experts`), read as `tensors`."""
     if is_mxfp4_source(sources):
         return expert_tensor_from_mxfp4(tensors[0], tensors[1], dtype)
+    if m := _LOOPED_STACKED.match(name):
+        return stacked_from_looped(m.group(2), tensors, num_experts)
     if _MOE_GATE.match(name):
         return tensors[0]
     if name.endswith("gate_up_proj"):

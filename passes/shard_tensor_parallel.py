@@ -139,6 +139,8 @@ TP_ARCHITECTURES = {
     "persimmon": "as gpt_neox; q/k LayerNorm per head",
     "bloom": "as gpt_neox; ALiBi slopes sliced to the rank's heads; embedding LayerNorm after the all-reduce",
     "mpt": "fused Wqkv as phi3's; ALiBi slopes sliced to the rank's heads; up/down_proj, out_proj",
+    "dbrx": "fused Wqkv as mpt's (q/k/v clipping is elementwise), out_proj; experts as mixtral (stacked at "
+            "capture), the router `ffn.router.layer` replicated",
     "gpt_bigcode": "fused c_attn [q; k; v] with one (multi-query) KV head, replicated; c_fc/c_proj",
     "codegen": "qkv_proj in 4 [q; v; k] blocks: the rank's whole blocks are one run of rows (tp divides 4); parallel block",
     "falcon": "FalconLinear matmul(x, W.T): query_key_value multi-query (one K/V head, replicated) or per head; "
@@ -161,6 +163,7 @@ _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2":
 _FUSED = {
     "phi3": {"qkv_proj": "qkv", "gate_up_proj": "gate_up"},
     "mpt": {"Wqkv": "qkv"},
+    "dbrx": {"Wqkv": "qkv"},
     "gpt_bigcode": {"c_attn": "qkv"},
     "codegen": {"qkv_proj": "mp4"},
     "gpt2": {"c_attn": "qkv"},  # along the columns of Conv1D's [in, out] weight

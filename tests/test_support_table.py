@@ -33,6 +33,18 @@ def test_refusal_names_the_construct(arch: str) -> None:
     assert arch not in message.split("(")[0].lower()
 
 
+def test_experts_looping_over_their_tokens_are_refused_unless_rebuilt(monkeypatch) -> None:
+    """Experts whose code loops over the tokens each one got (DBRX's, as transformers writes
+    them) make shapes depend on tensor values; capture names that, and DBRX runs only because
+    its experts are rebuilt as batched_mm ones (kiln.compiler.stacked_experts)."""
+    from kiln.compiler import stacked_experts
+
+    monkeypatch.setattr(stacked_experts, "LOOPED_EXPERTS", {})
+    with pytest.raises(UnsupportedArchitectureError, match="shapes that depend on tensor values "
+                                                           r"\(modeling_dbrx\.py"):
+        capture(tiny_config("dbrx"))
+
+
 def test_remote_code_model_is_refused() -> None:
     config = tiny_config("llama")
     config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}

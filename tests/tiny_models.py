@@ -170,6 +170,13 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "falcon_rw": (dict(_IDS, model_type="falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                        vocab_size=128, alibi=True, multi_query=False, parallel_attn=False, bias=True),
                   "ALiBi folded into the model-built SDPA mask (Falcon-RW), sequential block, biases"),
+    # DBRX: experts that transformers loops over (the tokens each one got), which capture
+    # rebuilds as batched_mm ones (kiln.compiler.stacked_experts); q/k/v clipping; a softmax
+    # router renormalised by an L1 norm.
+    "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
+                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
+             "looped experts rebuilt as batched_mm, q/k/v clipping, fused Wqkv, LayerNorm without bias"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
@@ -178,11 +185,6 @@ _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
-    # Experts that loop over the tokens each one got (not transformers' pluggable experts).
-    "dbrx": (dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,
-                  attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-                  ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
-             "shapes that depend on tensor values"),
 }
 
 
