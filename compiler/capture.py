@@ -201,7 +201,10 @@ def causal_lm_class(config: Any) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", None)
-    if getattr(config, "auto_map", None) or model_type not in CONFIG_MAPPING_NAMES:
+    # A repo's own code (config.auto_map) is never run; where transformers ships the
+    # model_type (DeepSeek-V3's repo carries its code too), transformers' implementation is
+    # captured, as vLLM does without trust_remote_code.
+    if model_type not in CONFIG_MAPPING_NAMES:
         raise UnsupportedArchitectureError(
             f"trust_remote_code model (model_type {model_type!r} has no implementation in transformers "
             f"{transformers.__version__}; Kiln traces transformers' own code only)")

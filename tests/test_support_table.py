@@ -46,8 +46,13 @@ def test_experts_looping_over_their_tokens_are_refused_unless_rebuilt(monkeypatc
 
 
 def test_remote_code_model_is_refused() -> None:
+    """A model_type that only the repo's own code defines is refused; one that transformers
+    ships is captured from transformers' code even where the repo carries its own (`auto_map`,
+    as DeepSeek-V3's does)."""
     config = tiny_config("llama")
     config.auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    assert capture(config).graph_module.graph.nodes
+    config.model_type = "custom_llama"
     with pytest.raises(UnsupportedArchitectureError, match="trust_remote_code model"):
         capture(config)
 
