@@ -92,6 +92,12 @@ TP_ARCHITECTURES = {
     "granitemoe": "as mixtral with Granite's multipliers; the router `router` replicated",
     "granitemoeshared": "as granitemoe; the shared MLP's fused input_linear [gate; up] per part, output_linear",
     "afmoe": "as mixtral; gated attention's gate_proj per head",
+    "cohere2_moe": "as cohere2 (parallel block: both partial sums all-reduced); experts as mixtral, the router "
+                   "replicated, the shared expert as an MLP",
+    "minicpm5_moe": "as glm4_moe; gated attention's fused q_gate_proj ([q; gate] per head) by heads",
+    "param2moe": "as glm4_moe",
+    "sarvam_moe": "as glm4_moe",
+    "granitemoe_swa": "as granitemoe; attention sinks per head, sliding window is per head",
     "flex_olmo": "as mixtral; q/k norm over all heads, as olmo2's",
     "gpt_oss": "as mixtral over [E, in, out] experts whose gate/up channels alternate (a rank's pairs are one run "
                "of columns) with biases (the down projection's on rank 0 only); attention sinks per head; "
@@ -155,7 +161,9 @@ _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "u
            "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp",
            # Multi-head latent attention's up-projections from the latents: rows per head
            # (q_b_proj: nope + rope; kv_b_proj, where it is a linear: k_nope + v).
-           "q_b_proj": "q", "kv_b_proj": "q"}
+           "q_b_proj": "q", "kv_b_proj": "q",
+           # MiniCPM 5's query and output gate, [q; gate] rows per head: the rank's heads are one run.
+           "q_gate_proj": "q"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
         "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}
 # Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's

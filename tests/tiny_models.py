@@ -137,6 +137,20 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                         n_shared_experts=1), "sigmoid router with a selection bias, shared expert"),
     "flex_olmo": (dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
                   "softmax top-k router (kiln::fused_moe), q/k norm over all heads, post-norms"),
+    "cohere2_moe": (dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, sliding_window=WINDOW,
+                         layer_types=ALTERNATING),
+                    "parallel block with experts, shared expert averaged in, windowed + global layers"),
+    "minicpm5_moe": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                          n_shared_experts=1, routed_scaling_factor=2.0),
+                     "sigmoid router with a selection bias and scaling, gated attention output, dense first layer"),
+    # GLM-4.5's MoE code under their own model_types (transformers maps them to Glm4Moe*).
+    "param2moe": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1), "GLM-4.5 MoE (Param-2's checkpoints)"),
+    "sarvam_moe": (dict(head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1), "GLM-4.5 MoE (Sarvam's checkpoints)"),
+    "granitemoe_swa": (dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=WINDOW,
+                            layer_types=["full_attention", "sliding_attention"]),
+                       "attention sinks as a sink scaling, windowed + global layers, Granite multipliers"),
     # Multi-head latent attention: K (qk_nope + qk_rope dims) and V (v_head_dim) per head from a
     # shared latent, which the cache holds (kv_lora_rank + qk_rope_head_dim values a token).
     "deepseek_v3": (dict(_MLA, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
