@@ -34,8 +34,10 @@ HQ, HKV, D, BLOCK = 32, 8, 128, 16
 
 
 def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, gen: torch.Generator,
-              cache_dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """Inputs of one attention call: decodes first, then whole-prompt prefills (as scheduled)."""
+              cache_dtype: torch.dtype = torch.bfloat16, hq: int = HQ, hkv: int = HKV, d: int = D,
+              planes: int = 2) -> dict[str, Any]:
+    """Inputs of one attention call: decodes first, then whole-prompt prefills (as scheduled);
+    `planes` 1: a latent cache, whose one plane is K and V."""
     new = [1] * len(decode_ctx) + prompts
     ctx = decode_ctx + prompts
     blocks_per_seq = [-(-c // BLOCK) for c in ctx]
@@ -49,13 +51,13 @@ def make_step(decode_ctx: list[int], prompts: list[int], device: torch.device, g
         at += n
     qsl = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32)
     t = int(qsl[-1])
-    kv = torch.randn((2, total_blocks, BLOCK, HKV, D), generator=gen).to(cache_dtype)
+    kv = torch.randn((planes, total_blocks, BLOCK, hkv, d), generator=gen).to(cache_dtype)
     return {
-        "q": torch.randn((t, HQ, D), generator=gen).to(torch.bfloat16).to(device),
+        "q": torch.randn((t, hq, d), generator=gen).to(torch.bfloat16).to(device),
         "kv_cache": kv.to(device), "block_tables": tables.to(device),
         "seq_lens": torch.tensor(ctx, dtype=torch.int32, device=device), "query_start_loc": qsl.to(device),
-        "kv_bytes": sum(ctx) * HKV * D * 2 * kv.element_size(),
-        "flops": sum(4 * n * (c - n + (n + 1) / 2) * HQ * D for n, c in zip(new, ctx) if n > 1),
+        "kv_bytes": sum(ctx) * hkv * d * planes * kv.element_size(),
+        "flops": sum(4 * n * (c - n + (n + 1) / 2) * hq * d for n, c in zip(new, ctx) if n > 1),
     }
 
 
