@@ -15,7 +15,7 @@
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
-#                                         moe_llama4_scout latent_kernel_ab
+#                                         moe_llama4_scout latent_kernel_ab tune_latent
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_c tests_b latency throughput startup)
 #
@@ -330,6 +330,8 @@ for stage in $STAGES; do
     moe_deepseek_v2_lite)  # issue 17: MLA (cached expanded) + moe_experts at DeepSeek-V2-Lite's shape, decode 1/64
       run_stage moe_deepseek_v2_lite 560 $PY bench/moe.py --shape deepseek-v2-lite --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_deepseek_v2_lite.json" ;;
+    tune_latent)  # the latent kernel's launch shapes at DeepSeek-V2-Lite's attention, against the general kernel's
+      run_stage tune_latent 400 $PY bench/tune_latent_attention.py --out "$OUT/tune_latent.json" ;;
     latent_kernel_ab)  # issue 17: DeepSeek-V2-Lite's decode 1/64 over its latent on the latent kernel (512 + 64
                        # columns, each key read once) against the general kernel's LATENT_TILING (1,024 padded),
                        # alternating, two runs each (~4 min); then the latent kernel tests on CUDA
