@@ -555,12 +555,7 @@ def attend_paged_triton(
     # as zeros) and each split every partial a real token needs: at small-batch decode, two
     # fewer launches per layer. Without, the kernels zero the padded tokens' rows themselves:
     # no fill of the whole output first (3.5 us a layer at 1,024 decodes, ~40 us at 16k tokens).
-    out = torch.empty_like(q)
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused by the kernel
+    out, part_out, part_lse = _output_buffers(q, num_splits)
     num_warps = tiling.num_warps or (4 if block_m * d_pad <= 64 * 64 else 8)
     # None: `_combine_splits_kernel` merges the splits (and zeroes the padded tokens' rows).
     combine_counters = None
@@ -599,6 +594,18 @@ def attend_paged_triton(
     return out
 
 
+def _output_buffers(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An attention launch's output (like `q`, unfilled) and its splits' float32 partial outputs
+    and log-sum-exps ([splits, T, Hq, D], [splits, T, Hq]); without splits the partials are
+    `out` itself, which the kernels then do not touch as partials."""
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        return out, out, out
+    t, hq, d = q.shape
+    return (out, torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device),
+            torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device))
+
+
 def _combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
                     num_seqs: int) -> None:
     """Merge a split launch's partial outputs and log-sum-exps into `out` [T, Hq, D] (padded
@@ -617,21 +624,16 @@ def _attend_latent(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
                    query_start_loc: torch.Tensor, scale: float, kv_scale: torch.Tensor | None,
                    num_splits: int | None, tiling: LatentTiling | None) -> torch.Tensor:
     """`attend_paged_triton` over a latent cache, on `kiln.kernels.triton_paged_latent`'s kernel."""
-    t, hq, d = q.shape
+    t, hq, _ = q.shape
     num_seqs, hkv = block_tables.shape[0], kv_cache.shape[3]
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
     tiling = tiling or latent_tiling(t, num_seqs, hq // hkv)
     if num_splits is None:
-        programs_per_tile = hkv * triton.cdiv(hq // hkv, tiling.heads)
-        num_splits = choose_num_splits(t, num_seqs, programs_per_tile, tiling.tile_rows // tiling.heads,
+        num_splits = choose_num_splits(t, num_seqs, hkv * tiling.head_blocks(hq // hkv), tiling.tokens,
                                        tiling.block_n, block_tables.shape[1] * kv_cache.shape[2],
                                        multiprocessor_count(q.device))
-    out = torch.empty_like(q)
-    part_out = part_lse = out  # unused by the kernel without splits
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, t, hq, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, t, hq), dtype=torch.float32, device=q.device)
+    out, part_out, part_lse = _output_buffers(q, num_splits)
     launch_paged_latent_attention(q, kv_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
                                   kv_scale, scale, num_splits, tiling)
     if num_splits > 1:

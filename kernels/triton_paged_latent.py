@@ -51,6 +51,15 @@ class LatentTiling:
     num_warps: int
     num_stages: int
 
+    @property
+    def tokens(self) -> int:
+        """Tokens a tile (BLOCK_T)."""
+        return self.tile_rows // self.heads
+
+    def head_blocks(self, group: int) -> int:
+        """Programs that share a KV head's `group` query heads."""
+        return triton.cdiv(group, self.heads)
+
 
 # Decode: one token's 16 heads a tile; prefill and mixed steps: two tokens' (32 rows, whose
 # float32 accumulator over 512 columns is 64 registers a thread at 8 warps).
@@ -85,24 +94,25 @@ def _paged_latent_attention_kernel(
     stride_bt, stride_c_blk, stride_c_off, stride_c_h,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     KV_SCALE: tl.constexpr, FP8_CACHE: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
-    HEAD_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr,
-    D_TAIL: tl.constexpr, SEQ_CHUNK: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    D_MAIN: tl.constexpr, D_TAIL: tl.constexpr, SEQ_CHUNK: tl.constexpr, CACHE_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
     split = tl.program_id(2)
+    first_head = (tl.program_id(1) % HEAD_BLOCKS) * HEADS  # this program's first head within the group
     offs_m = tl.arange(0, BLOCK_M)
-    in_group = (tl.program_id(1) % HEAD_BLOCKS) * HEADS + offs_m % HEADS  # each row's head within the group
+    in_group = first_head + offs_m % HEADS  # each row's head within the group
     head = kv_head * GROUP + in_group
     offs_a = tl.arange(0, D_MAIN)
     offs_b = D_MAIN + tl.arange(0, D_TAIL)
     if NUM_SPLITS == 1:
         # The padded tokens' rows, spread over the tiles (with splits the combine zeroes them).
         rows = tl.arange(0, HEADS)
-        pad_heads = kv_head * GROUP + (tl.program_id(1) % HEAD_BLOCKS) * HEADS + rows
-        pad_ok = ((tl.program_id(1) % HEAD_BLOCKS) * HEADS + rows < GROUP)[:, None]
+        pad_heads = kv_head * GROUP + first_head + rows
+        pad_ok = (first_head + rows < GROUP)[:, None]
         for row in range(tl.load(query_start_loc_ptr + num_seqs) + tile_id, num_tokens, tl.num_programs(0)):
             base = out_ptr + tl.cast(row, tl.int64) * stride_ot + pad_heads[:, None] * stride_oh
             tl.store(base + offs_a[None, :], tl.zeros([HEADS, D_MAIN], tl.float32).to(out_ptr.dtype.element_ty),
@@ -195,8 +205,7 @@ def launch_paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: 
     num_seqs = block_tables.shape[0]
     d_main, d_tail = latent_dims(d)
     group = hq // hkv
-    block_t = tiling.tile_rows // tiling.heads
-    head_blocks = triton.cdiv(group, tiling.heads)
+    block_t, head_blocks = tiling.tokens, tiling.head_blocks(group)
     cache = kv_cache[0]
     _paged_latent_attention_kernel[(t // block_t + num_seqs, hkv * head_blocks, num_splits)](
         q, cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
@@ -206,7 +215,8 @@ def launch_paged_latent_attention(q: torch.Tensor, kv_cache: torch.Tensor, out: 
         block_tables.stride(0), cache.stride(0), cache.stride(1), cache.stride(2),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         KV_SCALE=kv_scale is not None, FP8_CACHE=kv_cache.element_size() == 1, GROUP=group, HEADS=tiling.heads,
-        HEAD_BLOCKS=head_blocks, BLOCK_T=block_t, BLOCK_M=block_t * tiling.heads, BLOCK_N=tiling.block_n, D_MAIN=d_main, D_TAIL=d_tail,
+        HEAD_BLOCKS=head_blocks, BLOCK_T=block_t, BLOCK_M=block_t * tiling.heads, BLOCK_N=tiling.block_n,
+        D_MAIN=d_main, D_TAIL=d_tail,
         SEQ_CHUNK=SEQ_CHUNK, CACHE_BLOCK=kv_cache.shape[2], NUM_SPLITS=num_splits,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages, **pdl_launch_args(q.device, "attention"),
     )
