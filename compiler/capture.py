@@ -39,6 +39,7 @@ import kiln.kernels  # noqa: F401  (registers kiln::attention)
 from kiln.compiler.graph_inputs import (
     INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
+from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_gated_delta_nets
 from kiln.compiler.stacked_experts import stack_experts
 from kiln.kernels.paged_attention import caches_latent
 
@@ -224,11 +225,16 @@ _RECURRENT_PARAMETER_SUFFIXES = (".A_log", ".dt_bias", ".time_decay", ".time_fir
 
 
 def find_unsupported_construct(model: torch.nn.Module) -> str | None:
-    """The first construct in `model` Kiln cannot run, with where it is; None if none."""
+    """The first construct in `model` Kiln cannot run, with where it is; None if none. Gated
+    DeltaNet layers given Kiln's forward (`kiln.compiler.recurrent_layers`) run: their states
+    are per-sequence state caches."""
+    marked = tuple(f"{name}." for name, module in model.named_modules() if is_marked(module))
     for name, _ in model.named_parameters():
-        if name.endswith(_RECURRENT_PARAMETER_SUFFIXES):
+        if name.endswith(_RECURRENT_PARAMETER_SUFFIXES) and not name.startswith(marked):
             return f"state-space / recurrent layer (parameter {name})"
     for name, module in model.named_modules():
+        if name.startswith(marked):
+            continue
         if isinstance(module, torch.nn.Conv1d):
             # A causal convolution over the sequence (LFM2's short conv, Mamba's conv): a decode
             # step would need the previous tokens' inputs, a per-sequence state Kiln lacks.
@@ -305,6 +311,10 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
             kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
         model = cls._from_config(config, **kwargs)
         stack_experts(model, config)  # DBRX's looped experts as batched_mm ones (kiln.compiler.stacked_experts)
+        try:  # gated DeltaNets' states behind one marker (kiln.compiler.recurrent_layers)
+            mark_gated_delta_nets(model, config)
+        except UnsupportedRecurrentLayer as e:
+            raise UnsupportedArchitectureError(f"{e} is not supported by Kiln") from None
     model._kiln_inline_attention = inline
     if "experts_implementation" in kwargs and getattr(model.config, "_experts_implementation", None) != "batched_mm":
         raise RuntimeError(

@@ -6,6 +6,7 @@ Every placeholder of a captured (and rewritten) graph carries a role tag in
     param:<hf name>      a checkpoint weight (or one a layout pass builds from several)
     constant:<name>      a config-derived buffer kept with the graph (RoPE's inv_freq)
     kv_cache:<layer>     one layer's paged KV cache
+    state:<layer>.<part> one recurrent layer's per-sequence state cache (`conv`, `recurrent`)
     batch:<name>         a per-step tensor from `BATCH_INPUTS`
 
 `BATCH_INPUTS` is the one table of batch inputs: name, dtype, shape in bucket dimensions,
@@ -32,6 +33,7 @@ class RoleKind(str, Enum):
     PARAM = "param"
     CONSTANT = "constant"
     KV_CACHE = "kv_cache"
+    STATE = "state"
     BATCH = "batch"
 
 
@@ -69,6 +71,10 @@ def constant_role(name: str) -> str:
 
 def kv_cache_role(layer: int) -> str:
     return InputRole(RoleKind.KV_CACHE, str(layer)).tag
+
+
+def state_role(layer: int, part: str) -> str:
+    return InputRole(RoleKind.STATE, f"{layer}.{part}").tag
 
 
 def batch_role(name: str) -> str:
@@ -184,6 +190,8 @@ BATCH_INPUTS: dict[str, BatchInput] = {b.name: b for b in (
     BatchInput("query_start_loc", torch.int32, ("B+1",), pad=REPEAT_LAST, fill="arange",
                doc="offset of each sequence's first token in the step"),
     BatchInput("logits_indices", torch.long, ("S",), fill="arange", doc="the rows whose logits are sampled"),
+    BatchInput("state_slots", torch.int32, ("B",),
+               doc="each sequence's row in the recurrent layers' state caches (0: the null slot)"),
 )}
 
 
@@ -280,11 +288,11 @@ def _look_up(source: Source | None, name: str, role: str) -> torch.Tensor:
 
 def bind(roles: Sequence[str], *, params: Source | None = None, constants: Source | None = None,
          kv_caches: Source | Sequence[torch.Tensor] | None = None,
-         batch: Source | None = None) -> list[torch.Tensor | None]:
+         batch: Source | None = None, states: Source | None = None) -> list[torch.Tensor | None]:
     """The graph's argument list: each role's tensor from its source.
 
     A source is a mapping by name (a kv_cache's name is its layer index; a list of per-layer
-    caches works too) or a function of the name. `batch=None` leaves the batch inputs as None
+    caches works too; a state's name is "<layer>.<part>") or a function of the name. `batch=None` leaves the batch inputs as None
     slots for a caller that fills them per step (`batch_slots`).
     """
     if isinstance(kv_caches, (list, tuple)):
@@ -298,7 +306,8 @@ def bind(roles: Sequence[str], *, params: Source | None = None, constants: Sourc
                 raise ValueError(f"graph input {tag!r} is not declared in BATCH_INPUTS")
             args.append(None if batch is None else _look_up(batch, role.name, tag))
             continue
-        source = {RoleKind.PARAM: params, RoleKind.CONSTANT: constants, RoleKind.KV_CACHE: kv_caches}[role.kind]
+        source = {RoleKind.PARAM: params, RoleKind.CONSTANT: constants, RoleKind.KV_CACHE: kv_caches,
+                  RoleKind.STATE: states}[role.kind]
         args.append(_look_up(source, role.name, tag))  # type: ignore[arg-type]
     return args
 

@@ -53,6 +53,7 @@ warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", categor
 
 from kiln.compiler.buckets import Bucket
 from kiln.compiler.graph_inputs import BATCH_INPUTS, InputRole, RoleKind, bind, bucket_sizes, empty_step, param_role
+from kiln.kernels import gated_delta_net
 from kiln.kernels.paged_attention import kv_cache_shape
 
 logger = logging.getLogger("kiln.compiler")
@@ -65,6 +66,7 @@ MAX_KV_BLOCKS = 2**24
 MAX_BLOCK_TABLE_WIDTH = 2**20
 
 EXAMPLE_NUM_BLOCKS = 64
+EXAMPLE_NUM_STATE_SLOTS = 4  # rows of a recurrent layer's state caches (dynamic, as the blocks)
 EXAMPLE_BLOCK_TABLE_WIDTH = 8
 # Whether the user chose Inductor's cache directory, read before torch's first use of it
 # (torch writes its default into the environment then, and it would look chosen).
@@ -114,6 +116,8 @@ def example_inputs(
     from torch.export import Dim
 
     num_blocks = Dim("num_kv_blocks", min=2, max=MAX_KV_BLOCKS)
+    num_slots = Dim("num_state_slots", min=2, max=MAX_KV_BLOCKS)
+    state_shapes = gated_delta_net.state_shapes(config, dtype)
     width = Dim("block_table_width", min=1, max=MAX_BLOCK_TABLE_WIDTH)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(roles):
@@ -131,13 +135,17 @@ def example_inputs(
     try:
         args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
                     kv_caches=lambda layer: torch.zeros(kv_shape, dtype=kv_cache_dtype or dtype, device=device),
-                    batch=empty_step(sizes, device))
+                    batch=empty_step(sizes, device),
+                    states=lambda name: torch.zeros((EXAMPLE_NUM_STATE_SLOTS, *state_shapes[name][0]),
+                                                    dtype=state_shapes[name][1], device=device))
     except ValueError as e:
         raise BucketCompileError(f"bucket {bucket.name}: {e}") from e
     dynamic: list[dict[int, Any] | None] = []
     for role in map(InputRole.parse, roles):
         if role.kind is RoleKind.KV_CACHE:
             dynamic.append({1: num_blocks})
+        elif role.kind is RoleKind.STATE:
+            dynamic.append({0: num_slots})
         elif role.kind is RoleKind.BATCH and "W" in BATCH_INPUTS[role.name].dims:
             dynamic.append({BATCH_INPUTS[role.name].dims.index("W"): width})
         else:

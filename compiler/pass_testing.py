@@ -27,6 +27,7 @@ import torch
 
 from kiln.compiler.capture import CapturedModel, capture, parameter_shapes
 from kiln.compiler.graph_inputs import StepInputs, bind, graph_input_roles, single_prefill_step
+from kiln.kernels.gated_delta_net import allocate_state_caches
 from kiln.kernels.paged_attention import kv_cache_shape
 from kiln.passes.base import GraphPass, PassContext, PassStats
 from kiln.passes.fuse_common import CudaByDefault
@@ -181,7 +182,7 @@ def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, 
     num_blocks = -(-num_tokens // block_size) + 1
     args = bind(graph_input_roles(captured.graph_module), params=weights, constants=captured.constants,
                 kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size, tp_size), dtype=captured.dtype),
-                batch=batch)
+                batch=batch, states=allocate_state_caches(config, 2, captured.dtype, "cpu"))
     with torch.no_grad():
         return captured.graph_module(*args)
 

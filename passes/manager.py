@@ -25,7 +25,9 @@ from kiln.passes.registry import OPT_IN_BUILTIN_PASSES, PHASES, all_pass_factori
 
 logger = logging.getLogger("kiln.passes")
 
-DEFAULT_PIPELINE = ("normalize", "paged_kv", "prune_logits")
+DEFAULT_PIPELINE = ("normalize", "paged_kv", "recurrent_state", "prune_logits")
+# Passes the runtime cannot do without: they connect the graph to its caches.
+REQUIRED_PASSES = ("paged_kv", "recurrent_state")
 
 
 class PassVerificationError(RuntimeError):
@@ -93,8 +95,9 @@ def enabled_pass_names(enable: list[str] | None = None, disable: list[str] | Non
     for name in disable or []:
         if name not in factories:
             raise unknown_pass_error("--disable-pass", name, factories)
-        if name in ("paged_kv",):
-            raise ValueError("the paged_kv pass cannot be disabled: the runtime needs the paged KV cache")
+        if name in REQUIRED_PASSES:
+            raise ValueError(f"the {name} pass cannot be disabled: the runtime needs the caches it connects "
+                             "(the paged KV cache, the recurrent layers' states)")
         names = [n for n in names if n != name]
     return names
 

@@ -29,10 +29,13 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.normalize import NormalizePass
     from kiln.passes.paged_kv import PagedKVPass
     from kiln.passes.prune_logits import PruneLogitsPass
+    from kiln.passes.recurrent_state import RecurrentStatePass
     from kiln.passes.shard_tensor_parallel import ShardTensorParallelPass
 
     factories: dict[str, Callable[[], GraphPass]] = {
         "normalize": NormalizePass, "paged_kv": PagedKVPass, "prune_logits": PruneLogitsPass,
+        # Gated DeltaNet layers' per-sequence states (a no-op on models without them).
+        "recurrent_state": RecurrentStatePass,
         # Tensor parallelism (issue 14): a no-op at tensor_parallel_size 1.
         "shard_tensor_parallel": ShardTensorParallelPass,
     }

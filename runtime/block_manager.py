@@ -15,6 +15,11 @@ computed are entered in the cache (`commit`), and only full blocks are ever shar
 no block is written while another sequence reads it and no copy-on-write is needed.
 
 Block 0 is the null block: padded tokens write there and no sequence ever owns it.
+
+A model with recurrent layers (gated DeltaNet) also keeps states per sequence, not per token:
+with `num_state_slots`, each admitted sequence takes a state slot (a row of every state cache)
+until it is freed. Slot 0 is the null slot padded rows write. Such states cannot be rebuilt
+from blocks, so those engines run without prefix caching.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_state_slots: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -73,6 +79,10 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unowned; LRU first
         self.prefix_stats = PrefixCacheStats()
         self.num_evictions = 0
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching cannot serve a model with recurrent states (they are not kept per block)")
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: deque[int] = deque(range(1, num_state_slots))
 
     # ---- counts (also exported as server metrics) -------------------------------------
     @property
@@ -161,6 +171,13 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
+        if self.num_state_slots:
+            if shared:
+                raise RuntimeError(f"sequence {seq.seq_id} would share blocks, but its recurrent states start empty")
+            if not self.free_state_slots:
+                raise RuntimeError(f"no recurrent-state slot left for sequence {seq.seq_id} "
+                                   f"({self.num_state_slots - 1} slots: one per max_num_seqs)")
+            seq.state_slot = self.free_state_slots.popleft()
         seq.block_table = list(shared)
         seq.num_computed_tokens = len(shared) * self.block_size
         seq.num_committed_blocks = len(shared)
@@ -224,6 +241,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        if seq.state_slot:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody owns; returns how many were dropped."""
@@ -287,3 +307,9 @@ class BlockManager:
             fail(f"{num_owned} owned blocks but num_used_blocks says {self.num_used_blocks}")
         if not self.enable_prefix_caching and (self.cached or self.evictable):
             fail("prefix caching is off but blocks are cached")
+        if self.num_state_slots:
+            held = [seq.state_slot for seq in live if seq.block_table or seq.state_slot]
+            if 0 in held or len(set(held)) != len(held):
+                fail(f"recurrent-state slots held twice or the null slot held: {sorted(held)}")
+            if set(held) & set(self.free_state_slots) or len(held) + len(self.free_state_slots) != self.num_state_slots - 1:
+                fail(f"state slots: {len(held)} held + {len(self.free_state_slots)} free != {self.num_state_slots - 1}")

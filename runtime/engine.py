@@ -26,7 +26,9 @@ from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
+from kiln.runtime.kv_cache import (
+    attention_layers, build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets,
+)
 from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
@@ -158,13 +160,22 @@ class LLMEngine:
         self.executor: TensorParallelExecutor | None = None
         # FP8 KV-cache scales calibrated at start-up, by parameter name (_calibrate_kv_scales).
         self.kv_scales: dict[str, torch.Tensor] = {}
+        self.num_state_slots = 0  # rows of the recurrent layers' state caches (0: none)
         if config.tensor_parallel_size > 1:
+            if attention_layers(self.model_config) != list(range(self.model_config.num_hidden_layers)):
+                raise ValueError(f"{self.source.name} has recurrent (gated DeltaNet) layers, which tensor "
+                                 "parallelism does not shard yet: run it with tensor_parallel_size=1")
             self._start_workers(config)
             self._choose_max_model_len(config, model_context)
         else:
             self._load_model(config, model_context)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+        # Recurrent layers' states are per sequence, not per block: no prefix caching there.
+        prefix_caching = config.enable_prefix_caching and not self.num_state_slots
+        if config.enable_prefix_caching and not prefix_caching:
+            logger.info("prefix caching off: %s has recurrent layers, whose states no block holds",
+                        self.source.name)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, enable_prefix_caching=prefix_caching,
+                                          num_state_slots=self.num_state_slots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    reserve_ratio=config.kv_reserve_ratio)
         self.eos_token_ids = self._eos_token_ids()
@@ -210,10 +221,11 @@ class LLMEngine:
         with triton_kernels_at_startup(model.prepared.triton_kernels, self.startup_report) as run_every_bucket:
             with timed(self.timings, "allocate KV cache"):
                 kv = build_kv_cache(config, self.model_config, self.kv_cache_dtype, self.device, self.max_model_len,
-                                    model.make_runner)
+                                    model.make_runner, state_dtype=self.dtype)
             self.num_kv_blocks, self.activation_peak_bytes = kv.num_blocks, kv.activation_peak_bytes
             self._choose_max_model_len(config, model_context)
-            self.runner: ModelRunner | TensorParallelExecutor = model.make_runner(kv.layers)
+            self.num_state_slots = kv.num_state_slots
+            self.runner: ModelRunner | TensorParallelExecutor = model.make_runner(kv.layers, kv.states)
             self.kv_scales = self._calibrate_kv_scales(config, model)
             if run_every_bucket:
                 with timed(self.timings, "run every token bucket"):

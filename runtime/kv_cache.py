@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
+from kiln.kernels.gated_delta_net import allocate_state_caches, state_bytes_per_slot
 from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes
 from kiln.runtime.config import EngineConfig
 
@@ -35,26 +37,43 @@ CUDA_RESERVE_BYTES = 512 * 2**20
 @dataclass
 class KVCache:
     """The allocated cache: one tensor per layer, [planes, num_blocks, block_size, kv_heads, head_dim]
-    (planes: K and V, or a latent's one, `kv_planes`)."""
+    (planes: K and V, or a latent's one, `kv_planes`; an empty one for a recurrent layer), and
+    the recurrent layers' state caches by name ("<layer>.conv", ...: kiln.kernels.gated_delta_net),
+    max_num_seqs + 1 rows each (row 0 the null slot)."""
 
     layers: list[torch.Tensor]
     num_blocks: int
     activation_peak_bytes: int  # profiled on CUDA; 0 on CPU or when num_kv_blocks was given
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_state_slots(self) -> int:
+        return next(iter(self.states.values())).shape[0] if self.states else 0
+
+
+def attention_layers(model_config: Any) -> list[int]:
+    """The layers with a KV cache: all of them but a hybrid model's recurrent (gated DeltaNet) ones."""
+    kinds = getattr(model_config, "layer_types", None) or []
+    return [i for i in range(model_config.num_hidden_layers) if i >= len(kinds) or kinds[i] != "linear_attention"]
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of K and V per token over all layers (on one rank of `tp_size`)."""
     kv_heads, head_dim = kv_heads_and_head_dim(model_config, tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    return kv_planes(model_config) * model_config.num_hidden_layers * kv_heads * head_dim * elem
+    return kv_planes(model_config) * len(attention_layers(model_config)) * kv_heads * head_dim * elem
 
 
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device, planes: int = 2,
+    dtype: torch.dtype, device: torch.device, planes: int = 2, without: Collection[int] = (),
 ) -> list[torch.Tensor]:
+    """One cache per layer; the layers in `without` (recurrent ones) get an empty one."""
     caches = []
-    for _ in range(num_layers):
+    for layer in range(num_layers):
+        if layer in without:
+            caches.append(torch.empty((planes, 0, block_size, num_kv_heads, head_dim), dtype=dtype, device=device))
+            continue
         # Uninitialised: attention only reads slots a sequence has written. The null block
         # (padding's target) is zeroed so padded rows never see NaN garbage.
         cache = torch.empty((planes, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
@@ -131,18 +150,34 @@ def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, 
                       device: torch.device) -> list[torch.Tensor]:
     """`num_blocks` blocks per layer, of this rank's KV heads (tensor parallelism: its share)."""
     kv_heads, head_dim = kv_heads_and_head_dim(model_config, config.tensor_parallel_size)
+    recurrent = set(range(model_config.num_hidden_layers)) - set(attention_layers(model_config))
     return allocate_kv_caches(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads, head_dim,
-                              dtype, device, kv_planes(model_config))
+                              dtype, device, kv_planes(model_config), without=recurrent)
+
+
+def allocate_states(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device
+                    ) -> dict[str, torch.Tensor]:
+    """The recurrent layers' state caches, one row per sequence the engine may run plus the null
+    slot ({} for a model without recurrent layers). States keep the model's dtype (the conv
+    inputs) and float32 (the recurrent state), whatever the KV cache's dtype."""
+    states = allocate_state_caches(model_config, config.max_num_seqs + 1, dtype, device)
+    if states:
+        logger.info("recurrent states: %d layers' states for %d sequences, %.1f MiB",
+                    len(states) // 2, config.max_num_seqs,
+                    state_bytes_per_slot(model_config, dtype) * (config.max_num_seqs + 1) / 2**20)
+    return states
 
 
 def size_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> tuple[int, int]:
+                  max_model_len: int, make_runner: Callable[..., Any],
+                  states: dict[str, torch.Tensor] | None = None) -> tuple[int, int]:
     """(blocks that fit, profiled activation peak bytes): profiling a probe runner from
-    `make_runner` on CUDA. A tensor-parallel worker reports its count and the engine gives
-    every rank the smallest (kiln.runtime.tp_executor)."""
+    `make_runner(kv_caches, states)` on CUDA (with the recurrent `states`, already allocated,
+    whose null slot the probe writes). A tensor-parallel worker reports its count and the
+    engine gives every rank the smallest (kiln.runtime.tp_executor)."""
     peak = 0
     if device.type == "cuda" and config.num_kv_blocks is None:
-        probe = make_runner(allocate_kv_cache(config, model_config, 1, dtype, device))
+        probe = make_runner(allocate_kv_cache(config, model_config, 1, dtype, device), states or {})
         peak = profile_step_memory(probe, config.max_num_batched_tokens, config.block_size, max_model_len)
         del probe
         torch.cuda.empty_cache()
@@ -150,14 +185,17 @@ def size_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, d
 
 
 def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device,
-                   max_model_len: int, make_runner: Callable[[list[torch.Tensor]], Any]) -> KVCache:
-    """Size (profiling a probe runner from `make_runner` on CUDA) and allocate the KV cache."""
-    blocks, peak = size_kv_cache(config, model_config, dtype, device, max_model_len, make_runner)
+                   max_model_len: int, make_runner: Callable[..., Any],
+                   state_dtype: torch.dtype | None = None) -> KVCache:
+    """Allocate the recurrent states (in `state_dtype`, default `dtype`), then size (profiling
+    a probe runner from `make_runner` on CUDA) and allocate the KV cache in what is left."""
+    states = allocate_states(config, model_config, state_dtype or dtype, device)
+    blocks, peak = size_kv_cache(config, model_config, dtype, device, max_model_len, make_runner, states)
     if caches_latent(model_config):
         logger.info("KV cache: multi-head latent attention cached as its latent (one head of %d values a token)",
                     kv_heads_and_head_dim(model_config)[1])
     return KVCache(layers=allocate_kv_cache(config, model_config, blocks, dtype, device), num_blocks=blocks,
-                   activation_peak_bytes=peak)
+                   activation_peak_bytes=peak, states=states)
 
 
 def cuda_graph_sizes(plan: BucketPlan) -> list[int]:

@@ -29,10 +29,11 @@ class LoadedModel:
     # The graph's constants: the spec's, with the checkpoint's values of its persistent buffers.
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
-    def make_runner(self, kv_caches: list[torch.Tensor]) -> ModelRunner:
+    def make_runner(self, kv_caches: list[torch.Tensor], states: dict[str, torch.Tensor] | None = None) -> ModelRunner:
         spec = self.prepared.spec
         return ModelRunner(self.prepared.graph_fn, spec.input_roles, self.weights, self.constants, kv_caches,
-                           self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan)
+                           self.device, bucket_fns=self.prepared.bucket_fns, plan=self.prepared.plan,
+                           states=states or {})
 
 
 def load_model(config: EngineConfig, source: ModelSource, dtype: torch.dtype, device: torch.device,

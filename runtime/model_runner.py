@@ -47,6 +47,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     samples = np.zeros(num_seqs, dtype=bool)
     prompt_chunks: list[tuple[int, range]] = []  # SamplingParams.prompt_logprobs: see `prompt_logprob_rows`
     tables = []
+    slots = np.zeros(num_seqs, dtype=np.int32)  # rows of the recurrent layers' state caches
     for i, item in enumerate(step.scheduled):
         seq, n = item.seq, item.num_new_tokens
         begin = seq.num_computed_tokens
@@ -59,6 +60,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         if chunk:
             prompt_chunks.append((i, chunk))
         tables.append(seq.block_table)
+        slots[i] = seq.state_slot
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     num_tokens = int(starts[-1])
@@ -85,6 +87,7 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         query_start_loc=torch.from_numpy(starts.astype(np.int32)),
         # Sampled rows first (the sampler takes one per sampling sequence), then prompt rows.
         logits_indices=torch.from_numpy(logits_indices),
+        state_slots=torch.from_numpy(slots),
     )
     # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
     sizes = bucket_sizes(num_tokens, num_seqs, len(logits_indices), width)
@@ -190,6 +193,7 @@ class ModelRunner:
         *,
         bucket_fns: dict[Bucket, Callable[[list[torch.Tensor]], torch.Tensor]] | None = None,
         plan: BucketPlan | None = None,
+        states: dict[str, torch.Tensor] | None = None,
     ):
         if (graph_fn is None) == (bucket_fns is None):
             raise ValueError("ModelRunner takes either graph_fn (eager) or bucket_fns with a plan (compiled)")
@@ -204,13 +208,15 @@ class ModelRunner:
         self.plan = plan
         self.input_roles = input_roles
         self.kv_caches = kv_caches
+        self.states = states or {}  # recurrent layers' state caches by name (kiln.kernels.gated_delta_net)
         self.device = device
         self.bucket_counts: dict[str, int] = {}  # steps run per bucket (for stats and tests)
         # Fixed inputs resolved once; batch inputs are filled per step. Compiled artifacts
         # assume the dense strides they were traced with.
         params = {n: (w.contiguous() if bucket_fns is not None else w) for n, w in weights.items()}
         self._fixed: list[torch.Tensor | None] = bind(
-            input_roles, params=params, constants=lambda name: constants[name].to(device), kv_caches=kv_caches)
+            input_roles, params=params, constants=lambda name: constants[name].to(device), kv_caches=kv_caches,
+            states=self.states)
         self._batch_slots = batch_slots(input_roles)
 
     def param_input(self, name: str) -> torch.Tensor:
@@ -237,7 +243,8 @@ class ModelRunner:
         if roles != self.input_roles:
             raise ValueError("ModelRunner.twin: the graph's inputs differ from this runner's")
         named = {role.partition(":")[2]: t for role, t in zip(self.input_roles, self._fixed) if t is not None}
-        return ModelRunner(graph_fn, roles, named, named, self.kv_caches, self.device, bucket_fns=bucket_fns, plan=plan)
+        return ModelRunner(graph_fn, roles, named, named, self.kv_caches, self.device, bucket_fns=bucket_fns, plan=plan,
+                           states=self.states)
 
     # ---- CUDA graphs for decode steps ------------------------------------------------------
     def _step_fn(self, bucket: Bucket) -> Callable[..., Any]:

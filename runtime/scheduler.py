@@ -282,6 +282,8 @@ class Scheduler:
         None means: wait, a sibling is still computing the prompt this one will share.
         """
         parent = seq.fork_parent
+        if self.block_manager.num_state_slots:
+            return [], True  # recurrent states start empty: every prompt is computed in full
         if parent is not None and parent.status != SequenceStatus.FINISHED:
             bs = self.block_manager.block_size
             num_shared = (seq.num_tokens - 1) // bs

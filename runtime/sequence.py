@@ -41,6 +41,9 @@ class Sequence:
     # at most 1 while a continuation step that consumes it is in flight).
     num_inflight_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Its row in the recurrent layers' state caches while it holds blocks (0: none; models
+    # without recurrent layers never give one).
+    state_slot: int = 0
     # Hash chain over the full blocks of `all_token_ids` (filled lazily by the block manager;
     # stays valid across preemption because tokens are only ever appended).
     block_hashes: list[bytes] = field(default_factory=list)

@@ -29,6 +29,12 @@ MHA = {k: v for k, v in COMMON.items() if k != "num_key_value_heads"}
 # DeepSeek-V2/V3-style multi-head latent attention at tiny sizes (K 16 + 8, V 16 per head).
 _MLA = dict(num_key_value_heads=4, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
             qk_rope_head_dim=8, v_head_dim=16)
+# Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): linear-attention layers with 2 key and 4 value
+# heads, a width-4 convolution, every fourth layer full attention (partial rotary, gated output).
+_GDN = dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            partial_rotary_factor=0.25)
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
 WINDOW = 6
 ALTERNATING = ["sliding_attention", "full_attention"]
@@ -191,6 +197,16 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
                   ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}),
              "looped experts rebuilt as batched_mm, q/k/v clipping, fused Wqkv, LayerNorm without bias"),
+    # Hybrids of gated DeltaNet (linear attention: a conv state and a recurrent state per
+    # sequence, kiln.kernels.gated_delta_net) and gated full attention: three of four layers
+    # linear, as released (2 value heads per key head, as Qwen3-Next-80B's 32 over 16).
+    "qwen3_next": (dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32),
+                   "gated DeltaNet + gated attention layers (recurrent states), experts with a gated shared expert"),
+    "qwen3_5": (dict(_GDN, model_type="qwen3_5_text"), "gated DeltaNet + gated attention layers (Qwen3.5, dense)"),
+    "qwen3_5_moe": (dict(_GDN, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32),
+                    "gated DeltaNet + gated attention layers (Qwen3.5), experts with a gated shared expert"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).

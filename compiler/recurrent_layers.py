@@ -1,0 +1,112 @@
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5) captured around one marker op.
+
+transformers' gated DeltaNet module keeps its recurrent and conv states in a `Cache` object
+and picks its kernel by sequence length; neither can be traced into a graph that serves any
+batch of sequences. `mark_gated_delta_nets` gives each such module a forward that computes the
+same layer with the stateful part, convolution through the gated delta rule, as one
+`kiln::gated_delta_net` marker (kiln.kernels.gated_delta_net), which `kiln.passes.recurrent_state`
+replaces with the op that reads and writes the per-sequence states. Everything around it stays
+ordinary graph code that passes see: the input projections (FP8 and tensor-parallel passes
+treat them as any linear), the gated RMSNorm and the output projection.
+
+The module keeps its class (a subclass that only overrides `forward`) and its parameters, so
+checkpoint names are transformers' own. Two projection layouts are known: Qwen3-Next's fused
+`in_proj_qkvz` / `in_proj_ba` (grouped per key head, taken apart by the module's own
+`fix_query_key_value_ordering`) and Qwen3.5's separate `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`. A gated DeltaNet of another layout, activation or with a conv bias is refused by
+name, not run wrongly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.kernels.gated_delta_net import gated_delta_net
+
+_COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
+           "layer_idx")
+_FUSED = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
+_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+class UnsupportedRecurrentLayer(ValueError):
+    """A gated DeltaNet module whose form Kiln's forward does not reproduce."""
+
+
+def is_gated_delta_net(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("GatedDeltaNet")
+
+
+def _projections(module: torch.nn.Module, hidden: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mixed q|k|v [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) of hidden [1, T, H]."""
+    t = hidden.shape[1]
+    if hasattr(module, "in_proj_qkvz"):
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden),
+                                                                          module.in_proj_ba(hidden))
+        mixed = torch.cat([x.reshape(1, t, -1) for x in (query, key, value)], dim=-1)
+    else:
+        mixed, z, b, a = (module.in_proj_qkv(hidden), module.in_proj_z(hidden), module.in_proj_b(hidden),
+                          module.in_proj_a(hidden))
+    return mixed[0], z.reshape(t, -1, module.head_v_dim), b.reshape(t, -1), a.reshape(t, -1)
+
+
+def _kiln_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The layer over one packed step [1, T, hidden], its states behind the marker."""
+    t = hidden_states.shape[1]
+    mixed, z, b, a = _projections(self, hidden_states)
+    core = gated_delta_net(mixed, a, b, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.A_log,
+                           self.dt_bias, self.layer_idx, self.num_k_heads, self.head_k_dim, self.head_v_dim)
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(1, t, -1))
+
+
+def why_not_markable(module: torch.nn.Module, config: Any) -> str | None:
+    """What keeps `module` (a gated DeltaNet) from Kiln's forward, or None."""
+    missing = [name for name in _COMMON if not hasattr(module, name)]
+    layouts = [layout for layout in (_FUSED, _SPLIT) if all(hasattr(module, name) for name in layout)]
+    if missing or not layouts:
+        return f"a gated DeltaNet of an unknown layout ({', '.join(missing) or 'its input projections'})"
+    if module.conv1d.bias is not None:
+        return "a gated DeltaNet with a convolution bias"
+    activation = getattr(module, "activation", getattr(config, "hidden_act", None))
+    if activation not in ("silu", "swish"):
+        return f"a gated DeltaNet with a {activation!r} convolution activation (Kiln's op applies SiLU)"
+    if module.num_v_heads % module.num_k_heads:
+        return f"a gated DeltaNet with {module.num_v_heads} value heads over {module.num_k_heads} key heads"
+    return None
+
+
+def mark_gated_delta_nets(model: torch.nn.Module, config: Any) -> int:
+    """Give every gated DeltaNet module of `model` the marker forward; returns how many.
+    Raises UnsupportedRecurrentLayer naming a module whose form it does not know."""
+    count = 0
+    for name, module in model.named_modules():
+        if not is_gated_delta_net(module):
+            continue
+        why = why_not_markable(module, config)
+        if why is not None:
+            raise UnsupportedRecurrentLayer(f"{why} ({name}: {type(module).__name__})")
+        module.__class__ = _marked_class(type(module))
+        count += 1
+    return count
+
+
+_MARKED: dict[type, type] = {}  # one subclass per transformers class (a cache of types, not request state)
+
+
+def _marked_class(cls: type) -> type:
+    if cls not in _MARKED:
+        _MARKED[cls] = type(cls.__name__, (cls,), {"forward": _kiln_forward, "_kiln_recurrent": True})
+    return _MARKED[cls]
+
+
+def is_marked(module: torch.nn.Module) -> bool:
+    return bool(getattr(type(module), "_kiln_recurrent", False))
+
+
+def linear_attention_layers(config: Any) -> list[int]:
+    """The layers of `config` that are gated DeltaNets (`layer_types` "linear_attention")."""
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "linear_attention"]

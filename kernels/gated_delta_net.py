@@ -1,0 +1,275 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5): a linear-attention layer with a recurrent state per sequence.
+
+A gated DeltaNet layer keeps, per sequence, two states instead of K/V for every token:
+
+- the **conv state**: the last `kernel - 1` inputs of its causal depthwise convolution over the
+  token mix [q; k; v] (`conv_dim` channels, the model's dtype), and
+- the **recurrent state** S: one `head_k_dim x head_v_dim` matrix per value head (float32).
+
+Per token t of a sequence, after the convolution (SiLU) and L2-normalised q and k (q also
+scaled by head_k_dim^-0.5), with decay g_t = -exp(A_log) * softplus(a_t + dt_bias) and
+beta_t = sigmoid(b_t):
+
+    S <- S * exp(g_t);   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+which is the gated delta rule (Yang et al., "Gated Delta Networks", 2024). A query/key head
+serves `num_v_heads / num_k_heads` consecutive value heads.
+
+Two ops:
+
+- `kiln::gated_delta_net`: the capture marker (one sequence from a zero state, like
+  `kiln::attention`); `kiln.passes.recurrent_state` replaces it with
+- `kiln::paged_gated_delta_net`: any mix of prefills, chunks and decodes in one step, each
+  sequence's states in row `state_slots[i]` of the layer's state caches (read where the
+  sequence has tokens before this step, written after it). A step whose every sequence has
+  one token (a decode bucket, which CUDA graphs capture) runs without a host sync; other
+  steps read the sequences' token counts on the host.
+
+The reference here (plain torch, every device) computes a sequence's tokens in chunks of
+`CHUNK` with the WY form of the delta rule (one triangular solve a chunk, then the chunk's
+outputs and state update as matrix products); single tokens by the recurrence itself.
+There is no Triton kernel yet: on a GPU these ops run as torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.library import kiln_op
+
+CHUNK = 64
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convolved [T, conv_dim] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated per value
+    head), v [T, Hv, Dv], all float32."""
+    t = mixed.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = mixed.float().split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
+    v = v.reshape(t, -1, head_v_dim)
+    repeat = v.shape[1] // num_k_heads
+    q = _l2norm(q.reshape(t, num_k_heads, head_k_dim)) * head_k_dim ** -0.5
+    k = _l2norm(k.reshape(t, num_k_heads, head_k_dim))
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    return q, k, v
+
+
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [T, Hv] float32: the log decay and the write strength of each token and value head."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.float().sigmoid()
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(depthwise causal conv) of one sequence's new inputs x [n, C] after `state` [C, K-1]
+    (its previous inputs; None: zeros). Returns (out [n, C] in x's dtype, the new state)."""
+    n, c = x.shape
+    width = weight.shape[-1]
+    past = state.to(x.dtype) if state is not None else x.new_zeros(c, width - 1)
+    extended = torch.cat([past, x.t()], dim=1)  # [C, K-1+n]
+    out = F.conv1d(extended.float().unsqueeze(0), weight.float().view(c, 1, width), groups=c)[0]
+    return F.silu(out).t().to(x.dtype), extended[:, -(width - 1):]
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over one sequence's tokens from `state` [Hv, Dk, Dv] (float32):
+    q, k [n, Hv, Dk], v [n, Hv, Dv], g, beta [n, Hv]. Returns (o [n, Hv, Dv], final state).
+
+    Within a chunk of L tokens (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i):
+    the chunk's corrected values are U = (I + L)^-1 (beta v - (beta k exp(c)) S) with L the
+    strictly lower part of (beta k k^T) * D; outputs are (q exp(c)) S + ((q k^T) * D) U; the
+    state after it is S exp(c_L) + (k exp(c_L - c))^T U."""
+    n = q.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, n, D]
+    g, beta = g.t(), beta.t()  # [Hv, n]
+    out = torch.empty_like(v)
+    for start in range(0, n, CHUNK):
+        end = min(start + CHUNK, n)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
+        c = g[:, start:end].cumsum(dim=-1)  # [Hv, L]
+        length = end - start
+        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [Hv, L, L]
+        kb = kc * bc.unsqueeze(-1)
+        lower = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
+        system = lower + torch.eye(length, dtype=q.dtype, device=q.device)
+        rhs = vc * bc.unsqueeze(-1) - (kb * c.exp().unsqueeze(-1)) @ state
+        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[:, start:end] = (qc * c.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        last = c[:, -1:]
+        state = state * last.exp().unsqueeze(-1) + (kc * (last - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
+    return out.transpose(0, 1), state
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv],
+    state [B, Hv, Dk, Dv] (float32). Returns (o [B, Hv, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    remembered = (state * k.unsqueeze(-1)).sum(dim=-2)  # S^T k: [B, Hv, Dv]
+    state = state + k.unsqueeze(-1) * ((v - remembered) * beta.unsqueeze(-1)).unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
+def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                              A_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int, head_k_dim: int,
+                              head_v_dim: int) -> torch.Tensor:
+    """One sequence of T tokens from zero states: [T, Hv, Dv] in mixed_qkv's dtype."""
+    mixed, _ = causal_conv(mixed_qkv, conv_weight, None)
+    q, k, v = _split_heads(mixed, num_k_heads, head_k_dim, head_v_dim)
+    g, beta = gates(a, b, A_log, dt_bias)
+    state = q.new_zeros(v.shape[1], head_k_dim, head_v_dim)
+    out, _ = delta_rule_chunked(q, k, v, g, beta, state)
+    return out.to(mixed_qkv.dtype)
+
+
+def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor) -> bool:
+    """Whether every sequence of the step has at most one token and the step as many tokens as
+    rows (a decode step, padded or not). While a CUDA graph is being captured (only decode
+    buckets are) that is taken as given: checking would read the offsets on the host."""
+    if num_tokens != query_start_loc.shape[0] - 1:
+        return False
+    if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool((query_start_loc.diff() <= 1).all())
+
+
+def paged_gated_delta_net_reference(
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, state_slots: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+) -> torch.Tensor:
+    """A step of any mix of sequences (see the module docstring); writes the states in place."""
+    t = mixed_qkv.shape[0]
+    num_seqs = seq_lens.shape[0]
+    num_v_heads = recurrent_state.shape[1]
+    out = mixed_qkv.new_zeros(t, num_v_heads, head_v_dim)
+    if t == 0 or num_seqs == 0:
+        return out
+    g, beta = gates(a, b, A_log, dt_bias)
+    if one_token_a_row(t, query_start_loc):
+        # Token i is row i's (padded rows, last, have none: their token is padding, their seq_len
+        # 0 and their slot the null slot 0). A row without earlier tokens (seq_len <= 1) starts
+        # from zero states whatever its slot holds.
+        slots = state_slots.long()
+        continuing = (seq_lens > 1).view(-1, 1, 1)
+        past = torch.where(continuing, conv_state[slots], torch.zeros((), dtype=conv_state.dtype,
+                                                                       device=conv_state.device))
+        extended = torch.cat([past.to(mixed_qkv.dtype), mixed_qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
+        conv = F.silu((extended.float() * conv_weight.float().unsqueeze(0)).sum(dim=-1)).to(mixed_qkv.dtype)
+        conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
+        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
+        state = torch.where(continuing.unsqueeze(-1), recurrent_state[slots], 0.0)
+        o, state = delta_rule_step(q, k, v, g, beta, state)
+        recurrent_state[slots] = state
+        return o.to(out.dtype)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    slot_list = state_slots.tolist()
+    for i in range(num_seqs):
+        begin, end = starts[i], starts[i + 1]
+        if end <= begin:
+            continue
+        slot = slot_list[i]
+        continuing = lens[i] > end - begin  # tokens before this step's
+        conv, conv_state[slot] = causal_conv(mixed_qkv[begin:end], conv_weight, conv_state[slot] if continuing else None)
+        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
+        state = recurrent_state[slot] if continuing else recurrent_state.new_zeros(recurrent_state.shape[1:])
+        o, recurrent_state[slot] = delta_rule_chunked(q, k, v, g[begin:end], beta[begin:end], state)
+        out[begin:end] = o.to(out.dtype)
+    return out
+
+
+@kiln_op("kiln::gated_delta_net", mutates_args=())
+def gated_delta_net(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    layer_idx: int,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> torch.Tensor:
+    return gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim)
+
+
+@gated_delta_net.register_fake
+def _gated_delta_net_fake(mixed_qkv, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads, head_k_dim,
+                          head_v_dim):
+    return mixed_qkv.new_empty(mixed_qkv.shape[0], a.shape[1], head_v_dim)
+
+
+@kiln_op("kiln::paged_gated_delta_net", mutates_args=("conv_state", "recurrent_state"))
+def paged_gated_delta_net(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    conv_weight: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor,
+    recurrent_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+) -> torch.Tensor:
+    return paged_gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state,
+                                           state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim)
+
+
+@paged_gated_delta_net.register_fake
+def _paged_gated_delta_net_fake(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, state_slots,
+                                seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim):
+    return mixed_qkv.new_empty(mixed_qkv.shape[0], a.shape[1], head_v_dim)
+
+
+# ---- state caches -------------------------------------------------------------------------
+
+def state_shapes(config: object, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each gated DeltaNet layer's two states for one sequence, by state name ("<layer>.conv",
+    "<layer>.recurrent"): (shape, dtype). Empty for a model without such layers. The conv state
+    keeps the model's dtype (it holds projected inputs); the recurrent state is float32."""
+    layers = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "linear_attention"]
+    if not layers:
+        return {}
+    num_k, head_k = config.linear_num_key_heads, config.linear_key_head_dim
+    num_v, head_v = config.linear_num_value_heads, config.linear_value_head_dim
+    conv_dim = 2 * num_k * head_k + num_v * head_v
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for layer in layers:
+        shapes[f"{layer}.conv"] = ((conv_dim, config.linear_conv_kernel_dim - 1), dtype)
+        shapes[f"{layer}.recurrent"] = ((num_v, head_k, head_v), torch.float32)
+    return shapes
+
+
+def state_bytes_per_slot(config: object, dtype: torch.dtype) -> int:
+    """Bytes of every recurrent layer's states for one sequence."""
+    total = 0
+    for shape, state_dtype in state_shapes(config, dtype).values():
+        numel = 1
+        for n in shape:
+            numel *= n
+        total += numel * torch.empty((), dtype=state_dtype).element_size()
+    return total
+
+
+def allocate_state_caches(config: object, num_slots: int, dtype: torch.dtype, device: torch.device | str
+                          ) -> dict[str, torch.Tensor]:
+    """Zeroed state caches of `num_slots` rows (row 0 is the null slot padded rows write)."""
+    return {name: torch.zeros((num_slots, *shape), dtype=state_dtype, device=device)
+            for name, (shape, state_dtype) in state_shapes(config, dtype).items()}

@@ -1,0 +1,204 @@
+"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): the op's math, the `recurrent_state` pass, and
+the engine keeping each sequence's states across chunks, decodes, slot reuse and preemption.
+
+Parity of the tiny Qwen3-Next / Qwen3.5 models with Hugging Face is in tests/test_parity.py
+(every architecture of the support table); here the parts around it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parity import hf_greedy
+from tiny_models import tiny_config
+
+from kiln.compiler.graph_inputs import graph_input_roles
+from kiln.compiler.pass_testing import graph_for_pass, run_graph
+from kiln.kernels import gated_delta_net as gdn
+from kiln.passes.manager import op_counts
+from kiln.passes.recurrent_state import RecurrentStatePass
+from kiln.runtime import LLM, SamplingParams
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.sequence import Sequence
+
+HK, HV, DK, DV, WIDTH = 2, 4, 16, 8, 4
+CONV_DIM = 2 * HK * DK + HV * DV
+
+
+def _layer_inputs(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return dict(mixed=torch.randn(n, CONV_DIM, generator=g), a=torch.randn(n, HV, generator=g),
+                b=torch.randn(n, HV, generator=g))
+
+
+def _weights(seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return dict(conv_weight=torch.randn(CONV_DIM, WIDTH, generator=g), A_log=torch.randn(HV, generator=g),
+                dt_bias=torch.randn(HV, generator=g))
+
+
+def test_chunked_rule_equals_the_recurrence_and_transformers() -> None:
+    """The WY-chunked rule (150 tokens: three chunks, the last partial) from a non-zero state
+    gives the token-by-token recurrence's outputs and final state, and transformers' own."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
+
+    torch.manual_seed(0)
+    n = 150
+    q, k = torch.randn(n, HK, DK), torch.randn(n, HK, DK)
+    v, g, beta = torch.randn(n, HV, DV), -torch.rand(n, HV), torch.rand(n, HV)
+    state = torch.randn(HV, DK, DV)
+    qn = gdn._l2norm(q).repeat_interleave(HV // HK, 1) * DK ** -0.5
+    kn = gdn._l2norm(k).repeat_interleave(HV // HK, 1)
+
+    out, final = gdn.delta_rule_chunked(qn, kn, v, g, beta, state)
+    steps, s = [], state.unsqueeze(0)
+    for t in range(n):
+        o, s = gdn.delta_rule_step(qn[t:t + 1], kn[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s)
+        steps.append(o)
+    torch.testing.assert_close(out, torch.cat(steps), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, s[0], rtol=1e-4, atol=1e-4)
+
+    ref, ref_state = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
+                                                      initial_state=state[None], output_final_state=True,
+                                                      use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out, ref[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+def _paged(inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], states: dict[str, torch.Tensor],
+           slots: list[int], seq_lens: list[int], counts: list[int]) -> torch.Tensor:
+    starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return gdn.paged_gated_delta_net(
+        inputs["mixed"], inputs["a"], inputs["b"], weights["conv_weight"], weights["A_log"], weights["dt_bias"],
+        states["conv"], states["recurrent"], torch.tensor(slots, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), starts, HK, DK, DV)
+
+
+def _whole(inputs: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    return gdn.gated_delta_net(inputs["mixed"], inputs["a"], inputs["b"], weights["conv_weight"], weights["A_log"],
+                               weights["dt_bias"], 0, HK, DK, DV)
+
+
+def test_paged_op_continues_each_sequence_from_its_slot() -> None:
+    """Three sequences over mixed steps (a prefill in two chunks, decodes, a prompt shorter than
+    the convolution) then a decode-only step with padded rows: each sequence's outputs equal
+    its whole-sequence computation, and a fresh sequence in a slot holding another's states
+    starts from zero."""
+    weights = _weights()
+    # Each sequence's tokens over the three steps below; causal, so its whole computation's
+    # rows are its outputs step by step.
+    seqs = [_layer_inputs(71, seed=10), _layer_inputs(10, seed=11), _layer_inputs(3, seed=12)]
+    whole = [_whole(s, weights) for s in seqs]
+    states = {"conv": torch.randn(4, CONV_DIM, WIDTH - 1), "recurrent": torch.randn(4, HV, DK, DV)}  # stale slots
+    slots = [3, 1, 2]
+
+    # Step 1: A's first 40 tokens, B's 8; step 2: A's other 30, B's last one, C's prompt of 2.
+    step1 = {k: torch.cat([seqs[0][k][:40], seqs[1][k][:8]]) for k in seqs[0]}
+    out1 = _paged(step1, weights, states, slots[:2], [40, 8], [40, 8])
+    step2 = {k: torch.cat([seqs[0][k][40:70], seqs[1][k][8:9], seqs[2][k][:2]]) for k in seqs[0]}
+    out2 = _paged(step2, weights, states, slots, [70, 9, 2], [30, 1, 2])
+    torch.testing.assert_close(torch.cat([out1[:40], out2[:30]]), whole[0][:70], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([out1[40:], out2[30:31]]), whole[1][:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out2[31:], whole[2][:2], rtol=1e-4, atol=1e-4)
+
+    # A decode-only step (one token a row, two padded rows: seq_len 0, the null slot 0) takes
+    # the path CUDA graphs capture; it continues all three.
+    pad = _layer_inputs(2, seed=99)
+    step3 = {k: torch.cat([seqs[0][k][70:71], seqs[1][k][9:10], seqs[2][k][2:3], pad[k]]) for k in pad}
+    assert gdn.one_token_a_row(5, torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32))
+    out3 = _paged(step3, weights, states, slots + [0, 0], [71, 10, 3, 0, 0], [1, 1, 1, 0, 0])
+    for i, w in enumerate(whole):
+        torch.testing.assert_close(out3[i], w[-1], rtol=1e-4, atol=1e-4)
+    assert not gdn.one_token_a_row(3, torch.tensor([0, 2, 2, 3], dtype=torch.int32))  # a row of 2 tokens
+
+
+def test_recurrent_state_pass_replaces_markers_and_adds_inputs() -> None:
+    """Before: one `kiln::gated_delta_net` per linear-attention layer; after: the paged op, two
+    state caches per layer and the slots input, with the same logits on one prefill."""
+    config = tiny_config("qwen3_next")
+    linear = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    before = graph_for_pass(config, "recurrent_state")
+    assert op_counts(before.graph_module)["kiln.gated_delta_net.default"] == len(linear)
+    roles_before = graph_input_roles(before.graph_module)
+    after = before.copy()
+    stats = after.run_pass(RecurrentStatePass())
+
+    counts = op_counts(after.graph_module)
+    assert counts["kiln.gated_delta_net.default"] == 0
+    assert counts["kiln.paged_gated_delta_net.default"] == len(linear)
+    added = [r for r in graph_input_roles(after.graph_module) if r not in roles_before]
+    assert sorted(added) == sorted([f"state:{i}.{part}" for i in linear for part in ("conv", "recurrent")]
+                                   + ["batch:state_slots"])
+    assert stats == {"recurrent_replaced": len(linear), "inputs_added": 2 * len(linear) + 3}
+    torch.testing.assert_close(run_graph(after, num_tokens=20), run_graph(before, num_tokens=20), rtol=1e-5, atol=1e-5)
+
+
+def test_block_manager_hands_out_state_slots() -> None:
+    """Each admitted sequence holds its own slot (never the null slot 0) until freed; a freed
+    slot is reused; prefix caching is refused with states."""
+    from kiln.runtime.sampling_params import SamplingParams as Params
+
+    with pytest.raises(ValueError, match="prefix caching"):
+        BlockManager(16, 4, enable_prefix_caching=True, num_state_slots=3)
+    bm = BlockManager(16, 4, enable_prefix_caching=False, num_state_slots=3)
+    seqs = [Sequence(seq_id=i, request_id=f"r{i}", prompt_token_ids=[1, 2, 3, 4, 5], params=Params()) for i in range(3)]
+    bm.admit(seqs[0], [], 5, from_cache=False)
+    bm.admit(seqs[1], [], 5, from_cache=False)
+    assert sorted(s.state_slot for s in seqs[:2]) == [1, 2]
+    bm.check_invariants(seqs[:2])
+    with pytest.raises(RuntimeError, match="no recurrent-state slot"):
+        bm.admit(seqs[2], [], 5, from_cache=False)
+    freed = seqs[0].state_slot
+    bm.free(seqs[0])
+    assert seqs[0].state_slot == 0
+    bm.admit(seqs[2], [], 5, from_cache=False)
+    assert seqs[2].state_slot == freed
+    bm.check_invariants(seqs[1:])
+
+
+def test_engine_keeps_states_across_chunks_slot_reuse_and_preemption(tiny_model_dir) -> None:
+    """Five prompts through two seats, 16-token steps (prompts prefilled in chunks) and a KV
+    cache too small for both seats' growth (preemption: the states start over with the
+    recompute): every completion is Hugging Face's greedy one."""
+    path, hf = tiny_model_dir("qwen3_next")
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False, max_num_seqs=2, max_num_batched_tokens=16,
+              block_size=4, num_kv_blocks=20, kv_reserve_ratio=0.0)
+    engine = llm.engine
+    assert engine.block_manager.num_state_slots == 3 and not engine.block_manager.enable_prefix_caching
+    prompts = [list(range(3, 40)), [5, 9], list(range(20, 45)), [7] * 30, list(range(50, 58))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert engine.scheduler.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    assert sorted(engine.block_manager.free_state_slots) == [1, 2]  # every slot back
+
+
+def test_engine_runs_siblings_each_from_its_own_prompt(tiny_model_dir) -> None:
+    """n=2 completions of one prompt: no prompt blocks shared (the states are not), both greedy."""
+    path, hf = tiny_model_dir("qwen3_5")
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
+    prompt = list(range(4, 30))
+    out = llm.generate([prompt], SamplingParams(n=2, max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    expected = hf_greedy(hf, prompt, 8)
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+    assert llm.engine.scheduler.stats.num_forked_tokens == 0
+
+
+def test_tensor_parallel_refuses_recurrent_layers(tiny_model_dir) -> None:
+    path, _ = tiny_model_dir("qwen3_next")
+    with pytest.raises(ValueError, match="gated DeltaNet.*tensor_parallel_size=1"):
+        LLM(str(path), dtype="float32", device="cpu", progress=False, tensor_parallel_size=2)
+
+
+def test_compiled_artifacts_carry_the_states(tiny_model_dir, tmp_path) -> None:
+    """Inductor artifacts (CPU) of a hybrid model take the state caches as inputs whose slot
+    count is dynamic: the compiled engine gives the eager engine's tokens."""
+    path, hf = tiny_model_dir("qwen3_next")
+    settings = dict(max_num_seqs=2, max_num_batched_tokens=16, decode_buckets=[2], token_buckets=[16])
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False, compile="inductor",
+              cache_dir=str(tmp_path / "cache"), **settings)
+    prompts = [[5, 6, 7, 8], list(range(1, 24))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert llm.engine.startup_report.mode == "inductor"
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
