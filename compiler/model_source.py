@@ -39,9 +39,10 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (Hugging Face's config classes would silently fill in the defaults of a 7B model).
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Multimodal checkpoints whose language model Kiln runs alone, as a text model (the images'
-# tower is never read): Llama 4, Gemma 3, Mistral Small 3.x. Their config.json nests the text
-# model's config as `text_config`, and their tensors carry a prefix (`multimodal_aliases`).
-MULTIMODAL_TEXT_MODELS = frozenset({"llama4", "gemma3", "mistral3"})
+# tower is never read): Llama 4, Gemma 3, Mistral Small 3.x, Qwen3.5 (dense and MoE). Their
+# config.json nests the text model's config as `text_config`, and their tensors carry a prefix
+# (`multimodal_aliases`).
+MULTIMODAL_TEXT_MODELS = frozenset({"llama4", "gemma3", "mistral3", "qwen3_5", "qwen3_5_moe"})
 # Top-level fields of such a config.json that hold for the text model too, where its own
 # config does not say.
 _MULTIMODAL_SHARED_FIELDS = ("torch_dtype", "dtype", "quantization_config")
@@ -681,7 +682,9 @@ def _load_safetensors_dir(
     for name, aliases in names.items():
         found = _pick(aliases, where)
         if found is None:
-            sources = next((layout for layout in checkpoint_source_layouts(name, num_experts)
+            # Under any of its names (a multimodal checkpoint's prefixed ones too).
+            sources = next((layout for alias in dict.fromkeys([name, *aliases])
+                            for layout in checkpoint_source_layouts(alias, num_experts)
                             if all(src in where for src in layout)), None)
             if sources:
                 derived[name] = sources

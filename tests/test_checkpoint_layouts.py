@@ -73,13 +73,14 @@ _TINY_VISION = {
                    patch_size=14),
     "mistral3": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
                      patch_size=14, head_dim=16),
+    "qwen3_5_moe": dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14, out_hidden_size=64),
 }
 
 
 @pytest.mark.parametrize("model_type,text_arch", [("llama4", "llama4_text"), ("gemma3", "gemma3_text"),
-                                                  ("mistral3", "mistral")])
+                                                  ("mistral3", "mistral"), ("qwen3_5_moe", "qwen3_5_moe")])
 def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_arch: str, tmp_path) -> None:
-    """Llama 4, Gemma 3 and Mistral Small 3.x are published as image-text models; Kiln reads the text model's config
+    """Llama 4, Gemma 3, Mistral Small 3.x and Qwen3.5 are published as image-text models; Kiln reads the text model's config
     out of `text_config` and its tensors from under `language_model.` (the vision tower is never
     read), and generates the multimodal model's own greedy tokens for a text prompt."""
     from tiny_models import tiny_config
@@ -98,11 +99,11 @@ def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         saved = set(f.keys())
-    assert "language_model.model.embed_tokens.weight" in saved
-    assert any(k.startswith(("vision_model.", "vision_tower.")) for k in saved)
+    assert {"language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight"} & saved
+    assert any(k.startswith(("vision_model.", "vision_tower.", "model.visual.")) for k in saved)
 
     source = resolve_model(tmp_path)
-    assert source.multimodal and source.config.model_type == text_arch
+    assert source.multimodal and source.config.model_type == text.model_type
     prompt = [1, 5, 7, 9, 11, 13, 2, 17]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", progress=False)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
