@@ -176,7 +176,9 @@ class LLMEngine:
                         self.source.name)
         self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, enable_prefix_caching=prefix_caching,
                                           num_state_slots=self.num_state_slots)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        # A recurrent model runs at most as many sequences as it has state slots (kv_cache.allocate_states).
+        max_num_seqs = min(config.max_num_seqs, self.num_state_slots - 1) if self.num_state_slots else config.max_num_seqs
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, config.max_num_batched_tokens,
                                    reserve_ratio=config.kv_reserve_ratio)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, seed=config.seed)

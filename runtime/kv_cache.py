@@ -32,6 +32,9 @@ logger = logging.getLogger("kiln.runtime")
 CPU_KV_MEMORY_FRACTION = 0.2
 # CUDA: memory kept back from the KV cache for the CUDA graphs' pool and fragmentation.
 CUDA_RESERVE_BYTES = 512 * 2**20
+# Recurrent layers' states (per sequence, not per token) take at most this share of the memory
+# left after the weights; the rest goes to the KV cache and the activations.
+STATE_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -155,16 +158,41 @@ def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, 
                               dtype, device, kv_planes(model_config), without=recurrent)
 
 
+def state_slots_that_fit(max_num_seqs: int, bytes_per_slot: int, free_bytes: int) -> int:
+    """State-cache rows for `max_num_seqs` sequences plus the null slot, fewer when they would
+    take more than STATE_MEMORY_SHARE of `free_bytes` (the rest stays for the KV cache and the
+    activations). Raises ValueError when not even one sequence's states fit."""
+    fit = int(free_bytes * STATE_MEMORY_SHARE) // max(1, bytes_per_slot)
+    if fit < 2:
+        raise ValueError(f"no memory for one sequence's recurrent states ({bytes_per_slot / 2**20:.1f} MiB) in "
+                         f"{STATE_MEMORY_SHARE:.0%} of the {free_bytes / 2**30:.2f} GiB left after the weights; "
+                         "raise gpu_memory_utilization or use a smaller model")
+    return min(max_num_seqs + 1, fit)
+
+
 def allocate_states(config: EngineConfig, model_config: Any, dtype: torch.dtype, device: torch.device
                     ) -> dict[str, torch.Tensor]:
     """The recurrent layers' state caches, one row per sequence the engine may run plus the null
     slot ({} for a model without recurrent layers). States keep the model's dtype (the conv
-    inputs) and float32 (the recurrent state), whatever the KV cache's dtype."""
-    states = allocate_state_caches(model_config, config.max_num_seqs + 1, dtype, device)
-    if states:
-        logger.info("recurrent states: %d layers' states for %d sequences, %.1f MiB",
-                    len(states) // 2, config.max_num_seqs,
-                    state_bytes_per_slot(model_config, dtype) * (config.max_num_seqs + 1) / 2**20)
+    inputs) and float32 (the recurrent state), whatever the KV cache's dtype. Where
+    max_num_seqs sequences' states would take more than STATE_MEMORY_SHARE of the memory left
+    (Qwen3-Next-80B: ~74 MiB a sequence, 75 GiB for 1,024), fewer rows are allocated and the
+    engine runs fewer sequences at once (`KVCache.num_state_slots`; logged)."""
+    per_slot = state_bytes_per_slot(model_config, dtype)
+    if not per_slot:
+        return {}
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        free = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - CUDA_RESERVE_BYTES
+    else:
+        free = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_MEMORY_FRACTION)
+    slots = state_slots_that_fit(config.max_num_seqs, per_slot, free)
+    states = allocate_state_caches(model_config, slots, dtype, device)
+    logger.info("recurrent states: %d layers, %.1f MiB a sequence, %d sequences (%.2f GiB)%s",
+                len(states) // 2, per_slot / 2**20, slots - 1, per_slot * slots / 2**30,
+                "" if slots == config.max_num_seqs + 1 else
+                f": max_num_seqs {config.max_num_seqs} lowered, their states would take more than "
+                f"{STATE_MEMORY_SHARE:.0%} of the memory left")
     return states
 
 

@@ -202,3 +202,27 @@ def test_compiled_artifacts_carry_the_states(tiny_model_dir, tmp_path) -> None:
     assert llm.engine.startup_report.mode == "inductor"
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 6)
+
+
+def test_state_slots_fit_their_share_of_memory(tiny_model_dir, monkeypatch) -> None:
+    """States take at most their share of the memory left: fewer slots than max_num_seqs + 1
+    when they would take more (the engine then runs that many sequences), a clear error when
+    not one sequence's fit."""
+    from kiln.runtime import kv_cache
+
+    assert kv_cache.state_slots_that_fit(8, 100, 10_000) == 9
+    assert kv_cache.state_slots_that_fit(1024, 100, 1_000) == 5  # half of 1,000 bytes: 5 rows
+    with pytest.raises(ValueError, match="no memory for one sequence's recurrent states"):
+        kv_cache.state_slots_that_fit(8, 100, 300)
+
+    path, hf = tiny_model_dir("qwen3_5")
+    per_slot = gdn.state_bytes_per_slot(tiny_config("qwen3_5"), torch.float32)
+    ram = kv_cache.os.sysconf("SC_PHYS_PAGES") * kv_cache.os.sysconf("SC_PAGE_SIZE")
+    # Memory for 4 rows' states in the share: 3 sequences at once, not 8.
+    monkeypatch.setattr(kv_cache, "CPU_KV_MEMORY_FRACTION", 4.5 * per_slot / kv_cache.STATE_MEMORY_SHARE / ram)
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False, max_num_seqs=8, num_kv_blocks=64)
+    assert llm.engine.block_manager.num_state_slots == 4 and llm.engine.scheduler.max_num_seqs == 3
+    prompts = [[5, 6, 7, 8 + i] for i in range(5)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
