@@ -28,10 +28,14 @@ Two ops:
 The reference here (plain torch, every device) computes a sequence's tokens in chunks of
 `CHUNK` with the WY form of the delta rule (one triangular solve a chunk, then the chunk's
 outputs and state update as matrix products); single tokens by the recurrence itself.
-There is no Triton kernel yet: on a GPU these ops run as torch ops.
+On CUDA a decode step's delta rule runs as one Triton kernel over the states in place
+(kiln.kernels.triton_gated_delta_net); the rest (the convolution, chunked prefills) runs as
+torch ops there too.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,10 +49,10 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
+def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, repeat_heads: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convolved [T, conv_dim] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated per value
-    head), v [T, Hv, Dv], all float32."""
+    head; [T, Hk, Dk] without `repeat_heads`), v [T, Hv, Dv], all float32."""
     t = mixed.shape[0]
     key_dim = num_k_heads * head_k_dim
     q, k, v = mixed.float().split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
@@ -56,7 +60,7 @@ def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_
     repeat = v.shape[1] // num_k_heads
     q = _l2norm(q.reshape(t, num_k_heads, head_k_dim)) * head_k_dim ** -0.5
     k = _l2norm(k.reshape(t, num_k_heads, head_k_dim))
-    if repeat > 1:
+    if repeat > 1 and repeat_heads:
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
     return q, k, v
 
@@ -132,6 +136,24 @@ def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
     return out.to(mixed_qkv.dtype)
 
 
+def decode_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          recurrent_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
+    """One token of each of B rows from its slot's recurrent state (zeros where not
+    `continuing`), the state written back: q, k [B, Hk, Dk] (normalised, q scaled), v [B, Hv,
+    Dv], g, beta [B, Hv]. Returns o [B, Hv, Dv] float32. (The CUDA kernel:
+    kiln.kernels.triton_gated_delta_net.)"""
+    repeat = v.shape[1] // q.shape[1]
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
+    o, state = delta_rule_step(q, k, v, g, beta, state)
+    recurrent_state[slots] = state
+    return o
+
+
+DecodeRule = Callable[..., torch.Tensor]
+
+
 def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor) -> bool:
     """Whether every sequence of the step has at most one token and the step as many tokens as
     rows (a decode step, padded or not). While a CUDA graph is being captured (only decode
@@ -147,8 +169,10 @@ def paged_gated_delta_net_reference(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, state_slots: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+    decode_rule: DecodeRule = decode_rule_reference,
 ) -> torch.Tensor:
-    """A step of any mix of sequences (see the module docstring); writes the states in place."""
+    """A step of any mix of sequences (see the module docstring); writes the states in place.
+    `decode_rule` runs the delta rule of a decode step (`decode_rule_reference`'s contract)."""
     t = mixed_qkv.shape[0]
     num_seqs = seq_lens.shape[0]
     num_v_heads = recurrent_state.shape[1]
@@ -161,17 +185,14 @@ def paged_gated_delta_net_reference(
         # 0 and their slot the null slot 0). A row without earlier tokens (seq_len <= 1) starts
         # from zero states whatever its slot holds.
         slots = state_slots.long()
-        continuing = (seq_lens > 1).view(-1, 1, 1)
-        past = torch.where(continuing, conv_state[slots], torch.zeros((), dtype=conv_state.dtype,
-                                                                       device=conv_state.device))
+        continuing = seq_lens > 1
+        past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
+                           torch.zeros((), dtype=conv_state.dtype, device=conv_state.device))
         extended = torch.cat([past.to(mixed_qkv.dtype), mixed_qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
         conv = F.silu((extended.float() * conv_weight.float().unsqueeze(0)).sum(dim=-1)).to(mixed_qkv.dtype)
         conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
-        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
-        state = torch.where(continuing.unsqueeze(-1), recurrent_state[slots], 0.0)
-        o, state = delta_rule_step(q, k, v, g, beta, state)
-        recurrent_state[slots] = state
-        return o.to(out.dtype)
+        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim, repeat_heads=False)
+        return decode_rule(q, k, v, g, beta, recurrent_state, slots, continuing).to(out.dtype)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     slot_list = state_slots.tolist()
