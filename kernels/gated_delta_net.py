@@ -85,33 +85,39 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | Non
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one sequence's tokens from `state` [Hv, Dk, Dv] (float32):
-    q, k [n, Hv, Dk], v [n, Hv, Dv], g, beta [n, Hv]. Returns (o [n, Hv, Dv], final state).
+    """The gated delta rule over the tokens of one sequence, or of B sequences of one (padded)
+    length, from `state` [(B,) Hv, Dk, Dv] (float32): q, k [(B,) n, Hv, Dk], v [(B,) n, Hv, Dv],
+    g, beta [(B,) n, Hv]. Returns (o like v, final state). A token with beta = 0 and g = 0 (a
+    sequence's right padding) leaves the state as it is.
 
     Within a chunk of L tokens (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i):
     the chunk's corrected values are U = (I + L)^-1 (beta v - (beta k exp(c)) S) with L the
     strictly lower part of (beta k k^T) * D; outputs are (q exp(c)) S + ((q k^T) * D) U; the
     state after it is S exp(c_L) + (k exp(c_L - c))^T U."""
-    n = q.shape[0]
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [Hv, n, D]
-    g, beta = g.t(), beta.t()  # [Hv, n]
+    single = q.dim() == 3
+    if single:
+        q, k, v, g, beta, state = (x.unsqueeze(0) for x in (q, k, v, g, beta, state))
+    n = q.shape[1]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, Hv, n, D]
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, Hv, n]
     out = torch.empty_like(v)
     for start in range(0, n, CHUNK):
         end = min(start + CHUNK, n)
-        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
-        c = g[:, start:end].cumsum(dim=-1)  # [Hv, L]
+        qc, kc, vc, bc = q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], beta[..., start:end]
+        c = g[..., start:end].cumsum(dim=-1)  # [B, Hv, L]
         length = end - start
         causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [Hv, L, L]
+        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [B, Hv, L, L]
         kb = kc * bc.unsqueeze(-1)
         lower = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
         system = lower + torch.eye(length, dtype=q.dtype, device=q.device)
         rhs = vc * bc.unsqueeze(-1) - (kb * c.exp().unsqueeze(-1)) @ state
         u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        out[:, start:end] = (qc * c.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        last = c[:, -1:]
+        out[..., start:end, :] = (qc * c.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        last = c[..., -1:]
         state = state * last.exp().unsqueeze(-1) + (kc * (last - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
-    return out.transpose(0, 1), state
+    out = out.transpose(1, 2)
+    return (out[0], state[0]) if single else (out, state)
 
 
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -180,34 +186,79 @@ def paged_gated_delta_net_reference(
     if t == 0 or num_seqs == 0:
         return out
     g, beta = gates(a, b, A_log, dt_bias)
+    heads = (num_k_heads, head_k_dim, head_v_dim)
     if one_token_a_row(t, query_start_loc):
         # Token i is row i's (padded rows, last, have none: their token is padding, their seq_len
-        # 0 and their slot the null slot 0). A row without earlier tokens (seq_len <= 1) starts
-        # from zero states whatever its slot holds.
-        slots = state_slots.long()
-        continuing = seq_lens > 1
-        past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
-                           torch.zeros((), dtype=conv_state.dtype, device=conv_state.device))
-        extended = torch.cat([past.to(mixed_qkv.dtype), mixed_qkv.unsqueeze(-1)], dim=-1)  # [B, C, K]
-        conv = F.silu((extended.float() * conv_weight.float().unsqueeze(0)).sum(dim=-1)).to(mixed_qkv.dtype)
-        conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
-        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim, repeat_heads=False)
-        return decode_rule(q, k, v, g, beta, recurrent_state, slots, continuing).to(out.dtype)
+        # 0 and their slot the null slot 0). No host read: CUDA graphs capture this.
+        return _single_tokens(mixed_qkv, g, beta, conv_weight, conv_state, recurrent_state, state_slots.long(),
+                              seq_lens > 1, heads, decode_rule).to(out.dtype)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    slot_list = state_slots.tolist()
-    for i in range(num_seqs):
-        begin, end = starts[i], starts[i + 1]
-        if end <= begin:
-            continue
-        slot = slot_list[i]
-        continuing = lens[i] > end - begin  # tokens before this step's
-        conv, conv_state[slot] = causal_conv(mixed_qkv[begin:end], conv_weight, conv_state[slot] if continuing else None)
-        q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
-        state = recurrent_state[slot] if continuing else recurrent_state.new_zeros(recurrent_state.shape[1:])
-        o, recurrent_state[slot] = delta_rule_chunked(q, k, v, g[begin:end], beta[begin:end], state)
-        out[begin:end] = o.to(out.dtype)
+    counts = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+    lens, slots = seq_lens.tolist(), state_slots.tolist()
+    singles = [i for i in range(num_seqs) if counts[i] == 1]
+    if singles:  # the decodes of a mixed step, all at once
+        rows = torch.tensor([starts[i] for i in singles], device=mixed_qkv.device)
+        cont = torch.tensor([lens[i] > 1 for i in singles], device=mixed_qkv.device)
+        out[rows] = _single_tokens(mixed_qkv[rows], g[rows], beta[rows], conv_weight, conv_state, recurrent_state,
+                                   torch.tensor([slots[i] for i in singles], device=mixed_qkv.device), cont, heads,
+                                   decode_rule).to(out.dtype)
+    multi = [i for i in range(num_seqs) if counts[i] > 1]
+    if multi:  # prefills and their chunks, padded to one length
+        _prefills(mixed_qkv, g, beta, conv_weight, conv_state, recurrent_state, out,
+                  [(starts[i], counts[i], slots[i], lens[i] > counts[i]) for i in multi], heads)
     return out
+
+
+def _single_tokens(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                   conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+                   continuing: torch.Tensor, heads: tuple[int, int, int], decode_rule: DecodeRule) -> torch.Tensor:
+    """One token of each of B rows ([B, C] inputs) after its slot's states (zeros where not
+    `continuing`); the states written back. Returns o [B, Hv, Dv] float32."""
+    past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
+                       torch.zeros((), dtype=conv_state.dtype, device=conv_state.device))
+    extended = torch.cat([past.to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    conv = F.silu((extended.float() * conv_weight.float().unsqueeze(0)).sum(dim=-1)).to(mixed.dtype)
+    conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
+    q, k, v = _split_heads(conv, *heads, repeat_heads=False)
+    return decode_rule(q, k, v, g, beta, recurrent_state, slots, continuing)
+
+
+def _prefills(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+              conv_state: torch.Tensor, recurrent_state: torch.Tensor, out: torch.Tensor,
+              rows: list[tuple[int, int, int, bool]], heads: tuple[int, int, int]) -> None:
+    """The sequences of `rows` (first token, token count, slot, continuing), each of several
+    tokens, as one batch padded on the right to the longest: padding has zero inputs, g = 0 and
+    beta = 0, so it changes no state and no real token's output (each token sees only earlier
+    ones). Outputs go to `out`, final states to the slots."""
+    device, t = mixed.device, mixed.shape[0]
+    begins = torch.tensor([r[0] for r in rows], device=device)
+    counts = torch.tensor([r[1] for r in rows], device=device)
+    slots = torch.tensor([r[2] for r in rows], device=device)
+    continuing = torch.tensor([r[3] for r in rows], device=device)
+    length = max(r[1] for r in rows)
+    offsets = torch.arange(length, device=device)
+    real = offsets < counts.unsqueeze(1)  # [S, L]
+    index = torch.where(real, begins.unsqueeze(1) + offsets, t)  # t: the zero row appended below
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]
+
+    width = conv_weight.shape[-1]
+    past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
+                       torch.zeros((), dtype=conv_state.dtype, device=device))
+    extended = torch.cat([past.to(mixed.dtype), padded(mixed).transpose(1, 2)], dim=2)  # [S, C, K-1+L]
+    channels = extended.shape[1]
+    conv = F.conv1d(extended.float(), conv_weight.float().view(channels, 1, width), groups=channels)
+    conv = F.silu(conv).transpose(1, 2).to(mixed.dtype)  # [S, L, C]
+    # The new conv state: each sequence's last K-1 inputs (extended's columns count .. count+K-2).
+    last = (counts.unsqueeze(1) + torch.arange(width - 1, device=device)).unsqueeze(1).expand(-1, channels, -1)
+    conv_state[slots] = extended.gather(2, last).to(conv_state.dtype)
+    num_seqs = len(rows)
+    q, k, v = _split_heads(conv.reshape(num_seqs * length, channels), *heads)
+    q, k, v = (x.view(num_seqs, length, *x.shape[1:]) for x in (q, k, v))
+    state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
+    o, recurrent_state[slots] = delta_rule_chunked(q, k, v, padded(g), padded(beta), state)
+    out[index[real]] = o[real].to(out.dtype)
 
 
 @kiln_op("kiln::gated_delta_net", mutates_args=())
