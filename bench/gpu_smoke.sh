@@ -15,7 +15,7 @@
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
-#                                         moe_llama4_scout latent_kernel_ab tune_latent
+#                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_c tests_b latency throughput startup)
 #
@@ -349,6 +349,9 @@ for stage in $STAGES; do
     moe_gpt_oss_20b)  # GPT-OSS-20B's shape (dummy bf16, ~41 GB): decode 1/64 against Hugging Face eager
       run_stage moe_gpt_oss_20b 560 $PY bench/moe.py --shape gpt-oss-20b --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_gpt_oss_20b.json" ;;
+    moe_qwen3_next)  # Qwen3-Next-80B's shape (dummy, FP8 with FP8 experts, ~81 GB; gated DeltaNet states): decode 1/64
+      KILN_FP8_EXPERTS=1 run_stage moe_qwen3_next 560 $PY bench/moe.py --shape qwen3-next-80b --no-offline \
+        --no-baseline --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_qwen3_next.json" ;;
     moe_llama4_scout)  # Llama 4 Scout's language model (dummy, FP8 with FP8 experts, ~108 GB): decode 1/64, no baseline
       KILN_FP8_EXPERTS=1 run_stage moe_llama4_scout 560 $PY bench/moe.py --shape llama4-scout --no-offline \
         --no-baseline --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_llama4_scout.json" ;;

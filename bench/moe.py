@@ -74,6 +74,11 @@ SHAPES = {
     # H200 only with --quantization fp8 (KILN_FP8_EXPERTS=1 for the experts; ~108 GB), and
     # without the Hugging Face baseline, which would need the bf16 weights on the device.
     "llama4-scout": MoEShape("llama4-scout", "llama4_scout.json", offline=False),
+    # Qwen3-Next-80B-A3B: 36 gated DeltaNet layers (per-sequence recurrent states, ~74 MiB a
+    # sequence) and 12 gated attention layers, 512 experts top-10 and a gated shared expert in
+    # all 48: ~160 GB in bf16, so on one H200 only with --quantization fp8 (KILN_FP8_EXPERTS=1;
+    # ~81 GB) and without the Hugging Face baseline.
+    "qwen3-next-80b": MoEShape("qwen3-next-80b", "qwen3_next_80b.json", offline=False),
 }
 
 # --tiny: the architectures at test-model size (tests/test_moe.py's scale).
@@ -99,6 +104,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                          num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                          no_rope_layers=[1, 0], vocab_size=256, max_position_embeddings=512,
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    "qwen3-next-80b": dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=64,
+                           intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                           linear_key_head_dim=16, linear_value_head_dim=8, vocab_size=256,
+                           max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     "gpt-oss-20b": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], hidden_size=64,
                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
