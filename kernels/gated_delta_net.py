@@ -202,11 +202,28 @@ def paged_gated_delta_net_reference(
         out[rows] = _single_tokens(mixed_qkv[rows], g[rows], beta[rows], conv_weight, conv_state, recurrent_state,
                                    torch.tensor([slots[i] for i in singles], device=mixed_qkv.device), cont, heads,
                                    decode_rule).to(out.dtype)
-    multi = [i for i in range(num_seqs) if counts[i] > 1]
-    if multi:  # prefills and their chunks, padded to one length
+    multi = sorted((i for i in range(num_seqs) if counts[i] > 1), key=lambda i: -counts[i])
+    for group in padding_groups([counts[i] for i in multi]):  # prefills and their chunks, padded
         _prefills(mixed_qkv, g, beta, conv_weight, conv_state, recurrent_state, out,
-                  [(starts[i], counts[i], slots[i], lens[i] > counts[i]) for i in multi], heads)
+                  [(starts[multi[j]], counts[multi[j]], slots[multi[j]], lens[multi[j]] > counts[multi[j]])
+                   for j in group], heads)
     return out
+
+
+def padding_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` (longest first) in groups run as one padded batch each: a group
+    grows while padding every member to its longest keeps it under twice its real tokens (a
+    16k-token prompt beside short chunks is not padded 16k times)."""
+    groups: list[list[int]] = []
+    real = 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= 2 * (real + n):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
 
 
 def _single_tokens(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,

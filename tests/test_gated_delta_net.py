@@ -112,6 +112,12 @@ def test_paged_op_continues_each_sequence_from_its_slot() -> None:
     assert not gdn.one_token_a_row(3, torch.tensor([0, 2, 2, 3], dtype=torch.int32))  # a row of 2 tokens
 
 
+def test_prefills_are_padded_in_groups_of_bounded_waste() -> None:
+    assert gdn.padding_groups([64, 60, 50, 40]) == [[0, 1, 2, 3]]
+    assert gdn.padding_groups([16384, 2, 2, 2]) == [[0, 1], [2, 3]]  # 2 x 16k padded rows, not 4
+    assert gdn.padding_groups([100, 30, 30, 30, 30]) == [[0, 1, 2], [3, 4]]  # 300 padded rows for 160 real: the bound
+
+
 def test_recurrent_state_pass_replaces_markers_and_adds_inputs() -> None:
     """Before: one `kiln::gated_delta_net` per linear-attention layer; after: the paged op, two
     state caches per layer and the slots input, with the same logits on one prefill."""
