@@ -117,7 +117,7 @@ def example_inputs(
 
     num_blocks = Dim("num_kv_blocks", min=2, max=MAX_KV_BLOCKS)
     num_slots = Dim("num_state_slots", min=2, max=MAX_KV_BLOCKS)
-    state_shapes = gated_delta_net.state_shapes(config, dtype)
+    state_shapes = gated_delta_net.state_shapes(config, dtype, tp_size)
     width = Dim("block_table_width", min=1, max=MAX_BLOCK_TABLE_WIDTH)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(roles):

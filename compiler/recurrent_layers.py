@@ -57,9 +57,9 @@ def _kiln_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any
     """The layer over one packed step [1, T, hidden], its states behind the marker."""
     t = hidden_states.shape[1]
     mixed, z, b, a = _projections(self, hidden_states)
-    core = gated_delta_net(mixed, a, b, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1), self.A_log,
+    core = gated_delta_net(mixed, a, b, self.conv1d.weight.squeeze(1), self.A_log,
                            self.dt_bias, self.layer_idx, self.num_k_heads, self.head_k_dim, self.head_v_dim)
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    core = self.norm(core, z)  # per value head (over its last dim, as transformers' flattened rows)
     return self.out_proj(core.reshape(1, t, -1))
 
 

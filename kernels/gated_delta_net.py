@@ -329,15 +329,16 @@ def _paged_gated_delta_net_fake(mixed_qkv, a, b, conv_weight, A_log, dt_bias, co
 
 # ---- state caches -------------------------------------------------------------------------
 
-def state_shapes(config: object, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def state_shapes(config: object, dtype: torch.dtype, tp_size: int = 1) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each gated DeltaNet layer's two states for one sequence, by state name ("<layer>.conv",
-    "<layer>.recurrent"): (shape, dtype). Empty for a model without such layers. The conv state
-    keeps the model's dtype (it holds projected inputs); the recurrent state is float32."""
+    "<layer>.recurrent"): (shape, dtype), on one rank of `tp_size` (its share of the heads).
+    Empty for a model without such layers. The conv state keeps the model's dtype (it holds
+    projected inputs); the recurrent state is float32."""
     layers = [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind == "linear_attention"]
     if not layers:
         return {}
-    num_k, head_k = config.linear_num_key_heads, config.linear_key_head_dim
-    num_v, head_v = config.linear_num_value_heads, config.linear_value_head_dim
+    num_k, head_k = config.linear_num_key_heads // tp_size, config.linear_key_head_dim
+    num_v, head_v = config.linear_num_value_heads // tp_size, config.linear_value_head_dim
     conv_dim = 2 * num_k * head_k + num_v * head_v
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for layer in layers:
@@ -346,10 +347,10 @@ def state_shapes(config: object, dtype: torch.dtype) -> dict[str, tuple[tuple[in
     return shapes
 
 
-def state_bytes_per_slot(config: object, dtype: torch.dtype) -> int:
-    """Bytes of every recurrent layer's states for one sequence."""
+def state_bytes_per_slot(config: object, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of every recurrent layer's states for one sequence (on one rank of `tp_size`)."""
     total = 0
-    for shape, state_dtype in state_shapes(config, dtype).values():
+    for shape, state_dtype in state_shapes(config, dtype, tp_size).values():
         numel = 1
         for n in shape:
             numel *= n
@@ -357,8 +358,9 @@ def state_bytes_per_slot(config: object, dtype: torch.dtype) -> int:
     return total
 
 
-def allocate_state_caches(config: object, num_slots: int, dtype: torch.dtype, device: torch.device | str
-                          ) -> dict[str, torch.Tensor]:
-    """Zeroed state caches of `num_slots` rows (row 0 is the null slot padded rows write)."""
+def allocate_state_caches(config: object, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                          tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Zeroed state caches of `num_slots` rows (row 0 is the null slot padded rows write), of
+    one rank's heads."""
     return {name: torch.zeros((num_slots, *shape), dtype=state_dtype, device=device)
-            for name, (shape, state_dtype) in state_shapes(config, dtype).items()}
+            for name, (shape, state_dtype) in state_shapes(config, dtype, tp_size).items()}

@@ -36,6 +36,12 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   count (refused when KV heads are replicated: a head would count once per rank). Any other
   reduction over a dimension the rank holds part of is refused, naming the node;
 - ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads;
+- gated DeltaNet layers (Qwen3-Next, Qwen3.5): by key heads, each with its value heads
+  (`_GatedDeltaPlan`): Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, are one
+  run of rows; Qwen3.5's in_proj_qkv and the convolution's channels are [q; k; v], three runs;
+  in_proj_z / _b / _a, A_log and dt_bias the rank's value heads; out_proj row-parallel over
+  them; the `kiln::gated_delta_net` marker gets the rank's key-head count, the views that spell
+  out a head count the rank's, and the state caches hold the rank's heads;
 - multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): q_b_proj / q_proj and kv_b_proj
   keep the rank's heads' rows (whatever a head's width: `_Plan.head_rows`), kv_b_proj also
   where it is no linear but the per-head weight the latent cache's absorbed attention views;
@@ -107,6 +113,11 @@ TP_ARCHITECTURES = {
                    "router (with its selection bias) replicated, shared experts as an MLP",
     "deepseek_v2": "as deepseek_v3, q_proj by heads (no q LoRA), the softmax router replicated",
     "glm4_moe_lite": "as deepseek_v3",
+    "qwen3_next": "gated DeltaNet layers by key heads (in_proj_qkvz / in_proj_ba per key head, the convolution, "
+                  "A_log and dt_bias, out_proj row-parallel); gated attention's q_proj ([q; gate] per head) by "
+                  "heads; experts as mixtral, the shared expert as an MLP, its gate replicated",
+    "qwen3_5_text": "as qwen3_next, in_proj_qkv as [q; k; v] and in_proj_z / _b / _a by value heads",
+    "qwen3_5_moe_text": "as qwen3_5_text; experts as qwen3_next",
     "llama4_text": "as llama; its [E, in, out] experts split along their intermediate dimension (the routed sum "
                    "all-reduced before the shared expert's output is added), the router replicated; chunked "
                    "attention per head",
@@ -189,7 +200,10 @@ _CODEGEN_MP_NUM = 4
 # Replicated: every rank computes the whole projection (MoE routers: small, and every rank
 # needs all experts' scores). Routers of any name are found by kiln.passes.fuse_moe's
 # router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
-_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa"}  # (MLA's: into the shared q and kv latents)
+# (MLA's: into the shared q and kv latents; the shared expert's one-column gate of Qwen2-MoE and Qwen3-Next.)
+_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate"}
+# Gated DeltaNet projections (`_GatedDeltaPlan.rows`), and its row-parallel output projection.
+_GATED_DELTA_COLUMN = {"in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
 # Where an MoE block's output ends: the residual add (or the graph output); for Llama 4's
 # experts also the in-place add of the routed sum to the shared expert's (reduced) output.
 _BLOCK_END = {aten.add.Tensor, "output"}
@@ -231,7 +245,49 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     intermediate = getattr(config, "intermediate_size", None)
     if isinstance(intermediate, int) and intermediate % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={intermediate}")
+    key_heads = getattr(config, "linear_num_key_heads", None)
+    if "linear_attention" in (getattr(config, "layer_types", None) or []) and key_heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {key_heads} key heads of the gated "
+                         "DeltaNet layers")
 
+
+
+class _GatedDeltaPlan:
+    """Rank r's part of a gated DeltaNet layer: key heads [k0, k1), each with its value heads."""
+
+    def __init__(self, config: Any, tp: int, rank: int):
+        self.num_k, self.num_v = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        self.head_k, self.head_v = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        per_k = self.num_k // tp
+        self.k0, self.k1 = rank * per_k, (rank + 1) * per_k
+        group = self.num_v // self.num_k
+        self.v0, self.v1 = self.k0 * group, self.k1 * group
+        self.local_k = per_k
+
+    def qkv(self) -> list[tuple[int, int]]:
+        """The rank's channels of [q; k; v] (Qwen3.5's in_proj_qkv, the convolution's channels)."""
+        key_dim = self.num_k * self.head_k
+        return [(self.k0 * self.head_k, self.k1 * self.head_k),
+                (key_dim + self.k0 * self.head_k, key_dim + self.k1 * self.head_k),
+                (2 * key_dim + self.v0 * self.head_v, 2 * key_dim + self.v1 * self.head_v)]
+
+    def rows(self, module: str, size: int, what: str) -> list[tuple[int, int]]:
+        """The rank's output rows of one of the layer's input projections (`size` rows in all)."""
+        if module == "in_proj_qkv":
+            return self.qkv()
+        if module in ("in_proj_qkvz", "in_proj_ba"):  # one block per key head, its value heads inside
+            if size % self.num_k:
+                raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per key head")
+            width = size // self.num_k
+            return [(self.k0 * width, self.k1 * width)]
+        width = size // self.num_v  # in_proj_z (head_v a value head), in_proj_b / _a (1)
+        if size % self.num_v:
+            raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per value head")
+        return [(self.v0 * width, self.v1 * width)]
+
+    def size_map(self) -> dict[int, int]:
+        tp = self.num_k // self.local_k
+        return {self.num_k: self.local_k, self.num_v: self.num_v // tp}
 
 
 class _Plan:
@@ -356,6 +412,8 @@ class ShardTensorParallelPass(KilnPass):
             raise ValueError(f"shard_tensor_parallel: rank {rank} is outside [0, {tp})")
         check_tp_size(ctx.config, tp)
         plan = _Plan(ctx.config, tp, rank)
+        gated_delta = (_GatedDeltaPlan(ctx.config, tp, rank)
+                       if "linear_attention" in (getattr(ctx.config, "layer_types", None) or []) else None)
         model_type = str(getattr(ctx.config, "model_type", ""))
         graph = gm.graph
         shards: dict[str, ShardWeight] = {}
@@ -408,7 +466,17 @@ class ShardTensorParallelPass(KilnPass):
                 continue
             module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
             fused = _FUSED.get(model_type, {}).get(module)
-            if fused is not None:
+            if gated_delta is not None and module in _GATED_DELTA_COLUMN:
+                ranges = gated_delta.rows(module, weight.meta["val"].shape[0], name)
+                shard(weight, 0, ranges, sum(b - a for a, b in ranges))
+                stats["column_parallel"] += 1
+            elif gated_delta is not None and ".linear_attn." in name and module == "out_proj":
+                cols = (gated_delta.v0 * gated_delta.head_v, gated_delta.v1 * gated_delta.head_v)
+                shard(weight, 1, [cols], cols[1] - cols[0])
+                all_reduce_after(node)
+                stats["row_parallel"] += 1
+                stats["all_reduce"] += 1
+            elif fused is not None:
                 ranges, boundaries = plan.fused(fused, weight.meta["val"].shape[0], name)
                 size = sum(b - a for a, b in ranges)
                 shard(weight, 0, ranges, size)
@@ -472,7 +540,14 @@ class ShardTensorParallelPass(KilnPass):
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
         stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
         stats["latent_up_projections_sharded"] = self._shard_latent_up_projections(gm, plan, shard)
-        stats["all_reduce"] += _reshape_params(gm, new_shapes, plan.size_map(ctx.config), plan)
+        size_map = plan.size_map(ctx.config)
+        if gated_delta is not None:
+            stats["gated_delta_nets_sharded"] = self._shard_gated_delta_nets(gm, gated_delta, shard)
+            for full, local in gated_delta.size_map().items():
+                if size_map.setdefault(full, local) != local:
+                    raise ValueError(f"shard_tensor_parallel: a view of size {full} could be attention's (-> "
+                                     f"{size_map[full]}) or the gated DeltaNet's (-> {local}); no rule tells them apart")
+        stats["all_reduce"] += _reshape_params(gm, new_shapes, size_map, plan)
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
@@ -675,6 +750,25 @@ class ShardTensorParallelPass(KilnPass):
             if isinstance(sinks, torch.fx.Node) and param_name(sinks) is not None:
                 shard(sinks, 0, [(h0, h1)], h1 - h0)
                 count += 1
+        return count
+
+    @staticmethod
+    def _shard_gated_delta_nets(gm: torch.fx.GraphModule, plan: _GatedDeltaPlan, shard: Any) -> int:
+        """Each `kiln::gated_delta_net` marker: the rank's channels of the convolution (whose
+        weight the marker reads through a view), its value heads' A_log and dt_bias, and its
+        key-head count."""
+        count = 0
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.gated_delta_net.default):
+            conv, a_log, dt_bias = node.args[3], node.args[4], node.args[5]
+            while isinstance(conv, torch.fx.Node) and param_name(conv) is None and conv.all_input_nodes:
+                conv = conv.args[0]  # through the view to the parameter
+            for param, ranges in ((conv, plan.qkv()), (a_log, [(plan.v0, plan.v1)]), (dt_bias, [(plan.v0, plan.v1)])):
+                if not isinstance(param, torch.fx.Node) or param_name(param) is None:
+                    raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight, A_log or "
+                                     "dt_bias that is no checkpoint weight")
+                shard(param, 0, ranges, sum(b - a for a, b in ranges))
+            node.args = (*node.args[:7], plan.local_k, *node.args[8:])
+            count += 1
         return count
 
     @staticmethod

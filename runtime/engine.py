@@ -26,9 +26,7 @@ from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import (
-    attention_layers, build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets,
-)
+from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
 from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
@@ -162,9 +160,6 @@ class LLMEngine:
         self.kv_scales: dict[str, torch.Tensor] = {}
         self.num_state_slots = 0  # rows of the recurrent layers' state caches (0: none)
         if config.tensor_parallel_size > 1:
-            if attention_layers(self.model_config) != list(range(self.model_config.num_hidden_layers)):
-                raise ValueError(f"{self.source.name} has recurrent (gated DeltaNet) layers, which tensor "
-                                 "parallelism does not shard yet: run it with tensor_parallel_size=1")
             self._start_workers(config)
             self._choose_max_model_len(config, model_context)
         else:
@@ -270,6 +265,8 @@ class LLMEngine:
         self.startup_report = self.executor.startup_report
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.activation_peak_bytes = max(r["activation_peak_bytes"] for r in self.executor.reports)
+        # Every rank holds states for its heads; the engine runs as many sequences as all of them hold.
+        self.num_state_slots = min(r["num_state_slots"] for r in self.executor.reports)
         for r in self.executor.reports:  # an FP8 KV cache: each rank's scales (RankWorker.allocate_kv_cache)
             if r.get("kv_scales"):
                 logger.info("tensor-parallel rank %d: %s", r["rank"], r["kv_scales"])

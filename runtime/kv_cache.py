@@ -178,7 +178,8 @@ def allocate_states(config: EngineConfig, model_config: Any, dtype: torch.dtype,
     max_num_seqs sequences' states would take more than STATE_MEMORY_SHARE of the memory left
     (Qwen3-Next-80B: ~74 MiB a sequence, 75 GiB for 1,024), fewer rows are allocated and the
     engine runs fewer sequences at once (`KVCache.num_state_slots`; logged)."""
-    per_slot = state_bytes_per_slot(model_config, dtype)
+    tp_size = config.tensor_parallel_size
+    per_slot = state_bytes_per_slot(model_config, dtype, tp_size)
     if not per_slot:
         return {}
     if device.type == "cuda":
@@ -187,7 +188,7 @@ def allocate_states(config: EngineConfig, model_config: Any, dtype: torch.dtype,
     else:
         free = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * CPU_KV_MEMORY_FRACTION)
     slots = state_slots_that_fit(config.max_num_seqs, per_slot, free)
-    states = allocate_state_caches(model_config, slots, dtype, device)
+    states = allocate_state_caches(model_config, slots, dtype, device, tp_size)
     logger.info("recurrent states: %d layers, %.1f MiB a sequence, %d sequences (%.2f GiB)%s",
                 len(states) // 2, per_slot / 2**20, slots - 1, per_slot * slots / 2**30,
                 "" if slots == config.max_num_seqs + 1 else

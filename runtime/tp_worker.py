@@ -25,7 +25,7 @@ from kiln.compiler.model_source import resolve_model
 from kiln.kernels.collectives import (OneShotAllReduce, disable_one_shot_all_reduce,
                                         enable_one_shot_all_reduce)
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import allocate_kv_cache, cuda_graph_sizes, size_kv_cache
+from kiln.runtime.kv_cache import allocate_kv_cache, allocate_states, cuda_graph_sizes, size_kv_cache
 from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import load_model, peak_memory
 
@@ -98,8 +98,11 @@ class RankWorker:
         self.config = config
         self.model = load_model(config, source, self.dtype, self.device, self.timings, tp_rank=spec.rank)
         self.memory_after_load = peak_memory(self.device)
+        # The recurrent layers' states (of this rank's heads) first: the KV cache gets what is left.
+        self.states = allocate_states(config, self.model_config, self.dtype, self.device)
         self.num_blocks, self.activation_peak_bytes = size_kv_cache(
-            config, self.model_config, self.kv_cache_dtype, self.device, spec.max_model_len, self.model.make_runner)
+            config, self.model_config, self.kv_cache_dtype, self.device, spec.max_model_len, self.model.make_runner,
+            self.states)
         self.runner: Any = None
 
     def report(self) -> dict[str, Any]:
@@ -109,6 +112,7 @@ class RankWorker:
                 "timings": dict(self.timings), "startup_report": self.model.prepared.report,
                 "pass_records": self.model.prepared.spec.pass_records,  # what each graph pass did on this rank
                 "one_shot_all_reduce_max_bytes": self.one_shot.max_bytes if self.one_shot else 0,
+                "num_state_slots": next(iter(self.states.values())).shape[0] if self.states else 0,
                 "pid": os.getpid()}
 
     def allocate_kv_cache(self, num_blocks: int) -> dict[str, Any]:
@@ -119,7 +123,7 @@ class RankWorker:
         `kv_scales` (the line to log, or None)."""
         config = self.config
         kv = allocate_kv_cache(config, self.model_config, num_blocks, self.kv_cache_dtype, self.device)
-        self.runner = self.model.make_runner(kv)
+        self.runner = self.model.make_runner(kv, self.states)
         # The engine's own limits, so every rank calibrates on the same tokens as TP=1 would.
         _, kv_scales = kv_scales_at_startup(self.runner, self.model.prepared.spec.input_roles,
                                             self.model.checkpoint_kv_scales, config, int(self.model_config.vocab_size),

@@ -68,12 +68,14 @@ def test_graph_for_pass_is_exactly_what_the_pipeline_hands_the_pass() -> None:
     assert helper.graph_module.code == probe.seen
     # Every built-in up to the end of the fusion phase, in the manager's order.
     assert helper.pipeline == [p.name for p in PassManager.default().passes if p.phase != "logits"]
-    # shard_tensor_parallel is in every pipeline; at tp=1 it changes nothing.
-    assert helper.pipeline[:5] == ["normalize", "shard_tensor_parallel", "paged_kv", "merge_qkv", "merge_gate_up"]
+    # shard_tensor_parallel is in every pipeline; at tp=1 it changes nothing (and recurrent_state
+    # nothing on a model without gated DeltaNet layers).
+    assert helper.pipeline[:6] == ["normalize", "shard_tensor_parallel", "paged_kv", "recurrent_state", "merge_qkv",
+                                   "merge_gate_up"]
     assert ("silu_and_mul" in probe.seen) is cpu_fusions  # the device policy of the built-ins is the engine's
     # A built-in by name: the passes before it, and not the pass itself.
     assert graph_for_pass(config, "merge_gate_up").pipeline == ["normalize", "shard_tensor_parallel", "paged_kv",
-                                                                "merge_qkv"]
+                                                                "recurrent_state", "merge_qkv"]
 
 
 def test_run_graph_merges_real_weights_as_the_loader_does(tiny_model_dir) -> None:
