@@ -90,33 +90,43 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     g, beta [(B,) n, Hv]. Returns (o like v, final state). A token with beta = 0 and g = 0 (a
     sequence's right padding) leaves the state as it is.
 
-    Within a chunk of L tokens (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i):
-    the chunk's corrected values are U = (I + L)^-1 (beta v - (beta k exp(c)) S) with L the
-    strictly lower part of (beta k k^T) * D; outputs are (q exp(c)) S + ((q k^T) * D) U; the
-    state after it is S exp(c_L) + (k exp(c_L - c))^T U."""
+    Within a chunk of L tokens (cumulative log decay c_i, D_ij = exp(c_i - c_j) for j <= i),
+    with A = (I + strictly_lower((beta k k^T) * D))^-1: the chunk's corrected values are
+    U - W S for U = A (beta v) and W = A (beta k exp(c)), both computed for every chunk at once;
+    outputs are (q exp(c)) S + ((q k^T) * D) (U - W S), and the state after the chunk is
+    S exp(c_L) + (k exp(c_L - c))^T (U - W S). Only those last two lines run chunk by chunk."""
     single = q.dim() == 3
     if single:
         q, k, v, g, beta, state = (x.unsqueeze(0) for x in (q, k, v, g, beta, state))
     n = q.shape[1]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, Hv, n, D]
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [B, Hv, n]
+    pad = -n % CHUNK  # right padding with beta = g = 0: no state change, outputs cut off
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    batch, heads = q.shape[0], q.shape[2]
+    chunks = (n + pad) // CHUNK
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, n, Hv, ...] -> [B, Hv, chunks, L, ...]
+        return x.transpose(1, 2).reshape(batch, heads, chunks, CHUNK, *x.shape[3:])
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    c = g.cumsum(dim=-1)  # [B, Hv, N, L]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [B, Hv, N, L, L]
+    kb = k * beta.unsqueeze(-1)
+    system = ((kb @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * c.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * c.exp().unsqueeze(-1)
+    k_decayed = k * (c[..., -1:] - c).exp().unsqueeze(-1)
+    chunk_decay = c[..., -1].exp()[..., None, None]  # [B, Hv, N, 1, 1]
     out = torch.empty_like(v)
-    for start in range(0, n, CHUNK):
-        end = min(start + CHUNK, n)
-        qc, kc, vc, bc = q[..., start:end, :], k[..., start:end, :], v[..., start:end, :], beta[..., start:end]
-        c = g[..., start:end].cumsum(dim=-1)  # [B, Hv, L]
-        length = end - start
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()  # [B, Hv, L, L]
-        kb = kc * bc.unsqueeze(-1)
-        lower = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)
-        system = lower + torch.eye(length, dtype=q.dtype, device=q.device)
-        rhs = vc * bc.unsqueeze(-1) - (kb * c.exp().unsqueeze(-1)) @ state
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        out[..., start:end, :] = (qc * c.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        last = c[..., -1:]
-        state = state * last.exp().unsqueeze(-1) + (kc * (last - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u
-    out = out.transpose(1, 2)
+    for i in range(chunks):
+        corrected = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_decayed[:, :, i] @ state + attn[:, :, i] @ corrected
+        state = state * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ corrected
+    out = out.reshape(batch, heads, chunks * CHUNK, -1)[:, :, :n].transpose(1, 2)
     return (out[0], state[0]) if single else (out, state)
 
 
