@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.library import kiln_op
+from kiln.kernels.recurrent_steps import PaddedRows, causal_conv, conv_single_tokens, run_step
 
 CHUNK = 64
 
@@ -70,17 +71,6 @@ def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.
     """(g, beta) [T, Hv] float32: the log decay and the write strength of each token and value head."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, b.float().sigmoid()
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU(depthwise causal conv) of one sequence's new inputs x [n, C] after `state` [C, K-1]
-    (its previous inputs; None: zeros). Returns (out [n, C] in x's dtype, the new state)."""
-    n, c = x.shape
-    width = weight.shape[-1]
-    past = state.to(x.dtype) if state is not None else x.new_zeros(c, width - 1)
-    extended = torch.cat([past, x.t()], dim=1)  # [C, K-1+n]
-    out = F.conv1d(extended.float().unsqueeze(0), weight.float().view(c, 1, width), groups=c)[0]
-    return F.silu(out).t().to(x.dtype), extended[:, -(width - 1):]
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -144,7 +134,7 @@ def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
                               A_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int, head_k_dim: int,
                               head_v_dim: int) -> torch.Tensor:
     """One sequence of T tokens from zero states: [T, Hv, Dv] in mixed_qkv's dtype."""
-    mixed, _ = causal_conv(mixed_qkv, conv_weight, None)
+    mixed = causal_conv(mixed_qkv, conv_weight)
     q, k, v = _split_heads(mixed, num_k_heads, head_k_dim, head_v_dim)
     g, beta = gates(a, b, A_log, dt_bias)
     state = q.new_zeros(v.shape[1], head_k_dim, head_v_dim)
@@ -170,122 +160,35 @@ def decode_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 DecodeRule = Callable[..., torch.Tensor]
 
 
-def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor) -> bool:
-    """Whether every sequence of the step has at most one token and the step as many tokens as
-    rows (a decode step, padded or not). While a CUDA graph is being captured (only decode
-    buckets are) that is taken as given: checking would read the offsets on the host."""
-    if num_tokens != query_start_loc.shape[0] - 1:
-        return False
-    if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
-        return True
-    return bool((query_start_loc.diff() <= 1).all())
-
-
 def paged_gated_delta_net_reference(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, state_slots: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
     decode_rule: DecodeRule = decode_rule_reference,
 ) -> torch.Tensor:
-    """A step of any mix of sequences (see the module docstring); writes the states in place.
-    `decode_rule` runs the delta rule of a decode step (`decode_rule_reference`'s contract)."""
-    t = mixed_qkv.shape[0]
-    num_seqs = seq_lens.shape[0]
-    num_v_heads = recurrent_state.shape[1]
-    out = mixed_qkv.new_zeros(t, num_v_heads, head_v_dim)
-    if t == 0 or num_seqs == 0:
-        return out
+    """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
+    `decode_rule` runs the delta rule of the single tokens (`decode_rule_reference`'s contract)."""
     g, beta = gates(a, b, A_log, dt_bias)
     heads = (num_k_heads, head_k_dim, head_v_dim)
-    if one_token_a_row(t, query_start_loc):
-        # Token i is row i's (padded rows, last, have none: their token is padding, their seq_len
-        # 0 and their slot the null slot 0). No host read: CUDA graphs capture this.
-        return _single_tokens(mixed_qkv, g, beta, conv_weight, conv_state, recurrent_state, state_slots.long(),
-                              seq_lens > 1, heads, decode_rule).to(out.dtype)
-    starts = query_start_loc.tolist()
-    counts = [starts[i + 1] - starts[i] for i in range(num_seqs)]
-    lens, slots = seq_lens.tolist(), state_slots.tolist()
-    singles = [i for i in range(num_seqs) if counts[i] == 1]
-    if singles:  # the decodes of a mixed step, all at once
-        rows = torch.tensor([starts[i] for i in singles], device=mixed_qkv.device)
-        cont = torch.tensor([lens[i] > 1 for i in singles], device=mixed_qkv.device)
-        out[rows] = _single_tokens(mixed_qkv[rows], g[rows], beta[rows], conv_weight, conv_state, recurrent_state,
-                                   torch.tensor([slots[i] for i in singles], device=mixed_qkv.device), cont, heads,
-                                   decode_rule).to(out.dtype)
-    multi = sorted((i for i in range(num_seqs) if counts[i] > 1), key=lambda i: -counts[i])
-    for group in padding_groups([counts[i] for i in multi]):  # prefills and their chunks, padded
-        _prefills(mixed_qkv, g, beta, conv_weight, conv_state, recurrent_state, out,
-                  [(starts[multi[j]], counts[multi[j]], slots[multi[j]], lens[multi[j]] > counts[multi[j]])
-                   for j in group], heads)
-    return out
 
+    def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
+        pick = (lambda x: x) if rows is None else (lambda x: x[rows])
+        conv = conv_single_tokens(pick(mixed_qkv), conv_weight, None, conv_state, slots, continuing)
+        q, k, v = _split_heads(conv, *heads, repeat_heads=False)
+        return decode_rule(q, k, v, pick(g), pick(beta), recurrent_state, slots, continuing)
 
-def padding_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of `lengths` (longest first) in groups run as one padded batch each: a group
-    grows while padding every member to its longest keeps it under twice its real tokens (a
-    16k-token prompt beside short chunks is not padded 16k times)."""
-    groups: list[list[int]] = []
-    real = 0
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= 2 * (real + n):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups
+    def prefills(rows: PaddedRows) -> None:
+        # Padding: zero inputs, g = 0 and beta = 0, which change no state.
+        conv = rows.conv(mixed_qkv, conv_weight, None, conv_state)  # [S, L, C]
+        num_seqs, length, channels = conv.shape
+        q, k, v = _split_heads(conv.reshape(num_seqs * length, channels), *heads)
+        q, k, v = (x.view(num_seqs, length, *x.shape[1:]) for x in (q, k, v))
+        state = torch.where(rows.continuing.view(-1, 1, 1, 1), recurrent_state[rows.slots], 0.0)
+        o, recurrent_state[rows.slots] = delta_rule_chunked(q, k, v, rows.padded(g), rows.padded(beta), state)
+        rows.scatter(out, o)
 
-
-def _single_tokens(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                   conv_state: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
-                   continuing: torch.Tensor, heads: tuple[int, int, int], decode_rule: DecodeRule) -> torch.Tensor:
-    """One token of each of B rows ([B, C] inputs) after its slot's states (zeros where not
-    `continuing`); the states written back. Returns o [B, Hv, Dv] float32."""
-    past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
-                       torch.zeros((), dtype=conv_state.dtype, device=conv_state.device))
-    extended = torch.cat([past.to(mixed.dtype), mixed.unsqueeze(-1)], dim=-1)  # [B, C, K]
-    conv = F.silu((extended.float() * conv_weight.float().unsqueeze(0)).sum(dim=-1)).to(mixed.dtype)
-    conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
-    q, k, v = _split_heads(conv, *heads, repeat_heads=False)
-    return decode_rule(q, k, v, g, beta, recurrent_state, slots, continuing)
-
-
-def _prefills(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-              conv_state: torch.Tensor, recurrent_state: torch.Tensor, out: torch.Tensor,
-              rows: list[tuple[int, int, int, bool]], heads: tuple[int, int, int]) -> None:
-    """The sequences of `rows` (first token, token count, slot, continuing), each of several
-    tokens, as one batch padded on the right to the longest: padding has zero inputs, g = 0 and
-    beta = 0, so it changes no state and no real token's output (each token sees only earlier
-    ones). Outputs go to `out`, final states to the slots."""
-    device, t = mixed.device, mixed.shape[0]
-    begins = torch.tensor([r[0] for r in rows], device=device)
-    counts = torch.tensor([r[1] for r in rows], device=device)
-    slots = torch.tensor([r[2] for r in rows], device=device)
-    continuing = torch.tensor([r[3] for r in rows], device=device)
-    length = max(r[1] for r in rows)
-    offsets = torch.arange(length, device=device)
-    real = offsets < counts.unsqueeze(1)  # [S, L]
-    index = torch.where(real, begins.unsqueeze(1) + offsets, t)  # t: the zero row appended below
-
-    def padded(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[index]
-
-    width = conv_weight.shape[-1]
-    past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
-                       torch.zeros((), dtype=conv_state.dtype, device=device))
-    extended = torch.cat([past.to(mixed.dtype), padded(mixed).transpose(1, 2)], dim=2)  # [S, C, K-1+L]
-    channels = extended.shape[1]
-    conv = F.conv1d(extended.float(), conv_weight.float().view(channels, 1, width), groups=channels)
-    conv = F.silu(conv).transpose(1, 2).to(mixed.dtype)  # [S, L, C]
-    # The new conv state: each sequence's last K-1 inputs (extended's columns count .. count+K-2).
-    last = (counts.unsqueeze(1) + torch.arange(width - 1, device=device)).unsqueeze(1).expand(-1, channels, -1)
-    conv_state[slots] = extended.gather(2, last).to(conv_state.dtype)
-    num_seqs = len(rows)
-    q, k, v = _split_heads(conv.reshape(num_seqs * length, channels), *heads)
-    q, k, v = (x.view(num_seqs, length, *x.shape[1:]) for x in (q, k, v))
-    state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
-    o, recurrent_state[slots] = delta_rule_chunked(q, k, v, padded(g), padded(beta), state)
-    out[index[real]] = o[real].to(out.dtype)
+    out = mixed_qkv.new_zeros(mixed_qkv.shape[0], recurrent_state.shape[1], head_v_dim)
+    return run_step(mixed_qkv.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills, out)
 
 
 @kiln_op("kiln::gated_delta_net", mutates_args=())

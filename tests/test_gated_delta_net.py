@@ -15,6 +15,7 @@ from tiny_models import tiny_config
 from kiln.compiler.graph_inputs import graph_input_roles
 from kiln.compiler.pass_testing import graph_for_pass, run_graph
 from kiln.kernels import gated_delta_net as gdn
+from kiln.kernels import recurrent_steps
 from kiln.passes.manager import op_counts
 from kiln.passes.recurrent_state import RecurrentStatePass
 from kiln.runtime import LLM, SamplingParams
@@ -105,17 +106,17 @@ def test_paged_op_continues_each_sequence_from_its_slot() -> None:
     # the path CUDA graphs capture; it continues all three.
     pad = _layer_inputs(2, seed=99)
     step3 = {k: torch.cat([seqs[0][k][70:71], seqs[1][k][9:10], seqs[2][k][2:3], pad[k]]) for k in pad}
-    assert gdn.one_token_a_row(5, torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32))
+    assert recurrent_steps.one_token_a_row(5, torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32))
     out3 = _paged(step3, weights, states, slots + [0, 0], [71, 10, 3, 0, 0], [1, 1, 1, 0, 0])
     for i, w in enumerate(whole):
         torch.testing.assert_close(out3[i], w[-1], rtol=1e-4, atol=1e-4)
-    assert not gdn.one_token_a_row(3, torch.tensor([0, 2, 2, 3], dtype=torch.int32))  # a row of 2 tokens
+    assert not recurrent_steps.one_token_a_row(3, torch.tensor([0, 2, 2, 3], dtype=torch.int32))  # a row of 2 tokens
 
 
 def test_prefills_are_padded_in_groups_of_bounded_waste() -> None:
-    assert gdn.padding_groups([64, 60, 50, 40]) == [[0, 1, 2, 3]]
-    assert gdn.padding_groups([16384, 2, 2, 2]) == [[0, 1], [2, 3]]  # 2 x 16k padded rows, not 4
-    assert gdn.padding_groups([100, 30, 30, 30, 30]) == [[0, 1, 2], [3, 4]]  # 300 padded rows for 160 real: the bound
+    assert recurrent_steps.padding_groups([64, 60, 50, 40]) == [[0, 1, 2, 3]]
+    assert recurrent_steps.padding_groups([16384, 2, 2, 2]) == [[0, 1], [2, 3]]  # 2 x 16k padded rows, not 4
+    assert recurrent_steps.padding_groups([100, 30, 30, 30, 30]) == [[0, 1, 2], [3, 4]]  # 300 padded rows for 160 real: the bound
 
 
 def test_recurrent_state_pass_replaces_markers_and_adds_inputs() -> None:
@@ -258,6 +259,7 @@ import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 from kiln.kernels import gated_delta_net as gdn
+from kiln.kernels import recurrent_steps
 from kiln.kernels.triton_gated_delta_net import gated_delta_decode_triton
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
