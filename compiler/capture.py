@@ -226,14 +226,14 @@ _RECURRENT_PARAMETER_SUFFIXES = (".A_log", ".dt_bias", ".time_decay", ".time_fir
 
 def find_unsupported_construct(model: torch.nn.Module) -> str | None:
     """The first construct in `model` Kiln cannot run, with where it is; None if none. Gated
-    DeltaNet layers given Kiln's forward (`kiln.compiler.recurrent_layers`) run: their states
-    are per-sequence state caches."""
+    DeltaNet and Mamba2 layers given Kiln's forward (`kiln.compiler.recurrent_layers`) run:
+    their states are per-sequence state caches."""
     marked = tuple(f"{name}." for name, module in model.named_modules() if is_marked(module))
     for name, _ in model.named_parameters():
         if name.endswith(_RECURRENT_PARAMETER_SUFFIXES) and not name.startswith(marked):
             return f"state-space / recurrent layer (parameter {name})"
     for name, module in model.named_modules():
-        if name.startswith(marked):
+        if is_marked(module) or name.startswith(marked):
             continue
         if isinstance(module, torch.nn.Conv1d):
             # A causal convolution over the sequence (LFM2's short conv, Mamba's conv): a decode

@@ -53,7 +53,7 @@ warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", categor
 
 from kiln.compiler.buckets import Bucket
 from kiln.compiler.graph_inputs import BATCH_INPUTS, InputRole, RoleKind, bind, bucket_sizes, empty_step, param_role
-from kiln.kernels import gated_delta_net
+from kiln.kernels import recurrent_states
 from kiln.kernels.paged_attention import kv_cache_shape
 
 logger = logging.getLogger("kiln.compiler")
@@ -117,7 +117,7 @@ def example_inputs(
 
     num_blocks = Dim("num_kv_blocks", min=2, max=MAX_KV_BLOCKS)
     num_slots = Dim("num_state_slots", min=2, max=MAX_KV_BLOCKS)
-    state_shapes = gated_delta_net.state_shapes(config, dtype, tp_size)
+    state_shapes = recurrent_states.state_shapes(config, dtype, tp_size)
     width = Dim("block_table_width", min=1, max=MAX_BLOCK_TABLE_WIDTH)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(roles):

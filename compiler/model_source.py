@@ -479,7 +479,9 @@ def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
         raw = text
     if "model_type" not in raw:
         raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
-    missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw]
+    missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw
+               # Nemotron-H counts its layers from the list of their kinds.
+               and not (f == "num_hidden_layers" and any(isinstance(raw.get(k), list) for k in _LAYER_LISTS))]
     if missing:
         raise ModelSourceError(f"{config_path} lacks required field(s): {', '.join(missing)}")
     try:
@@ -487,7 +489,7 @@ def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
             from transformers import AutoConfig
 
             _check_remote_code(raw, config_path)
-            return AutoConfig.for_model(**raw)
+            return AutoConfig.for_model(**_special_floats(raw))
     except (ValueError, KeyError) as e:
         # transformers' message for an unknown model_type lists every type it knows (~12,000
         # characters on one line); say what Kiln runs instead, and keep other errors short.
@@ -499,6 +501,22 @@ def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
             detail = detail[:300] + "..."
         raise ModelSourceError(f"{config_path}: unknown architecture model_type={raw['model_type']!r} "
                                f"({detail})") from None
+
+
+# A config.json's list of its layers' kinds, whose length is the layer count.
+_LAYER_LISTS = ("layers_block_type", "layer_types")
+
+
+def _special_floats(value: Any) -> Any:
+    """config.json with transformers' encoding of non-JSON floats (`{"__float__": "Infinity"}`,
+    as a Mamba2 config's `time_step_limit` is saved) read back as floats."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and isinstance(value["__float__"], (str, int, float)):
+            return float(value["__float__"])
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def _config_field_alias(model_type: str, field: str) -> str | None:
@@ -786,6 +804,8 @@ _MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # w2 down, untransposed), which capture's StackedExperts hold stacked (kiln.compiler.stacked_experts).
 _LOOPED_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 _MOE_GATE = re.compile(r"^(.*)\.mlp\.gate\.weight$")
+# Nemotron-H's experts (a MoE block is the layer's mixer): one up and one down matrix each, no gate.
+_MIXER_EXPERTS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Per layout: Hub names of an expert's (gate, up) and down matrices, from (layer prefix, expert).
 _EXPERT_LAYOUTS: tuple[tuple[str, str, str], ...] = (
     ("{p}.block_sparse_moe.experts.{e}.w1.weight", "{p}.block_sparse_moe.experts.{e}.w3.weight",
@@ -812,6 +832,12 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     (the loader takes the first whose tensors are all there); empty when no layout applies."""
     if m := _MOE_GATE.match(name):
         return [[f"{m.group(1)}.block_sparse_moe.gate.weight"]]
+    if m := _MIXER_EXPERTS.match(name):
+        if num_experts is None:
+            return []
+        # As saved: under the model's `backbone.` (transformers renames Nemotron-H's `model.` so).
+        prefixes = dict.fromkeys([m.group(1), re.sub(r"^model\.", "backbone.", m.group(1))])
+        return [[f"{p}.{e}.{m.group(2)}.weight" for e in range(num_experts)] for p in prefixes]
     if m := _LOOPED_STACKED.match(name):
         kind = ("w1", "v1") if m.group(2) == "gate_up_proj" else ("w2",)
         return [[f"{m.group(1)}.mlp.{w}" for w in kind]] if num_experts is not None else []

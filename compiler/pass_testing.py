@@ -27,7 +27,7 @@ import torch
 
 from kiln.compiler.capture import CapturedModel, capture, parameter_shapes
 from kiln.compiler.graph_inputs import StepInputs, bind, graph_input_roles, single_prefill_step
-from kiln.kernels.gated_delta_net import allocate_state_caches
+from kiln.kernels.recurrent_states import allocate_state_caches
 from kiln.kernels.paged_attention import kv_cache_shape
 from kiln.passes.base import GraphPass, PassContext, PassStats
 from kiln.passes.fuse_common import CudaByDefault

@@ -1,4 +1,6 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5) captured around one marker op.
+"""Recurrent layers captured around one marker op: gated DeltaNet (Qwen3-Next, Qwen3.5) and
+Mamba2 mixers (Granite 4.0-H, Nemotron-H, Bamba), whose state-keeping part is
+`kiln::mamba2_scan` (kiln.kernels.mamba2) as the gated DeltaNet's is below.
 
 transformers' gated DeltaNet module keeps its recurrent and conv states in a `Cache` object
 and picks its kernel by sequence length; neither can be traced into a graph that serves any
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.gated_delta_net import gated_delta_net
+from kiln.kernels.mamba2 import mamba2_scan
 
 _COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
            "layer_idx")
@@ -63,6 +66,50 @@ def _kiln_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any
     return self.out_proj(core.reshape(1, t, -1))
 
 
+_MAMBA2 = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
+           "ssm_state_size", "intermediate_size", "conv_dim", "layer_idx")
+
+
+# The Mamba2 mixers whose forward `_mamba2_forward` reproduces (each checked by a parity test).
+# Others of the kind compute more around the scan (Falcon-H1's multipliers, Mamba2's own MLP
+# branch, Zamba2's) and stay refused.
+MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "BambaMixer"})
+
+
+def is_mamba2_mixer(module: torch.nn.Module) -> bool:
+    """A Mamba2 mixer Kiln runs (Granite 4.0-H, Nemotron-H, Bamba: `MAMBA2_MIXERS`)."""
+    return type(module).__name__ in MAMBA2_MIXERS
+
+
+def _mamba2_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The Mamba2 mixer over one packed step [1, T, hidden]: in_proj gives [gate; x B C; dt],
+    the convolution and the scan (with D's skip) run behind the marker, then the gated norm and
+    out_proj as the model computes them."""
+    dtype = hidden_states.dtype
+    gate, x_bc, dt = self.in_proj(hidden_states)[0].split([self.intermediate_size, self.conv_dim, self.num_heads],
+                                                          dim=-1)
+    y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
+                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size)
+    return self.out_proj(self.norm(y.unsqueeze(0), gate.unsqueeze(0)).to(dtype))
+
+
+def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
+    """What keeps `module` (a Mamba2 mixer) from Kiln's forward, or None."""
+    missing = [name for name in _MAMBA2 if not hasattr(module, name)]
+    if missing:
+        return f"a Mamba2 mixer of an unknown layout ({', '.join(missing)})"
+    expected = module.intermediate_size + module.conv_dim + module.num_heads
+    if module.in_proj.out_features != expected:
+        return (f"a Mamba2 mixer whose in_proj gives {module.in_proj.out_features} features, not gate + x B C + dt = "
+                f"{expected} (an MLP branch beside it)")
+    activation = getattr(module, "activation", None)
+    if activation not in ("silu", "swish"):
+        return f"a Mamba2 mixer with a {activation!r} convolution activation (Kiln's op applies SiLU)"
+    if module.num_heads % module.n_groups:
+        return f"a Mamba2 mixer with {module.num_heads} heads in {module.n_groups} groups"
+    return None
+
+
 def why_not_markable(module: torch.nn.Module, config: Any) -> str | None:
     """What keeps `module` (a gated DeltaNet) from Kiln's forward, or None."""
     missing = [name for name in _COMMON if not hasattr(module, name)]
@@ -84,12 +131,15 @@ def mark_gated_delta_nets(model: torch.nn.Module, config: Any) -> int:
     Raises UnsupportedRecurrentLayer naming a module whose form it does not know."""
     count = 0
     for name, module in model.named_modules():
-        if not is_gated_delta_net(module):
+        if is_gated_delta_net(module):
+            why, forward = why_not_markable(module, config), _kiln_forward
+        elif is_mamba2_mixer(module):
+            why, forward = why_not_mamba2(module, config), _mamba2_forward
+        else:
             continue
-        why = why_not_markable(module, config)
         if why is not None:
             raise UnsupportedRecurrentLayer(f"{why} ({name}: {type(module).__name__})")
-        module.__class__ = _marked_class(type(module))
+        module.__class__ = _marked_class(type(module), forward)
         count += 1
     return count
 
@@ -97,9 +147,9 @@ def mark_gated_delta_nets(model: torch.nn.Module, config: Any) -> int:
 _MARKED: dict[type, type] = {}  # one subclass per transformers class (a cache of types, not request state)
 
 
-def _marked_class(cls: type) -> type:
+def _marked_class(cls: type, forward: Any) -> type:
     if cls not in _MARKED:
-        _MARKED[cls] = type(cls.__name__, (cls,), {"forward": _kiln_forward, "_kiln_recurrent": True})
+        _MARKED[cls] = type(cls.__name__, (cls,), {"forward": forward, "_kiln_recurrent": True})
     return _MARKED[cls]
 
 

@@ -12,7 +12,7 @@ A row whose sequence has no earlier tokens (seq_len <= 1: a one-token prompt, or
 with seq_len 0 and the null slot) starts from zeros whatever its slot holds. Padded rows share
 slot 0 and race on it: nothing reads it.
 
-Tested under the Triton interpreter against the reference (tests/test_gated_delta_net.py);
+Tested under the Triton interpreter against the reference (tests/test_recurrent_layers.py);
 registered as `kiln::paged_gated_delta_net`'s CUDA implementation, which runs everything else
 of the op (the convolution, prefills) as the reference does.
 """

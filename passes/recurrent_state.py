@@ -1,4 +1,5 @@
-"""`recurrent_state`: replace each `kiln::gated_delta_net` marker with `kiln::paged_gated_delta_net`.
+"""`recurrent_state`: replace each `kiln::gated_delta_net` marker with `kiln::paged_gated_delta_net`
+(and each `kiln::mamba2_scan` with `kiln::paged_mamba2_scan`, alike: its states in the slots).
 
 Before: gated_delta_net(mixed_qkv, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads,
         head_k_dim, head_v_dim) over the T tokens of one sequence from zero states.
@@ -30,9 +31,22 @@ class RecurrentStatePass(KilnPass):
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         graph = gm.graph
         markers = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.gated_delta_net.default))
-        if not markers:
+        mamba = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.mamba2_scan.default))
+        if not markers and not mamba:
             return {"recurrent_replaced": 0}
         metadata = [add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS]
+        for node in mamba:
+            x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layer_idx, *sizes = node.args
+            states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part))
+                      for part in ("conv", "recurrent")]
+            with graph.inserting_before(node):
+                paged = graph.call_function(
+                    torch.ops.kiln.paged_mamba2_scan.default,
+                    (x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, *states, *metadata, *sizes),
+                )
+            paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+            node.replace_all_uses_with(paged)
+            graph.erase_node(node)
         for node in markers:
             mixed, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads, head_k_dim, head_v_dim = node.args
             states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part))
@@ -45,4 +59,5 @@ class RecurrentStatePass(KilnPass):
             paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)
             graph.erase_node(node)
-        return {"recurrent_replaced": len(markers), "inputs_added": 2 * len(markers) + len(METADATA_INPUTS)}
+        replaced = len(markers) + len(mamba)
+        return {"recurrent_replaced": replaced, "inputs_added": 2 * replaced + len(METADATA_INPUTS)}

@@ -22,7 +22,7 @@ import torch
 
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
-from kiln.kernels.gated_delta_net import allocate_state_caches, state_bytes_per_slot
+from kiln.kernels.recurrent_states import RECURRENT_KINDS, allocate_state_caches, layer_kinds, state_bytes_per_slot
 from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes
 from kiln.runtime.config import EngineConfig
 
@@ -54,10 +54,15 @@ class KVCache:
         return next(iter(self.states.values())).shape[0] if self.states else 0
 
 
+# Layer kinds without a KV cache: recurrent ones, and Nemotron-H's MLP-only and MoE-only blocks.
+_NO_KV_KINDS = RECURRENT_KINDS | {"mlp", "moe"}
+
+
 def attention_layers(model_config: Any) -> list[int]:
-    """The layers with a KV cache: all of them but a hybrid model's recurrent (gated DeltaNet) ones."""
-    kinds = getattr(model_config, "layer_types", None) or []
-    return [i for i in range(model_config.num_hidden_layers) if i >= len(kinds) or kinds[i] != "linear_attention"]
+    """The layers with a KV cache: all of them but a hybrid model's recurrent ones (and blocks
+    without attention)."""
+    kinds = layer_kinds(model_config)
+    return [i for i in range(model_config.num_hidden_layers) if i >= len(kinds) or kinds[i] not in _NO_KV_KINDS]
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:

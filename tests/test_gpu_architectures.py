@@ -39,7 +39,7 @@ pytestmark = pytest.mark.gpu
 
 MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe", "deepseek_v3", "glm4_moe_lite"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
-         "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5"]
+         "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -35,6 +35,10 @@ _GDN = dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num
             linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
             partial_rotary_factor=0.25)
+# Mamba2 hybrids (Granite 4.0-H, Bamba, Nemotron-H): 8 heads of 16 over a 16-wide state in 2
+# groups, a width-4 convolution (with its bias), one attention layer among the Mamba2 ones.
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+               num_hidden_layers=4)
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
 WINDOW = 6
 ALTERNATING = ["sliding_attention", "full_attention"]
@@ -207,6 +211,16 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3_5_moe": (dict(_GDN, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32, shared_expert_intermediate_size=32),
                     "gated DeltaNet + gated attention layers (Qwen3.5), experts with a gated shared expert"),
+    "granitemoehybrid": (dict(_MAMBA2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                              shared_intermediate_size=48,
+                              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"]),
+                         "Mamba2 + attention layers (recurrent states), experts with a shared MLP, Granite multipliers"),
+    "bamba": (dict(_MAMBA2, attn_layer_indices=[1]), "Mamba2 + attention layers (recurrent states)"),
+    "nemotron_h": (dict(mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, head_dim=16,
+                        layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1),
+                   "Mamba2, attention, MLP and MoE blocks (ReLU-squared experts without a gate, sigmoid router)"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).

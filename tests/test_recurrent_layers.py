@@ -1,8 +1,9 @@
-"""Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): the op's math, the `recurrent_state` pass, and
-the engine keeping each sequence's states across chunks, decodes, slot reuse and preemption.
+"""Recurrent hybrids, gated DeltaNet (Qwen3-Next, Qwen3.5) and Mamba2 (Granite 4.0-H, Bamba,
+Nemotron-H): the ops' math, the `recurrent_state` pass, and the engine keeping each sequence's
+states across chunks, decodes, slot reuse and preemption.
 
-Parity of the tiny Qwen3-Next / Qwen3.5 models with Hugging Face is in tests/test_parity.py
-(every architecture of the support table); here the parts around it.
+Parity of the tiny models with Hugging Face is in tests/test_parity.py (every architecture of
+the support table); here the parts around it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tiny_models import tiny_config
 from kiln.compiler.graph_inputs import graph_input_roles
 from kiln.compiler.pass_testing import graph_for_pass, run_graph
 from kiln.kernels import gated_delta_net as gdn
-from kiln.kernels import recurrent_steps
+from kiln.kernels import recurrent_states, recurrent_steps
 from kiln.passes.manager import op_counts
 from kiln.passes.recurrent_state import RecurrentStatePass
 from kiln.runtime import LLM, SamplingParams
@@ -234,7 +235,7 @@ def test_state_slots_fit_their_share_of_memory(tiny_model_dir, monkeypatch) -> N
         kv_cache.state_slots_that_fit(8, 100, 300)
 
     path, hf = tiny_model_dir("qwen3_5")
-    per_slot = gdn.state_bytes_per_slot(tiny_config("qwen3_5"), torch.float32)
+    per_slot = recurrent_states.state_bytes_per_slot(tiny_config("qwen3_5"), torch.float32)
     ram = kv_cache.os.sysconf("SC_PHYS_PAGES") * kv_cache.os.sysconf("SC_PAGE_SIZE")
     # Memory for 4 rows' states in the share: 3 sequences at once, not 8.
     monkeypatch.setattr(kv_cache, "CPU_KV_MEMORY_FRACTION", 4.5 * per_slot / kv_cache.STATE_MEMORY_SHARE / ram)
@@ -259,7 +260,7 @@ import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 from kiln.kernels import gated_delta_net as gdn
-from kiln.kernels import recurrent_steps
+from kiln.kernels import recurrent_states, recurrent_steps
 from kiln.kernels.triton_gated_delta_net import gated_delta_decode_triton
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -280,3 +281,72 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_mamba2_chunked_scan_equals_the_recurrence() -> None:
+    """The chunked SSM (150 tokens: three chunks, the last partial) from a non-zero state gives
+    the token-by-token recurrence's outputs and final state."""
+    from kiln.kernels import mamba2
+
+    torch.manual_seed(0)
+    n, heads, head_dim, state_size = 150, 4, 8, 16
+    x, B, C = torch.randn(n, heads, head_dim), torch.randn(n, heads, state_size), torch.randn(n, heads, state_size)
+    dt = torch.rand(n, heads)
+    log_decay = -torch.rand(n, heads) * dt
+    state = torch.randn(heads, head_dim, state_size)
+    y, final = mamba2.scan_chunked(x, B, C, dt, log_decay, state)
+    steps, s = [], state.unsqueeze(0)
+    for t in range(n):
+        out, s = mamba2.scan_step(x[t:t + 1], B[t:t + 1], C[t:t + 1], dt[t:t + 1], log_decay[t:t + 1], s)
+        steps.append(out)
+    torch.testing.assert_close(y, torch.cat(steps), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, s[0], rtol=1e-4, atol=1e-4)
+
+
+def test_paged_mamba2_continues_each_sequence_from_its_slot() -> None:
+    """Two sequences over a mixed step (a prefill chunk beside a prompt of 2, shorter than the
+    convolution), then a decode step with a padded row: each equals its whole-sequence scan
+    (the convolution's bias and D's skip included)."""
+    from kiln.kernels import mamba2
+
+    heads, head_dim, groups, state_size = 4, 8, 2, 16
+    conv_dim = heads * head_dim + 2 * groups * state_size
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(conv_dim, 4, generator=g), torch.randn(conv_dim, generator=g), torch.randn(heads, generator=g),
+               torch.randn(heads, generator=g), torch.randn(heads, generator=g)]  # conv w, b, A_log, D, dt_bias
+    seqs = [(torch.randn(41, conv_dim, generator=g), torch.randn(41, heads, generator=g)),
+            (torch.randn(3, conv_dim, generator=g), torch.randn(3, heads, generator=g))]
+    whole = [mamba2.mamba2_scan(x, dt, weights[0], weights[1], weights[2], weights[3], weights[4], 0, heads, head_dim,
+                                groups, state_size) for x, dt in seqs]
+    conv_state, ssm_state = torch.randn(3, conv_dim, 3), torch.randn(3, heads, head_dim, state_size)  # stale
+
+    def step(rows: list[tuple[int, int, int]], slots: list[int], lens: list[int]) -> torch.Tensor:
+        x = torch.cat([seqs[i][0][a:b] for i, a, b in rows])
+        dt = torch.cat([seqs[i][1][a:b] for i, a, b in rows])
+        counts = [b - a for _, a, b in rows] + [0] * (len(slots) - len(rows))
+        if len(counts) > len(rows):  # a padded row: a padding token, no tokens of its own
+            x, dt = torch.cat([x, torch.randn(1, conv_dim)]), torch.cat([dt, torch.randn(1, heads)])
+        starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return mamba2.paged_mamba2_scan(x, dt, *weights[:2], *weights[2:], conv_state, ssm_state,
+                                        torch.tensor(slots, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                                        starts, heads, head_dim, groups, state_size)
+
+    first = step([(0, 0, 40), (1, 0, 2)], [2, 1], [40, 2])
+    second = step([(0, 40, 41), (1, 2, 3)], [2, 1, 0], [41, 3, 0])  # all decodes, a padded row last
+    torch.testing.assert_close(torch.cat([first[:40], second[:1]]), whole[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([first[40:], second[1:2]]), whole[1], rtol=1e-4, atol=1e-4)
+
+
+def test_mamba2_engine_keeps_states_across_chunks_and_preemption(tiny_model_dir) -> None:
+    """Granite 4.0-H: five prompts through two seats, 16-token steps, a KV cache small enough to
+    preempt; every completion is Hugging Face's greedy one."""
+    path, hf = tiny_model_dir("granitemoehybrid")
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False, max_num_seqs=2, max_num_batched_tokens=16,
+              block_size=4, num_kv_blocks=20, kv_reserve_ratio=0.0)
+    prompts = [list(range(3, 40)), [5, 9], list(range(20, 45)), [7] * 30, list(range(50, 58))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    counts = op_counts(llm.engine.graph.graph_module)
+    assert counts["kiln.paged_mamba2_scan.default"] == 3 and counts["kiln.paged_attention.default"] == 1

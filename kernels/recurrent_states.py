@@ -1,0 +1,83 @@
+"""The recurrent layers' state caches: which layers keep states, their shapes, their memory.
+
+A model's recurrent layers are of one family: gated DeltaNet (Qwen3-Next, Qwen3.5: the config
+names `linear_num_key_heads`) or Mamba2 (Granite 4.0-H, Nemotron-H, Bamba: `mamba_*` sizes).
+Each layer keeps two states per sequence, by name "<layer>.conv" (its convolution's last inputs,
+in the model's dtype) and "<layer>.recurrent" (float32), allocated as caches with one row per
+state slot (kiln.runtime.block_manager). The graph's `state:<layer>.<part>` inputs are these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Layer kinds that keep recurrent states, by config's `layer_types` / `layers_block_type`
+# (transformers 5.25 calls Mamba layers "linear_attention" too).
+RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2"})
+# Mamba2 sizes: the first attribute of each tuple the config has.
+_MAMBA2_SIZES = {
+    "heads": ("mamba_n_heads", "mamba_num_heads"),
+    "head_dim": ("mamba_d_head", "mamba_head_dim"),
+    "state": ("mamba_d_state", "ssm_state_size"),
+    "kernel": ("mamba_d_conv", "conv_kernel"),
+    "groups": ("mamba_n_groups", "n_groups"),
+}
+
+
+def layer_kinds(config: Any) -> list[str]:
+    return list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+
+
+def recurrent_layers(config: Any) -> list[int]:
+    return [i for i, kind in enumerate(layer_kinds(config)) if kind in RECURRENT_KINDS]
+
+
+def _size(config: Any, what: str) -> int:
+    for name in _MAMBA2_SIZES[what]:
+        if getattr(config, name, None) is not None:
+            return int(getattr(config, name))
+    raise ValueError(f"{type(config).__name__} names no Mamba2 {what} ({' or '.join(_MAMBA2_SIZES[what])})")
+
+
+def state_shapes(config: Any, dtype: torch.dtype, tp_size: int = 1) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each recurrent layer's two states for one sequence, by state name: (shape, dtype), on one
+    rank of `tp_size` (its share of the heads). Empty for a model without recurrent layers."""
+    layers = recurrent_layers(config)
+    if not layers:
+        return {}
+    if getattr(config, "linear_num_key_heads", None) is not None:  # gated DeltaNet
+        num_k, head_k = config.linear_num_key_heads // tp_size, config.linear_key_head_dim
+        num_v, head_v = config.linear_num_value_heads // tp_size, config.linear_value_head_dim
+        conv = (2 * num_k * head_k + num_v * head_v, config.linear_conv_kernel_dim - 1)
+        recurrent = (num_v, head_k, head_v)
+    else:  # Mamba2
+        heads, head_dim, state = _size(config, "heads") // tp_size, _size(config, "head_dim"), _size(config, "state")
+        groups = _size(config, "groups")
+        conv = (heads * head_dim + 2 * groups * state, _size(config, "kernel") - 1)
+        recurrent = (heads, head_dim, state)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for layer in layers:
+        shapes[f"{layer}.conv"] = (conv, dtype)
+        shapes[f"{layer}.recurrent"] = (recurrent, torch.float32)
+    return shapes
+
+
+def state_bytes_per_slot(config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of every recurrent layer's states for one sequence (on one rank of `tp_size`)."""
+    total = 0
+    for shape, state_dtype in state_shapes(config, dtype, tp_size).values():
+        numel = 1
+        for n in shape:
+            numel *= n
+        total += numel * torch.empty((), dtype=state_dtype).element_size()
+    return total
+
+
+def allocate_state_caches(config: Any, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                          tp_size: int = 1) -> dict[str, torch.Tensor]:
+    """Zeroed state caches of `num_slots` rows (row 0 is the null slot padded rows write), of
+    one rank's heads."""
+    return {name: torch.zeros((num_slots, *shape), dtype=state_dtype, device=device)
+            for name, (shape, state_dtype) in state_shapes(config, dtype, tp_size).items()}
