@@ -19,6 +19,8 @@ no decay and no input. Plain torch on every device.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +31,16 @@ CHUNK = 64
 
 
 def ssm_inputs(x_bc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
-               head_dim: int, n_groups: int, state_size: int
+               head_dim: int, n_groups: int, state_size: int, per_head: bool = True
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convolved [..., conv_dim] and raw dt [..., H] -> x [..., H, P], B, C [..., H, N] (each
-    head's group's), dt and the log decay dt * A [..., H], all float32."""
+    head's group's; [..., G, N] without `per_head`), dt and the log decay dt * A [..., H], all
+    float32."""
     lead = x_bc.shape[:-1]
     x, B, C = x_bc.float().split([num_heads * head_dim, n_groups * state_size, n_groups * state_size], dim=-1)
-    per_group = num_heads // n_groups
-    B = B.reshape(*lead, n_groups, state_size).repeat_interleave(per_group, dim=-2)
-    C = C.reshape(*lead, n_groups, state_size).repeat_interleave(per_group, dim=-2)
+    B, C = B.reshape(*lead, n_groups, state_size), C.reshape(*lead, n_groups, state_size)
+    if per_head:
+        B, C = (t.repeat_interleave(num_heads // n_groups, dim=-2) for t in (B, C))
     dt = F.softplus(dt.float() + dt_bias.float())
     return x.reshape(*lead, num_heads, head_dim), B, C, dt, dt * -A_log.float().exp()
 
@@ -86,6 +89,19 @@ def scan_step(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tenso
     return (state * C.unsqueeze(-2)).sum(dim=-1), state
 
 
+def decode_rule_reference(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,
+                          log_decay: torch.Tensor, D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                          continuing: torch.Tensor) -> torch.Tensor:
+    """One token of each of R rows from its slot's SSM state (zeros where not `continuing`),
+    the state written back: x [R, H, P], B, C [R, G, N] (per group), dt, log_decay [R, H].
+    Returns y = S C + D x as [R, H * P] float32. (The CUDA kernel: kiln.kernels.triton_mamba2.)"""
+    per_group = x.shape[1] // B.shape[1]
+    B, C = (t.repeat_interleave(per_group, dim=-2) for t in (B, C))
+    state = torch.where(continuing.view(-1, 1, 1, 1), ssm_state[slots], 0.0)
+    y, ssm_state[slots] = scan_step(x, B, C, dt, log_decay, state)
+    return (y + D.float()[:, None] * x).reshape(x.shape[0], -1)
+
+
 def mamba2_scan_reference(x_bc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
                           conv_bias: torch.Tensor | None, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
                           num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
@@ -100,19 +116,18 @@ def paged_mamba2_scan_reference(
     x_bc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
     A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_slots: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, head_dim: int,
-    n_groups: int, state_size: int,
+    n_groups: int, state_size: int, decode_rule: Callable[..., torch.Tensor] = decode_rule_reference,
 ) -> torch.Tensor:
-    """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place."""
+    """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
+    `decode_rule` runs the single tokens' recurrence (`decode_rule_reference`'s contract)."""
     shape = (num_heads, head_dim, n_groups, state_size)
     skip = D.float()[:, None]
 
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         conv = conv_single_tokens(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
-        x, B, C, step, log_decay = ssm_inputs(conv, pick(dt), A_log, dt_bias, *shape)
-        state = torch.where(continuing.view(-1, 1, 1, 1), ssm_state[slots], 0.0)
-        y, ssm_state[slots] = scan_step(x, B, C, step, log_decay, state)
-        return (y + skip * x).reshape(x.shape[0], -1)
+        x, B, C, step, log_decay = ssm_inputs(conv, pick(dt), A_log, dt_bias, *shape, per_head=False)
+        return decode_rule(x, B, C, step, log_decay, D, ssm_state, slots, continuing)
 
     def prefills(rows: PaddedRows) -> None:
         conv = rows.conv(x_bc, conv_weight, conv_bias, conv_state)  # [S, L, conv_dim]

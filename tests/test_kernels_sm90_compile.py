@@ -309,31 +309,44 @@ def test_latent_kernel_compiles_for_sm90() -> None:
         assert 0 < shared <= 227 * 1024 and mma and spills == 0, (name, shared, mma, spills)
 
 
-_GATED_DELTA_SCRIPT = _PTX + """
+_RECURRENT_DECODE_SCRIPT = _PTX + """
 import os, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
 from kiln.kernels.triton_gated_delta_net import BLOCK_V, _gated_delta_decode_kernel
+from kiln.kernels.triton_mamba2 import BLOCK_P, _mamba2_decode_kernel
 
+def spills(compiled):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(compiled.asm["ptx"])
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
+    return sum(int(n) for n in stores) if stores else -1
+
+found = {}
 fn = _gated_delta_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
 types.update(slots_ptr="*i32", continuing_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16")
 # Qwen3-Next's layer: 16 key heads of 128, 32 value heads of 128.
-compiled = compile_sm90(fn, dict(V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128, BLOCK_V=BLOCK_V), types, 4, 1)
-with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "k.ptx")
-    open(path, "w").write(compiled.asm["ptx"])
-    proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                          capture_output=True, text=True, check=True)
-stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
-print(json.dumps({"spills": sum(int(n) for n in stores) if stores else -1}))
+found["gated delta"] = spills(compile_sm90(fn, dict(V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128, BLOCK_V=BLOCK_V),
+                                           types, 4, 1))
+fn = _mamba2_decode_kernel
+types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(slots_ptr="*i32", continuing_ptr="*i32", x_ptr="*fp32", d_ptr="*bf16")
+# Nemotron-H-56B's layer: 128 heads of 64 in 8 groups, a 128-wide state.
+found["mamba2"] = spills(compile_sm90(fn, dict(HEADS_PER_GROUP=16, HEAD_DIM=64, STATE=128, STATE_PAD=128,
+                                               BLOCK_P=BLOCK_P), types, 4, 1))
+print(json.dumps(found))
 """
 
 
-def test_gated_delta_decode_kernel_compiles_for_sm90() -> None:
-    """The gated DeltaNet decode kernel at Qwen3-Next's head sizes (a [128, 32] float32 state
-    tile a program) compiles for sm_90 without register spills; not yet run on a GPU."""
+def test_recurrent_decode_kernels_compile_for_sm90() -> None:
+    """The gated DeltaNet and Mamba2 decode kernels at Qwen3-Next's and Nemotron-H's head sizes
+    ([128, 32] and [16, 128] float32 state tiles a program) compile for sm_90 without register
+    spills; not yet run on a GPU."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _GATED_DELTA_SCRIPT], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", _RECURRENT_DECODE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["spills"] == 0
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "mamba2": 0}
