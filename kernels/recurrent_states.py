@@ -41,6 +41,12 @@ def _size(config: Any, what: str) -> int:
     raise ValueError(f"{type(config).__name__} names no Mamba2 {what} ({' or '.join(_MAMBA2_SIZES[what])})")
 
 
+def mamba2_sizes(config: Any) -> tuple[int, int, int, int, int]:
+    """A Mamba2 config's (heads, head_dim, groups, state size, conv kernel)."""
+    return (_size(config, "heads"), _size(config, "head_dim"), _size(config, "groups"), _size(config, "state"),
+            _size(config, "kernel"))
+
+
 def state_shapes(config: Any, dtype: torch.dtype, tp_size: int = 1) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each recurrent layer's two states for one sequence, by state name: (shape, dtype), on one
     rank of `tp_size` (its share of the heads). Empty for a model without recurrent layers."""
@@ -52,10 +58,10 @@ def state_shapes(config: Any, dtype: torch.dtype, tp_size: int = 1) -> dict[str,
         num_v, head_v = config.linear_num_value_heads // tp_size, config.linear_value_head_dim
         conv = (2 * num_k * head_k + num_v * head_v, config.linear_conv_kernel_dim - 1)
         recurrent = (num_v, head_k, head_v)
-    else:  # Mamba2
-        heads, head_dim, state = _size(config, "heads") // tp_size, _size(config, "head_dim"), _size(config, "state")
-        groups = _size(config, "groups")
-        conv = (heads * head_dim + 2 * groups * state, _size(config, "kernel") - 1)
+    else:  # Mamba2: a rank's heads, and its groups (or its heads' one group, with fewer groups than ranks)
+        heads, head_dim, groups, state, kernel = mamba2_sizes(config)
+        heads, groups = heads // tp_size, groups // tp_size if groups % tp_size == 0 else 1
+        conv = (heads * head_dim + 2 * groups * state, kernel - 1)
         recurrent = (heads, head_dim, state)
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for layer in layers:

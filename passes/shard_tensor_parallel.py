@@ -118,6 +118,13 @@ TP_ARCHITECTURES = {
                   "heads; experts as mixtral, the shared expert as an MLP, its gate replicated",
     "qwen3_5_text": "as qwen3_next, in_proj_qkv as [q; k; v] and in_proj_z / _b / _a by value heads",
     "qwen3_5_moe_text": "as qwen3_5_text; experts as qwen3_next",
+    "granitemoehybrid": "Mamba2 mixers by heads (in_proj's gate, x and dt, the convolution's x channels, A_log, D, "
+                        "dt_bias and the norm's weight; B and C by groups, or the heads' group replicated; out_proj "
+                        "row-parallel); experts as granitemoe, the shared MLP's fused input_linear per part",
+    "bamba": "Mamba2 mixers as granitemoehybrid's; a Llama MLP",
+    "nemotron_h": "Mamba2 mixers as granitemoehybrid's; ReLU-squared MLP blocks by the intermediate dimension; MoE "
+                  "blocks' experts (up_proj and down_proj, no gate) as mixtral's, the shared experts as an MLP, the "
+                  "router replicated",
     "llama4_text": "as llama; its [E, in, out] experts split along their intermediate dimension (the routed sum "
                    "all-reduced before the shared expert's output is added), the router replicated; chunked "
                    "attention per head",
@@ -189,6 +196,7 @@ _FUSED = {
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
     "granitemoeshared": {"input_linear": "gate_up"},  # the shared MLP's [gate; up]
+    "granitemoehybrid": {"input_linear": "gate_up"},
     "gpt_neox": {"query_key_value": "heads3"},
     "persimmon": {"query_key_value": "heads3"},
     "bloom": {"query_key_value": "heads3"},
@@ -210,7 +218,7 @@ _BLOCK_END = {aten.add.Tensor, "output"}
 _LLAMA4_BLOCK_END = _BLOCK_END | {aten.add_.Tensor}
 # Stacked experts kept as [E, in, out] (Llama 4's), not transformers' pluggable [E, out, in].
 _TRANSPOSED_EXPERTS = {"llama4_text"}
-_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|up_proj|down_proj)$")  # (up_proj: Nemotron-H's, no gate)
 _OAI_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
@@ -245,10 +253,19 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     intermediate = getattr(config, "intermediate_size", None)
     if isinstance(intermediate, int) and intermediate % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={intermediate}")
-    key_heads = getattr(config, "linear_num_key_heads", None)
-    if "linear_attention" in (getattr(config, "layer_types", None) or []) and key_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {key_heads} key heads of the gated "
-                         "DeltaNet layers")
+    from kiln.kernels.recurrent_states import mamba2_sizes, recurrent_layers
+
+    if recurrent_layers(config):
+        key_heads = getattr(config, "linear_num_key_heads", None)
+        if key_heads is not None and key_heads % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {key_heads} key heads of the gated "
+                             "DeltaNet layers")
+        if key_heads is None:
+            mamba_heads, _, groups, _, _ = mamba2_sizes(config)
+            if mamba_heads % tp_size or (groups % tp_size and tp_size % groups):
+                raise ValueError(f"tensor_parallel_size={tp_size}: the Mamba2 layers' {mamba_heads} heads in {groups} "
+                                 "groups do not split over it (it must divide the heads, and divide or be a multiple "
+                                 "of the groups)")
 
 
 
@@ -288,6 +305,42 @@ class _GatedDeltaPlan:
     def size_map(self) -> dict[int, int]:
         tp = self.num_k // self.local_k
         return {self.num_k: self.local_k, self.num_v: self.num_v // tp}
+
+
+class _Mamba2Plan:
+    """Rank r's part of a Mamba2 mixer: heads [h0, h1) and the groups of B and C they read
+    (whole groups where the groups split over the ranks, else the one group of its heads)."""
+
+    def __init__(self, config: Any, tp: int, rank: int):
+        from kiln.kernels.recurrent_states import mamba2_sizes
+
+        self.heads, self.head_dim, self.groups, self.state, _ = mamba2_sizes(config)
+        per = self.heads // tp
+        self.h0, self.h1 = rank * per, (rank + 1) * per
+        if self.groups % tp == 0:
+            self.g0, self.g1 = rank * self.groups // tp, (rank + 1) * self.groups // tp
+        else:  # fewer groups than ranks: this rank's heads are all in one group
+            self.g0 = self.h0 * self.groups // self.heads
+            self.g1 = self.g0 + 1
+        self.local_heads, self.local_groups = per, self.g1 - self.g0
+
+    def channels(self) -> list[tuple[int, int]]:
+        """The rank's channels of [x; B; C] (the convolution's)."""
+        inner, bc = self.heads * self.head_dim, self.groups * self.state
+        return [(self.h0 * self.head_dim, self.h1 * self.head_dim),
+                (inner + self.g0 * self.state, inner + self.g1 * self.state),
+                (inner + bc + self.g0 * self.state, inner + bc + self.g1 * self.state)]
+
+    def in_proj_rows(self) -> list[tuple[int, int]]:
+        """The rank's rows of in_proj: [gate; x; B; C; dt]."""
+        inner = self.heads * self.head_dim
+        gate = (self.h0 * self.head_dim, self.h1 * self.head_dim)
+        dt = 2 * inner + 2 * self.groups * self.state
+        return [gate, *((a + inner, b + inner) for a, b in self.channels()), (dt + self.h0, dt + self.h1)]
+
+    def size_map(self) -> dict[int, int]:
+        return {self.heads: self.local_heads, self.groups: self.local_groups,
+                self.heads * self.head_dim: self.local_heads * self.head_dim}
 
 
 class _Plan:
@@ -412,8 +465,13 @@ class ShardTensorParallelPass(KilnPass):
             raise ValueError(f"shard_tensor_parallel: rank {rank} is outside [0, {tp})")
         check_tp_size(ctx.config, tp)
         plan = _Plan(ctx.config, tp, rank)
+        from kiln.kernels.recurrent_states import recurrent_layers
+
+        recurrent = recurrent_layers(ctx.config)
         gated_delta = (_GatedDeltaPlan(ctx.config, tp, rank)
-                       if "linear_attention" in (getattr(ctx.config, "layer_types", None) or []) else None)
+                       if recurrent and getattr(ctx.config, "linear_num_key_heads", None) is not None else None)
+        mamba2 = _Mamba2Plan(ctx.config, tp, rank) if recurrent and gated_delta is None else None
+        mamba_layers = {f"layers.{i}." for i in recurrent} if mamba2 is not None else set()
         model_type = str(getattr(ctx.config, "model_type", ""))
         graph = gm.graph
         shards: dict[str, ShardWeight] = {}
@@ -472,6 +530,20 @@ class ShardTensorParallelPass(KilnPass):
                 stats["column_parallel"] += 1
             elif gated_delta is not None and ".linear_attn." in name and module == "out_proj":
                 cols = (gated_delta.v0 * gated_delta.head_v, gated_delta.v1 * gated_delta.head_v)
+                shard(weight, 1, [cols], cols[1] - cols[0])
+                all_reduce_after(node)
+                stats["row_parallel"] += 1
+                stats["all_reduce"] += 1
+            elif mamba2 is not None and module == "in_proj" and any(f".{m}" in f".{name}" for m in mamba_layers):
+                ranges = mamba2.in_proj_rows()
+                shard(weight, 0, ranges, sum(b - a for a, b in ranges))
+                _remap_split(node, [mamba2.heads * mamba2.head_dim, mamba2.heads * mamba2.head_dim
+                                    + 2 * mamba2.groups * mamba2.state, mamba2.heads],
+                             [mamba2.local_heads * mamba2.head_dim, mamba2.local_heads * mamba2.head_dim
+                              + 2 * mamba2.local_groups * mamba2.state, mamba2.local_heads])
+                stats["column_parallel"] += 1
+            elif mamba2 is not None and module == "out_proj" and any(f".{m}" in f".{name}" for m in mamba_layers):
+                cols = (mamba2.h0 * mamba2.head_dim, mamba2.h1 * mamba2.head_dim)
                 shard(weight, 1, [cols], cols[1] - cols[0])
                 all_reduce_after(node)
                 stats["row_parallel"] += 1
@@ -541,9 +613,13 @@ class ShardTensorParallelPass(KilnPass):
         stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
         stats["latent_up_projections_sharded"] = self._shard_latent_up_projections(gm, plan, shard)
         size_map = plan.size_map(ctx.config)
-        if gated_delta is not None:
-            stats["gated_delta_nets_sharded"] = self._shard_gated_delta_nets(gm, gated_delta, shard)
-            for full, local in gated_delta.size_map().items():
+        if mamba2 is not None:
+            stats["mamba2_mixers_sharded"] = self._shard_mamba2_mixers(gm, mamba2, shard)
+        recurrent_plan = gated_delta or mamba2
+        if recurrent_plan is not None:
+            if gated_delta is not None:
+                stats["gated_delta_nets_sharded"] = self._shard_gated_delta_nets(gm, gated_delta, shard)
+            for full, local in recurrent_plan.size_map().items():
                 if size_map.setdefault(full, local) != local:
                     raise ValueError(f"shard_tensor_parallel: a view of size {full} could be attention's (-> "
                                      f"{size_map[full]}) or the gated DeltaNet's (-> {local}); no rule tells them apart")
@@ -688,6 +764,9 @@ class ShardTensorParallelPass(KilnPass):
                 inter = shape[out_dim] // 2
                 a, b = plan.even(inter, name)
                 shard(node, out_dim, [(a, b), (inter + a, inter + b)], 2 * (b - a))
+            elif match.group(1) == "up_proj":  # [E, I, H] without a gate
+                a, b = plan.even(shape[out_dim], name)
+                shard(node, out_dim, [(a, b)], b - a)
             else:
                 a, b = plan.even(shape[in_dim], name)
                 shard(node, in_dim, [(a, b)], b - a)
@@ -768,6 +847,34 @@ class ShardTensorParallelPass(KilnPass):
                                      "dt_bias that is no checkpoint weight")
                 shard(param, 0, ranges, sum(b - a for a, b in ranges))
             node.args = (*node.args[:7], plan.local_k, *node.args[8:])
+            count += 1
+        return count
+
+    @staticmethod
+    def _shard_mamba2_mixers(gm: torch.fx.GraphModule, plan: _Mamba2Plan, shard: Any) -> int:
+        """Each `kiln::mamba2_scan` marker: the rank's channels of the convolution (weight and
+        bias), its heads' A_log, D and dt_bias, its head and group counts; and the gated norm
+        after it (its weight's rows of the rank's heads)."""
+        count = 0
+        heads = [(plan.h0, plan.h1)]
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.mamba2_scan.default):
+            conv = node.args[2]
+            while isinstance(conv, torch.fx.Node) and param_name(conv) is None and conv.all_input_nodes:
+                conv = conv.args[0]  # through the view to the parameter
+            sharded = [(conv, plan.channels()), (node.args[4], heads), (node.args[5], heads), (node.args[6], heads)]
+            if node.args[3] is not None:
+                sharded.append((node.args[3], plan.channels()))
+            for param, ranges in sharded:
+                if not isinstance(param, torch.fx.Node) or param_name(param) is None:
+                    raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight or bias, A_log, D "
+                                     "or dt_bias that is no checkpoint weight")
+                shard(param, 0, ranges, sum(b - a for a, b in ranges))
+            node.args = (*node.args[:8], plan.local_heads, node.args[9], plan.local_groups, *node.args[11:])
+            # The gated norm after the scan: a weight of one entry per head_dim row of every head.
+            norm = _norm_weight_after(node)
+            if norm is not None:
+                shard(norm, 0, [(plan.h0 * plan.head_dim, plan.h1 * plan.head_dim)],
+                      plan.local_heads * plan.head_dim)
             count += 1
         return count
 
@@ -1085,3 +1192,35 @@ def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], old: Any, size_map: di
             return True
     return False
 
+
+
+def _remap_split(node: torch.fx.Node, full: list[int], local: list[int]) -> None:
+    """The `split_with_sizes` of a projection's output into its parts (Mamba2's in_proj: gate,
+    x B C, dt), given the rank's sizes."""
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.target in (aten.select.int, aten.squeeze.dim, aten.view.default, aten.reshape.default):
+            frontier.extend(user.users)  # (the step's one sequence taken out of the batch dim)
+        elif user.target is aten.split_with_sizes.default and list(user.args[1]) == full:
+            user.args = (user.args[0], local, *user.args[2:])
+
+
+def _norm_weight_after(scan: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight parameter of the gated norm a Mamba2 scan's output goes through: the first
+    parameter multiplied in along the single-use chain after it (views, casts, the gate)."""
+    seen: set[torch.fx.Node] = set()
+    frontier = list(scan.users)
+    while frontier:
+        node = frontier.pop(0)
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is aten.mul.Tensor:
+            for arg in node.args:
+                if isinstance(arg, torch.fx.Node) and param_name(arg) is not None:
+                    return arg
+        if node.target is aten.linear.default:
+            return None  # out_proj: past the norm
+        frontier.extend(node.users)
+    return None

@@ -192,11 +192,13 @@ def test_engine_runs_siblings_each_from_its_own_prompt(tiny_model_dir) -> None:
     assert llm.engine.scheduler.stats.num_forked_tokens == 0
 
 
-def test_two_ranks_give_one_ranks_tokens(tiny_model_dir) -> None:
-    """Qwen3-Next at tensor_parallel_size=2 (two CPU workers over gloo): each rank holds its key
-    heads' states (half the conv channels, half the value heads) and reads its slices of the
-    fused projections; over chunked prefills and decodes the greedy tokens equal TP=1's."""
-    path, _ = tiny_model_dir("qwen3_next")
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_two_ranks_give_one_ranks_tokens(arch: str, tiny_model_dir) -> None:
+    """Qwen3-Next and Granite 4.0-H at tensor_parallel_size=2 (two CPU workers over gloo): each
+    rank holds its heads' states (its conv channels, its value heads or Mamba2 heads) and reads
+    its slices of the fused projections; over chunked prefills and decodes the greedy tokens
+    equal TP=1's."""
+    path, _ = tiny_model_dir(arch)
     options = dict(dtype="float32", progress=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [list(range(3, 40)), [5, 9], list(range(20, 45))]

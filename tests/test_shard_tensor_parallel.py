@@ -29,13 +29,17 @@ from tiny_models import SUPPORTED, tiny_config  # noqa: E402
 
 # Every tiny model of an architecture the pass shards (variants such as llama3.1 included);
 # "llama-kv1" has one KV head, fewer than the two ranks (replicated).
-TP_TEST_ARCHS = [a for a in SUPPORTED if tiny_config(a).model_type in TP_ARCHITECTURES] + ["llama-kv1"]
+TP_TEST_ARCHS = [a for a in SUPPORTED if tiny_config(a).model_type in TP_ARCHITECTURES] + ["llama-kv1", "granite-g1"]
 
 
 def config_for(arch: str):
     if arch == "llama-kv1":
         config = tiny_config("llama")
         config.num_key_value_heads = 1
+        return config
+    if arch == "granite-g1":  # one group of B and C (Granite 4.0-H's): replicated, its norm over every head
+        config = tiny_config("granitemoehybrid")
+        config.mamba_n_groups = 1
         return config
     return tiny_config(arch)
 
