@@ -16,7 +16,7 @@ no block is written while another sequence reads it and no copy-on-write is need
 
 Block 0 is the null block: padded tokens write there and no sequence ever owns it.
 
-A model with recurrent layers (gated DeltaNet) also keeps states per sequence, not per token:
+A model with recurrent layers (gated DeltaNet, Mamba2) also keeps states per sequence, not per token:
 with `num_state_slots`, each admitted sequence takes a state slot (a row of every state cache)
 until it is freed. Slot 0 is the null slot padded rows write. Such states cannot be rebuilt
 from blocks, so those engines run without prefix caching.
