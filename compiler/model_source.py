@@ -800,6 +800,8 @@ def _fp8_scale(key: str, where: dict[str, Path], shard: Path) -> torch.Tensor:
 #                               (already the model's name; Qwen2-MoE's shared_expert and
 #                               shared_expert_gate are named as in the model too)
 _MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# LFM2-MoE's experts sit in the layer's `feed_forward`, one w1 (gate), w3 (up), w2 (down) each.
+_FEED_FORWARD_EXPERTS = re.compile(r"^(.*\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
 # DBRX keeps one layer's experts in three [E * I, H] matrices (ffn.experts.mlp.w1 gate, v1 up,
 # w2 down, untransposed), which capture's StackedExperts hold stacked (kiln.compiler.stacked_experts).
 _LOOPED_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
@@ -838,6 +840,11 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
         # As saved: under the model's `backbone.` (transformers renames Nemotron-H's `model.` so).
         prefixes = dict.fromkeys([m.group(1), re.sub(r"^model\.", "backbone.", m.group(1))])
         return [[f"{p}.{e}.{m.group(2)}.weight" for e in range(num_experts)] for p in prefixes]
+    if m := _FEED_FORWARD_EXPERTS.match(name):
+        if num_experts is None:
+            return []
+        kinds = ("w1", "w3") if m.group(2) == "gate_up_proj" else ("w2",)
+        return [[f"{m.group(1)}.{e}.{w}.weight" for e in range(num_experts) for w in kinds]]
     if m := _LOOPED_STACKED.match(name):
         kind = ("w1", "v1") if m.group(2) == "gate_up_proj" else ("w2",)
         return [[f"{m.group(1)}.mlp.{w}" for w in kind]] if num_experts is not None else []

@@ -1,6 +1,7 @@
-"""Recurrent layers captured around one marker op: gated DeltaNet (Qwen3-Next, Qwen3.5) and
+"""Recurrent layers captured around one marker op: gated DeltaNet (Qwen3-Next, Qwen3.5),
 Mamba2 mixers (Granite 4.0-H, Nemotron-H, Bamba), whose state-keeping part is
-`kiln::mamba2_scan` (kiln.kernels.mamba2) as the gated DeltaNet's is below.
+`kiln::mamba2_scan` (kiln.kernels.mamba2), and LFM2's short convolutions (`kiln::short_conv`,
+kiln.kernels.short_conv), as the gated DeltaNet's is below.
 
 transformers' gated DeltaNet module keeps its recurrent and conv states in a `Cache` object
 and picks its kernel by sequence length; neither can be traced into a graph that serves any
@@ -27,6 +28,7 @@ import torch
 
 from kiln.kernels.gated_delta_net import gated_delta_net
 from kiln.kernels.mamba2 import mamba2_scan
+from kiln.kernels.short_conv import short_conv
 
 _COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim",
            "layer_idx")
@@ -110,6 +112,20 @@ def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
     return None
 
 
+def is_short_conv(module: torch.nn.Module) -> bool:
+    """LFM2's gated short convolution (`Lfm2ShortConv`, LFM2-MoE's `Lfm2MoeShortConv`)."""
+    return type(module).__name__.endswith("ShortConv") and all(
+        hasattr(module, name) for name in ("in_proj", "conv", "out_proj", "layer_idx"))
+
+
+def _short_conv_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """LFM2's conv layer over one packed step [1, T, hidden]: in_proj gives [B; C; x], the
+    convolution of B * x runs behind the marker, gated by C, then out_proj."""
+    B, C, x = self.in_proj(hidden_states)[0].chunk(3, dim=-1)
+    y = C * short_conv(B * x, self.conv.weight.squeeze(1), self.conv.bias, self.layer_idx)
+    return self.out_proj(y.unsqueeze(0))
+
+
 def why_not_markable(module: torch.nn.Module, config: Any) -> str | None:
     """What keeps `module` (a gated DeltaNet) from Kiln's forward, or None."""
     missing = [name for name in _COMMON if not hasattr(module, name)]
@@ -135,6 +151,8 @@ def mark_gated_delta_nets(model: torch.nn.Module, config: Any) -> int:
             why, forward = why_not_markable(module, config), _kiln_forward
         elif is_mamba2_mixer(module):
             why, forward = why_not_mamba2(module, config), _mamba2_forward
+        elif is_short_conv(module):
+            why, forward = None, _short_conv_forward
         else:
             continue
         if why is not None:

@@ -41,6 +41,7 @@ else:
     from kiln.kernels import fp8_fused_linear as fp8_fused_linear  # noqa: F401  (kiln::*_fp8_linear)
     from kiln.kernels import gated_delta_net as gated_delta_net  # noqa: F401  (kiln::*gated_delta_net)
     from kiln.kernels import mamba2 as mamba2  # noqa: F401  (kiln::mamba2_scan, kiln::paged_mamba2_scan)
+    from kiln.kernels import short_conv as short_conv  # noqa: F401  (kiln::short_conv, kiln::paged_short_conv)
     from kiln.kernels import collectives as collectives  # noqa: F401  (kiln::all_reduce, kiln::all_gather)
     from kiln.kernels import layer_norm as layer_norm  # noqa: F401  (registers kiln::add_layer_norm)
     from kiln.kernels import linear as linear  # noqa: F401  (registers kiln::linear)

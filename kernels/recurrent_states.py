@@ -1,10 +1,11 @@
 """The recurrent layers' state caches: which layers keep states, their shapes, their memory.
 
 A model's recurrent layers are of one family: gated DeltaNet (Qwen3-Next, Qwen3.5: the config
-names `linear_num_key_heads`) or Mamba2 (Granite 4.0-H, Nemotron-H, Bamba: `mamba_*` sizes).
-Each layer keeps two states per sequence, by name "<layer>.conv" (its convolution's last inputs,
-in the model's dtype) and "<layer>.recurrent" (float32), allocated as caches with one row per
-state slot (kiln.runtime.block_manager). The graph's `state:<layer>.<part>` inputs are these.
+names `linear_num_key_heads`), Mamba2 (Granite 4.0-H, Nemotron-H, Bamba: `mamba_*` sizes) or
+LFM2's short convolutions (`conv_L_cache`). Each layer keeps, per sequence, "<layer>.conv" (its
+convolution's last inputs, in the model's dtype) and, but for LFM2's, "<layer>.recurrent"
+(float32), allocated as caches with one row per state slot (kiln.runtime.block_manager). The
+graph's `state:<layer>.<part>` inputs are these.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 # Layer kinds that keep recurrent states, by config's `layer_types` / `layers_block_type`
 # (transformers 5.25 calls Mamba layers "linear_attention" too).
-RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2"})
+RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv"})  # (conv: LFM2's short convolutions)
 # Mamba2 sizes: the first attribute of each tuple the config has.
 _MAMBA2_SIZES = {
     "heads": ("mamba_n_heads", "mamba_num_heads"),
@@ -53,6 +54,9 @@ def state_shapes(config: Any, dtype: torch.dtype, tp_size: int = 1) -> dict[str,
     layers = recurrent_layers(config)
     if not layers:
         return {}
+    if getattr(config, "conv_L_cache", None) is not None:  # LFM2: a short convolution's last inputs alone
+        conv = (config.hidden_size // tp_size, config.conv_L_cache - 1)
+        return {f"{layer}.conv": (conv, dtype) for layer in layers}
     if getattr(config, "linear_num_key_heads", None) is not None:  # gated DeltaNet
         num_k, head_k = config.linear_num_key_heads // tp_size, config.linear_key_head_dim
         num_v, head_v = config.linear_num_value_heads // tp_size, config.linear_value_head_dim

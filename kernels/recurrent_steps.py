@@ -53,9 +53,10 @@ def padding_groups(lengths: list[int]) -> list[list[int]]:
 
 
 def conv_single_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                       slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
-    """SiLU(causal conv) of one token a row (x [B, C]) after its slot's last inputs (zeros where
-    not `continuing`); the slots' conv states become their last kernel - 1 inputs. [B, C] in x's dtype."""
+                       slots: torch.Tensor, continuing: torch.Tensor, silu: bool = True) -> torch.Tensor:
+    """SiLU(causal conv) (without `silu`: the conv alone) of one token a row (x [B, C]) after its
+    slot's last inputs (zeros where not `continuing`); the slots' conv states become their last
+    kernel - 1 inputs. [B, C] in x's dtype."""
     past = torch.where(continuing.view(-1, 1, 1), conv_state[slots],
                        torch.zeros((), dtype=conv_state.dtype, device=conv_state.device))
     extended = torch.cat([past.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
@@ -63,15 +64,17 @@ def conv_single_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if bias is not None:
         out = out + bias.float()
     conv_state[slots] = extended[..., 1:].to(conv_state.dtype)
-    return F.silu(out).to(x.dtype)
+    return (F.silu(out) if silu else out).to(x.dtype)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(causal conv) of one sequence from zero inputs before it: x [n, C] -> [n, C]."""
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = True
+                ) -> torch.Tensor:
+    """SiLU(causal conv) (without `silu`: the conv alone) of one sequence from zero inputs before
+    it: x [n, C] -> [n, C]."""
     width = weight.shape[-1]
     out = F.conv1d(F.pad(x.t().float(), (width - 1, 0)).unsqueeze(0), weight.float().view(x.shape[1], 1, width),
                    bias.float() if bias is not None else None, groups=x.shape[1])[0]
-    return F.silu(out).t().to(x.dtype)
+    return (F.silu(out) if silu else out).t().to(x.dtype)
 
 
 @dataclass
@@ -102,9 +105,10 @@ class PaddedRows:
         out[self.index[self.real]] = values[self.real].to(out.dtype)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             conv_state: torch.Tensor) -> torch.Tensor:
-        """SiLU(causal conv) of each sequence's tokens (x [T, C]) after its slot's last inputs;
-        the slots' conv states become each sequence's last kernel - 1 inputs. [S, L, C]."""
+             conv_state: torch.Tensor, silu: bool = True) -> torch.Tensor:
+        """SiLU(causal conv) (without `silu`: the conv alone) of each sequence's tokens (x [T, C])
+        after its slot's last inputs; the slots' conv states become each sequence's last
+        kernel - 1 inputs. [S, L, C]."""
         width = weight.shape[-1]
         past = torch.where(self.continuing.view(-1, 1, 1), conv_state[self.slots],
                            torch.zeros((), dtype=conv_state.dtype, device=x.device))
@@ -115,7 +119,7 @@ class PaddedRows:
         # Each sequence's last K-1 inputs: extended's columns count .. count + K - 2.
         last = (self.counts.unsqueeze(1) + torch.arange(width - 1, device=x.device)).unsqueeze(1)
         conv_state[self.slots] = extended.gather(2, last.expand(-1, channels, -1)).to(conv_state.dtype)
-        return F.silu(out).transpose(1, 2).to(x.dtype)
+        return (F.silu(out) if silu else out).transpose(1, 2).to(x.dtype)
 
 
 def run_step(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,

@@ -1,5 +1,6 @@
 """`recurrent_state`: replace each `kiln::gated_delta_net` marker with `kiln::paged_gated_delta_net`
-(and each `kiln::mamba2_scan` with `kiln::paged_mamba2_scan`, alike: its states in the slots).
+(and each `kiln::mamba2_scan` with `kiln::paged_mamba2_scan`, each `kiln::short_conv` with
+`kiln::paged_short_conv`, alike: their states in the slots; LFM2's short conv has a conv state only).
 
 Before: gated_delta_net(mixed_qkv, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads,
         head_k_dim, head_v_dim) over the T tokens of one sequence from zero states.
@@ -32,9 +33,18 @@ class RecurrentStatePass(KilnPass):
         graph = gm.graph
         markers = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.gated_delta_net.default))
         mamba = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.mamba2_scan.default))
-        if not markers and not mamba:
+        convs = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.short_conv.default))
+        if not markers and not mamba and not convs:
             return {"recurrent_replaced": 0}
         metadata = [add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS]
+        for node in convs:  # LFM2: a conv state alone
+            bx, weight, bias, layer_idx = node.args
+            state = add_graph_input(gm, f"state_{layer_idx}_conv", state_role(layer_idx, "conv"))
+            with graph.inserting_before(node):
+                paged = graph.call_function(torch.ops.kiln.paged_short_conv.default, (bx, weight, bias, state, *metadata))
+            paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
+            node.replace_all_uses_with(paged)
+            graph.erase_node(node)
         for node in mamba:
             x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layer_idx, *sizes = node.args
             states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part))
@@ -59,5 +69,6 @@ class RecurrentStatePass(KilnPass):
             paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)
             graph.erase_node(node)
-        replaced = len(markers) + len(mamba)
-        return {"recurrent_replaced": replaced, "inputs_added": 2 * replaced + len(METADATA_INPUTS)}
+        replaced = len(markers) + len(mamba) + len(convs)
+        return {"recurrent_replaced": replaced,
+                "inputs_added": 2 * (len(markers) + len(mamba)) + len(convs) + len(METADATA_INPUTS)}

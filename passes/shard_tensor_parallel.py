@@ -122,6 +122,9 @@ TP_ARCHITECTURES = {
                         "dt_bias and the norm's weight; B and C by groups, or the heads' group replicated; out_proj "
                         "row-parallel); experts as granitemoe, the shared MLP's fused input_linear per part",
     "bamba": "Mamba2 mixers as granitemoehybrid's; a Llama MLP",
+    "lfm2": "gated short convolutions by channels (in_proj's [B; C; x] as three runs, the convolution's channels, "
+            "out_proj row-parallel); attention as llama's with out_proj; w1/w3/w2 as gate/up/down",
+    "lfm2_moe": "as lfm2; experts as mixtral, the router (with its selection bias) replicated",
     "nemotron_h": "Mamba2 mixers as granitemoehybrid's; ReLU-squared MLP blocks by the intermediate dimension; MoE "
                   "blocks' experts (up_proj and down_proj, no gate) as mixtral's, the shared experts as an MLP, the "
                   "router replicated",
@@ -176,13 +179,14 @@ TP_ARCHITECTURES = {
 # q/k/v/o_proj and gate/up/down_proj, Phi's dense and fc1/fc2, StarCoder2's c_fc/c_proj,
 # GPT-J's out_proj and fc_in/fc_out.
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp",
+           "w1": "mlp", "w3": "mlp",  # LFM2's gate and up
            "fc1": "mlp", "c_fc": "mlp", "fc_in": "mlp", "dense_h_to_4h": "mlp",
            # Multi-head latent attention's up-projections from the latents: rows per head
            # (q_b_proj: nope + rope; kv_b_proj, where it is a linear: k_nope + v).
            "q_b_proj": "q", "kv_b_proj": "q",
            # MiniCPM 5's query and output gate, [q; gate] rows per head: the rank's heads are one run.
            "q_gate_proj": "q"}
-_ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp",
+_ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp", "w2": "mlp",
         "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}
 # Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's
 # and CodeGen's fused qkv are laid out otherwise): module -> `_Plan.fused` layout.
@@ -260,7 +264,10 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         if key_heads is not None and key_heads % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {key_heads} key heads of the gated "
                              "DeltaNet layers")
-        if key_heads is None:
+        if getattr(config, "conv_L_cache", None) is not None:  # LFM2's short convolutions: by channels
+            if int(config.hidden_size) % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} does not divide hidden_size={config.hidden_size}")
+        elif key_heads is None:
             mamba_heads, _, groups, _, _ = mamba2_sizes(config)
             if mamba_heads % tp_size or (groups % tp_size and tp_size % groups):
                 raise ValueError(f"tensor_parallel_size={tp_size}: the Mamba2 layers' {mamba_heads} heads in {groups} "
@@ -470,7 +477,8 @@ class ShardTensorParallelPass(KilnPass):
         recurrent = recurrent_layers(ctx.config)
         gated_delta = (_GatedDeltaPlan(ctx.config, tp, rank)
                        if recurrent and getattr(ctx.config, "linear_num_key_heads", None) is not None else None)
-        mamba2 = _Mamba2Plan(ctx.config, tp, rank) if recurrent and gated_delta is None else None
+        short_convs = recurrent and getattr(ctx.config, "conv_L_cache", None) is not None  # LFM2
+        mamba2 = _Mamba2Plan(ctx.config, tp, rank) if recurrent and gated_delta is None and not short_convs else None
         mamba_layers = {f"layers.{i}." for i in recurrent} if mamba2 is not None else set()
         model_type = str(getattr(ctx.config, "model_type", ""))
         graph = gm.graph
@@ -534,6 +542,22 @@ class ShardTensorParallelPass(KilnPass):
                 all_reduce_after(node)
                 stats["row_parallel"] += 1
                 stats["all_reduce"] += 1
+            elif short_convs and ".conv." in name and module in ("in_proj", "out_proj"):
+                hidden = int(ctx.config.hidden_size)
+                c0, c1 = plan.even(hidden, name)
+                if module == "in_proj":  # [B; C; x]: the rank's channels of each
+                    ranges = [(part * hidden + c0, part * hidden + c1) for part in range(3)]
+                    shard(weight, 0, ranges, 3 * (c1 - c0))
+                    if bias is not None:
+                        shard(bias, 0, ranges, 3 * (c1 - c0))
+                    stats["column_parallel"] += 1
+                else:
+                    shard(weight, 1, [(c0, c1)], c1 - c0)
+                    if bias is not None:
+                        node.args = node.args[:2]
+                    all_reduce_after(node, bias)
+                    stats["row_parallel"] += 1
+                    stats["all_reduce"] += 1
             elif mamba2 is not None and module == "in_proj" and any(f".{m}" in f".{name}" for m in mamba_layers):
                 ranges = mamba2.in_proj_rows()
                 shard(weight, 0, ranges, sum(b - a for a, b in ranges))
@@ -615,6 +639,9 @@ class ShardTensorParallelPass(KilnPass):
         size_map = plan.size_map(ctx.config)
         if mamba2 is not None:
             stats["mamba2_mixers_sharded"] = self._shard_mamba2_mixers(gm, mamba2, shard)
+        if short_convs:
+            stats["short_convs_sharded"] = self._shard_short_convs(gm, plan.even(int(ctx.config.hidden_size), "hidden"),
+                                                                   shard)
         recurrent_plan = gated_delta or mamba2
         if recurrent_plan is not None:
             if gated_delta is not None:
@@ -847,6 +874,25 @@ class ShardTensorParallelPass(KilnPass):
                                      "dt_bias that is no checkpoint weight")
                 shard(param, 0, ranges, sum(b - a for a, b in ranges))
             node.args = (*node.args[:7], plan.local_k, *node.args[8:])
+            count += 1
+        return count
+
+    @staticmethod
+    def _shard_short_convs(gm: torch.fx.GraphModule, channels: tuple[int, int], shard: Any) -> int:
+        """Each `kiln::short_conv` marker (LFM2): the rank's channels of the convolution's
+        weight and bias."""
+        count = 0
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.short_conv.default):
+            weight, bias = node.args[1], node.args[2]
+            while isinstance(weight, torch.fx.Node) and param_name(weight) is None and weight.all_input_nodes:
+                weight = weight.args[0]  # through the view to the parameter
+            for param in (weight, bias):
+                if param is None:
+                    continue
+                if not isinstance(param, torch.fx.Node) or param_name(param) is None:
+                    raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight or bias that is "
+                                     "no checkpoint weight")
+                shard(param, 0, [channels], channels[1] - channels[0])
             count += 1
         return count
 

@@ -339,10 +339,14 @@ def test_paged_mamba2_continues_each_sequence_from_its_slot() -> None:
     torch.testing.assert_close(torch.cat([first[40:], second[1:2]]), whole[1], rtol=1e-4, atol=1e-4)
 
 
-def test_mamba2_engine_keeps_states_across_chunks_and_preemption(tiny_model_dir) -> None:
-    """Granite 4.0-H: five prompts through two seats, 16-token steps, a KV cache small enough to
-    preempt; every completion is Hugging Face's greedy one."""
-    path, hf = tiny_model_dir("granitemoehybrid")
+@pytest.mark.parametrize("arch,recurrent_op", [("granitemoehybrid", "kiln.paged_mamba2_scan.default"),
+                                               ("lfm2", "kiln.paged_short_conv.default")])
+def test_other_families_keep_states_across_chunks_and_preemption(arch: str, recurrent_op: str,
+                                                                 tiny_model_dir) -> None:
+    """Granite 4.0-H (Mamba2) and LFM2 (short convolutions, a conv state alone): five prompts
+    through two seats, 16-token steps, a KV cache small enough to preempt; every completion is
+    Hugging Face's greedy one."""
+    path, hf = tiny_model_dir(arch)
     llm = LLM(str(path), dtype="float32", device="cpu", progress=False, max_num_seqs=2, max_num_batched_tokens=16,
               block_size=4, num_kv_blocks=20, kv_reserve_ratio=0.0)
     prompts = [list(range(3, 40)), [5, 9], list(range(20, 45)), [7] * 30, list(range(50, 58))]
@@ -351,7 +355,7 @@ def test_mamba2_engine_keeps_states_across_chunks_and_preemption(tiny_model_dir)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
     counts = op_counts(llm.engine.graph.graph_module)
-    assert counts["kiln.paged_mamba2_scan.default"] == 3 and counts["kiln.paged_attention.default"] == 1
+    assert counts[recurrent_op] == 3 and counts["kiln.paged_attention.default"] == 1
 
 
 def test_triton_mamba2_decode_kernel_equals_the_reference() -> None:

@@ -221,12 +221,17 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         moe_shared_expert_intermediate_size=32, n_group=1, topk_group=1),
                    "Mamba2, attention, MLP and MoE blocks (ReLU-squared experts without a gate, sigmoid router)"),
+    # LFM2: gated short convolutions (a conv state per sequence, no SSM) and attention layers.
+    "lfm2": (dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"]),
+             "gated short convolutions (a conv state per sequence) + attention layers, q/k norm"),
+    "lfm2_moe": (dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
+                 "as lfm2, with experts behind a sigmoid router with a selection bias, a dense first layer"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
 _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "mamba": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
-    "lfm2": (dict(COMMON, layer_types=["conv", "full_attention"]), "convolution over the sequence"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
 }
