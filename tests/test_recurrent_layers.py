@@ -249,20 +249,27 @@ def test_state_slots_fit_their_share_of_memory(tiny_model_dir, monkeypatch) -> N
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4)
 
 
-def test_triton_decode_kernel_equals_the_reference(monkeypatch) -> None:
-    """The CUDA decode kernel (under Triton's interpreter without a GPU) gives the reference's
-    outputs and states: grouped value heads, a value width over one block (two column blocks),
-    a row starting fresh in a slot holding garbage, two padded rows on the null slot."""
+def _run_with_triton(code: str) -> None:
+    """Run a kernel check in a fresh process, where Triton's interpreter can be switched on
+    before the kernels are defined (without a GPU); it must print "ok"."""
     import os
     import subprocess
     import sys
 
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_triton_decode_kernel_equals_the_reference() -> None:
+    """The CUDA decode kernel (under Triton's interpreter without a GPU) gives the reference's
+    outputs and states: grouped value heads, a value width over one block (two column blocks),
+    a row starting fresh in a slot holding garbage, two padded rows on the null slot."""
     code = r'''
 import os, torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 from kiln.kernels import gated_delta_net as gdn
-from kiln.kernels import recurrent_states, recurrent_steps
 from kiln.kernels.triton_gated_delta_net import gated_delta_decode_triton
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -280,9 +287,7 @@ torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(state[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
 print("ok")
 '''
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    _run_with_triton(code)
 
 
 def test_mamba2_chunked_scan_equals_the_recurrence() -> None:
@@ -362,10 +367,6 @@ def test_triton_mamba2_decode_kernel_equals_the_reference() -> None:
     """The CUDA Mamba2 decode kernel (under Triton's interpreter without a GPU) gives the
     reference's outputs and states: heads in two groups, a head_dim over one block, a state
     width that is no power of two, a row starting fresh in a stale slot, two padded rows."""
-    import os
-    import subprocess
-    import sys
-
     code = r'''
 import os, torch
 if not torch.cuda.is_available():
@@ -388,6 +389,4 @@ torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(ssm[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
 print("ok")
 '''
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    _run_with_triton(code)
