@@ -39,7 +39,7 @@ import kiln.kernels  # noqa: F401  (registers kiln::attention)
 from kiln.compiler.graph_inputs import (
     INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
-from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_gated_delta_nets
+from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_recurrent_layers
 from kiln.compiler.stacked_experts import stack_experts
 from kiln.kernels.paged_attention import caches_latent
 
@@ -311,8 +311,8 @@ def build_hf_model(config: Any, dtype: torch.dtype, device: torch.device | str) 
             kwargs["attn_implementation"] = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
         model = cls._from_config(config, **kwargs)
         stack_experts(model, config)  # DBRX's looped experts as batched_mm ones (kiln.compiler.stacked_experts)
-        try:  # gated DeltaNets' states behind one marker (kiln.compiler.recurrent_layers)
-            mark_gated_delta_nets(model, config)
+        try:  # recurrent layers' states behind one marker each (kiln.compiler.recurrent_layers)
+            mark_recurrent_layers(model, config)
         except UnsupportedRecurrentLayer as e:
             raise UnsupportedArchitectureError(f"{e} is not supported by Kiln") from None
     model._kiln_inline_attention = inline

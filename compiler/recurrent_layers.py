@@ -5,7 +5,7 @@ kiln.kernels.short_conv), as the gated DeltaNet's is below.
 
 transformers' gated DeltaNet module keeps its recurrent and conv states in a `Cache` object
 and picks its kernel by sequence length; neither can be traced into a graph that serves any
-batch of sequences. `mark_gated_delta_nets` gives each such module a forward that computes the
+batch of sequences. `mark_recurrent_layers` gives each such module a forward that computes the
 same layer with the stateful part, convolution through the gated delta rule, as one
 `kiln::gated_delta_net` marker (kiln.kernels.gated_delta_net), which `kiln.passes.recurrent_state`
 replaces with the op that reads and writes the per-sequence states. Everything around it stays
@@ -37,7 +37,7 @@ _SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 class UnsupportedRecurrentLayer(ValueError):
-    """A gated DeltaNet module whose form Kiln's forward does not reproduce."""
+    """A recurrent layer whose form Kiln's forward does not reproduce."""
 
 
 def is_gated_delta_net(module: torch.nn.Module) -> bool:
@@ -142,9 +142,10 @@ def why_not_markable(module: torch.nn.Module, config: Any) -> str | None:
     return None
 
 
-def mark_gated_delta_nets(model: torch.nn.Module, config: Any) -> int:
-    """Give every gated DeltaNet module of `model` the marker forward; returns how many.
-    Raises UnsupportedRecurrentLayer naming a module whose form it does not know."""
+def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
+    """Give every recurrent layer of `model` (gated DeltaNet, a known Mamba2 mixer, LFM2's short
+    convolution) its marker forward; returns how many. Raises UnsupportedRecurrentLayer naming a
+    module whose form it does not know."""
     count = 0
     for name, module in model.named_modules():
         if is_gated_delta_net(module):
