@@ -199,7 +199,9 @@ def test_two_ranks_give_one_ranks_tokens(arch: str, tiny_model_dir) -> None:
     its slices of the fused projections; over chunked prefills and decodes the greedy tokens
     equal TP=1's."""
     path, _ = tiny_model_dir(arch)
-    options = dict(dtype="float32", progress=False, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    # On CPU workers over gloo (a machine with one GPU would otherwise need two).
+    options = dict(dtype="float32", device="cpu", progress=False, max_model_len=128, max_num_seqs=4,
+                   max_num_batched_tokens=16)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     prompts = [list(range(3, 40)), [5, 9], list(range(20, 45))]
     expected = [o.outputs[0].token_ids for o in LLM(str(path), **options).generate(prompts, greedy)]
@@ -261,6 +263,7 @@ def _run_with_triton(code: str) -> None:
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 def test_triton_decode_kernel_equals_the_reference() -> None:
     """The CUDA decode kernel (under Triton's interpreter without a GPU) gives the reference's
     outputs and states: grouped value heads, a value width over one block (two column blocks),
@@ -363,6 +366,7 @@ def test_other_families_keep_states_across_chunks_and_preemption(arch: str, recu
     assert counts[recurrent_op] == 3 and counts["kiln.paged_attention.default"] == 1
 
 
+@pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 def test_triton_mamba2_decode_kernel_equals_the_reference() -> None:
     """The CUDA Mamba2 decode kernel (under Triton's interpreter without a GPU) gives the
     reference's outputs and states: heads in two groups, a head_dim over one block, a state
