@@ -25,9 +25,10 @@ Two ops:
   one token (a decode bucket, which CUDA graphs capture) runs without a host sync; other
   steps read the sequences' token counts on the host.
 
-The reference here (plain torch, every device) computes a sequence's tokens in chunks of
-`CHUNK` with the WY form of the delta rule (one triangular solve a chunk, then the chunk's
-outputs and state update as matrix products); single tokens by the recurrence itself.
+The reference here (plain torch, every device; the step's split into single tokens and padded
+prefill groups is kiln.kernels.recurrent_steps') computes prefills in chunks of `CHUNK` with the
+WY form of the delta rule (every chunk's triangular solves at once, then only the state's chain
+chunk by chunk, as matrix products); single tokens by the recurrence itself.
 On CUDA a decode step's delta rule runs as one Triton kernel over the states in place
 (kiln.kernels.triton_gated_delta_net); the rest (the convolution, chunked prefills) runs as
 torch ops there too.
