@@ -23,6 +23,16 @@ from kiln.compiler.graph_inputs import add_graph_input, batch_role, state_role
 from kiln.passes.base import KilnPass, PassContext, PassStats
 
 METADATA_INPUTS = ("state_slots", "seq_lens", "query_start_loc")
+# Each marker -> its paged op and the states it keeps. A marker's arguments are the paged op's,
+# with `layer_idx` in the place where the paged op takes the layer's state caches and then the
+# step's METADATA_INPUTS.
+PAGED_OPS = {
+    torch.ops.kiln.gated_delta_net.default: (torch.ops.kiln.paged_gated_delta_net.default, ("conv", "recurrent")),
+    torch.ops.kiln.mamba2_scan.default: (torch.ops.kiln.paged_mamba2_scan.default, ("conv", "recurrent")),
+    torch.ops.kiln.short_conv.default: (torch.ops.kiln.paged_short_conv.default, ("conv",)),  # LFM2
+}
+LAYER_ARG = {torch.ops.kiln.gated_delta_net.default: 6, torch.ops.kiln.mamba2_scan.default: 7,
+             torch.ops.kiln.short_conv.default: 3}
 
 
 class RecurrentStatePass(KilnPass):
@@ -31,44 +41,20 @@ class RecurrentStatePass(KilnPass):
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         graph = gm.graph
-        markers = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.gated_delta_net.default))
-        mamba = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.mamba2_scan.default))
-        convs = list(graph.find_nodes(op="call_function", target=torch.ops.kiln.short_conv.default))
-        if not markers and not mamba and not convs:
+        markers = [node for target in PAGED_OPS for node in graph.find_nodes(op="call_function", target=target)]
+        if not markers:
             return {"recurrent_replaced": 0}
         metadata = [add_graph_input(gm, name, batch_role(name)) for name in METADATA_INPUTS]
-        for node in convs:  # LFM2: a conv state alone
-            bx, weight, bias, layer_idx = node.args
-            state = add_graph_input(gm, f"state_{layer_idx}_conv", state_role(layer_idx, "conv"))
-            with graph.inserting_before(node):
-                paged = graph.call_function(torch.ops.kiln.paged_short_conv.default, (bx, weight, bias, state, *metadata))
-            paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-            node.replace_all_uses_with(paged)
-            graph.erase_node(node)
-        for node in mamba:
-            x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layer_idx, *sizes = node.args
-            states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part))
-                      for part in ("conv", "recurrent")]
-            with graph.inserting_before(node):
-                paged = graph.call_function(
-                    torch.ops.kiln.paged_mamba2_scan.default,
-                    (x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, *states, *metadata, *sizes),
-                )
-            paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
-            node.replace_all_uses_with(paged)
-            graph.erase_node(node)
+        added = len(METADATA_INPUTS)
         for node in markers:
-            mixed, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads, head_k_dim, head_v_dim = node.args
-            states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part))
-                      for part in ("conv", "recurrent")]
+            paged_op, parts = PAGED_OPS[node.target]
+            at = LAYER_ARG[node.target]
+            layer_idx = node.args[at]
+            states = [add_graph_input(gm, f"state_{layer_idx}_{part}", state_role(layer_idx, part)) for part in parts]
+            added += len(parts)
             with graph.inserting_before(node):
-                paged = graph.call_function(
-                    torch.ops.kiln.paged_gated_delta_net.default,
-                    (mixed, a, b, conv_weight, A_log, dt_bias, *states, *metadata, num_k_heads, head_k_dim, head_v_dim),
-                )
+                paged = graph.call_function(paged_op, (*node.args[:at], *states, *metadata, *node.args[at + 1:]))
             paged.meta.update({k: v for k, v in node.meta.items() if k in ("val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(paged)
             graph.erase_node(node)
-        replaced = len(markers) + len(mamba) + len(convs)
-        return {"recurrent_replaced": replaced,
-                "inputs_added": 2 * (len(markers) + len(mamba)) + len(convs) + len(METADATA_INPUTS)}
+        return {"recurrent_replaced": len(markers), "inputs_added": added}

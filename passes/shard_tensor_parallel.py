@@ -865,9 +865,7 @@ class ShardTensorParallelPass(KilnPass):
         key-head count."""
         count = 0
         for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.gated_delta_net.default):
-            conv, a_log, dt_bias = node.args[3], node.args[4], node.args[5]
-            while isinstance(conv, torch.fx.Node) and param_name(conv) is None and conv.all_input_nodes:
-                conv = conv.args[0]  # through the view to the parameter
+            conv, a_log, dt_bias = _param_behind_views(node.args[3]), node.args[4], node.args[5]
             for param, ranges in ((conv, plan.qkv()), (a_log, [(plan.v0, plan.v1)]), (dt_bias, [(plan.v0, plan.v1)])):
                 if not isinstance(param, torch.fx.Node) or param_name(param) is None:
                     raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight, A_log or "
@@ -883,9 +881,7 @@ class ShardTensorParallelPass(KilnPass):
         weight and bias."""
         count = 0
         for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.short_conv.default):
-            weight, bias = node.args[1], node.args[2]
-            while isinstance(weight, torch.fx.Node) and param_name(weight) is None and weight.all_input_nodes:
-                weight = weight.args[0]  # through the view to the parameter
+            weight, bias = _param_behind_views(node.args[1]), node.args[2]
             for param in (weight, bias):
                 if param is None:
                     continue
@@ -904,9 +900,7 @@ class ShardTensorParallelPass(KilnPass):
         count = 0
         heads = [(plan.h0, plan.h1)]
         for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.mamba2_scan.default):
-            conv = node.args[2]
-            while isinstance(conv, torch.fx.Node) and param_name(conv) is None and conv.all_input_nodes:
-                conv = conv.args[0]  # through the view to the parameter
+            conv = _param_behind_views(node.args[2])
             sharded = [(conv, plan.channels()), (node.args[4], heads), (node.args[5], heads), (node.args[6], heads)]
             if node.args[3] is not None:
                 sharded.append((node.args[3], plan.channels()))
@@ -1238,6 +1232,14 @@ def _fix_view(node: torch.fx.Node, args: tuple[Any, ...], old: Any, size_map: di
             return True
     return False
 
+
+
+def _param_behind_views(node: Any) -> Any:
+    """The parameter a recurrent marker reads through views (a convolution's weight squeezed to
+    [channels, kernel]), or `node` itself when there is none to walk back to."""
+    while isinstance(node, torch.fx.Node) and param_name(node) is None and node.all_input_nodes:
+        node = node.args[0]
+    return node
 
 
 def _remap_split(node: torch.fx.Node, full: list[int], local: list[int]) -> None:

@@ -47,7 +47,6 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
     samples = np.zeros(num_seqs, dtype=bool)
     prompt_chunks: list[tuple[int, range]] = []  # SamplingParams.prompt_logprobs: see `prompt_logprob_rows`
     tables = []
-    slots = np.zeros(num_seqs, dtype=np.int32)  # rows of the recurrent layers' state caches
     for i, item in enumerate(step.scheduled):
         seq, n = item.seq, item.num_new_tokens
         begin = seq.num_computed_tokens
@@ -60,7 +59,6 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         if chunk:
             prompt_chunks.append((i, chunk))
         tables.append(seq.block_table)
-        slots[i] = seq.state_slot
     starts = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     num_tokens = int(starts[-1])
@@ -87,7 +85,10 @@ def prepare_step_inputs(step: SchedulerOutput, block_manager: BlockManager, devi
         query_start_loc=torch.from_numpy(starts.astype(np.int32)),
         # Sampled rows first (the sampler takes one per sampling sequence), then prompt rows.
         logits_indices=torch.from_numpy(logits_indices),
-        state_slots=torch.from_numpy(slots),
+        # Rows of the recurrent layers' state caches (all the null slot 0 for other models).
+        state_slots=torch.from_numpy(
+            np.fromiter((item.seq.state_slot for item in step.scheduled), dtype=np.int32, count=num_seqs)
+            if block_manager.num_state_slots else np.zeros(num_seqs, dtype=np.int32)),
     )
     # Inputs a pass added that the scheduler knows nothing of hold their empty-step value.
     sizes = bucket_sizes(num_tokens, num_seqs, len(logits_indices), width)
