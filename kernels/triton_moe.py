@@ -285,6 +285,48 @@ def _fit(tiling: MoETiling, n: int, k: int) -> MoETiling:
     return replace(tiling, block_n=block_n, block_k=block_k)
 
 
+# Per-pair steps (`pair_per_block`: batch-1 and small-batch decodes of models with many small
+# experts) run GEMV kernels (`_moe_gate_up_row_kernel`, `_moe_down_row_kernel`): one pair's row
+# of x against a [BLOCK_N, K] slice of its expert, multiply-add in registers, no tensor-core tile.
+# A 16-row MMA tile wastes 15 of its rows on one pair and can narrow its columns no further than
+# 16, so the dot kernels ran one program per pair and 16 columns over the whole K: at
+# Qwen3-Next-80B's batch-1 decode (10 of 512 experts, e4m3, [1024, 2048] gate/up and [2048, 512]
+# down) 37 and 23 us a layer, 0.5 TB/s (bench/RESULTS.md AH2). The row kernels take narrower column
+# slices, so several programs an SM stream each pair's weights. KILN_MOE_ROW_KERNELS=0 turns them
+# off (the dot kernels, as before).
+ROW_KERNELS = os.environ.get("KILN_MOE_ROW_KERNELS", "1") != "0"
+# Programs a row-kernel launch aims for: about four an SM of an H200, each with its slice's loads
+# in flight.
+ROW_TARGET_PROGRAMS = 4 * 132
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    """The per-pair GEMV kernels' tiles: BLOCK_N output columns (of each half for gate/up) a
+    program, BLOCK_K of K a loop step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def row_tiling(num_pairs: int, n: int, k: int, element_size: int = 2, halves: int = 1) -> RowTiling:
+    """Tiles of a per-pair GEMV over [n, k] weights (`halves` = 2 for gate/up, whose programs
+    read both halves' columns): 512 bytes of K a loop step a weight row (whole K where shorter);
+    columns narrowed from 32 while the launch has under ROW_TARGET_PROGRAMS programs (down to 4).
+    A [BLOCK_N, BLOCK_K] float32 accumulator a half stays at most 8,192 values on 8 warps."""
+    block_k = min(max(16, 512 // element_size), max(16, triton.next_power_of_2(k)))
+    block_n = 32
+    while block_n > 4 and num_pairs * triton.cdiv(n, block_n) < ROW_TARGET_PROGRAMS:
+        block_n //= 2
+    block_n = min(block_n, max(4, triton.next_power_of_2(n)))
+    while halves * block_n * block_k > 8192 and block_n > 4:
+        block_n //= 2
+    values = halves * block_n * block_k
+    return RowTiling(block_n, block_k, 8 if values >= 4096 else 4, 3)
+
+
 @dataclass(frozen=True)
 class PairBlocks:
     """The (token, expert) pairs grouped by expert into row blocks of one expert each."""
@@ -584,6 +626,79 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
 
 
 @triton.jit
+def _moe_gate_up_row_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, N, K, stride_xt, stride_we, stride_wn, stride_om,
+                            w_scale_ptr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
+                            bias_ptr=None, alpha=1.0, limit=0.0, BIAS: tl.constexpr = False,
+                            ACT_OAI: tl.constexpr = False):
+    """One pair's gate/up (`ROW_KERNELS`): x[pair // TOP_K] against BLOCK_N columns of each
+    half of its expert's w_gate_up, the activation of the two into out[pair, cols]."""
+    wait_for_previous_kernel(PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Columns past N re-read the last one (no mask in the K loop); they are never stored.
+    w_gate = w_ptr + expert * stride_we + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_up = w_gate + N * stride_wn
+    x_row = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_row + ks)
+            wg = tl.load(w_gate + ks[None, :])
+            wu = tl.load(w_up + ks[None, :])
+        else:
+            x = tl.load(x_row + ks, mask=ks < K, other=0.0)
+            wg = tl.load(w_gate + ks[None, :], mask=ks[None, :] < K, other=0.0)
+            wu = tl.load(w_up + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_gate += wg.to(tl.float32) * x
+        acc_up += wu.to(tl.float32) * x
+    gate = tl.sum(acc_gate, axis=1)[None, :]
+    up = tl.sum(acc_up, axis=1)[None, :]
+    if W_FP8:
+        scale_cols = w_scale_ptr + expert * (2 * N) + tl.minimum(cols, N - 1)
+        gate = gate * tl.load(scale_cols)[None, :]
+        up = up * tl.load(scale_cols + N)[None, :]
+    act = _gate_up_epilogue(gate, up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
+    out_row = out_ptr + pair.to(tl.int64) * stride_om
+    tl.store(out_row + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
+@triton.jit
+def _moe_down_row_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, experts_ptr, N, K, stride_am, stride_we, stride_wn,
+                         stride_om, w_scale_ptr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         W_FP8: tl.constexpr = False, PDL: tl.constexpr = False, bias_ptr=None,
+                         BIAS: tl.constexpr = False):
+    """One pair's down projection (`ROW_KERNELS`): its activation row against BLOCK_N rows of its
+    expert's w_down, times the pair's routing weight, into out[pair, cols]."""
+    wait_for_previous_kernel(PDL)
+    pair = tl.program_id(0)
+    expert = tl.load(experts_ptr + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + expert * stride_we + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn
+    a_row = a_ptr + pair.to(tl.int64) * stride_am
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_row + ks)
+            w = tl.load(w_rows + ks[None, :])
+        else:
+            a = tl.load(a_row + ks, mask=ks < K, other=0.0)
+            w = tl.load(w_rows + ks[None, :], mask=ks[None, :] < K, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)[None, :]
+    if W_FP8:
+        y = y * tl.load(w_scale_ptr + expert * N + tl.minimum(cols, N - 1))[None, :]
+    y = _down_epilogue(y, expert, cols, N, a_ptr, bias_ptr, BIAS) * tl.load(weight_ptr + pair).to(tl.float32)
+    out_row = out_ptr + pair.to(tl.int64) * stride_om
+    tl.store(out_row + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
+@triton.jit
 def _sorted_block(num_blocks, N, block_expert_ptr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """This program's row block, column tile and the block's expert (-1: an unused block)."""
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
@@ -754,10 +869,13 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, tiling: MoETiling | None = None,
                        per_pair: bool | None = None, tma: bool | None = None, down_tiling: MoETiling | None = None,
                        w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
-                       fp8_activations: bool | None = None, extras: ExpertExtras = ExpertExtras()) -> torch.Tensor:
+                       fp8_activations: bool | None = None, extras: ExpertExtras = ExpertExtras(),
+                       row_kernels: bool | None = None) -> torch.Tensor:
     """`kiln::moe_experts` (the routing given: `topk_weights`, `topk_ids` [T, top_k]) by the
     kernels of `fused_moe_triton`, with the same overrides; with the scales, `kiln::moe_experts_fp8`;
-    `extras`, the experts' biases and activation (GPT-OSS), applied in the kernels' epilogues."""
+    `extras`, the experts' biases and activation (GPT-OSS), applied in the kernels' epilogues.
+    `row_kernels` (None: ROW_KERNELS where no tiling is given) runs per-pair steps on the GEMV
+    kernels."""
     check_moe_experts_args(hidden, topk_weights, topk_ids, w_gate_up, w_down)
     check_expert_extras(w_gate_up, w_down, extras.b_gate_up, extras.b_down, extras.activation)
     fp8 = w_gate_up_scale is not None
@@ -796,10 +914,14 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
         per_pair = pair_per_block(num_pairs, num_experts)
     if fp8_activations:
         per_pair, tma = False, True
+    if row_kernels and not per_pair:
+        raise ValueError("the MoE row kernels run per-pair steps only (per_pair)")
+    row = per_pair and (row_kernels if row_kernels is not None else ROW_KERNELS and tiling is None)
     if tma is None:
         tma = not per_pair and not fp8 and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
-    pick = swap_tiling if not tma and tiling is None and uses_swap_ab(num_pairs, num_experts) else choose_tiling
+    pick = (swap_tiling if not tma and not row and tiling is None and uses_swap_ab(num_pairs, num_experts)
+            else choose_tiling)
     gu_tiling = _fit(tiling, inter, h) if tiling else pick(num_pairs, num_experts, inter, h, elem, smem)
     if down_tiling or tiling:
         down_tiling = _fit(down_tiling or tiling, h, inter)
@@ -816,6 +938,9 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
         blocks = group_pairs_for_step(topk_ids, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products,
                          w_gate_up_scale, w_down_scale, extras)
+    elif row:
+        _moe_row_kernels(hidden, w_gate_up, w_down, weights, topk_ids, top_k, products, w_gate_up_scale,
+                         w_down_scale, extras)
     else:
         _moe_pointer_kernels(hidden, w_gate_up, w_down, weights, topk_ids, top_k, gu_tiling, down_tiling,
                              per_pair, products, w_gate_up_scale, w_down_scale, extras)
@@ -854,6 +979,33 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
         w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8, SWAP_AB=down_tiling.swap_ab,
         **_down_extras(extras, act), num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+    )
+
+
+def _moe_row_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                     experts: torch.Tensor, top_k: int, products: torch.Tensor, w_gate_up_scale: torch.Tensor | None,
+                     w_down_scale: torch.Tensor | None, extras: ExpertExtras = ExpertExtras()) -> None:
+    """Both GEMMs of a per-pair step by the GEMV kernels (`ROW_KERNELS`) into `products` [pairs, H]."""
+    num_pairs, h = products.shape
+    inter = w_gate_up.shape[1] // 2
+    fp8 = w_gate_up_scale is not None
+    elem = w_gate_up.element_size()
+    experts = experts.reshape(-1)
+    act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    gu = row_tiling(num_pairs, inter, h, elem, halves=2)
+    _moe_gate_up_row_kernel[(num_pairs, triton.cdiv(inter, gu.block_n))](
+        hidden, w_gate_up, act, experts, inter, h, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        act.stride(0), w_gate_up_scale if fp8 else w_gate_up,  # (never read without W_FP8)
+        TOP_K=top_k, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=h % gu.block_k == 0, W_FP8=fp8,
+        **_gate_up_extras(extras, act), num_warps=gu.num_warps, num_stages=gu.num_stages,
+        **pdl_launch_args(hidden.device, "moe"),
+    )
+    down = row_tiling(num_pairs, h, inter, elem)
+    _moe_down_row_kernel[(num_pairs, triton.cdiv(h, down.block_n))](
+        act, w_down, weights, products, experts, h, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
+        products.stride(0), w_down_scale if fp8 else w_down, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        EVEN_K=inter % down.block_k == 0, W_FP8=fp8, **_down_extras(extras, act), num_warps=down.num_warps,
+        num_stages=down.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
 
 

@@ -350,3 +350,52 @@ def test_recurrent_decode_kernels_compile_for_sm90() -> None:
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "mamba2": 0}
+
+
+_MOE_ROW_SCRIPT = _PTX + """
+import os, subprocess, tempfile
+from triton.backends.nvidia.compiler import get_ptxas
+from kiln.kernels.triton_moe import _moe_down_row_kernel, _moe_gate_up_row_kernel, row_tiling
+
+def spills(compiled):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        open(path, "w").write(compiled.asm["ptx"])
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
+    return sum(int(n) for n in stores) if stores else -1
+
+found = {}
+# Qwen3-Next-80B (e4m3 experts, 10 pairs) and Qwen3-30B-A3B (bf16, 8 pairs) at batch 1.
+for name, weight, elem, (inter, hidden, pairs) in (("e4m3", "*fp8e4nv", 1, (512, 2048, 10)),
+                                                   ("bf16", "*bf16", 2, (768, 2048, 8))):
+    for fn, (n, k, halves) in ((_moe_gate_up_row_kernel, (inter, hidden, 2)), (_moe_down_row_kernel, (hidden, inter, 1))):
+        tiling = row_tiling(pairs, n, k, elem, halves)
+        types = {p: "*bf16" for p in fn.arg_names if p.endswith("_ptr")}
+        types.update(w_ptr=weight, experts_ptr="*i64", w_scale_ptr="*fp32", weight_ptr="*fp32",
+                     alpha="fp32", limit="fp32")
+        if fn is _moe_down_row_kernel:
+            types["out_ptr"] = "*fp32"
+        consts = dict(BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, EVEN_K=True, W_FP8=elem == 1, PDL=True)
+        if fn is _moe_gate_up_row_kernel:
+            consts["TOP_K"] = 10
+        compiled = compile_sm90(fn, consts, types, tiling.num_warps, tiling.num_stages)
+        body = compiled.asm["ptx"]
+        found[f"{fn.__name__} {name}"] = [spills(compiled), len(re.findall(r"ld\\.global(?:\\.\\w+)*\\.v4", body))]
+print(json.dumps(found))
+"""
+
+
+def test_moe_row_kernels_compile_for_sm90() -> None:
+    """The per-pair MoE GEMV kernels at Qwen3-Next-80B's (e4m3) and Qwen3-30B-A3B's (bf16)
+    batch-1 tilings compile for sm_90 without register spills, loading their weight slices in
+    128-bit vectors."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _MOE_ROW_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found) == 4
+    for name, (spilled, vector_loads) in found.items():
+        assert spilled == 0 and vector_loads > 0, (name, spilled, vector_loads)

@@ -225,6 +225,60 @@ def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, d
                                                               **extras.kwargs()), ref, rtol=tol, atol=tol)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h,i,experts", [(32, 24, "plain"), (40, 36, "fp8"), (48, 20, "oai")])
+def test_per_pair_row_kernels_match_the_dot_kernels_and_reference(h, i, experts, dtype) -> None:
+    """The per-pair GEMV kernels (`ROW_KERNELS`, the per-pair default) give the reference's
+    result and the 16-row dot kernels' for plain, e4m3 (channel scales) and biased clamped-SwiGLU
+    experts, with K (h, i) not a multiple of their K step (the masked loads)."""
+    from kiln.kernels.moe import moe_experts_fp8_reference, moe_experts_reference
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    t, e, top_k = 2, 8, 2  # 4 pairs of 8 experts: a per-pair step
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=h)
+    weights, ids = deepseek_routing(logits, top_k)
+    kwargs = oai_extras(e, h, i, dtype, seed=h).kwargs() if experts == "oai" else {}
+    extras = {"extras": oai_extras(e, h, i, dtype, seed=h)} if experts == "oai" else {}
+    if experts == "fp8":
+        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+        scales = {"w_gate_up_scale": gs, "w_down_scale": ds}
+        ref = moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds)
+        w_gate_up, w_down = gq, dq
+    else:
+        scales = {}
+        ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **kwargs)
+    row = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=True, row_kernels=True, **scales,
+                             **extras)
+    dot = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=True, row_kernels=False, **scales,
+                             **extras)
+    default = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, **scales, **extras)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(row, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(row, dot, rtol=tol, atol=tol)
+    torch.testing.assert_close(default, row, rtol=0, atol=0)  # the default: the row kernels
+    with pytest.raises(ValueError, match="per-pair steps only"):
+        moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=False, row_kernels=True, **scales,
+                           **extras)
+
+
+def test_row_tiling_fills_the_gpu_with_column_slices() -> None:
+    """Qwen3-Next-80B's batch-1 decode (10 pairs, e4m3): gate/up's [2 x 512, 2048] experts in
+    8-column slices (640 programs), down's [2048, 512] in 16 (1,280), 512 bytes of K a loop step;
+    bf16 weights take 256 of K; 32 columns where the pairs fill the GPU already."""
+    from kiln.kernels.triton_moe import ROW_TARGET_PROGRAMS, RowTiling, row_tiling
+
+    assert row_tiling(10, 512, 2048, element_size=1, halves=2) == RowTiling(8, 512, 8, 3)
+    assert row_tiling(10, 2048, 512, element_size=1) == RowTiling(16, 512, 8, 3)
+    assert row_tiling(8, 768, 2048, element_size=2, halves=2).block_k == 256
+    assert row_tiling(64, 2048, 768, element_size=2).block_n == 32
+    assert 64 * triton_cdiv(2048, 32) >= ROW_TARGET_PROGRAMS
+    assert row_tiling(1, 24, 40, element_size=4) == RowTiling(4, 64, 4, 3)  # tiny shapes: 4 columns, K rounded up
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 def test_tiling_follows_rows_per_expert() -> None:
     decode = choose_tiling(num_pairs=2, num_experts=8, n=14336, k=4096)
     prefill = choose_tiling(num_pairs=8192 * 2, num_experts=8, n=14336, k=4096)
