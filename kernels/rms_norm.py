@@ -11,6 +11,12 @@ dtype, as the eager add is), normalises `s`, and returns `(out, s)`: `s` is the 
 stream the next layer adds to. The same op serves Qwen3's per-head q/k norm (a leading
 dimension more; the weight has head_dim entries).
 
+`kiln::offset_rms_norm(x, weight, eps, offset)` and `kiln::add_offset_rms_norm` are the form of
+Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm, whose weights are stored as offsets from 1: the
+weight joins in float32 and the product is rounded once,
+
+    out = (h * (offset + weight.float())).to(x.dtype)     # Gemma, Qwen3-Next: offset = 1
+
 Outputs are contiguous tensors of x's shape. The CPU implementation is the plain-torch
 reference below; `kiln.kernels.triton_norm` registers the Triton one for CUDA.
 """
@@ -67,3 +73,40 @@ def _add_rms_norm_fake(x, residual, weight, eps):
     summed_dtype = torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(summed_dtype, weight.dtype), device=x.device)
     return out, torch.empty(x.shape, dtype=summed_dtype, device=x.device)
+
+
+def offset_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.to(torch.float32))).to(x.dtype).contiguous()
+
+
+def add_offset_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = (x + residual).contiguous()
+    return offset_rms_norm_reference(summed, weight, eps, offset), summed
+
+
+@kiln_op("kiln::offset_rms_norm", mutates_args=())
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    return offset_rms_norm_reference(x, weight, eps, offset)
+
+
+@offset_rms_norm.register_fake
+def _offset_rms_norm_fake(x, weight, eps, offset):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@kiln_op("kiln::add_offset_rms_norm", mutates_args=())
+def add_offset_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_offset_rms_norm_reference(x, residual, weight, eps, offset)
+
+
+@add_offset_rms_norm.register_fake
+def _add_offset_rms_norm_fake(x, residual, weight, eps, offset):
+    summed_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (torch.empty(x.shape, dtype=summed_dtype, device=x.device),
+            torch.empty(x.shape, dtype=summed_dtype, device=x.device))

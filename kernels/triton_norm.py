@@ -1,4 +1,4 @@
-"""Triton kernels for `kiln::rms_norm`, `kiln::add_rms_norm` and `kiln::add_layer_norm`
+"""Triton kernels for `kiln::rms_norm`, `kiln::add_rms_norm`, their offset forms and `kiln::add_layer_norm`
 (registered for CUDA).
 
 One program normalises one row (the last dimension fits one block: hidden sizes up to
@@ -15,8 +15,10 @@ import triton.language as tl
 
 from kiln.kernels.layer_norm import add_layer_norm as add_layer_norm_op
 from kiln.kernels.layer_norm import check_layer_norm_args
+from kiln.kernels.rms_norm import add_offset_rms_norm as add_offset_rms_norm_op
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.rms_norm import offset_rms_norm as offset_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.kernels.triton_common import (NORM_EARLY_WEIGHT, num_warps_for, pdl_launch_args, pow2_at_least,
                                         wait_for_previous_kernel)
@@ -25,10 +27,13 @@ from kiln.kernels.triton_common import (NORM_EARLY_WEIGHT, num_warps_for, pdl_la
 @triton.jit
 def _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
                   stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY_WEIGHT: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY_WEIGHT: tl.constexpr,
+                  OFFSET_WEIGHT: tl.constexpr = False, offset=0.0):
     """One program's row: (x, or x + residual as stored to sum_ptr; its RMSNorm times the
     weight in float32, unrounded; the columns; their mask). With EARLY_WEIGHT the norm weight
-    is loaded before the PDL wait (it is no earlier kernel's output; triton_common)."""
+    is loaded before the PDL wait (it is no earlier kernel's output; triton_common). With
+    OFFSET_WEIGHT (`kiln::offset_rms_norm`) the norm is not rounded before it meets
+    offset + weight."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     if EARLY_WEIGHT:
@@ -44,10 +49,12 @@ def _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=0) / n_cols
-    normed = (xf * tl.math.rsqrt(variance + eps)).to(x.dtype)
+    normed = xf * tl.math.rsqrt(variance + eps)
     if not EARLY_WEIGHT:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    return x, normed.to(tl.float32) * w.to(tl.float32), cols, mask
+    if OFFSET_WEIGHT:
+        return x, normed * (offset + w.to(tl.float32)), cols, mask
+    return x, normed.to(x.dtype).to(tl.float32) * w.to(tl.float32), cols, mask
 
 
 @triton.jit
@@ -56,12 +63,12 @@ def _rms_norm_kernel(
     rows_inner, n_cols, eps,
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False,
+    PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False, OFFSET_WEIGHT: tl.constexpr = False, offset=0.0,
 ):
     row = tl.program_id(0)
     _, out, cols, mask = _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
                                        stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
-                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT)
+                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT, OFFSET_WEIGHT, offset)
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,11 +85,13 @@ def _rows_view(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, n).unsqueeze(0)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            offset: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Both norms' launch; `offset` (not None): `kiln::offset_rms_norm`'s form, out in x's dtype."""
     n = x.shape[-1]
     summed_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(summed_dtype, weight.dtype), device=x.device)
+    out_dtype = summed_dtype if offset is not None else torch.promote_types(summed_dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     summed = None if residual is None else torch.empty(x.shape, dtype=summed_dtype, device=x.device)
     rows = x.numel() // n if n else 0
     if rows == 0:
@@ -97,7 +106,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3.shape[1], n, float(eps),
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
-        EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device, "norm"),
+        EARLY_WEIGHT=NORM_EARLY_WEIGHT, OFFSET_WEIGHT=offset is not None, offset=float(offset or 0.0),
+        **pdl_launch_args(x.device, "norm"),
     )
     return out, summed
 
@@ -188,3 +198,28 @@ def _add_layer_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.
                          bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     check_layer_norm_args(x, residual, weight, bias)
     return add_layer_norm_triton(x, residual, weight, bias, eps)
+
+
+def offset_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps, offset)[0]
+
+
+def add_offset_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                               offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _launch(x, residual, weight, eps, offset)
+    if summed is None:  # always made when a residual is given
+        raise RuntimeError("add_offset_rms_norm: no residual sum")
+    return out, summed
+
+
+@offset_rms_norm_op.register_kernel("cuda")
+def _offset_rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    return offset_rms_norm_triton(x, weight, eps, offset)
+
+
+@add_offset_rms_norm_op.register_kernel("cuda")
+def _add_offset_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                              offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_offset_rms_norm_triton(x, residual, weight, eps, offset)

@@ -83,6 +83,14 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
+def hf_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's, Qwen3-Next's and Qwen3.5's RMSNorm (weights stored as offsets from 1, the
+    product rounded once), as their modeling code writes it (the pattern)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
 def move_output(graph: torch.fx.Graph, old: torch.fx.Node, source: torch.fx.Node, index: int,
                 after: torch.fx.Node) -> torch.fx.Node:
     """Replace `old`, a getitem of an op being fused away, with getitem(source, index) placed

@@ -6,6 +6,10 @@ Before (per decoder layer, bf16; the casts vanish in float32 graphs):
 After:
     out, s = kiln::add_rms_norm(x, residual, weight, eps)
 
+Gemma's, Qwen3-Next's and Qwen3.5's norm, `(h * (1.0 + weight.float())).type_as(x)` (the
+weight an offset from 1, joined in float32, one rounding), becomes `kiln::add_offset_rms_norm`
+/ `kiln::offset_rms_norm` with offset 1.
+
 A norm without an add in front (the first layer's input norm, Qwen3's per-head q/k norm
 when `fuse_rope` did not take it) becomes `kiln::rms_norm(x, weight, eps)`. The residual
 form is tried first so it claims its adds. Runs on CUDA graphs by default; see
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm
+from kiln.passes.fuse_common import CustomOpFusionPass, hf_offset_rms_norm, hf_rms_norm
 from kiln.passes.pattern import Pattern
 
 _X = torch.randn(1, 4, 32)  # [1, tokens, hidden], the rank of the graph's hidden states
@@ -41,10 +45,31 @@ def rms_norm_replacement(x, weight, eps):
     return torch.ops.kiln.rms_norm(x, weight, eps)
 
 
+def add_offset_rms_norm_pattern(x, residual, weight, eps):
+    summed = x + residual
+    return hf_offset_rms_norm(summed, weight, eps), summed
+
+
+def add_offset_rms_norm_replacement(x, residual, weight, eps):
+    out, summed = torch.ops.kiln.add_offset_rms_norm(x, residual, weight, eps, 1.0)
+    return out, summed
+
+
+def offset_rms_norm_pattern(x, weight, eps):
+    return hf_offset_rms_norm(x, weight, eps)
+
+
+def offset_rms_norm_replacement(x, weight, eps):
+    return torch.ops.kiln.offset_rms_norm(x, weight, eps, 1.0)
+
+
 ADD_RMS_NORM = Pattern("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, (_X, _X, _W, 1e-6))
 RMS_NORM = Pattern("rms_norm", rms_norm_pattern, rms_norm_replacement, (_X, _W, 1e-6))
+ADD_OFFSET_RMS_NORM = Pattern("add_offset_rms_norm", add_offset_rms_norm_pattern, add_offset_rms_norm_replacement,
+                              (_X, _X, _W, 1e-6))
+OFFSET_RMS_NORM = Pattern("offset_rms_norm", offset_rms_norm_pattern, offset_rms_norm_replacement, (_X, _W, 1e-6))
 
 
 class FuseRMSNormPass(CustomOpFusionPass):
     name = "fuse_rmsnorm"
-    patterns = (ADD_RMS_NORM, RMS_NORM)
+    patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM)

@@ -183,10 +183,26 @@ def test_fuse_rmsnorm_with_residual(tiny_model_dir):
     _, hf = tiny_model_dir("mistral")
     before, after = build("mistral", torch.float32), build("mistral", torch.float32, FuseRMSNormPass(on_cpu=True))
     # Every norm after the first has the residual add in front: 2 per layer, minus the first, plus the final norm.
-    assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1}
+    assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1, "add_offset_rms_norm": 0,
+                                               "offset_rms_norm": 0}
     delta = counts_delta(before, after)
     assert delta["aten.rsqrt.default"] == -(2 * LAYERS + 1) and delta["aten.pow.Tensor_Scalar"] == -(2 * LAYERS + 1)
     assert delta["aten.add.Tensor"] == -(2 * LAYERS + 1) - 2 * LAYERS  # eps adds and residual adds
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_fuse_rmsnorm_takes_the_offset_form(tiny_model_dir, arch):
+    """Gemma's and Qwen3-Next's norms ((1 + weight) in float32) become kiln::add_offset_rms_norm /
+    kiln::offset_rms_norm (Qwen3-Next's per-head q/k norms included), the logits unchanged."""
+    _, hf = tiny_model_dir(arch)
+    before, after = build(arch, torch.float32), build(arch, torch.float32, FuseRMSNormPass(on_cpu=True))
+    stats = stats_of(after, "fuse_rmsnorm")
+    delta = counts_delta(before, after)
+    fused = stats["add_offset_rms_norm"] + stats["offset_rms_norm"]
+    assert stats["add_offset_rms_norm"] >= 2 * LAYERS - 1 and fused >= 2 * LAYERS + 1
+    assert delta["kiln.offset_rms_norm.default"] == stats["offset_rms_norm"]
+    assert delta["aten.type_as.default"] == -fused
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 

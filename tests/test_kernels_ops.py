@@ -35,6 +35,27 @@ def test_rms_norm_ops_equal_hf_module(dtype):
         torch.testing.assert_close(out, norm(x + residual), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("module", ["gemma3.modeling_gemma3.Gemma3RMSNorm",
+                                    "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rms_norm_ops_equal_hf_module(dtype, module):
+    """Gemma's and Qwen3-Next's norm (weights as offsets from 1, one rounding): bit for bit."""
+    import importlib
+
+    path, _, name = module.rpartition(".")
+    norm = getattr(importlib.import_module(f"transformers.models.{path}"), name)(48, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(48, seed=0) * 0.3)
+    x, residual = _randn(2, 3, 48, seed=1, dtype=dtype), _randn(2, 3, 48, seed=2, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_ops.offset_rms_norm(x, norm.weight, 1e-6, 1.0), norm(x), atol=0, rtol=0)
+        out, summed = kiln_ops.add_offset_rms_norm(x, residual, norm.weight, 1e-6, 1.0)
+        torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+        torch.testing.assert_close(out, norm(x + residual), atol=0, rtol=0)
+        if dtype == torch.bfloat16:  # the Llama form (the norm rounded before the weight) differs
+            assert not torch.equal(kiln_ops.rms_norm(x, norm.weight + 1, 1e-6), norm(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_op_equals_hf_rotary_with_qwen3_norm(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb

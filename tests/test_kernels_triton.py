@@ -91,6 +91,25 @@ def test_rms_norm_matches_reference(dtype):
         assert_mostly_bit_exact(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_offset_rms_norm_matches_reference(dtype):
+    """Gemma's / Qwen3-Next's form (`kiln::offset_rms_norm`), alone and after the residual add."""
+    from kiln.kernels.rms_norm import add_offset_rms_norm_reference, offset_rms_norm_reference
+    from kiln.kernels.triton_norm import add_offset_rms_norm_triton, offset_rms_norm_triton
+
+    x, r, w = randn(1, 6, 40, seed=7, dtype=dtype), randn(1, 6, 40, seed=8, dtype=dtype), randn(40, seed=9, dtype=dtype)
+    out = offset_rms_norm_triton(x, w, 1e-6, 1.0)
+    add_out, summed = add_offset_rms_norm_triton(x, r, w, 1e-6, 1.0)
+    ref, (ref_add, ref_sum) = offset_rms_norm_reference(x, w, 1e-6, 1.0), add_offset_rms_norm_reference(x, r, w, 1e-6, 1.0)
+    assert out.dtype == add_out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(summed, ref_sum, atol=0, rtol=0)
+    for got, want in ((out, ref), (add_out, ref_add)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert_mostly_bit_exact(got, want)
+
+
 def test_rms_norm_on_strided_head_view():
     # Qwen3's q norm after a merged QKV projection: the q heads are a strided slice.
     t, h, d = 3, 4, 16
