@@ -29,9 +29,10 @@ The reference here (plain torch, every device; the step's split into single toke
 prefill groups is kiln.kernels.recurrent_steps') computes prefills in chunks of `CHUNK` with the
 WY form of the delta rule (every chunk's triangular solves at once, then only the state's chain
 chunk by chunk, as matrix products); single tokens by the recurrence itself.
-On CUDA a decode step's delta rule runs as one Triton kernel over the states in place
-(kiln.kernels.triton_gated_delta_net); the rest (the convolution, chunked prefills) runs as
-torch ops there too.
+On CUDA the single tokens of a step run as two Triton kernels: the convolution
+(kiln.kernels.triton_causal_conv) and everything after it (q/k normalisation, the gates, the
+delta rule over the states in place: kiln.kernels.triton_gated_delta_net); chunked prefills run
+as torch ops there too.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.library import kiln_op
-from kiln.kernels.recurrent_steps import PaddedRows, causal_conv, conv_single_tokens, run_step
+from kiln.kernels.recurrent_steps import ConvRule, PaddedRows, causal_conv, conv_single_tokens, run_step
 
 CHUNK = 64
 
@@ -51,10 +52,10 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int, repeat_heads: bool = True
+def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convolved [T, conv_dim] -> q, k [T, Hv, Dk] (normalised, q scaled, repeated per value
-    head; [T, Hk, Dk] without `repeat_heads`), v [T, Hv, Dv], all float32."""
+    head), v [T, Hv, Dv], all float32."""
     t = mixed.shape[0]
     key_dim = num_k_heads * head_k_dim
     q, k, v = mixed.float().split([key_dim, key_dim, mixed.shape[1] - 2 * key_dim], dim=-1)
@@ -62,7 +63,7 @@ def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_
     repeat = v.shape[1] // num_k_heads
     q = _l2norm(q.reshape(t, num_k_heads, head_k_dim)) * head_k_dim ** -0.5
     k = _l2norm(k.reshape(t, num_k_heads, head_k_dim))
-    if repeat > 1 and repeat_heads:
+    if repeat > 1:
         q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
     return q, k, v
 
@@ -143,15 +144,15 @@ def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
     return out.to(mixed_qkv.dtype)
 
 
-def decode_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                          recurrent_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
-    """One token of each of B rows from its slot's recurrent state (zeros where not
-    `continuing`), the state written back: q, k [B, Hk, Dk] (normalised, q scaled), v [B, Hv,
-    Dv], g, beta [B, Hv]. Returns o [B, Hv, Dv] float32. (The CUDA kernel:
-    kiln.kernels.triton_gated_delta_net.)"""
-    repeat = v.shape[1] // q.shape[1]
-    if repeat > 1:
-        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+def decode_rule_reference(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
+                          continuing: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
+                          ) -> torch.Tensor:
+    """One token of each of B rows after its convolution (conv [B, conv_dim], SiLU applied; a, b
+    [B, Hv]) from its slot's recurrent state (zeros where not `continuing`), the state written
+    back. Returns o [B, Hv, Dv] float32. (The CUDA kernel: kiln.kernels.triton_gated_delta_net.)"""
+    g, beta = gates(a, b, A_log, dt_bias)
+    q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
     state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
     o, state = delta_rule_step(q, k, v, g, beta, state)
     recurrent_state[slots] = state
@@ -165,27 +166,28 @@ def paged_gated_delta_net_reference(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, state_slots: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-    decode_rule: DecodeRule = decode_rule_reference,
+    decode_rule: DecodeRule = decode_rule_reference, conv_rule: ConvRule = conv_single_tokens,
 ) -> torch.Tensor:
     """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
-    `decode_rule` runs the delta rule of the single tokens (`decode_rule_reference`'s contract)."""
-    g, beta = gates(a, b, A_log, dt_bias)
+    `conv_rule` runs the single tokens' convolution (`conv_single_tokens`' contract),
+    `decode_rule` everything after it (`decode_rule_reference`'s)."""
     heads = (num_k_heads, head_k_dim, head_v_dim)
 
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])
-        conv = conv_single_tokens(pick(mixed_qkv), conv_weight, None, conv_state, slots, continuing)
-        q, k, v = _split_heads(conv, *heads, repeat_heads=False)
-        return decode_rule(q, k, v, pick(g), pick(beta), recurrent_state, slots, continuing)
+        conv = conv_rule(pick(mixed_qkv), conv_weight, None, conv_state, slots, continuing)
+        return decode_rule(conv, pick(a), pick(b), A_log, dt_bias, recurrent_state, slots, continuing, *heads)
 
     def prefills(rows: PaddedRows) -> None:
         # Padding: zero inputs, g = 0 and beta = 0, which change no state.
+        g, beta = gates(rows.padded(a), rows.padded(b), A_log, dt_bias)
+        real = rows.real.unsqueeze(-1)
         conv = rows.conv(mixed_qkv, conv_weight, None, conv_state)  # [S, L, C]
         num_seqs, length, channels = conv.shape
         q, k, v = _split_heads(conv.reshape(num_seqs * length, channels), *heads)
         q, k, v = (x.view(num_seqs, length, *x.shape[1:]) for x in (q, k, v))
         state = torch.where(rows.continuing.view(-1, 1, 1, 1), recurrent_state[rows.slots], 0.0)
-        o, recurrent_state[rows.slots] = delta_rule_chunked(q, k, v, rows.padded(g), rows.padded(beta), state)
+        o, recurrent_state[rows.slots] = delta_rule_chunked(q, k, v, g * real, beta * real, state)
         rows.scatter(out, o)
 
     out = mixed_qkv.new_zeros(mixed_qkv.shape[0], recurrent_state.shape[1], head_v_dim)

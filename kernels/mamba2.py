@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.library import kiln_op
-from kiln.kernels.recurrent_steps import PaddedRows, causal_conv, conv_single_tokens, run_step
+from kiln.kernels.recurrent_steps import ConvRule, PaddedRows, causal_conv, conv_single_tokens, run_step
 
 CHUNK = 64
 
@@ -117,15 +117,17 @@ def paged_mamba2_scan_reference(
     A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_slots: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, head_dim: int,
     n_groups: int, state_size: int, decode_rule: Callable[..., torch.Tensor] = decode_rule_reference,
+    conv_rule: ConvRule = conv_single_tokens,
 ) -> torch.Tensor:
     """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
-    `decode_rule` runs the single tokens' recurrence (`decode_rule_reference`'s contract)."""
+    `decode_rule` runs the single tokens' recurrence (`decode_rule_reference`'s contract),
+    `conv_rule` their convolution (`conv_single_tokens`')."""
     shape = (num_heads, head_dim, n_groups, state_size)
     skip = D.float()[:, None]
 
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-        conv = conv_single_tokens(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
+        conv = conv_rule(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
         x, B, C, step, log_decay = ssm_inputs(conv, pick(dt), A_log, dt_bias, *shape, per_head=False)
         return decode_rule(x, B, C, step, log_decay, D, ssm_state, slots, continuing)
 

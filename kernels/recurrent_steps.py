@@ -67,6 +67,11 @@ def conv_single_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return (F.silu(out) if silu else out).to(x.dtype)
 
 
+# `conv_single_tokens`' contract: (x, weight, bias, conv_state, slots, continuing, silu) -> [B, C]
+# (the layers' ops take it as their `conv_rule`: on CUDA, kiln.kernels.triton_causal_conv).
+ConvRule = Callable[..., torch.Tensor]
+
+
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = True
                 ) -> torch.Tensor:
     """SiLU(causal conv) (without `silu`: the conv alone) of one sequence from zero inputs before

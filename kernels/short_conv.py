@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.kernels.library import kiln_op
-from kiln.kernels.recurrent_steps import PaddedRows, causal_conv, conv_single_tokens, run_step
+from kiln.kernels.recurrent_steps import ConvRule, PaddedRows, causal_conv, conv_single_tokens, run_step
 
 
 @kiln_op("kiln::short_conv", mutates_args=())
@@ -28,12 +28,13 @@ def _short_conv_fake(bx, weight, bias, layer_idx):
 
 def paged_short_conv_reference(bx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                conv_state: torch.Tensor, state_slots: torch.Tensor, seq_lens: torch.Tensor,
-                               query_start_loc: torch.Tensor) -> torch.Tensor:
-    """A step of any mix of sequences; writes the conv states in place."""
+                               query_start_loc: torch.Tensor, conv_rule: ConvRule = conv_single_tokens
+                               ) -> torch.Tensor:
+    """A step of any mix of sequences; writes the conv states in place. `conv_rule` runs the
+    single tokens' convolution (`conv_single_tokens`' contract; on CUDA one Triton kernel)."""
 
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
-        return conv_single_tokens(bx if rows is None else bx[rows], weight, bias, conv_state, slots, continuing,
-                                  silu=False)
+        return conv_rule(bx if rows is None else bx[rows], weight, bias, conv_state, slots, continuing, silu=False)
 
     def prefills(rows: PaddedRows) -> None:
         rows.scatter(out, rows.conv(bx, weight, bias, conv_state, silu=False))

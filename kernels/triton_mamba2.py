@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.mamba2 import paged_mamba2_scan, paged_mamba2_scan_reference
+from kiln.kernels.triton_causal_conv import conv_single_tokens_triton
 
 # head_dim rows a program takes: a [16, 128] float32 tile over 4 warps.
 BLOCK_P = 16
@@ -91,4 +92,5 @@ def _paged_mamba2_scan_cuda(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias,
                             seq_lens, query_start_loc, num_heads, head_dim, n_groups, state_size):
     return paged_mamba2_scan_reference(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
                                        state_slots, seq_lens, query_start_loc, num_heads, head_dim, n_groups,
-                                       state_size, decode_rule=mamba2_decode_triton)
+                                       state_size, decode_rule=mamba2_decode_triton,
+                                       conv_rule=conv_single_tokens_triton)

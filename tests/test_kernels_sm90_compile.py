@@ -312,6 +312,7 @@ def test_latent_kernel_compiles_for_sm90() -> None:
 _RECURRENT_DECODE_SCRIPT = _PTX + """
 import os, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
+from kiln.kernels.triton_causal_conv import BLOCK_C, _conv_single_tokens_kernel
 from kiln.kernels.triton_gated_delta_net import BLOCK_V, _gated_delta_decode_kernel
 from kiln.kernels.triton_mamba2 import BLOCK_P, _mamba2_decode_kernel
 
@@ -327,10 +328,14 @@ def spills(compiled):
 found = {}
 fn = _gated_delta_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16")
+types.update(slots_ptr="*i32", continuing_ptr="*i32", conv_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", q_scale="fp32")
 # Qwen3-Next's layer: 16 key heads of 128, 32 value heads of 128.
-found["gated delta"] = spills(compile_sm90(fn, dict(V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128, BLOCK_V=BLOCK_V),
-                                           types, 4, 1))
+found["gated delta"] = spills(compile_sm90(fn, dict(NUM_K_HEADS=16, V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128,
+                                                    BLOCK_V=BLOCK_V), types, 4, 1))
+fn = _conv_single_tokens_kernel
+types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(slots_ptr="*i32", continuing_ptr="*i32")
+found["conv"] = spills(compile_sm90(fn, dict(WIDTH=4, W_PAD=4, BLOCK_C=BLOCK_C, HAS_BIAS=True, SILU=True), types, 4, 1))
 fn = _mamba2_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
 types.update(slots_ptr="*i32", continuing_ptr="*i32", x_ptr="*fp32", d_ptr="*bf16")
@@ -343,13 +348,13 @@ print(json.dumps(found))
 
 def test_recurrent_decode_kernels_compile_for_sm90() -> None:
     """The gated DeltaNet and Mamba2 decode kernels at Qwen3-Next's and Nemotron-H's head sizes
-    ([128, 32] and [16, 128] float32 state tiles a program) compile for sm_90 without register
-    spills; not yet run on a GPU."""
+    ([128, 32] and [16, 128] float32 state tiles a program) and the decode convolution compile
+    for sm_90 without register spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _RECURRENT_DECODE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "mamba2": 0}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "conv": 0, "mamba2": 0}
 
 
 _MOE_ROW_SCRIPT = _PTX + """

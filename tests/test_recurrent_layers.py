@@ -266,8 +266,9 @@ def _run_with_triton(code: str) -> None:
 @pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 def test_triton_decode_kernel_equals_the_reference() -> None:
     """The CUDA decode kernel (under Triton's interpreter without a GPU) gives the reference's
-    outputs and states: grouped value heads, a value width over one block (two column blocks),
-    a row starting fresh in a slot holding garbage, two padded rows on the null slot."""
+    outputs and states from the convolved rows and a, b as strided views: grouped value heads,
+    a value width over one block (two column blocks), a row starting fresh in a slot holding
+    garbage, two padded rows on the null slot, one row's a past softplus's linear threshold."""
     code = r'''
 import os, torch
 if not torch.cuda.is_available():
@@ -277,17 +278,101 @@ from kiln.kernels.triton_gated_delta_net import gated_delta_decode_triton
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 rows, hk, hv, dk, dv = 5, 2, 4, 16, 40
-q = gdn._l2norm(torch.randn(rows, hk, dk, device=dev)) * dk ** -0.5
-k = gdn._l2norm(torch.randn(rows, hk, dk, device=dev))
-v, g, beta = torch.randn(rows, hv, dv, device=dev), -torch.rand(rows, hv, device=dev), torch.rand(rows, hv, device=dev)
+conv = torch.randn(rows, 2 * hk * dk + hv * dv, device=dev)
+ab = torch.randn(rows, 2 * hv, device=dev)  # as a fused projection's columns: a and b are views
+a, b = ab[:, :hv], ab[:, hv:]
+a[1, 2] = 30.0
+A_log, dt_bias = torch.randn(hv, device=dev), torch.randn(hv, device=dev)
 state = torch.randn(6, hv, dk, dv, device=dev)
 slots = torch.tensor([3, 1, 4, 0, 0], device=dev)
 continuing = torch.tensor([True, True, False, False, False], device=dev)
 ref_state = state.clone()
-ref = gdn.decode_rule_reference(q, k, v, g, beta, ref_state, slots, continuing)
-out = gated_delta_decode_triton(q, k, v, g, beta, state, slots, continuing)
+ref = gdn.decode_rule_reference(conv, a, b, A_log, dt_bias, ref_state, slots, continuing, hk, dk, dv)
+out = gated_delta_decode_triton(conv, a, b, A_log, dt_bias, state, slots, continuing, hk, dk, dv)
 torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(state[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
+print("ok")
+'''
+    _run_with_triton(code)
+
+
+@pytest.mark.triton_kernels
+def test_triton_conv_kernel_equals_the_reference() -> None:
+    """The decode step's causal convolution as one kernel (under the interpreter without a GPU):
+    the torch form's outputs and conv states, with and without bias and SiLU, for a row
+    continuing its slot's inputs, one starting fresh over garbage, and a padded row; 300
+    channels (two blocks, the second partial), kernels of 4 and 3 taps, float16 rows."""
+    code = r'''
+import os, torch
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+from kiln.kernels.recurrent_steps import conv_single_tokens
+from kiln.kernels.triton_causal_conv import conv_single_tokens_triton
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+rows, channels = 3, 300
+for width, bias, silu in ((4, False, True), (4, True, True), (3, True, False)):
+    x = torch.randn(rows, channels, device=dev, dtype=torch.float16)
+    weight = torch.randn(channels, width, device=dev, dtype=torch.float16)
+    b = torch.randn(channels, device=dev, dtype=torch.float16) if bias else None
+    state = torch.randn(5, channels, width - 1, device=dev, dtype=torch.float16)
+    slots = torch.tensor([2, 4, 0], device=dev)
+    continuing = torch.tensor([True, False, False], device=dev)
+    ref_state = state.clone()
+    ref = conv_single_tokens(x, weight, b, ref_state, slots, continuing, silu)
+    out = conv_single_tokens_triton(x, weight, b, state, slots, continuing, silu)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out[:2], ref[:2], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(state[1:], ref_state[1:], rtol=0, atol=0)
+print("ok")
+'''
+    _run_with_triton(code)
+
+
+@pytest.mark.triton_kernels
+def test_cuda_implementations_equal_the_references_over_mixed_and_decode_steps() -> None:
+    """The three ops as their CUDA implementations compose them (the Triton convolution and
+    decode rules; under the interpreter without a GPU): a mixed step (a prompt of 5, a
+    continuing decode) then a decode-only step with a padded row give the plain references'
+    outputs and states."""
+    code = r'''
+import os, torch
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+from kiln.kernels import gated_delta_net as gdn, mamba2, short_conv
+from kiln.kernels.triton_causal_conv import conv_single_tokens_triton as conv_rule
+from kiln.kernels.triton_gated_delta_net import gated_delta_decode_triton
+from kiln.kernels.triton_mamba2 import mamba2_decode_triton
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+g = torch.Generator().manual_seed(0)
+t = lambda *shape: torch.randn(*shape, generator=g).to(dev)
+i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)
+steps = [(6, [3, 1], [5, 7], [0, 5, 6]), (3, [3, 1, 0], [6, 8, 0], [0, 1, 2, 3])]  # tokens, slots, seq_lens, starts
+hk, hv, dk, dv, width = 2, 4, 16, 8, 4
+gdn_dim = 2 * hk * dk + hv * dv
+heads, head_dim, groups, n = 4, 8, 2, 16
+m_dim = heads * head_dim + 2 * groups * n
+gdn_w, m_w, sc_w = (t(gdn_dim, width), t(hv), t(hv)), (t(m_dim, width), t(m_dim), t(heads), t(heads), t(heads)), (t(24, 3), t(24))
+states = {"gdn": (t(4, gdn_dim, width - 1), t(4, hv, dk, dv)), "m": (t(4, m_dim, width - 1), t(4, heads, head_dim, n)),
+          "sc": (t(4, 24, 2),)}
+ref_states = {k: tuple(x.clone() for x in v) for k, v in states.items()}
+for tokens, slots, lens, starts in steps:
+    x_g, a, b, x_m, dt, x_s = t(tokens, gdn_dim), t(tokens, hv), t(tokens, hv), t(tokens, m_dim), t(tokens, heads), t(tokens, 24)
+    common = (i32(slots), i32(lens), i32(starts))
+    outs = []
+    for st, rules in ((ref_states, ({}, {}, {})), (states, ({"decode_rule": gated_delta_decode_triton, "conv_rule": conv_rule},
+                                                         {"decode_rule": mamba2_decode_triton, "conv_rule": conv_rule},
+                                                         {"conv_rule": conv_rule}))):
+        outs.append((gdn.paged_gated_delta_net_reference(x_g, a, b, *gdn_w, *st["gdn"], *common, hk, dk, dv, **rules[0]),
+                     mamba2.paged_mamba2_scan_reference(x_m, dt, *m_w[:2], m_w[2], m_w[3], m_w[4], *st["m"], *common,
+                                                        heads, head_dim, groups, n, **rules[1]),
+                     short_conv.paged_short_conv_reference(x_s, *sc_w, *st["sc"], *common, **rules[2])))
+    real = starts[len([l for l in lens if l])]
+    for ref, out in zip(*outs):
+        torch.testing.assert_close(out[:real], ref[:real], rtol=1e-4, atol=1e-4)
+for k in states:
+    for got, want in zip(states[k], ref_states[k]):
+        torch.testing.assert_close(got[1:], want[1:], rtol=1e-4, atol=1e-4)
 print("ok")
 '''
     _run_with_triton(code)
