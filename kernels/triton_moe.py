@@ -288,12 +288,12 @@ def _fit(tiling: MoETiling, n: int, k: int) -> MoETiling:
 # Per-pair steps (`pair_per_block`: batch-1 and small-batch decodes of models with many small
 # experts) run GEMV kernels (`_moe_gate_up_row_kernel`, `_moe_down_row_kernel`): one pair's row
 # of x against a [BLOCK_N, K] slice of its expert, multiply-add in registers, no tensor-core tile.
-# A 16-row MMA tile wastes 15 of its rows on one pair and can narrow its columns no further than
-# 16, so the dot kernels ran one program per pair and 16 columns over the whole K: at
+# A 16-row MMA tile wastes 15 of its rows on one pair, and e4m3 experts widen in its K loop: at
 # Qwen3-Next-80B's batch-1 decode (10 of 512 experts, e4m3, [1024, 2048] gate/up and [2048, 512]
-# down) 37 and 23 us a layer, 0.5 TB/s (bench/RESULTS.md AH2). The row kernels take narrower column
-# slices, so several programs an SM stream each pair's weights. KILN_MOE_ROW_KERNELS=0 turns them
-# off (the dot kernels, as before).
+# down) the dot kernels took 37 and 23 us a layer, 0.5 TB/s (bench/RESULTS.md AH2). On an H100
+# (AH3) one layer's op at batch 1: Qwen3-Next-80B e4m3 72.6 -> ~38-40 us, Qwen3-30B-A3B e4m3 73.1
+# -> ~37, bf16 55.5 -> ~53-55; at batch 8 level (bf16 196 / 195, e4m3 135 / 133). KILN_MOE_ROW_KERNELS=0
+# turns them off (the dot kernels, as before).
 ROW_KERNELS = os.environ.get("KILN_MOE_ROW_KERNELS", "1") != "0"
 # Programs a row-kernel launch aims for: about four an SM of an H200, each with its slice's loads
 # in flight.
@@ -313,18 +313,20 @@ class RowTiling:
 
 def row_tiling(num_pairs: int, n: int, k: int, element_size: int = 2, halves: int = 1) -> RowTiling:
     """Tiles of a per-pair GEMV over [n, k] weights (`halves` = 2 for gate/up, whose programs
-    read both halves' columns): 512 bytes of K a loop step a weight row (whole K where shorter);
-    columns narrowed from 32 while the launch has under ROW_TARGET_PROGRAMS programs (down to 4).
-    A [BLOCK_N, BLOCK_K] float32 accumulator a half stays at most 8,192 values on 8 warps."""
-    block_k = min(max(16, 512 // element_size), max(16, triton.next_power_of_2(k)))
-    block_n = 32
+    read both halves' columns): 256 of K a loop step (the whole K where shorter), 4 warps;
+    columns narrowed from 16 while the launch has under ROW_TARGET_PROGRAMS programs (down to
+    4). In the H100 sweep (bench/tune_moe_rows.py, bench/RESULTS.md AH3) every tiling of 4-16
+    columns, 256-1,024 of K and 4-8 warps came within ~5% of the best at Qwen3-Next-80B's and
+    Qwen3-30B-A3B's batch-1 and batch-8 steps; 256 of K on 4 warps was at or near the best in
+    each, 512 on 8 up to 7% slower with e4m3 experts at batch 8."""
+    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    block_n = 16
     while block_n > 4 and num_pairs * triton.cdiv(n, block_n) < ROW_TARGET_PROGRAMS:
         block_n //= 2
     block_n = min(block_n, max(4, triton.next_power_of_2(n)))
-    while halves * block_n * block_k > 8192 and block_n > 4:
+    while halves * block_n * block_k > 8192 and block_n > 4:  # a float32 accumulator of <= 64 values a thread
         block_n //= 2
-    values = halves * block_n * block_k
-    return RowTiling(block_n, block_k, 8 if values >= 4096 else 4, 3)
+    return RowTiling(block_n, block_k, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -848,7 +850,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
                      tma: bool | None = None, down_tiling: MoETiling | None = None,
                      w_gate_up_scale: torch.Tensor | None = None,
                      w_down_scale: torch.Tensor | None = None,
-                     fp8_activations: bool | None = None) -> torch.Tensor:
+                     fp8_activations: bool | None = None, row_kernels: bool | None = None) -> torch.Tensor:
     """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
     `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
@@ -857,12 +859,12 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     `kiln::fused_moe_fp8`: e4m3 experts, widened in the pointer kernels' K loops and scaled per
     channel after, or, in prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit
     copies for the 16-bit kernels; or, with `fp8_activations` (None: `uses_fp8_activations`),
-    W8A8 by the sorted-rows kernels on e4m3 MMAs."""
+    W8A8 by the sorted-rows kernels on e4m3 MMAs; `row_kernels` as `moe_experts_triton`'s."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
     routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     return moe_experts_triton(hidden, routing.weights, routing.experts, w_gate_up, w_down, tiling=tiling,
                               per_pair=per_pair, tma=tma, down_tiling=down_tiling, w_gate_up_scale=w_gate_up_scale,
-                              w_down_scale=w_down_scale, fp8_activations=fp8_activations)
+                              w_down_scale=w_down_scale, fp8_activations=fp8_activations, row_kernels=row_kernels)
 
 
 def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -264,16 +264,16 @@ def test_per_pair_row_kernels_match_the_dot_kernels_and_reference(h, i, experts,
 
 def test_row_tiling_fills_the_gpu_with_column_slices() -> None:
     """Qwen3-Next-80B's batch-1 decode (10 pairs, e4m3): gate/up's [2 x 512, 2048] experts in
-    8-column slices (640 programs), down's [2048, 512] in 16 (1,280), 512 bytes of K a loop step;
-    bf16 weights take 256 of K; 32 columns where the pairs fill the GPU already."""
+    8-column slices (640 programs), down's [2048, 512] in 16 (1,280), 256 of K a loop step on 4
+    warps; 16 columns where the pairs fill the GPU already, narrowed so that gate/up's two
+    accumulators stay 8,192 values; tiny shapes: 4 columns, K rounded up."""
     from kiln.kernels.triton_moe import ROW_TARGET_PROGRAMS, RowTiling, row_tiling
 
-    assert row_tiling(10, 512, 2048, element_size=1, halves=2) == RowTiling(8, 512, 8, 3)
-    assert row_tiling(10, 2048, 512, element_size=1) == RowTiling(16, 512, 8, 3)
-    assert row_tiling(8, 768, 2048, element_size=2, halves=2).block_k == 256
-    assert row_tiling(64, 2048, 768, element_size=2).block_n == 32
-    assert 64 * triton_cdiv(2048, 32) >= ROW_TARGET_PROGRAMS
-    assert row_tiling(1, 24, 40, element_size=4) == RowTiling(4, 64, 4, 3)  # tiny shapes: 4 columns, K rounded up
+    assert row_tiling(10, 512, 2048, element_size=1, halves=2) == RowTiling(8, 256, 4, 3)
+    assert row_tiling(10, 2048, 512, element_size=1) == RowTiling(16, 256, 4, 3)
+    assert row_tiling(64, 768, 2048, element_size=2, halves=2) == RowTiling(16, 256, 4, 3)
+    assert 64 * triton_cdiv(768, 16) >= ROW_TARGET_PROGRAMS
+    assert row_tiling(1, 24, 40, element_size=4) == RowTiling(4, 64, 4, 3)
 
 
 def triton_cdiv(a: int, b: int) -> int:
