@@ -31,16 +31,14 @@ CHUNK = 64
 
 
 def ssm_inputs(x_bc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
-               head_dim: int, n_groups: int, state_size: int, per_head: bool = True
+               head_dim: int, n_groups: int, state_size: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convolved [..., conv_dim] and raw dt [..., H] -> x [..., H, P], B, C [..., H, N] (each
-    head's group's; [..., G, N] without `per_head`), dt and the log decay dt * A [..., H], all
-    float32."""
+    head's group's), dt and the log decay dt * A [..., H], all float32."""
     lead = x_bc.shape[:-1]
     x, B, C = x_bc.float().split([num_heads * head_dim, n_groups * state_size, n_groups * state_size], dim=-1)
     B, C = B.reshape(*lead, n_groups, state_size), C.reshape(*lead, n_groups, state_size)
-    if per_head:
-        B, C = (t.repeat_interleave(num_heads // n_groups, dim=-2) for t in (B, C))
+    B, C = (t.repeat_interleave(num_heads // n_groups, dim=-2) for t in (B, C))
     dt = F.softplus(dt.float() + dt_bias.float())
     return x.reshape(*lead, num_heads, head_dim), B, C, dt, dt * -A_log.float().exp()
 
@@ -89,14 +87,14 @@ def scan_step(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tenso
     return (state * C.unsqueeze(-2)).sum(dim=-1), state
 
 
-def decode_rule_reference(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,
-                          log_decay: torch.Tensor, D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-                          continuing: torch.Tensor) -> torch.Tensor:
-    """One token of each of R rows from its slot's SSM state (zeros where not `continuing`),
-    the state written back: x [R, H, P], B, C [R, G, N] (per group), dt, log_decay [R, H].
-    Returns y = S C + D x as [R, H * P] float32. (The CUDA kernel: kiln.kernels.triton_mamba2.)"""
-    per_group = x.shape[1] // B.shape[1]
-    B, C = (t.repeat_interleave(per_group, dim=-2) for t in (B, C))
+def decode_rule_reference(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor,
+                          num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
+    """One token of each of R rows after its convolution (conv [R, conv_dim]; dt [R, H] as the
+    projection gives it) from its slot's SSM state (zeros where not `continuing`), the state
+    written back. Returns y = S C + D x as [R, H * P] float32. (The CUDA kernel:
+    kiln.kernels.triton_mamba2.)"""
+    x, B, C, dt, log_decay = ssm_inputs(conv, dt, A_log, dt_bias, num_heads, head_dim, n_groups, state_size)
     state = torch.where(continuing.view(-1, 1, 1, 1), ssm_state[slots], 0.0)
     y, ssm_state[slots] = scan_step(x, B, C, dt, log_decay, state)
     return (y + D.float()[:, None] * x).reshape(x.shape[0], -1)
@@ -128,8 +126,7 @@ def paged_mamba2_scan_reference(
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         conv = conv_rule(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
-        x, B, C, step, log_decay = ssm_inputs(conv, pick(dt), A_log, dt_bias, *shape, per_head=False)
-        return decode_rule(x, B, C, step, log_decay, D, ssm_state, slots, continuing)
+        return decode_rule(conv, pick(dt), A_log, dt_bias, D, ssm_state, slots, continuing, *shape)
 
     def prefills(rows: PaddedRows) -> None:
         conv = rows.conv(x_bc, conv_weight, conv_bias, conv_state)  # [S, L, conv_dim]

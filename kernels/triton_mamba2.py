@@ -1,17 +1,19 @@
-"""Triton kernel of a Mamba2 decode step (CUDA): the SSM's recurrence over the states in place.
+"""Triton kernel of a Mamba2 decode step (CUDA): everything after the convolution.
 
 As for the gated DeltaNet (kiln.kernels.triton_gated_delta_net), a decode step of a Mamba2
 layer reads and writes every running sequence's SSM state (head_dim x state_size float32 per
 head: 4 MiB a layer a sequence for Nemotron-H-56B's 128 heads of 64 x 128), which dominates its
-memory traffic. The torch form (`kiln.kernels.mamba2.scan_step` between a gather and a scatter
-by slot) makes ~6 passes over them; this kernel reads each state tile once and writes it once:
-program (row, head, block of BLOCK_P head_dim rows) loads its [BLOCK_P, state_size] tile,
-decays it by exp(dt A), adds dt x B^T, stores it, and writes y = S C + D x for its rows.
+memory traffic past a few sequences; at batch 1 its torch form is mostly small kernels
+(splitting x, B and C, dt's softplus and the decay, the states' gather and scatter). This
+kernel is all of that: program (row, head, block of BLOCK_P head_dim rows) loads its x, its
+group's B and C from the convolved row, computes dt and the decay from the raw dt, loads its
+[BLOCK_P, state_size] state tile, decays it by exp(dt A), adds dt x B^T, stores it, and writes
+y = S C + D x for its rows. (The convolution before it: kiln.kernels.triton_causal_conv.)
 
 A row whose sequence has no earlier tokens starts from zeros whatever its slot holds; padded
 rows share the null slot 0. Tested under the Triton interpreter against the reference
 (tests/test_recurrent_layers.py); registered as `kiln::paged_mamba2_scan`'s CUDA implementation,
-which runs the rest (the convolution, prefills) as the reference does.
+which runs prefills as the reference does.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ BLOCK_P = 16
 
 @triton.jit
 def _mamba2_decode_kernel(
-    x_ptr, b_ptr, c_ptr, dt_ptr, decay_ptr, d_ptr, state_ptr, slots_ptr, continuing_ptr, out_ptr,
-    stride_xt, stride_bt, stride_dtt, stride_st_slot, stride_st_head, stride_st_p, stride_ot,
-    HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, STATE: tl.constexpr, STATE_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    conv_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, d_ptr, state_ptr, slots_ptr, continuing_ptr, out_ptr,
+    stride_ct, stride_dtt, stride_dth, stride_st_slot, stride_st_head, stride_st_p, stride_ot,
+    NUM_HEADS: tl.constexpr, N_GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, STATE: tl.constexpr,
+    STATE_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -40,15 +42,20 @@ def _mamba2_decode_kernel(
     ns = tl.arange(0, STATE_PAD)
     p_mask = ps < HEAD_DIM
     n_mask = ns < STATE
-    group = head // HEADS_PER_GROUP
+    group = head // (NUM_HEADS // N_GROUPS)
 
     slot = tl.load(slots_ptr + row).to(tl.int64)
     continuing = tl.load(continuing_ptr + row) != 0
-    x = tl.load(x_ptr + row * stride_xt + head * HEAD_DIM + ps, mask=p_mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + row * stride_bt + group * STATE + ns, mask=n_mask, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + row * stride_bt + group * STATE + ns, mask=n_mask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * stride_dtt + head)
-    decay = tl.load(decay_ptr + row * stride_dtt + head)
+    # The convolved row is [x (H x P); B (G x N); C (G x N)], rounded to the model's dtype.
+    conv_row = conv_ptr + row * stride_ct
+    x = tl.load(conv_row + head * HEAD_DIM + ps, mask=p_mask, other=0.0).to(tl.float32)
+    b = tl.load(conv_row + NUM_HEADS * HEAD_DIM + group * STATE + ns, mask=n_mask, other=0.0).to(tl.float32)
+    c = tl.load(conv_row + NUM_HEADS * HEAD_DIM + (N_GROUPS + group) * STATE + ns, mask=n_mask,
+                other=0.0).to(tl.float32)
+    # dt = softplus(dt + dt_bias) (torch's: linear past 20); the log decay dt * -exp(A_log).
+    pre = tl.load(dt_ptr + row * stride_dtt + head * stride_dth).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    dt = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
+    decay = dt * -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     skip = tl.load(d_ptr + head).to(tl.float32)
 
     tile = state_ptr + slot * stride_st_slot + head * stride_st_head + ps[:, None] * stride_st_p + ns[None, :]
@@ -60,29 +67,27 @@ def _mamba2_decode_kernel(
     tl.store(out_ptr + row * stride_ot + head * HEAD_DIM + ps, y, mask=p_mask)
 
 
-def mamba2_decode_triton(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, log_decay: torch.Tensor,
-                         D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor
-                         ) -> torch.Tensor:
-    """One token a row: x [R, H, P], B, C [R, G, N] (per group), dt, log_decay [R, H] float32,
-    D [H], ssm_state [slots, H, P, N] float32 (written in place), slots [R], continuing [R]
-    bool. Returns y = S C + D x as [R, H * P] float32."""
-    rows, heads, head_dim = x.shape
-    groups, state = B.shape[1], B.shape[2]
+def mamba2_decode_triton(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                         D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor,
+                         num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
+    """`kiln.kernels.mamba2.decode_rule_reference` as one kernel: conv [R, conv_dim] (the
+    convolved rows), dt [R, H] (before softplus), ssm_state [slots, H, P, N] float32 (written in
+    place), slots [R], continuing [R] bool. Returns y = S C + D x as [R, H * P] float32."""
+    rows = conv.shape[0]
     if ssm_state.dtype != torch.float32 or not ssm_state.is_contiguous():
         raise ValueError("mamba2_decode_triton: the SSM state must be contiguous float32")
-    out = torch.empty((rows, heads * head_dim), dtype=torch.float32, device=x.device)
+    out = torch.empty((rows, num_heads * head_dim), dtype=torch.float32, device=conv.device)
     if rows == 0:
         return out
-    x, B, C = x.reshape(rows, -1).contiguous(), B.reshape(rows, -1).contiguous(), C.reshape(rows, -1).contiguous()
-    dt, log_decay = dt.float().contiguous(), log_decay.float().contiguous()
+    conv = conv if conv.stride(-1) == 1 else conv.contiguous()
     block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
-    _mamba2_decode_kernel[(rows, heads, triton.cdiv(head_dim, block_p))](
-        x, B, C, dt, log_decay, D.contiguous(), ssm_state, slots.to(torch.int32).contiguous(),
+    _mamba2_decode_kernel[(rows, num_heads, triton.cdiv(head_dim, block_p))](
+        conv, dt, A_log, dt_bias, D, ssm_state, slots.to(torch.int32).contiguous(),
         continuing.to(torch.int32).contiguous(), out,
-        x.stride(0), B.stride(0), dt.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        conv.stride(0), dt.stride(0), dt.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         out.stride(0),
-        HEADS_PER_GROUP=heads // groups, HEAD_DIM=head_dim, STATE=state, STATE_PAD=triton.next_power_of_2(state),
-        BLOCK_P=block_p, num_warps=4,
+        NUM_HEADS=num_heads, N_GROUPS=n_groups, HEAD_DIM=head_dim, STATE=state_size,
+        STATE_PAD=triton.next_power_of_2(state_size), BLOCK_P=block_p, num_warps=4,
     )
     return out
 

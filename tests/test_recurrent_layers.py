@@ -454,8 +454,9 @@ def test_other_families_keep_states_across_chunks_and_preemption(arch: str, recu
 @pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 def test_triton_mamba2_decode_kernel_equals_the_reference() -> None:
     """The CUDA Mamba2 decode kernel (under Triton's interpreter without a GPU) gives the
-    reference's outputs and states: heads in two groups, a head_dim over one block, a state
-    width that is no power of two, a row starting fresh in a stale slot, two padded rows."""
+    reference's outputs and states from the convolved rows and the raw dt (a strided view, one
+    value past softplus's linear threshold): heads in two groups, a head_dim over one block, a
+    state width that is no power of two, a row starting fresh in a stale slot, two padded rows."""
     code = r'''
 import os, torch
 if not torch.cuda.is_available():
@@ -465,15 +466,17 @@ from kiln.kernels.triton_mamba2 import mamba2_decode_triton
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 rows, heads, head_dim, groups, state = 5, 4, 24, 2, 12
-x, B, C = torch.randn(rows, heads, head_dim, device=dev), torch.randn(rows, groups, state, device=dev), torch.randn(rows, groups, state, device=dev)
-dt = torch.rand(rows, heads, device=dev)
-log_decay, D = -torch.rand(rows, heads, device=dev) * dt, torch.randn(heads, device=dev)
+conv = torch.randn(rows, heads * head_dim + 2 * groups * state, device=dev)
+dt = torch.randn(rows, 2 * heads, device=dev)[:, ::2]
+dt[2, 1] = 25.0
+A_log, dt_bias, D = torch.randn(heads, device=dev), torch.randn(heads, device=dev), torch.randn(heads, device=dev)
 ssm = torch.randn(6, heads, head_dim, state, device=dev)
 slots = torch.tensor([3, 1, 4, 0, 0], device=dev)
 continuing = torch.tensor([True, True, False, False, False], device=dev)
 ref_state = ssm.clone()
-ref = mamba2.decode_rule_reference(x, B, C, dt, log_decay, D, ref_state, slots, continuing)
-out = mamba2_decode_triton(x, B, C, dt, log_decay, D, ssm, slots, continuing)
+shape = (heads, head_dim, groups, state)
+ref = mamba2.decode_rule_reference(conv, dt, A_log, dt_bias, D, ref_state, slots, continuing, *shape)
+out = mamba2_decode_triton(conv, dt, A_log, dt_bias, D, ssm, slots, continuing, *shape)
 torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(ssm[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
 print("ok")
