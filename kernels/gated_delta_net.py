@@ -150,7 +150,8 @@ def decode_rule_reference(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
                           ) -> torch.Tensor:
     """One token of each of B rows after its convolution (conv [B, conv_dim], SiLU applied; a, b
     [B, Hv]) from its slot's recurrent state (zeros where not `continuing`), the state written
-    back. Returns o [B, Hv, Dv] float32. (The CUDA kernel: kiln.kernels.triton_gated_delta_net.)"""
+    back. Returns o [B, Hv, Dv] float32 (the CUDA kernel, kiln.kernels.triton_gated_delta_net:
+    in conv's dtype)."""
     g, beta = gates(a, b, A_log, dt_bias)
     q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
     state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
@@ -176,9 +177,10 @@ def paged_gated_delta_net_reference(
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])
         conv = conv_rule(pick(mixed_qkv), conv_weight, None, conv_state, slots, continuing)
-        return decode_rule(conv, pick(a), pick(b), A_log, dt_bias, recurrent_state, slots, continuing, *heads)
+        o = decode_rule(conv, pick(a), pick(b), A_log, dt_bias, recurrent_state, slots, continuing, *heads)
+        return o.to(mixed_qkv.dtype)
 
-    def prefills(rows: PaddedRows) -> None:
+    def prefills(rows: PaddedRows, out: torch.Tensor) -> None:
         # Padding: zero inputs, g = 0 and beta = 0, which change no state.
         g, beta = gates(rows.padded(a), rows.padded(b), A_log, dt_bias)
         real = rows.real.unsqueeze(-1)
@@ -190,8 +192,8 @@ def paged_gated_delta_net_reference(
         o, recurrent_state[rows.slots] = delta_rule_chunked(q, k, v, g * real, beta * real, state)
         rows.scatter(out, o)
 
-    out = mixed_qkv.new_zeros(mixed_qkv.shape[0], recurrent_state.shape[1], head_v_dim)
-    return run_step(mixed_qkv.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills, out)
+    return run_step(mixed_qkv.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills,
+                    lambda: mixed_qkv.new_zeros(mixed_qkv.shape[0], recurrent_state.shape[1], head_v_dim))
 
 
 @kiln_op("kiln::gated_delta_net", mutates_args=())

@@ -128,7 +128,7 @@ def paged_mamba2_scan_reference(
         conv = conv_rule(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
         return decode_rule(conv, pick(dt), A_log, dt_bias, D, ssm_state, slots, continuing, *shape)
 
-    def prefills(rows: PaddedRows) -> None:
+    def prefills(rows: PaddedRows, out: torch.Tensor) -> None:
         conv = rows.conv(x_bc, conv_weight, conv_bias, conv_state)  # [S, L, conv_dim]
         x, B, C, step, log_decay = ssm_inputs(conv, rows.padded(dt), A_log, dt_bias, *shape)
         step = step * rows.real.unsqueeze(-1)  # padding: dt = 0, no decay and no input
@@ -136,8 +136,8 @@ def paged_mamba2_scan_reference(
         y, ssm_state[rows.slots] = scan_chunked(x, B, C, step, log_decay * rows.real.unsqueeze(-1), state)
         rows.scatter(out, (y + skip * x).flatten(-2))
 
-    out = torch.zeros(x_bc.shape[0], num_heads * head_dim, dtype=torch.float32, device=x_bc.device)
-    return run_step(x_bc.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills, out)
+    return run_step(x_bc.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills,
+                    lambda: torch.zeros(x_bc.shape[0], num_heads * head_dim, dtype=torch.float32, device=x_bc.device))
 
 
 @kiln_op("kiln::mamba2_scan", mutates_args=())

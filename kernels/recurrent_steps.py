@@ -129,17 +129,19 @@ class PaddedRows:
 
 def run_step(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
              singles: Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor], torch.Tensor],
-             prefills: Callable[[PaddedRows], None], out: torch.Tensor) -> torch.Tensor:
-    """Run a step's rows through a layer's two paths, writing `out` [T, ...]:
-    `singles(rows, slots, continuing)` for one token a row (`rows`: their tokens' indices, None
-    when token i is row i's, the whole step) returns their outputs; `prefills(padded)` writes
-    its rows' outputs itself."""
+             prefills: Callable[[PaddedRows, torch.Tensor], None], zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A step's rows through a layer's two paths: `singles(rows, slots, continuing)` for one
+    token a row (`rows`: their tokens' indices, None when token i is row i's, the whole step)
+    returns their outputs; `prefills(padded, out)` writes its rows' outputs into `out`, which
+    `zeros()` makes ([T, ...], rows of no sequence left zero). A decode step returns what
+    `singles` returns: no output to clear, nothing copied (on CUDA its kernels write the
+    layer's output themselves)."""
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return zeros()
     if one_token_a_row(num_tokens, query_start_loc):
-        out.copy_(singles(None, state_slots.long(), seq_lens > 1))
-        return out
+        return singles(None, state_slots, seq_lens > 1)
+    out = zeros()
     starts = query_start_loc.tolist()
     counts = [starts[i + 1] - starts[i] for i in range(num_seqs)]
     lens, slots = seq_lens.tolist(), state_slots.tolist()
@@ -152,5 +154,5 @@ def run_step(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Ten
     multi = sorted((i for i in range(num_seqs) if counts[i] > 1), key=lambda i: -counts[i])
     for group in padding_groups([counts[i] for i in multi]):  # prefills and their chunks
         prefills(PaddedRows.of([(starts[multi[j]], counts[multi[j]], slots[multi[j]], lens[multi[j]] > counts[multi[j]])
-                                for j in group], num_tokens, device))
+                                for j in group], num_tokens, device), out)
     return out

@@ -36,11 +36,11 @@ def paged_short_conv_reference(bx: torch.Tensor, weight: torch.Tensor, bias: tor
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         return conv_rule(bx if rows is None else bx[rows], weight, bias, conv_state, slots, continuing, silu=False)
 
-    def prefills(rows: PaddedRows) -> None:
+    def prefills(rows: PaddedRows, out: torch.Tensor) -> None:
         rows.scatter(out, rows.conv(bx, weight, bias, conv_state, silu=False))
 
-    out = torch.zeros_like(bx)
-    return run_step(bx.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills, out)
+    return run_step(bx.shape[0], query_start_loc, seq_lens, state_slots, singles, prefills,
+                    lambda: torch.zeros_like(bx))
 
 
 @kiln_op("kiln::paged_short_conv", mutates_args=("conv_state",))

@@ -75,8 +75,8 @@ def conv_single_tokens_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
         return out
     block_c = min(BLOCK_C, triton.next_power_of_2(channels))
     _conv_single_tokens_kernel[(rows, triton.cdiv(channels, block_c))](
-        x, weight, bias if bias is not None else weight, conv_state, slots.to(torch.int32).contiguous(),
-        continuing.to(torch.int32).contiguous(), out, channels, x.stride(0), conv_state.stride(0),
+        x, weight, bias if bias is not None else weight, conv_state, slots.contiguous(), continuing.contiguous(), out,
+        channels, x.stride(0), conv_state.stride(0),
         conv_state.stride(1), out.stride(0), WIDTH=width, W_PAD=triton.next_power_of_2(width), BLOCK_C=block_c,
         HAS_BIAS=bias is not None, SILU=silu, num_warps=4,
     )

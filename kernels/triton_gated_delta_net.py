@@ -72,7 +72,7 @@ def _gated_delta_decode_kernel(
     state = state + k[:, None] * delta[None, :]
     tl.store(tile, state, mask=mask)
     out = tl.sum(state * q[:, None], axis=0)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + cols, out, mask=v_mask)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + cols, out.to(out_ptr.dtype.element_ty), mask=v_mask)
 
 
 def gated_delta_decode_triton(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -81,19 +81,19 @@ def gated_delta_decode_triton(conv: torch.Tensor, a: torch.Tensor, b: torch.Tens
                               ) -> torch.Tensor:
     """`kiln.kernels.gated_delta_net.decode_rule_reference` as one kernel: conv [B, conv_dim]
     (the convolved rows), a, b [B, Hv], recurrent_state [slots, Hv, Dk, Dv] float32 (written in
-    place), slots [B], continuing [B] bool. Returns o [B, Hv, Dv] float32."""
+    place), slots [B], continuing [B] bool. Returns o [B, Hv, Dv] in conv's dtype (the float32
+    sums rounded once, as the op's output is)."""
     rows = conv.shape[0]
     num_v_heads = a.shape[1]
     if recurrent_state.dtype != torch.float32 or not recurrent_state.is_contiguous():
         raise ValueError("gated_delta_decode_triton: the recurrent state must be contiguous float32")
-    out = torch.empty((rows, num_v_heads, head_v_dim), dtype=torch.float32, device=conv.device)
+    out = torch.empty((rows, num_v_heads, head_v_dim), dtype=conv.dtype, device=conv.device)
     if rows == 0:
         return out
     conv = conv if conv.stride(-1) == 1 else conv.contiguous()
-    continuing = continuing.to(torch.int32).contiguous()  # 0: the row's state starts as zeros
     block_v = min(BLOCK_V, triton.next_power_of_2(head_v_dim))
     _gated_delta_decode_kernel[(rows, num_v_heads, triton.cdiv(head_v_dim, block_v))](
-        conv, a, b, A_log, dt_bias, recurrent_state, slots.to(torch.int32).contiguous(), continuing, out,
+        conv, a, b, A_log, dt_bias, recurrent_state, slots.contiguous(), continuing.contiguous(), out,
         conv.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
         out.stride(0), out.stride(1), head_k_dim ** -0.5,

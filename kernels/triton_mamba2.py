@@ -82,8 +82,7 @@ def mamba2_decode_triton(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tens
     conv = conv if conv.stride(-1) == 1 else conv.contiguous()
     block_p = min(BLOCK_P, triton.next_power_of_2(head_dim))
     _mamba2_decode_kernel[(rows, num_heads, triton.cdiv(head_dim, block_p))](
-        conv, dt, A_log, dt_bias, D, ssm_state, slots.to(torch.int32).contiguous(),
-        continuing.to(torch.int32).contiguous(), out,
+        conv, dt, A_log, dt_bias, D, ssm_state, slots.contiguous(), continuing.contiguous(), out,
         conv.stride(0), dt.stride(0), dt.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         out.stride(0),
         NUM_HEADS=num_heads, N_GROUPS=n_groups, HEAD_DIM=head_dim, STATE=state_size,

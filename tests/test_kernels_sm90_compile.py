@@ -328,17 +328,17 @@ def spills(compiled):
 found = {}
 fn = _gated_delta_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i32", conv_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", q_scale="fp32")
+types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", q_scale="fp32")
 # Qwen3-Next's layer: 16 key heads of 128, 32 value heads of 128.
 found["gated delta"] = spills(compile_sm90(fn, dict(NUM_K_HEADS=16, V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128,
                                                     BLOCK_V=BLOCK_V), types, 4, 1))
 fn = _conv_single_tokens_kernel
 types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i32")
+types.update(slots_ptr="*i32", continuing_ptr="*i1")
 found["conv"] = spills(compile_sm90(fn, dict(WIDTH=4, W_PAD=4, BLOCK_C=BLOCK_C, HAS_BIAS=True, SILU=True), types, 4, 1))
 fn = _mamba2_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i32", conv_ptr="*bf16", dt_ptr="*bf16", d_ptr="*bf16")
+types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", dt_ptr="*bf16", d_ptr="*bf16")
 # Nemotron-H-56B's layer: 128 heads of 64 in 8 groups, a 128-wide state.
 found["mamba2"] = spills(compile_sm90(fn, dict(NUM_HEADS=128, N_GROUPS=8, HEAD_DIM=64, STATE=128, STATE_PAD=128,
                                                BLOCK_P=BLOCK_P), types, 4, 1))

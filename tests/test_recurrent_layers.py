@@ -291,6 +291,12 @@ ref = gdn.decode_rule_reference(conv, a, b, A_log, dt_bias, ref_state, slots, co
 out = gated_delta_decode_triton(conv, a, b, A_log, dt_bias, state, slots, continuing, hk, dk, dv)
 torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(state[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
+# Half-precision rows (the model's dtype): the output in it, the float32 sums rounded once.
+half = [t.half() for t in (conv, a, b)]
+ref16 = gdn.decode_rule_reference(*half, A_log, dt_bias, state.clone(), slots, continuing, hk, dk, dv)
+out16 = gated_delta_decode_triton(*half, A_log, dt_bias, state.clone(), slots, continuing, hk, dk, dv)
+assert out16.dtype == torch.float16
+torch.testing.assert_close(out16[:3].float(), ref16[:3], rtol=2e-3, atol=2e-3)
 print("ok")
 '''
     _run_with_triton(code)
