@@ -17,6 +17,9 @@ weight joins in float32 and the product is rounded once,
 
     out = (h * (offset + weight.float())).to(x.dtype)     # Gemma, Qwen3-Next: offset = 1
 
+`kiln::gated_rms_norm(x, gate, weight, eps)` is Qwen3-Next's and Qwen3.5's gated norm after a
+gated DeltaNet layer: the RMSNorm above, times SiLU(gate) in float32, rounded to x's dtype.
+
 Outputs are contiguous tensors of x's shape. The CPU implementation is the plain-torch
 reference below; `kiln.kernels.triton_norm` registers the Triton one for CUDA.
 """
@@ -24,6 +27,7 @@ reference below; `kiln.kernels.triton_norm` registers the Triton one for CUDA.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kiln.kernels.library import kiln_op
 
@@ -110,3 +114,20 @@ def _add_offset_rms_norm_fake(x, residual, weight, eps, offset):
     summed_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (torch.empty(x.shape, dtype=summed_dtype, device=x.device),
             torch.empty(x.shape, dtype=summed_dtype, device=x.device))
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return (rms_norm_reference(x, weight, eps) * F.silu(gate.to(torch.float32))).to(x.dtype).contiguous()
+
+
+@kiln_op("kiln::gated_rms_norm", mutates_args=())
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ in shape")
+    return gated_rms_norm_reference(x, gate, weight, eps)
+
+
+@gated_rms_norm.register_fake
+def _gated_rms_norm_fake(x, gate, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -1,4 +1,5 @@
-"""Triton kernels for `kiln::rms_norm`, `kiln::add_rms_norm`, their offset forms and `kiln::add_layer_norm`
+"""Triton kernels for `kiln::rms_norm`, `kiln::add_rms_norm`, their offset and gated forms and
+`kiln::add_layer_norm`
 (registered for CUDA).
 
 One program normalises one row (the last dimension fits one block: hidden sizes up to
@@ -18,6 +19,7 @@ from kiln.kernels.layer_norm import check_layer_norm_args
 from kiln.kernels.rms_norm import add_offset_rms_norm as add_offset_rms_norm_op
 from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
 from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.rms_norm import gated_rms_norm as gated_rms_norm_op
 from kiln.kernels.rms_norm import offset_rms_norm as offset_rms_norm_op
 from kiln.kernels.rms_norm import rms_norm as rms_norm_op
 from kiln.kernels.triton_common import (NORM_EARLY_WEIGHT, num_warps_for, pdl_launch_args, pow2_at_least,
@@ -69,6 +71,23 @@ def _rms_norm_kernel(
     _, out, cols, mask = _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
                                        stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
                                        HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT, OFFSET_WEIGHT, offset)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(
+    x_ptr, gate_ptr, w_ptr, out_ptr, rows_inner, n_cols, eps,
+    stride_x_outer, stride_x_inner, stride_g_outer, stride_g_inner,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False,
+):
+    """`kiln::gated_rms_norm`: the RMSNorm row times the weight, rounded to x's dtype as the
+    eager product is, times SiLU(gate) in float32."""
+    row = tl.program_id(0)
+    x, out, cols, mask = _rms_norm_row(x_ptr, x_ptr, w_ptr, out_ptr, row, rows_inner, n_cols, eps,
+                                       stride_x_outer, stride_x_inner, 0, 0, False, BLOCK, PDL, EARLY_WEIGHT)
+    gate = tl.load(gate_ptr + row // rows_inner * stride_g_outer + row % rows_inner * stride_g_inner + cols,
+                   mask=mask, other=0.0).to(tl.float32)
+    out = out.to(x.dtype).to(tl.float32) * (gate * tl.sigmoid(gate))
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -223,3 +242,31 @@ def _add_offset_rms_norm_cuda(x: torch.Tensor, residual: torch.Tensor, weight: t
                               offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     check_rms_norm_args(x, weight, residual)
     return add_offset_rms_norm_triton(x, residual, weight, eps, offset)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x.numel() // n if n else 0
+    if rows == 0:
+        return out
+    x3 = _rows_view(x)
+    g3 = _rows_view(gate)
+    if g3.shape != x3.shape:  # views differ in how the leading dims fold: align the gate
+        g3 = gate.reshape(x3.shape)
+    block = pow2_at_least(n)
+    _gated_rms_norm_kernel[(rows,)](
+        x3, g3, weight.contiguous(), out, x3.shape[1], n, float(eps),
+        x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
+        BLOCK=block, num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT,
+        **pdl_launch_args(x.device, "norm"),
+    )
+    return out
+
+
+@gated_rms_norm_op.register_kernel("cuda")
+def _gated_rms_norm_cuda(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    check_rms_norm_args(x, weight)
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ in shape")
+    return gated_rms_norm_triton(x, gate, weight, eps)

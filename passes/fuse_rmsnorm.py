@@ -10,6 +10,10 @@ Gemma's, Qwen3-Next's and Qwen3.5's norm, `(h * (1.0 + weight.float())).type_as(
 weight an offset from 1, joined in float32, one rounding), becomes `kiln::add_offset_rms_norm`
 / `kiln::offset_rms_norm` with offset 1.
 
+Qwen3-Next's and Qwen3.5's gated norm after each gated DeltaNet layer, once its norm is
+`kiln::rms_norm`: `(rms_norm(x) * silu(gate.float())).to(x.dtype)` becomes
+`kiln::gated_rms_norm(x, gate, weight, eps)` (the patterns apply in order).
+
 A norm without an add in front (the first layer's input norm, Qwen3's per-head q/k norm
 when `fuse_rope` did not take it) becomes `kiln::rms_norm(x, weight, eps)`. The residual
 form is tried first so it claims its adds. Runs on CUDA graphs by default; see
@@ -63,13 +67,22 @@ def offset_rms_norm_replacement(x, weight, eps):
     return torch.ops.kiln.offset_rms_norm(x, weight, eps, 1.0)
 
 
+def gated_rms_norm_pattern(x, gate, weight, eps):
+    return (torch.ops.kiln.rms_norm(x, weight, eps) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
+
+
+def gated_rms_norm_replacement(x, gate, weight, eps):
+    return torch.ops.kiln.gated_rms_norm(x, gate, weight, eps)
+
+
 ADD_RMS_NORM = Pattern("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, (_X, _X, _W, 1e-6))
 RMS_NORM = Pattern("rms_norm", rms_norm_pattern, rms_norm_replacement, (_X, _W, 1e-6))
 ADD_OFFSET_RMS_NORM = Pattern("add_offset_rms_norm", add_offset_rms_norm_pattern, add_offset_rms_norm_replacement,
                               (_X, _X, _W, 1e-6))
 OFFSET_RMS_NORM = Pattern("offset_rms_norm", offset_rms_norm_pattern, offset_rms_norm_replacement, (_X, _W, 1e-6))
+GATED_RMS_NORM = Pattern("gated_rms_norm", gated_rms_norm_pattern, gated_rms_norm_replacement, (_X, _X, _W, 1e-6))
 
 
 class FuseRMSNormPass(CustomOpFusionPass):
     name = "fuse_rmsnorm"
-    patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM)
+    patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM, GATED_RMS_NORM)

@@ -184,7 +184,7 @@ def test_fuse_rmsnorm_with_residual(tiny_model_dir):
     before, after = build("mistral", torch.float32), build("mistral", torch.float32, FuseRMSNormPass(on_cpu=True))
     # Every norm after the first has the residual add in front: 2 per layer, minus the first, plus the final norm.
     assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1, "add_offset_rms_norm": 0,
-                                               "offset_rms_norm": 0}
+                                               "offset_rms_norm": 0, "gated_rms_norm": 0}
     delta = counts_delta(before, after)
     assert delta["aten.rsqrt.default"] == -(2 * LAYERS + 1) and delta["aten.pow.Tensor_Scalar"] == -(2 * LAYERS + 1)
     assert delta["aten.add.Tensor"] == -(2 * LAYERS + 1) - 2 * LAYERS  # eps adds and residual adds
@@ -194,7 +194,8 @@ def test_fuse_rmsnorm_with_residual(tiny_model_dir):
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
 def test_fuse_rmsnorm_takes_the_offset_form(tiny_model_dir, arch):
     """Gemma's and Qwen3-Next's norms ((1 + weight) in float32) become kiln::add_offset_rms_norm /
-    kiln::offset_rms_norm (Qwen3-Next's per-head q/k norms included), the logits unchanged."""
+    kiln::offset_rms_norm (Qwen3-Next's per-head q/k norms included), and Qwen3-Next's gated
+    norm after each gated DeltaNet layer kiln::gated_rms_norm; the logits unchanged."""
     _, hf = tiny_model_dir(arch)
     before, after = build(arch, torch.float32), build(arch, torch.float32, FuseRMSNormPass(on_cpu=True))
     stats = stats_of(after, "fuse_rmsnorm")
@@ -203,6 +204,10 @@ def test_fuse_rmsnorm_takes_the_offset_form(tiny_model_dir, arch):
     assert stats["add_offset_rms_norm"] >= 2 * LAYERS - 1 and fused >= 2 * LAYERS + 1
     assert delta["kiln.offset_rms_norm.default"] == stats["offset_rms_norm"]
     assert delta["aten.type_as.default"] == -fused
+    gated = len(getattr(hf.config, "layer_types", None) and [t for t in hf.config.layer_types
+                                                              if t == "linear_attention"] or [])
+    assert stats["gated_rms_norm"] == gated == delta["kiln.gated_rms_norm.default"]
+    assert (gated > 0) == (arch == "qwen3_next") and delta["aten.silu.default"] == -gated
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 

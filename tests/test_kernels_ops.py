@@ -57,6 +57,21 @@ def test_offset_rms_norm_ops_equal_hf_module(dtype, module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_op_equals_hf_module(dtype):
+    """Qwen3-Next's gated norm (norm, weight, then SiLU(gate) in float32): bit for bit."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    norm = Qwen3NextRMSNormGated(16, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(16, seed=0))
+    x, gate = _randn(3, 4, 16, seed=1, dtype=dtype), _randn(3, 4, 16, seed=2, dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_ops.gated_rms_norm(x, gate, norm.weight, 1e-6), norm(x, gate), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="differ in shape"):
+        kiln_ops.gated_rms_norm(x, gate[:, :2], norm.weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_op_equals_hf_rotary_with_qwen3_norm(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 

@@ -110,6 +110,22 @@ def test_offset_rms_norm_matches_reference(dtype):
             assert_mostly_bit_exact(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_gated_rms_norm_matches_reference(dtype):
+    """Qwen3-Next's gated norm over value heads, the gate a strided slice of a wider projection."""
+    from kiln.kernels.rms_norm import gated_rms_norm_reference
+    from kiln.kernels.triton_norm import gated_rms_norm_triton
+
+    x, w = randn(3, 4, 24, seed=10, dtype=dtype), randn(24, seed=11, dtype=dtype)
+    gate = randn(3, 2 * 4 * 24, seed=12, dtype=dtype)[:, 4 * 24:].view(3, 4, 24)
+    out, ref = gated_rms_norm_triton(x, gate, w, 1e-6), gated_rms_norm_reference(x, gate, w, 1e-6)
+    assert out.dtype == dtype and out.is_contiguous()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert_mostly_bit_exact(out, ref)
+
+
 def test_rms_norm_on_strided_head_view():
     # Qwen3's q norm after a merged QKV projection: the q heads are a strided slice.
     t, h, d = 3, 4, 16
