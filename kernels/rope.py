@@ -1,7 +1,9 @@
 """`kiln::rope`: rotary position embedding of q and k in one op, optionally after q/k RMSNorm.
 
     q [T, Hq, D], k [T, Hkv, D]   the step's queries and keys (token-major, any strides)
-    cos, sin [T, D]               the rotation of each token, as the graph computed it
+    cos, sin [T, R]               the rotation of each token, as the graph computed it: R = D,
+                                  or R < D (partial rotary: Qwen3-Next, Qwen3.5, GLM-4.5,
+                                  GPT-NeoX rotate the first R dims, the rest pass unchanged)
     q_norm_weight, k_norm_weight  [D] or None: Qwen3 normalises each head of q and k
                                   (RMSNorm over D) right before RoPE; passing the weights
                                   fuses that norm into the same kernel
@@ -43,23 +45,31 @@ def rope_reference(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     c, s = cos[:, None, :], sin[:, None, :]
+    r = cos.shape[-1]
 
     def rotate(x: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
         if norm_weight is not None:
             x = rms_norm_reference(x, norm_weight, eps)
-        return (x * c + rotate_half(x) * s).contiguous()
+        if r == x.shape[-1]:
+            return (x * c + rotate_half(x) * s).contiguous()
+        rot = x[..., :r]
+        return torch.cat([rot * c + rotate_half(rot) * s, x[..., r:]], dim=-1).contiguous()
 
     return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
 
 
-def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    partial: bool = False) -> None:
+    """Shapes as `kiln::rope` takes them; cos/sin narrower than D (an even R) only with `partial`."""
     if q.dim() != 3 or k.dim() != 3:
         raise ValueError(f"rope: q and k must be [T, H, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
     t, _, d = q.shape
     if k.shape[0] != t or k.shape[2] != d or d % 2:
         raise ValueError(f"rope: q {tuple(q.shape)} and k {tuple(k.shape)} must share T and an even D")
-    if cos.shape != (t, d) or sin.shape != (t, d):
-        raise ValueError(f"rope: cos/sin must be [T, D] = [{t}, {d}]; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    r = cos.shape[-1] if cos.dim() == 2 else -1
+    if not (r == d or (partial and 0 < r < d and r % 2 == 0)) or cos.shape != (t, r) or sin.shape != (t, r):
+        want = f"[T, R] with an even R <= D = {d}" if partial else f"[T, D] = [{t}, {d}]"
+        raise ValueError(f"rope: cos/sin must be {want}; got {tuple(cos.shape)}, {tuple(sin.shape)}")
 
 
 @kiln_op("kiln::rope", mutates_args=())
@@ -72,7 +82,7 @@ def rope(
     k_norm_weight: torch.Tensor | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_rope_args(q, k, cos, sin)
+    check_rope_args(q, k, cos, sin, partial=True)
     return rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
 
 

@@ -84,12 +84,13 @@ def rms_normed_rounded(x, inv_rms, w, NO_CONTRACT: tl.constexpr = False):
 def _rotate_heads(
     x_base, out_base, n_heads, stride_h, out_stride_h, w_ptr, c, s, eps, scale_ptr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-    SCALED: tl.constexpr,
+    SCALED: tl.constexpr, ROT_DIM: tl.constexpr,
 ):
-    half = HEAD_DIM // 2
+    """Each head's first ROT_DIM dims rotated (partial rotary: the rest pass as they are)."""
+    half = ROT_DIM // 2
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    d_rot = tl.where(d < half, d + half, d - half)
+    d_rot = tl.where(d < half, d + half, tl.where(d < ROT_DIM, d - half, d))
     sign = tl.where(d < half, -1.0, 1.0)
     h = tl.arange(0, H_PAD)
     mask = (h < n_heads)[:, None] & d_ok[None, :]
@@ -103,6 +104,8 @@ def _rotate_heads(
         x = rms_normed_rounded(x, inv_rms[:, None], w[None, :])
         xr = rms_normed_rounded(xr, inv_rms[:, None], wr[None, :])
     out = rotate_rounded(x, xr, c[None, :], (sign * s)[None, :])
+    if ROT_DIM < HEAD_DIM:
+        out = tl.where((d < ROT_DIM)[None, :], out, x)
     if SCALED:
         # An FP8 cache holds k / k_scale: the rotated key rounded to the model dtype first,
         # then divided in float32 (as the reference's write), then the cast saturates.
@@ -119,22 +122,23 @@ def _rope_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, KV_SCALE: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ROT_DIM: tl.constexpr = -1,
 ):
     wait_for_previous_kernel(PDL)
+    ROTATED: tl.constexpr = HEAD_DIM if ROT_DIM < 0 else ROT_DIM  # cos/sin's width
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    c = tl.load(cos_ptr + t * stride_ct + d, mask=d_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d, mask=d_ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=d < ROTATED, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d, mask=d < ROTATED, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * HEAD_DIM, n_q_heads, stride_qh, HEAD_DIM,
-                  qw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HQ_PAD, HAS_NORM, False)
+                  qw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HQ_PAD, HAS_NORM, False, ROTATED)
     if WRITE_KV:
         # The rotated key and the value go straight to the token's cache slot.
         slot = tl.load(slot_ptr + t).to(tl.int64)
         dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
         _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dest, n_k_heads, stride_kh, stride_c_h,
-                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, KV_SCALE)
+                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, KV_SCALE, ROTATED)
         h = tl.arange(0, HK_PAD)
         mask = (h < n_k_heads)[:, None] & d_ok[None, :]
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
@@ -144,7 +148,7 @@ def _rope_kernel(
                  mask=mask)
     else:
         _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * n_k_heads * HEAD_DIM, n_k_heads, stride_kh, HEAD_DIM,
-                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, False)
+                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, False, ROTATED)
 
 
 def rope_kernel_applies(
@@ -179,9 +183,10 @@ def rope_triton(
     write_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                       torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rotate q and k. With `write_kv=(v, kv_cache, slot_mapping[, kv_scale])` the rotated k
-    and v are written into the cache instead of returned (k_out is then None)."""
-    check_rope_args(q, k, cos, sin)
+    """Rotate q and k (the first cos.shape[-1] dims of each head: partial rotary where that is
+    under D). With `write_kv=(v, kv_cache, slot_mapping[, kv_scale])` the rotated k and v are
+    written into the cache instead of returned (k_out is then None)."""
+    check_rope_args(q, k, cos, sin, partial=True)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
     kv_scale = write_kv[3] if write_kv is not None and len(write_kv) > 3 else None
@@ -225,6 +230,7 @@ def rope_triton(
         *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
         WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block, KV_SCALE=kv_scale is not None,
+        ROT_DIM=cos.shape[-1] if cos.shape[-1] < d else -1,
         num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS, **pdl_launch_args(q.device, "rope"),
     )
     return q_out, k_out

@@ -9,6 +9,12 @@ After:
 GPT-OSS rotates by halves (`chunk`, cos/sin of D/2, `cat`): the same rotation, which
 becomes `kiln::rope` with cos/sin repeated over both halves (`rope_halves`).
 
+Partial rotary (Qwen3-Next, Qwen3.5, GLM-4.5, GPT-NeoX: cos/sin of R < D, `q[..., :R]` rotated
+and concatenated with `q[..., R:]`) becomes `kiln::rope` with the narrow cos/sin (`rope_partial`),
+which rotates the first R dims in the kernel and passes the rest. R is read from the graph
+(the width of its `cos`), so no config field is needed. Those ropes stay apart from the
+attention (no `kv_write_fused`: the decode kernels' own RoPE rotates whole heads).
+
 Qwen3 normalises each head right before RoPE; that form (RMSNorm of the [1, T, H, D] head
 view, transpose, rotate) becomes one `kiln::rope` with the two norm weights, so the q/k
 norm costs no launch of its own. It is matched first. This pass must run before
@@ -92,6 +98,35 @@ def halves_rope_replacement(q, k, cos, sin):
     return rope_replacement(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
+def partial_rope_pattern(q, k, cos, sin):
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = c.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = (q_rot * c) + (_rotate_half(q_rot) * s)
+    k_embed = (k_rot * c) + (_rotate_half(k_rot) * s)
+    return torch.cat([q_embed, q_pass], dim=-1), torch.cat([k_embed, k_pass], dim=-1)
+
+
+def partial_rope_patterns(head_dim: int, rotary_dim: int) -> tuple[Pattern, ...]:
+    """Partial rotary over the first `rotary_dim` of `head_dim` (as transformers' models with a
+    `partial_rotary_factor` write it)."""
+    t, hq, hkv = 4, 4, 2
+    return (Pattern("rope_partial", partial_rope_pattern, rope_replacement,
+                    (torch.randn(1, hq, t, head_dim), torch.randn(1, hkv, t, head_dim),
+                     torch.randn(1, t, rotary_dim), torch.randn(1, t, rotary_dim))),)
+
+
+def rotary_widths(gm: torch.fx.GraphModule) -> set[int]:
+    """The last-dim sizes of the graph's `cos` tensors (each RoPE's rotated width)."""
+    widths = set()
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cos.default):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 1 and isinstance(val.shape[-1], int):
+            widths.add(val.shape[-1])
+    return widths
+
+
 def rope_patterns(head_dim: int) -> tuple[Pattern, ...]:
     """The patterns for one head_dim: Qwen3's q/k norm + RoPE, plain RoPE, and GPT-OSS's RoPE
     by halves (cos/sin of D/2)."""
@@ -170,6 +205,10 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         if not (_same_layout(q_end[1], outs[0]) and _same_layout(k_end[1], outs[1])):
             continue
         q, k, cos, sin, q_weight, k_weight, eps = rope.args
+        cos_val, q_val = cos.meta.get("val"), q.meta.get("val")
+        if not (isinstance(cos_val, torch.Tensor) and isinstance(q_val, torch.Tensor)
+                and cos_val.shape[-1] == q_val.shape[-1]):
+            continue  # partial rotary (or unknown widths): the decode kernels rotate whole heads
         _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window, *rest = attn.args
         softcap = rest[0] if rest else 0.0
         if len(rest) > 1 and rest[1] is not None:
@@ -196,6 +235,7 @@ class FuseRoPEPass(CustomOpFusionPass):
     def __init__(self, on_cpu: bool | None = None):
         super().__init__(on_cpu)
         self._patterns_by_head_dim: dict[int, tuple[Pattern, ...]] = {}
+        self._partial_patterns: dict[tuple[int, int], tuple[Pattern, ...]] = {}
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         if not self.applies_to(gm):
@@ -204,5 +244,11 @@ class FuseRoPEPass(CustomOpFusionPass):
         if head_dim not in self._patterns_by_head_dim:
             self._patterns_by_head_dim[head_dim] = rope_patterns(head_dim)
         stats = {p.name: p.apply(gm, dtype=ctx.dtype) for p in self._patterns_by_head_dim[head_dim]}
+        stats["rope_partial"] = 0
+        for width in sorted(w for w in rotary_widths(gm) if w < head_dim and w % 2 == 0):
+            key = (head_dim, width)
+            if key not in self._partial_patterns:
+                self._partial_patterns[key] = partial_rope_patterns(head_dim, width)
+            stats["rope_partial"] += sum(p.apply(gm, dtype=ctx.dtype) for p in self._partial_patterns[key])
         stats["kv_write_fused"] = fold_rope_into_attention(gm)
         return stats

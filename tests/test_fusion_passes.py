@@ -17,6 +17,7 @@ import torch
 
 from kiln.compiler.capture import graph_input_roles
 from kiln.compiler.pipeline import ModelGraph, build_model_graph
+from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes import PassManager, op_counts
 from kiln.passes.fuse_common import CPU_FUSIONS_ENV, graph_device_type
 from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
@@ -82,8 +83,8 @@ def run_steps(graph: ModelGraph, hf_model: torch.nn.Module, dtype: torch.dtype, 
     state = {k: v.detach().to(device=device, dtype=dtype) for k, v in hf_model.state_dict().items()}
     weights = {name: state[next(a for a in aliases if a in state)] for name, aliases in graph.captured.param_aliases.items()}
     weights = apply_weight_transforms(weights, graph.weight_transforms)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, config.num_key_value_heads, head_dim, dtype=dtype, device=device)
+    kv_heads, head_dim = kv_heads_and_head_dim(config)
+    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device=device)
                  for _ in range(config.num_hidden_layers)]
     outputs = []
     for batch in step_batches(config.vocab_size):
@@ -143,7 +144,7 @@ def test_fuse_rope_llama31_scaling(tiny_model_dir):
     _, hf = tiny_model_dir("llama3.1")  # Llama 3.1 frequency scaling lives in the inv_freq constant
     before, after = build("llama3.1", torch.float32), build("llama3.1", torch.float32, FuseRoPEPass(on_cpu=True))
     assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0,
-                                            "kv_write_fused": LAYERS}
+                                            "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     # Each layer's rope then went into its attention: rope + KV write + attention, one op.
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["kiln.paged_attention.default"] == -LAYERS
@@ -157,7 +158,7 @@ def test_fuse_rope_takes_qwen3_qk_norm(tiny_model_dir):
     _, hf = tiny_model_dir("qwen3")
     before, after = build("qwen3", torch.float32), build("qwen3", torch.float32, FuseRoPEPass(on_cpu=True))
     assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "rope_halves": 0,
-                                            "kv_write_fused": LAYERS}
+                                            "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
     fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
@@ -171,11 +172,30 @@ def test_fuse_rope_takes_gpt_oss_rotation_by_halves(tiny_model_dir):
     _, hf = tiny_model_dir("gpt_oss")
     before, after = build("gpt_oss", torch.float32), build("gpt_oss", torch.float32, FuseRoPEPass(on_cpu=True))
     assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": LAYERS,
-                                            "kv_write_fused": LAYERS}
+                                            "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.chunk.default"] == -2 * LAYERS
     fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
     assert all(isinstance(n.kwargs.get("sinks"), torch.fx.Node) for n in fused)
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "gpt_neox", "qwen3_next"])
+def test_fuse_rope_takes_partial_rotary(tiny_model_dir, arch):
+    """Partial rotary (cos/sin narrower than the head: GLM-4.5, GPT-NeoX, Qwen3-Next): one
+    kiln::rope with the narrow cos/sin a layer, kept apart from the attention; logits unchanged."""
+    _, hf = tiny_model_dir(arch)
+    before, after = build(arch, torch.float32), build(arch, torch.float32, FuseRoPEPass(on_cpu=True))
+    attention_layers = len(before.graph_module.graph.find_nodes(op="call_function",
+                                                               target=torch.ops.kiln.paged_attention.default))
+    assert attention_layers >= 1
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": 0,
+                                            "rope_partial": attention_layers, "kv_write_fused": 0}
+    delta = counts_delta(before, after)
+    assert delta["kiln.rope.default"] == attention_layers and delta["aten.neg.default"] == -2 * attention_layers
+    assert delta["aten.cat.default"] == -4 * attention_layers  # rotate_half's and the pass-through's, q and k
+    ropes = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope.default)
+    assert all(r.args[2].meta["val"].shape[-1] < r.args[0].meta["val"].shape[-1] for r in ropes)
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 

@@ -91,6 +91,24 @@ def test_rope_op_equals_hf_rotary_with_qwen3_norm(dtype):
     torch.testing.assert_close(plain_q, hf_plain_q[0].transpose(0, 1), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rope_op_equals_hf_rotary(dtype):
+    """Partial rotary (GLM-4.5's / Qwen3-Next's apply_rotary_pos_emb: cos/sin of R < D, the
+    first R dims rotated, the rest passed): bit for bit; cos/sin of another odd width refused."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import apply_rotary_pos_emb
+
+    t, hq, hkv, d, r = 5, 4, 2, 16, 8
+    q, k = _randn(1, t, hq, d, seed=3, dtype=dtype), _randn(1, t, hkv, d, seed=4, dtype=dtype)
+    cos, sin = _randn(1, t, r, seed=5, dtype=dtype), _randn(1, t, r, seed=6, dtype=dtype)
+    with torch.no_grad():
+        hf_q, hf_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        out_q, out_k = kiln_ops.rope(q[0], k[0], cos[0], sin[0], None, None, 1e-6)
+    torch.testing.assert_close(out_q, hf_q[0].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(out_k, hf_k[0].transpose(0, 1), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="even R"):
+        kiln_ops.rope(q[0], k[0], cos[0, :, :5], sin[0, :, :5], None, None, 1e-6)
+
+
 def test_silu_and_mul_equals_hf_mlp_activation():
     from transformers.activations import ACT2FN
 

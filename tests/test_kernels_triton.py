@@ -174,6 +174,27 @@ def test_rope_matches_reference(with_norm):
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_partial_rope_matches_reference(with_norm, dtype):
+    """Partial rotary: the first R = D/4 dims of each head rotated (cos/sin [T, R]), the rest
+    passed unchanged (normalised first with the q/k norm)."""
+    t, hq, hkv, d, r = 5, 4, 2, 32, 8
+    q = randn(1, hq, t, d, seed=17, dtype=dtype)[0].transpose(0, 1)
+    k = randn(t, hkv, d, seed=18, dtype=dtype)
+    cos, sin = (x.to(dtype) for x in _cos_sin(t, r, seed=19))
+    qw = randn(d, seed=20, dtype=dtype) if with_norm else None
+    kw = randn(d, seed=21, dtype=dtype) if with_norm else None
+    outs, refs = rope_triton(q, k, cos, sin, qw, kw, 1e-6), rope_reference(q, k, cos, sin, qw, kw, 1e-6)
+    for out, ref in zip(outs, refs):
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        else:
+            assert_mostly_bit_exact(out, ref)
+    if not with_norm:  # the passed dims are the input's, bit for bit
+        torch.testing.assert_close(outs[0][..., r:], q[..., r:], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_rounds_like_the_eager_graph(with_norm):
     t, hq, hkv, d = 4, 4, 2, 32
     q, k = randn(t, hq, d, seed=12, dtype=HALF), randn(t, hkv, d, seed=13, dtype=HALF)
@@ -193,18 +214,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_rope import COMPILE_OPTIONS, _rope_kernel as fn
 found = {}
-for has_norm, write_kv, fp8 in [(n, w, f) for n, w, f in itertools.product([False, True], repeat=3) if w or not f]:
+variants = [(n, w, f, -1) for n, w, f in itertools.product([False, True], repeat=3) if w or not f]
+for has_norm, write_kv, fp8, rot_dim in variants + [(True, False, False, 64)]:  # the last: partial rotary
     scalar_types = {"slot_ptr": "*i64", "kv_scale_ptr": "*fp32", "n_q_heads": "i32", "n_k_heads": "i32",
                     "eps": "fp32", **({"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {})}
     consts = dict(HEAD_DIM=128, D_PAD=128, HQ_PAD=32, HK_PAD=8, HAS_NORM=has_norm, WRITE_KV=write_kv,
-                  CACHE_BLOCK=16, KV_SCALE=fp8)
+                  CACHE_BLOCK=16, KV_SCALE=fp8, ROT_DIM=rot_dim)
     signature = {name: "constexpr" if name in consts else
                  scalar_types.get(name, "*bf16" if name.endswith("_ptr") else "i64") for name in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **COMPILE_OPTIONS}).asm["ptx"]
     ops = {line.split()[0] for line in ptx.splitlines() if line.strip()[:4] in ("fma.", "mul.", "add.", "cvt.")}
-    found[f"norm={has_norm},write_kv={write_kv},fp8_cache={fp8}"] = sorted(ops)
+    found[f"norm={has_norm},write_kv={write_kv},fp8_cache={fp8},rot_dim={rot_dim}"] = sorted(ops)
 print(json.dumps(found))
 """
 
