@@ -61,12 +61,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kiln.kernels.fp8 import FP8_DTYPE
 from kiln.kernels.moe import (ExpertExtras, check_expert_extras, check_fused_moe_args, check_fused_moe_fp8_args,
                               check_moe_experts_args, moe_experts_fp8_reference, moe_experts_grouped_mm,
-                              moe_experts_reference, route)
+                              moe_experts_reference)
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.moe import moe_experts as moe_experts_op
 from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_moe_router import route_triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -861,7 +862,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     copies for the 16-bit kernels; or, with `fp8_activations` (None: `uses_fp8_activations`),
     W8A8 by the sorted-rows kernels on e4m3 MMAs; `row_kernels` as `moe_experts_triton`'s."""
     check_fused_moe_args(hidden, router_logits, w_gate_up, w_down, top_k)
-    routing = route(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
+    routing = route_triton(router_logits, top_k, renormalize, fp32_weights, hidden.dtype)
     return moe_experts_triton(hidden, routing.weights, routing.experts, w_gate_up, w_down, tiling=tiling,
                               per_pair=per_pair, tma=tma, down_tiling=down_tiling, w_gate_up_scale=w_gate_up_scale,
                               w_down_scale=w_down_scale, fp8_activations=fp8_activations, row_kernels=row_kernels)

@@ -388,6 +388,13 @@ for name, weight, elem, (inter, hidden, pairs) in (("e4m3", "*fp8e4nv", 1, (512,
         compiled = compile_sm90(fn, consts, types, tiling.num_warps, tiling.num_stages)
         body = compiled.asm["ptx"]
         found[f"{fn.__name__} {name}"] = [spills(compiled), len(re.findall(r"ld\\.global(?:\\.\\w+)*\\.v4", body))]
+# The router kernel at Qwen3-Next-80B's (512 experts, top-10) and Qwen3-30B-A3B's (128, top-8).
+from kiln.kernels.triton_moe_router import _softmax_topk_kernel as router
+for experts, top_k, warps in ((512, 10, 8), (128, 8, 4)):
+    types = {"logits_ptr": "*bf16", "weights_ptr": "*fp32", "ids_ptr": "*i64"}
+    compiled = compile_sm90(router, dict(TOP_K=top_k, K_PAD=16 if top_k > 8 else 8, E_PAD=experts, RENORMALIZE=True,
+                                         PDL=True), types, warps, 1)
+    found[f"router {experts}"] = [spills(compiled), 1]
 print(json.dumps(found))
 """
 
@@ -395,12 +402,12 @@ print(json.dumps(found))
 def test_moe_row_kernels_compile_for_sm90() -> None:
     """The per-pair MoE GEMV kernels at Qwen3-Next-80B's (e4m3) and Qwen3-30B-A3B's (bf16)
     batch-1 tilings compile for sm_90 without register spills, loading their weight slices in
-    128-bit vectors."""
+    128-bit vectors; the softmax top-k router kernel at both expert counts without spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _MOE_ROW_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(found) == 4
+    assert len(found) == 6
     for name, (spilled, vector_loads) in found.items():
         assert spilled == 0 and vector_loads > 0, (name, spilled, vector_loads)

@@ -862,3 +862,28 @@ def test_tune_moe_swap_sweep_times_the_swapped_kernels(monkeypatch) -> None:
     assert row["swap_tiling"]["speedup_vs_default"] == 2.0 and row["swap_tiling"]["max_abs_diff_vs_default"] < 1e-2
     assert len(row["sweep"]) == 3 and all(entry["tiling"]["swap_ab"] for entry in row["sweep"])
     assert row["best"]["speedup_vs_default"] == 2.0
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize,fp32_weights", [
+    (5, 8, 2, True, True), (3, 128, 8, True, False), (4, 512, 10, True, False), (2, 60, 4, False, True)])
+def test_router_kernel_matches_route(tokens, experts, top_k, renormalize, fp32_weights) -> None:
+    """The softmax top-k router in one kernel (Mixtral's, Qwen3-MoE's and Qwen3-Next's expert
+    counts, one that is no power of two; float16 logits): torch's `route` experts and weights
+    (compared by expert: among equal probabilities the kernel lists the lower expert first,
+    torch's top-k in no set order)."""
+    from kiln.kernels.moe import route
+    from kiln.kernels.triton_moe_router import route_triton
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE, torch.float16)
+    got = route_triton(logits, top_k, renormalize, fp32_weights, torch.float16)
+    want = route(logits, top_k, renormalize, fp32_weights, torch.float16)
+    assert got.experts.dtype == torch.int64 and got.weights.dtype == want.weights.dtype
+    got_ids, got_order = got.experts.sort(dim=-1)
+    want_ids, want_order = want.experts.sort(dim=-1)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got.weights.gather(1, got_order), want.weights.gather(1, want_order),
+                               rtol=1e-5 if fp32_weights else 1e-3, atol=1e-6)
+    assert (got.weights[:, :-1] >= got.weights[:, 1:]).all()  # largest first, as torch's top-k
+    if renormalize:
+        torch.testing.assert_close(got.weights.float().sum(-1), torch.ones(tokens, device=DEVICE), rtol=1e-3,
+                                   atol=1e-3)
