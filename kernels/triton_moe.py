@@ -20,10 +20,10 @@ The top_k products of a token are then summed (a [T, top_k, H] sum, deterministi
 atomics), as transformers' batched_mm does. Every expert's weights are read once per row
 block that uses it, not once per pair as batched_mm's gather does.
 
-The routing (softmax, top-k, renormalisation) and the grouping (a stable sort of the pairs,
-per-expert counts by scatter_add, prefix sums) are plain torch ops on the device with
-shapes fixed by T, E, top_k and BLOCK_M: nothing is read back to the host, so a step can be
-captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLOCK_M) +
+The routing (softmax, top-k, renormalisation) is one kernel (kiln.kernels.triton_moe_router)
+and the grouping (a stable sort of the pairs, per-expert counts by scatter_add, prefix sums)
+plain torch ops on the device, with shapes fixed by T, E, top_k and BLOCK_M: nothing is read
+back to the host, so a step can be captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLOCK_M) +
 min(E, pairs); blocks past the used ones exit at once.
 
 Tiling is chosen per shape (`choose_tiling`): BLOCK_M from the mean rows per expert (1.5x
