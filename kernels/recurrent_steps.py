@@ -13,7 +13,8 @@ A layer with a recurrent state keeps, per sequence, a row of its state caches (t
 
 Both causal convolutions (depthwise, SiLU after, the last `kernel - 1` inputs as the state)
 are here; each layer's op does its own scan on what they return. A decode step reads nothing on
-the host (`one_token_a_row`), so CUDA graphs capture it; other steps read their offsets once.
+the host (`one_token_a_row`), so CUDA graphs capture it; other steps read their offsets on the
+host once a step, for all their layers (`step_rows`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,46 @@ import torch
 import torch.nn.functional as F
 
 
-def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor) -> bool:
+def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor | None = None,
+                    state_slots: torch.Tensor | None = None) -> bool:
     """Whether every sequence of the step has at most one token and the step as many tokens as
     rows (a decode step, padded or not). While a CUDA graph is being captured (only decode
-    buckets are) that is taken as given: checking would read the offsets on the host."""
+    buckets are) that is taken as given: checking would read the offsets on the host. With the
+    step's other inputs, from `step_rows` (read once a step)."""
     if num_tokens != query_start_loc.shape[0] - 1:
         return False
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
-    return bool((query_start_loc.diff() <= 1).all())
+    if seq_lens is None or state_slots is None:
+        return bool((query_start_loc.diff() <= 1).all())
+    starts = step_rows(query_start_loc, seq_lens, state_slots)[0]
+    return all(b - a <= 1 for a, b in zip(starts, starts[1:]))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter (None for inference tensors, which keep none)."""
+    return None if t.is_inference() else t._version
+
+
+def step_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor
+              ) -> tuple[list[int], list[int], list[int]]:
+    """The step's token offsets, sequence lengths and state slots as host lists, read once a
+    step: every recurrent layer of a step gets the same three input tensors, so the lists are
+    kept on the offsets tensor (an attribute of that one step's tensor, keyed by the three
+    tensors' identities, storage and, outside inference mode, versions: an in-place write reads
+    them again). The runtime makes a step's inputs for that step (`prepare_step_inputs`, padded
+    copies); the inputs it reuses, a decode graph's static ones, reach these ops only in the
+    capture's warm-up run. Read per layer, each of a step's 30-50 recurrent layers made the host
+    wait for the device three times, the GPU idle while the host launched the next layer."""
+    key = tuple((id(t), t.data_ptr(), _version(t)) for t in (query_start_loc, seq_lens, state_slots))
+    cached = getattr(query_start_loc, "_kiln_step_rows", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    n = seq_lens.shape[0]
+    flat = torch.cat([query_start_loc.to(torch.int64), seq_lens.to(torch.int64), state_slots.to(torch.int64)]).tolist()
+    rows = (flat[:n + 1], flat[n + 1:2 * n + 1], flat[2 * n + 1:])
+    query_start_loc._kiln_step_rows = (key, rows)
+    return rows
 
 
 def padding_groups(lengths: list[int]) -> list[list[int]]:
@@ -139,12 +171,11 @@ def run_step(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Ten
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return zeros()
-    if one_token_a_row(num_tokens, query_start_loc):
+    if one_token_a_row(num_tokens, query_start_loc, seq_lens, state_slots):
         return singles(None, state_slots, seq_lens > 1)
     out = zeros()
-    starts = query_start_loc.tolist()
+    starts, lens, slots = step_rows(query_start_loc, seq_lens, state_slots)
     counts = [starts[i + 1] - starts[i] for i in range(num_seqs)]
-    lens, slots = seq_lens.tolist(), state_slots.tolist()
     device = out.device
     single = [i for i in range(num_seqs) if counts[i] == 1]
     if single:  # the decodes of a mixed step, all at once

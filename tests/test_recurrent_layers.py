@@ -120,6 +120,23 @@ def test_prefills_are_padded_in_groups_of_bounded_waste() -> None:
     assert recurrent_steps.padding_groups([100, 30, 30, 30, 30]) == [[0, 1, 2], [3, 4]]  # 300 padded rows for 160 real: the bound
 
 
+def test_a_step_reads_its_rows_on_the_host_once(monkeypatch) -> None:
+    """A step's offsets, lengths and slots are read to the host once for all its recurrent
+    layers (one device sync a step, not three a layer), and again after an in-place write."""
+    qsl, lens, slots = (torch.tensor(x, dtype=torch.int32) for x in ([0, 3, 4], [3, 9], [2, 1]))
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
+    first = recurrent_steps.step_rows(qsl, lens, slots)
+    assert first == ([0, 3, 4], [3, 9], [2, 1]) and len(reads) == 1
+    assert recurrent_steps.step_rows(qsl, lens, slots) is first and len(reads) == 1
+    assert not recurrent_steps.one_token_a_row(2, qsl, lens, slots)  # 4 tokens, 2 rows
+    lens[1] = 10  # an in-place write: read again
+    assert recurrent_steps.step_rows(qsl, lens, slots)[1] == [3, 10] and len(reads) == 2
+    decode = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert recurrent_steps.one_token_a_row(2, decode, lens, slots) and len(reads) == 3
+
+
 def test_recurrent_state_pass_replaces_markers_and_adds_inputs() -> None:
     """Before: one `kiln::gated_delta_net` per linear-attention layer; after: the paged op, two
     state caches per layer and the slots input, with the same logits on one prefill."""
