@@ -58,7 +58,8 @@ def _gated_delta_decode_kernel(
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20), beta = sigmoid(b).
-    pre = tl.load(a_ptr + row * stride_at + head * stride_ah).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    pre = (tl.load(a_ptr + row * stride_at + head * stride_ah).to(tl.float32)
+           + tl.load(dt_bias_ptr + head).to(tl.float32))
     softplus = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
     beta = tl.sigmoid(tl.load(b_ptr + row * stride_bt + head * stride_bh).to(tl.float32))

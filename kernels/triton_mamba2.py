@@ -53,7 +53,8 @@ def _mamba2_decode_kernel(
     c = tl.load(conv_row + NUM_HEADS * HEAD_DIM + (N_GROUPS + group) * STATE + ns, mask=n_mask,
                 other=0.0).to(tl.float32)
     # dt = softplus(dt + dt_bias) (torch's: linear past 20); the log decay dt * -exp(A_log).
-    pre = tl.load(dt_ptr + row * stride_dtt + head * stride_dth).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    pre = (tl.load(dt_ptr + row * stride_dtt + head * stride_dth).to(tl.float32)
+           + tl.load(dt_bias_ptr + head).to(tl.float32))
     dt = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
     decay = dt * -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     skip = tl.load(d_ptr + head).to(tl.float32)

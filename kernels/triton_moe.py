@@ -23,8 +23,8 @@ block that uses it, not once per pair as batched_mm's gather does.
 The routing (softmax, top-k, renormalisation) is one kernel (kiln.kernels.triton_moe_router)
 and the grouping (a stable sort of the pairs, per-expert counts by scatter_add, prefix sums)
 plain torch ops on the device, with shapes fixed by T, E, top_k and BLOCK_M: nothing is read
-back to the host, so a step can be captured in a CUDA graph. The number of row blocks is bounded by cdiv(pairs, BLOCK_M) +
-min(E, pairs); blocks past the used ones exit at once.
+back to the host, so a step can be captured in a CUDA graph. The number of row blocks is
+bounded by cdiv(pairs, BLOCK_M) + min(E, pairs); blocks past the used ones exit at once.
 
 Tiling is chosen per shape (`choose_tiling`): BLOCK_M from the mean rows per expert (1.5x
 it, so most experts' rows fit one block and their weights are read once; at least 16, the
@@ -292,7 +292,7 @@ def _fit(tiling: MoETiling, n: int, k: int) -> MoETiling:
 # A 16-row MMA tile wastes 15 of its rows on one pair, and e4m3 experts widen in its K loop: at
 # Qwen3-Next-80B's batch-1 decode (10 of 512 experts, e4m3, [1024, 2048] gate/up and [2048, 512]
 # down) the dot kernels took 37 and 23 us a layer, 0.5 TB/s (bench/RESULTS.md AH2). On an H100
-# (AH3) one layer's op at batch 1: Qwen3-Next-80B e4m3 72.6 -> ~38-40 us, Qwen3-30B-A3B e4m3 73.1
+# (AH4) one layer's op at batch 1: Qwen3-Next-80B e4m3 72.6 -> ~38-40 us, Qwen3-30B-A3B e4m3 73.1
 # -> ~37, bf16 55.5 -> ~53-55; at batch 8 level (bf16 196 / 195, e4m3 135 / 133). KILN_MOE_ROW_KERNELS=0
 # turns them off (the dot kernels, as before).
 ROW_KERNELS = os.environ.get("KILN_MOE_ROW_KERNELS", "1") != "0"
@@ -316,7 +316,7 @@ def row_tiling(num_pairs: int, n: int, k: int, element_size: int = 2, halves: in
     """Tiles of a per-pair GEMV over [n, k] weights (`halves` = 2 for gate/up, whose programs
     read both halves' columns): 256 of K a loop step (the whole K where shorter), 4 warps;
     columns narrowed from 16 while the launch has under ROW_TARGET_PROGRAMS programs (down to
-    4). In the H100 sweep (bench/tune_moe_rows.py, bench/RESULTS.md AH3) every tiling of 4-16
+    4). In the H100 sweep (bench/tune_moe_rows.py, bench/RESULTS.md AH4) every tiling of 4-16
     columns, 256-1,024 of K and 4-8 warps came within ~5% of the best at Qwen3-Next-80B's and
     Qwen3-30B-A3B's batch-1 and batch-8 steps; 256 of K on 4 warps was at or near the best in
     each, 512 on 8 up to 7% slower with e4m3 experts at batch 8."""
