@@ -206,9 +206,9 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
             continue
         q, k, cos, sin, q_weight, k_weight, eps = rope.args
         cos_val, q_val = cos.meta.get("val"), q.meta.get("val")
-        if not (isinstance(cos_val, torch.Tensor) and isinstance(q_val, torch.Tensor)
-                and cos_val.shape[-1] == q_val.shape[-1]):
-            continue  # partial rotary (or unknown widths): the decode kernels rotate whole heads
+        if (isinstance(cos_val, torch.Tensor) and isinstance(q_val, torch.Tensor)
+                and cos_val.shape[-1] != q_val.shape[-1]):
+            continue  # partial rotary: the decode kernels' own RoPE rotates whole heads
         _, _, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, window, *rest = attn.args
         softcap = rest[0] if rest else 0.0
         if len(rest) > 1 and rest[1] is not None:
