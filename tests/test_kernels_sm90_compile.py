@@ -260,20 +260,24 @@ def test_latent_attention_tiling_compiles_for_sm90() -> None:
         assert 0 < shared <= 227 * 1024 and mma, (name, shared, mma)
 
 
-_LATENT_KERNEL_SCRIPT = _PTX + """
+# `spills(compiled)`: the bytes of register spill stores ptxas -v reports for a compiled kernel (PTX
+# itself has no register allocation; -1: ptxas said nothing of spills).
+_SPILLS = _PTX + """
 import os, subprocess, tempfile
 from triton.backends.nvidia.compiler import get_ptxas
-from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_PREFILL, _paged_latent_attention_kernel
 
-def spill_bytes(code):
-    # ptxas -v says how many bytes of registers spill (PTX itself has no register allocation).
+def spills(compiled):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(code)
+        open(path, "w").write(compiled.asm["ptx"])
         proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, check=True)
     stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
-    return sum(int(n) for n in stores) if stores else -1  # (-1: ptxas said nothing of spills)
+    return sum(int(n) for n in stores) if stores else -1
+"""
+
+_LATENT_KERNEL_SCRIPT = _SPILLS + """
+from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_PREFILL, _paged_latent_attention_kernel
 
 fn = _paged_latent_attention_kernel
 found = {}
@@ -289,7 +293,7 @@ for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode 
                  scale="fp32")
     compiled = compile_sm90(fn, consts, types, tiling.num_warps, tiling.num_stages)
     code = compiled.asm["ptx"]
-    found[name] = [compiled.metadata.shared, "mma" in code, spill_bytes(code)]
+    found[name] = [compiled.metadata.shared, "mma" in code, spills(compiled)]
 print(json.dumps(found))
 """
 
@@ -309,21 +313,10 @@ def test_latent_kernel_compiles_for_sm90() -> None:
         assert 0 < shared <= 227 * 1024 and mma and spills == 0, (name, shared, mma, spills)
 
 
-_RECURRENT_DECODE_SCRIPT = _PTX + """
-import os, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
+_RECURRENT_DECODE_SCRIPT = _SPILLS + """
 from kiln.kernels.triton_causal_conv import BLOCK_C, _conv_single_tokens_kernel
 from kiln.kernels.triton_gated_delta_net import BLOCK_V, _gated_delta_decode_kernel
 from kiln.kernels.triton_mamba2 import BLOCK_P, _mamba2_decode_kernel
-
-def spills(compiled):
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(compiled.asm["ptx"])
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
-    return sum(int(n) for n in stores) if stores else -1
 
 found = {}
 fn = _gated_delta_decode_kernel
@@ -357,19 +350,8 @@ def test_recurrent_decode_kernels_compile_for_sm90() -> None:
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "conv": 0, "mamba2": 0}
 
 
-_MOE_ROW_SCRIPT = _PTX + """
-import os, subprocess, tempfile
-from triton.backends.nvidia.compiler import get_ptxas
+_MOE_ROW_SCRIPT = _SPILLS + """
 from kiln.kernels.triton_moe import _moe_down_row_kernel, _moe_gate_up_row_kernel, row_tiling
-
-def spills(compiled):
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        open(path, "w").write(compiled.asm["ptx"])
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True)
-    stores = re.findall(r"(\\d+) bytes spill stores", proc.stdout + proc.stderr)
-    return sum(int(n) for n in stores) if stores else -1
 
 found = {}
 # Qwen3-Next-80B (e4m3 experts, 10 pairs) and Qwen3-30B-A3B (bf16, 8 pairs) at batch 1.
