@@ -338,3 +338,27 @@ def assert_greedy_equals_hf(engine, hf, prompts: list[list[int]], max_tokens: in
             expected = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
                                    do_sample=False)[0, len(prompt):].tolist()
         assert got[str(i)] == expected, f"{label} prompt {i}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "glm4_moe"])
+def test_engine_with_the_new_fusions_generates_what_it_does_without(tiny_model_dir, monkeypatch, arch):
+    """Through the engine (CPU, float32, greedy): Qwen3-Next with its offset and gated norms and
+    partial RoPE fused (and its recurrent layers' mixed and decode steps), GLM-4.5 with partial
+    RoPE fused, generate the tokens the unfused graphs do."""
+    from kiln.runtime.llm import LLM
+    from kiln.runtime.sampling_params import SamplingParams
+
+    path, _ = tiny_model_dir(arch)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 6]]
+    tokens, ops = {}, {}
+    for fused in ("", "1"):
+        monkeypatch.setenv(CPU_FUSIONS_ENV, fused)
+        llm = LLM(model=str(path), device="cpu", dtype="float32", progress=False, max_model_len=128)
+        ops[fused] = op_counts(llm.engine.graph.graph_module)
+        tokens[fused] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+    assert ops["1"]["kiln.rope.default"] >= 1 and "kiln.rope.default" not in ops[""]
+    if arch == "qwen3_next":
+        assert ops["1"]["kiln.gated_rms_norm.default"] >= 1 and ops["1"]["kiln.add_offset_rms_norm.default"] >= 1
+    assert tokens[""] == tokens["1"] and all(len(t) == 10 for t in tokens[""])
