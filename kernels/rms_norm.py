@@ -17,6 +17,8 @@ weight joins in float32 and the product is rounded once,
 
     out = (h * (offset + weight.float())).to(x.dtype)     # Gemma, Qwen3-Next: offset = 1
 
+and, with offset 0, GPT-OSS's, OLMo 2/3's, Helium's and Nemotron-H's `(weight * h).to(x.dtype)`.
+
 `kiln::gated_rms_norm(x, gate, weight, eps)` is Qwen3-Next's and Qwen3.5's gated norm after a
 gated DeltaNet layer: the RMSNorm above, times SiLU(gate) in float32, rounded to x's dtype.
 

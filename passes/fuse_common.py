@@ -91,6 +91,15 @@ def hf_offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+def hf_rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GPT-OSS's, OLMo 2/3's, Helium's, FlexOlmo's, AFMoE's and Nemotron-H's RMSNorm: the weight
+    joins the float32 norm and the product is rounded once (the pattern; Nemotron-H's explicit
+    cast of the weight traces the same)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
 def move_output(graph: torch.fx.Graph, old: torch.fx.Node, source: torch.fx.Node, index: int,
                 after: torch.fx.Node) -> torch.fx.Node:
     """Replace `old`, a getitem of an op being fused away, with getitem(source, index) placed

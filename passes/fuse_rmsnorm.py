@@ -10,6 +10,11 @@ Gemma's, Qwen3-Next's and Qwen3.5's norm, `(h * (1.0 + weight.float())).type_as(
 weight an offset from 1, joined in float32, one rounding), becomes `kiln::add_offset_rms_norm`
 / `kiln::offset_rms_norm` with offset 1.
 
+GPT-OSS's, OLMo 2/3's, Helium's, FlexOlmo's, AFMoE's and Nemotron-H's norm, `(weight * h).to(x.dtype)`
+(the weight joined in float32, one rounding), is the same op with offset 0
+(`add_rms_norm_fp32_weight` / `rms_norm_fp32_weight`). In float32 graphs, where no cast is
+left, these forms are the Llama form and match its patterns first.
+
 Qwen3-Next's and Qwen3.5's gated norm after each gated DeltaNet layer, once its norm is
 `kiln::rms_norm`: `(rms_norm(x) * silu(gate.float())).to(x.dtype)` becomes
 `kiln::gated_rms_norm(x, gate, weight, eps)` (the patterns apply in order).
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.passes.fuse_common import CustomOpFusionPass, hf_offset_rms_norm, hf_rms_norm
+from kiln.passes.fuse_common import CustomOpFusionPass, hf_offset_rms_norm, hf_rms_norm, hf_rms_norm_fp32_weight
 from kiln.passes.pattern import Pattern
 
 _X = torch.randn(1, 4, 32)  # [1, tokens, hidden], the rank of the graph's hidden states
@@ -67,6 +72,20 @@ def offset_rms_norm_replacement(x, weight, eps):
     return torch.ops.kiln.offset_rms_norm(x, weight, eps, 1.0)
 
 
+def add_rms_norm_fp32_weight_pattern(x, residual, weight, eps):
+    summed = x + residual
+    return hf_rms_norm_fp32_weight(summed, weight, eps), summed
+
+
+def add_rms_norm_fp32_weight_replacement(x, residual, weight, eps):
+    out, summed = torch.ops.kiln.add_offset_rms_norm(x, residual, weight, eps, 0.0)
+    return out, summed
+
+
+def rms_norm_fp32_weight_replacement(x, weight, eps):
+    return torch.ops.kiln.offset_rms_norm(x, weight, eps, 0.0)
+
+
 def gated_rms_norm_pattern(x, gate, weight, eps):
     return (torch.ops.kiln.rms_norm(x, weight, eps) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
 
@@ -81,8 +100,13 @@ ADD_OFFSET_RMS_NORM = Pattern("add_offset_rms_norm", add_offset_rms_norm_pattern
                               (_X, _X, _W, 1e-6))
 OFFSET_RMS_NORM = Pattern("offset_rms_norm", offset_rms_norm_pattern, offset_rms_norm_replacement, (_X, _W, 1e-6))
 GATED_RMS_NORM = Pattern("gated_rms_norm", gated_rms_norm_pattern, gated_rms_norm_replacement, (_X, _X, _W, 1e-6))
+ADD_FP32_WEIGHT = Pattern("add_rms_norm_fp32_weight", add_rms_norm_fp32_weight_pattern,
+                          add_rms_norm_fp32_weight_replacement, (_X, _X, _W, 1e-6))
+FP32_WEIGHT = Pattern("rms_norm_fp32_weight", hf_rms_norm_fp32_weight, rms_norm_fp32_weight_replacement,
+                      (_X, _W, 1e-6))
 
 
 class FuseRMSNormPass(CustomOpFusionPass):
     name = "fuse_rmsnorm"
-    patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM, GATED_RMS_NORM)
+    patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM, ADD_FP32_WEIGHT, FP32_WEIGHT,
+                GATED_RMS_NORM)

@@ -204,7 +204,8 @@ def test_fuse_rmsnorm_with_residual(tiny_model_dir):
     before, after = build("mistral", torch.float32), build("mistral", torch.float32, FuseRMSNormPass(on_cpu=True))
     # Every norm after the first has the residual add in front: 2 per layer, minus the first, plus the final norm.
     assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1, "add_offset_rms_norm": 0,
-                                               "offset_rms_norm": 0, "gated_rms_norm": 0}
+                                               "offset_rms_norm": 0, "add_rms_norm_fp32_weight": 0,
+                                               "rms_norm_fp32_weight": 0, "gated_rms_norm": 0}
     delta = counts_delta(before, after)
     assert delta["aten.rsqrt.default"] == -(2 * LAYERS + 1) and delta["aten.pow.Tensor_Scalar"] == -(2 * LAYERS + 1)
     assert delta["aten.add.Tensor"] == -(2 * LAYERS + 1) - 2 * LAYERS  # eps adds and residual adds
@@ -229,6 +230,23 @@ def test_fuse_rmsnorm_takes_the_offset_form(tiny_model_dir, arch):
     assert stats["gated_rms_norm"] == gated == delta["kiln.gated_rms_norm.default"]
     assert (gated > 0) == (arch == "qwen3_next") and delta["aten.silu.default"] == -gated
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "olmo2"])
+def test_fuse_rmsnorm_takes_the_fp32_weight_form_in_bf16(tiny_model_dir, arch):
+    """GPT-OSS's and OLMo2's norms ((weight * h).to(dtype): the weight joined in float32) match
+    Llama's patterns only in float32 graphs, where no cast is left; in bfloat16 graphs they
+    become kiln::add_offset_rms_norm / kiln::offset_rms_norm with offset 0, logits unchanged."""
+    _, hf = tiny_model_dir(arch)
+    before, after = build(arch, torch.bfloat16), build(arch, torch.bfloat16, FuseRMSNormPass(on_cpu=True))
+    stats = stats_of(after, "fuse_rmsnorm")
+    fused = stats["add_rms_norm_fp32_weight"] + stats["rms_norm_fp32_weight"]
+    assert fused >= 2 * LAYERS + 1 and stats["add_rms_norm"] == stats["rms_norm"] == 0
+    delta = counts_delta(before, after)
+    assert delta["aten.rsqrt.default"] == -fused
+    offsets = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.offset_rms_norm.default)
+    assert offsets and all(n.args[3] == 0.0 for n in offsets)
+    assert_same_logits(before, after, hf, torch.bfloat16, atol=0)
 
 
 def test_fuse_silu_mul(tiny_model_dir):

@@ -56,6 +56,25 @@ def test_offset_rms_norm_ops_equal_hf_module(dtype, module):
             assert not torch.equal(kiln_ops.rms_norm(x, norm.weight + 1, 1e-6), norm(x))
 
 
+@pytest.mark.parametrize("module", ["gpt_oss.modeling_gpt_oss.GptOssRMSNorm", "olmo2.modeling_olmo2.Olmo2RMSNorm",
+                                    "nemotron_h.modeling_nemotron_h.NemotronHRMSNorm"])
+def test_fp32_weight_rms_norms_are_the_offset_op_at_zero(module):
+    """GPT-OSS's, OLMo2's and Nemotron-H's norms (the weight joined in float32, one rounding):
+    `kiln::offset_rms_norm` with offset 0, bit for bit in bfloat16, where Llama's op differs."""
+    import importlib
+
+    path, _, name = module.rpartition(".")
+    norm = getattr(importlib.import_module(f"transformers.models.{path}"), name)(48, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_randn(48, seed=0))
+    x, residual = _randn(2, 3, 48, seed=1, dtype=torch.bfloat16), _randn(2, 3, 48, seed=2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(kiln_ops.offset_rms_norm(x, norm.weight, 1e-6, 0.0), norm(x), atol=0, rtol=0)
+        out, _ = kiln_ops.add_offset_rms_norm(x, residual, norm.weight, 1e-6, 0.0)
+        torch.testing.assert_close(out, norm(x + residual), atol=0, rtol=0)
+        assert not torch.equal(kiln_ops.rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_rms_norm_op_equals_hf_module(dtype):
     """Qwen3-Next's gated norm (norm, weight, then SiLU(gate) in float32): bit for bit."""
