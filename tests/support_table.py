@@ -106,7 +106,11 @@ def render(rows: list[Row]) -> str:
         BEGIN,
         f"{len(families)} architectures (model_type) pass, as {len(passing)} tiny configurations; "
         f"{len(rows) - len(passing)} are refused by construct. Fusions: what fires on the CUDA pipeline "
-        "(on CPU only the projection merges run by default).",
+        "(on CPU only the projection merges run by default), traced in float32; in bfloat16 graphs the "
+        "same fire but for GPT-OSS's, OLMo's, Helium's, FlexOlmo's, AFMoE's and Nemotron-H's norms "
+        "(`add_rms_norm_fp32_weight`, `rms_norm_fp32_weight`: their weight joins in float32), AFMoE's "
+        "q/k norms (apart from its RoPE) and the OLMo family's RoPE (float32 cos/sin: not folded into "
+        "the attention, and OLMo's non-parametric LayerNorm not fused).",
         "",
         "| architecture | status | exercises / construct refused | fusions that fire |",
         "|---|---|---|---|",
