@@ -26,18 +26,16 @@ import torch
 import torch.nn.functional as F
 
 
-def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor | None = None,
-                    state_slots: torch.Tensor | None = None) -> bool:
+def one_token_a_row(num_tokens: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    state_slots: torch.Tensor) -> bool:
     """Whether every sequence of the step has at most one token and the step as many tokens as
-    rows (a decode step, padded or not). While a CUDA graph is being captured (only decode
-    buckets are) that is taken as given: checking would read the offsets on the host. With the
-    step's other inputs, from `step_rows` (read once a step)."""
+    rows (a decode step, padded or not), from `step_rows` (read once a step). While a CUDA graph
+    is being captured (only decode buckets are) that is taken as given: checking would read the
+    offsets on the host."""
     if num_tokens != query_start_loc.shape[0] - 1:
         return False
     if query_start_loc.is_cuda and torch.cuda.is_current_stream_capturing():
         return True
-    if seq_lens is None or state_slots is None:
-        return bool((query_start_loc.diff() <= 1).all())
     starts = step_rows(query_start_loc, seq_lens, state_slots)[0]
     return all(b - a <= 1 for a, b in zip(starts, starts[1:]))
 

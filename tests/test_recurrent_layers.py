@@ -107,11 +107,12 @@ def test_paged_op_continues_each_sequence_from_its_slot() -> None:
     # the path CUDA graphs capture; it continues all three.
     pad = _layer_inputs(2, seed=99)
     step3 = {k: torch.cat([seqs[0][k][70:71], seqs[1][k][9:10], seqs[2][k][2:3], pad[k]]) for k in pad}
-    assert recurrent_steps.one_token_a_row(5, torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32))
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    assert recurrent_steps.one_token_a_row(5, i32([0, 1, 2, 3, 3, 3]), i32([71, 10, 3, 0, 0]), i32(slots + [0, 0]))
     out3 = _paged(step3, weights, states, slots + [0, 0], [71, 10, 3, 0, 0], [1, 1, 1, 0, 0])
     for i, w in enumerate(whole):
         torch.testing.assert_close(out3[i], w[-1], rtol=1e-4, atol=1e-4)
-    assert not recurrent_steps.one_token_a_row(3, torch.tensor([0, 2, 2, 3], dtype=torch.int32))  # a row of 2 tokens
+    assert not recurrent_steps.one_token_a_row(3, i32([0, 2, 2, 3]), i32([72, 11, 4]), i32(slots))  # a row of 2 tokens
 
 
 def test_prefills_are_padded_in_groups_of_bounded_waste() -> None:
