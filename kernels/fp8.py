@@ -1,6 +1,8 @@
 """FP8 (e4m3) GEMMs: `kiln::quantize_fp8_per_token` and `kiln::fp8_linear`, and the
 quantization fused into the ops that produce a projection's input: `kiln::rms_norm_quant_fp8`,
-`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`.
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and the offset norm form's
+(`kiln::offset_rms_norm_quant_fp8`, `kiln::add_offset_rms_norm_quant_fp8`: Gemma's, Qwen3-Next's
+and the weight-in-float32 norms).
 
     quantize_fp8_per_token(x [..., K]) -> (xq [..., K] float8_e4m3fn, scale [..., 1] float32)
         x ~= xq * scale, one scale per row (token): max|row| / 448, the e4m3 range.
@@ -33,7 +35,8 @@ import torch.nn.functional as F
 
 from kiln.kernels.activation import silu_and_mul_reference
 from kiln.kernels.library import kiln_op
-from kiln.kernels.rms_norm import add_rms_norm_reference, check_rms_norm_args, rms_norm_reference
+from kiln.kernels.rms_norm import (add_offset_rms_norm_reference, add_rms_norm_reference, check_rms_norm_args,
+                                   offset_rms_norm_reference, rms_norm_reference)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -181,6 +184,31 @@ def add_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def _add_rms_norm_quant_fp8_fake(x, residual, weight, eps):
     return (*_fake_quantized(x), torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype),
                                              device=x.device))
+
+
+@kiln_op("kiln::offset_rms_norm_quant_fp8")
+def offset_rms_norm_quant_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight)
+    return quantize_fp8_rows(offset_rms_norm_reference(x, weight, eps, offset))
+
+
+@offset_rms_norm_quant_fp8.register_fake
+def _offset_rms_norm_quant_fp8_fake(x, weight, eps, offset):
+    return _fake_quantized(x)
+
+
+@kiln_op("kiln::add_offset_rms_norm_quant_fp8")
+def add_offset_rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                  offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    out, summed = add_offset_rms_norm_reference(x, residual, weight, eps, offset)
+    return (*quantize_fp8_rows(out), summed)
+
+
+@add_offset_rms_norm_quant_fp8.register_fake
+def _add_offset_rms_norm_quant_fp8_fake(x, residual, weight, eps, offset):
+    return _add_rms_norm_quant_fp8_fake(x, residual, weight, eps)
 
 
 @kiln_op("kiln::silu_and_mul_quant_fp8")

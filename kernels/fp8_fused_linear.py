@@ -3,6 +3,9 @@
     rms_norm_fp8_linear(x, norm_weight, eps, weight, weight_scale, bias, out_dtype) -> y
     add_rms_norm_fp8_linear(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
         -> (y, summed)                    summed = x + residual, the residual stream onwards
+    offset_rms_norm_fp8_linear(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype) -> y
+    add_offset_rms_norm_fp8_linear(x, residual, norm_weight, eps, offset, weight, weight_scale, bias,
+                                   out_dtype) -> (y, summed)     the norm form of kiln::offset_rms_norm
     silu_and_mul_fp8_linear(gate, up, weight, weight_scale, bias, out_dtype) -> y
     quantize_fp8_linear(x, weight, weight_scale, bias, out_dtype) -> y
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kernels.fp8 import (add_rms_norm_quant_fp8, check_fp8_linear_args, fp8_linear, quantize_fp8_per_token,
-                              rms_norm_quant_fp8, silu_and_mul_quant_fp8)
+from kiln.kernels.fp8 import (add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8, check_fp8_linear_args, fp8_linear,
+                              offset_rms_norm_quant_fp8, quantize_fp8_per_token, rms_norm_quant_fp8,
+                              silu_and_mul_quant_fp8)
 from kiln.kernels.library import kiln_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 
@@ -67,6 +71,21 @@ def add_rms_norm_fp8_linear_chain(x: torch.Tensor, residual: torch.Tensor, norm_
                                   weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     xq, xs, summed = add_rms_norm_quant_fp8(x, residual, norm_weight, eps)
+    return fp8_linear(xq, xs, weight, weight_scale, bias, out_dtype), summed
+
+
+def offset_rms_norm_fp8_linear_chain(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                                     weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                     out_dtype: torch.dtype) -> torch.Tensor:
+    xq, xs = offset_rms_norm_quant_fp8(x, norm_weight, eps, offset)
+    return fp8_linear(xq, xs, weight, weight_scale, bias, out_dtype)
+
+
+def add_offset_rms_norm_fp8_linear_chain(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                         eps: float, offset: float, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                         bias: torch.Tensor | None, out_dtype: torch.dtype
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    xq, xs, summed = add_offset_rms_norm_quant_fp8(x, residual, norm_weight, eps, offset)
     return fp8_linear(xq, xs, weight, weight_scale, bias, out_dtype), summed
 
 
@@ -109,6 +128,37 @@ def add_rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
 def _add_rms_norm_fp8_linear_fake(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype):
     summed = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     return _projected_fake(x, weight, out_dtype), summed
+
+
+@kiln_op("kiln::offset_rms_norm_fp8_linear")
+def offset_rms_norm_fp8_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                               weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                               out_dtype: torch.dtype) -> torch.Tensor:
+    check_rms_norm_args(x, norm_weight)
+    check_fused_weight(x, weight, weight_scale, bias, "offset_rms_norm_fp8_linear")
+    return offset_rms_norm_fp8_linear_chain(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype)
+
+
+@offset_rms_norm_fp8_linear.register_fake
+def _offset_rms_norm_fp8_linear_fake(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype):
+    return _projected_fake(x, weight, out_dtype)
+
+
+@kiln_op("kiln::add_offset_rms_norm_fp8_linear")
+def add_offset_rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                   offset: float, weight: torch.Tensor, weight_scale: torch.Tensor,
+                                   bias: torch.Tensor | None, out_dtype: torch.dtype
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, norm_weight, residual)
+    check_fused_weight(x, weight, weight_scale, bias, "add_offset_rms_norm_fp8_linear")
+    return add_offset_rms_norm_fp8_linear_chain(x, residual, norm_weight, eps, offset, weight, weight_scale, bias,
+                                                out_dtype)
+
+
+@add_offset_rms_norm_fp8_linear.register_fake
+def _add_offset_rms_norm_fp8_linear_fake(x, residual, norm_weight, eps, offset, weight, weight_scale, bias,
+                                         out_dtype):
+    return _add_rms_norm_fp8_linear_fake(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
 
 
 @kiln_op("kiln::silu_and_mul_fp8_linear")

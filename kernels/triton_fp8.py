@@ -1,5 +1,6 @@
 """Triton kernels for `kiln::quantize_fp8_per_token` and the fused `kiln::rms_norm_quant_fp8`,
-`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and a GEMV for
+`kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8` (and the offset norm form of the
+first two), and a GEMV for
 `kiln::fp8_linear` at decode-sized inputs (all registered for CUDA).
 
 The plain-torch reference is five launches (abs, amax, multiply, clamp, cast) and reads the
@@ -22,7 +23,9 @@ import triton.language as tl
 from kiln.kernels.activation import silu_and_mul_reference
 from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_fp8_linear_args, fp8_linear_reference
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
+from kiln.kernels.fp8 import add_offset_rms_norm_quant_fp8 as add_offset_rms_norm_quant_op
 from kiln.kernels.fp8 import add_rms_norm_quant_fp8 as add_rms_norm_quant_op
+from kiln.kernels.fp8 import offset_rms_norm_quant_fp8 as offset_rms_norm_quant_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.fp8 import quantize_fp8_rows as quantize_fp8_rows_ref
 from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
@@ -96,13 +99,15 @@ def _rms_norm_quant_kernel(
     stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
     FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr = False, EARLY_WEIGHT: tl.constexpr = False,
+    OFFSET_WEIGHT: tl.constexpr = False, offset=0.0,
 ):
     # kiln.kernels.triton_norm's RMSNorm (one row per program, the row in one block), then the
     # row's e4m3 quantization while it is still in registers: the normed row never goes to memory.
+    # OFFSET_WEIGHT: `kiln::offset_rms_norm`'s form.
     row = tl.program_id(0)
     x, out, cols, mask = _rms_norm_row(x_ptr, res_ptr, w_ptr, sum_ptr, row, rows_inner, n_cols, eps,
                                        stride_x_outer, stride_x_inner, stride_r_outer, stride_r_inner,
-                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT)
+                                       HAS_RESIDUAL, BLOCK, PDL, EARLY_WEIGHT, OFFSET_WEIGHT, offset)
     # Rounded to the norm's output dtype, as the unfused graph's rms_norm output is.
     out = out.to(x.dtype).to(tl.float32)
     scale = tl.maximum(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=0) / FP8_MAX_C, MIN_SCALE_C)
@@ -111,7 +116,9 @@ def _rms_norm_quant_kernel(
     tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
 
-def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       offset: float | None = None):
+    """Both norm forms' launch: `offset` (not None) the offset form."""
     n = x.shape[-1]
     xq = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
@@ -129,7 +136,8 @@ def _norm_quant_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x3, r3, weight.contiguous(), xq, scale, summed if summed is not None else xq,
         x3.shape[1], n, float(eps), x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT, **pdl_launch_args(x.device, "fp8_quant"),
+        num_warps=num_warps_for(block), EARLY_WEIGHT=NORM_EARLY_WEIGHT, OFFSET_WEIGHT=offset is not None,
+        offset=float(offset or 0.0), **pdl_launch_args(x.device, "fp8_quant"),
     )
     return xq, scale, summed
 
@@ -143,6 +151,17 @@ def add_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weigh
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     xq, scale, summed = _norm_quant_launch(x, residual, weight, eps)
     return xq, scale, summed
+
+
+def offset_rms_norm_quant_fp8_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    xq, scale, _ = _norm_quant_launch(x, None, weight, eps, offset=offset)
+    return xq, scale
+
+
+def add_offset_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                         offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_quant_launch(x, residual, weight, eps, offset=offset)
 
 
 @triton.jit
@@ -244,6 +263,20 @@ def _add_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor, weight
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_rms_norm_args(x, weight, residual)
     return add_rms_norm_quant_fp8_triton(x, residual, weight, eps)
+
+
+@offset_rms_norm_quant_op.register_kernel("cuda")
+def _offset_rms_norm_quant_fp8_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight)
+    return offset_rms_norm_quant_fp8_triton(x, weight, eps, offset)
+
+
+@add_offset_rms_norm_quant_op.register_kernel("cuda")
+def _add_offset_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                        offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_rms_norm_args(x, weight, residual)
+    return add_offset_rms_norm_quant_fp8_triton(x, residual, weight, eps, offset)
 
 
 @silu_and_mul_quant_op.register_kernel("cuda")

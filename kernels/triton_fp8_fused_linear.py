@@ -6,6 +6,7 @@ builds each tile of the projection's input from the producer's inputs:
 
     RMS_NORM       x * norm_weight                   (x 1/rms at the end)
     ADD_RMS_NORM   (x + residual) * norm_weight      (the same; program 0 writes x + residual)
+                   (with OFFSET_WEIGHT: offset + norm_weight, kiln::offset_rms_norm's form)
     SILU_AND_MUL   silu(gate) * up
     PLAIN          x                                 (the attention output before o_proj)
 
@@ -45,8 +46,10 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.fp8 import FP8_DTYPE
-from kiln.kernels.fp8_fused_linear import (add_rms_norm_fp8_linear, add_rms_norm_fp8_linear_chain,
-                                           check_fused_weight, check_silu_and_mul_args, quantize_fp8_linear,
+from kiln.kernels.fp8_fused_linear import (add_offset_rms_norm_fp8_linear, add_offset_rms_norm_fp8_linear_chain,
+                                           add_rms_norm_fp8_linear, add_rms_norm_fp8_linear_chain,
+                                           check_fused_weight, check_silu_and_mul_args, offset_rms_norm_fp8_linear,
+                                           offset_rms_norm_fp8_linear_chain, quantize_fp8_linear,
                                            quantize_fp8_linear_chain, rms_norm_fp8_linear, rms_norm_fp8_linear_chain,
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
@@ -74,7 +77,8 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.constexpr):
+def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.constexpr,
+                OFFSET_WEIGHT: tl.constexpr = False, offset=0.0):
     """(a, s) in float32 for the input elements at x_offs: a the projection's input (before
     1/rms), s the residual sum whose squares give the rms (RMS_NORM / ADD_RMS_NORM). Each
     value is rounded to the activation dtype where the unfused chain rounds it."""
@@ -93,15 +97,19 @@ def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.cons
             r = tl.load(r_ptr + r_offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # summed = x + residual, in dt
         s = x.to(tl.float32)
-        a = s * tl.load(g_ptr + ks).to(tl.float32)
+        if OFFSET_WEIGHT:
+            a = s * (offset + tl.load(g_ptr + ks).to(tl.float32))
+        else:
+            a = s * tl.load(g_ptr + ks).to(tl.float32)
     return a, s
 
 
 @triton.jit
-def _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE: tl.constexpr):
+def _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE: tl.constexpr,
+                OFFSET_WEIGHT: tl.constexpr, offset):
     """One K tile: the input at ks built and multiplied with the weight tile w; the squares
     of the residual sum kept for the rms; program 0 writes that sum (ADD_RMS_NORM)."""
-    a, s = _input_tile(x_ptr, r_ptr, g_ptr, ks, ks, ks, ks < K, PROLOGUE)
+    a, s = _input_tile(x_ptr, r_ptr, g_ptr, ks, ks, ks, ks < K, PROLOGUE, OFFSET_WEIGHT, offset)
     acc += w.to(tl.float32) * a[None, :]
     if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
         squares += s * s
@@ -114,7 +122,8 @@ def _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROL
 @triton.jit
 def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, N, K, eps,
                            PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, EARLY_TILE: tl.constexpr = False,
+                           OFFSET_WEIGHT: tl.constexpr = False, offset=0.0):
     # One row; the tiling and loop of triton_fp8's row kernel.
     tile = tl.program_id(0)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,12 +136,14 @@ def _fused_gemv_row_kernel(x_ptr, r_ptr, g_ptr, sum_ptr, w_ptr, ws_ptr, b_ptr, y
     squares = tl.zeros([BLOCK_K], dtype=tl.float32)
     k_start = 0
     if EARLY_TILE:
-        acc, squares = _accumulate(acc, squares, w_first, x_ptr, r_ptr, g_ptr, sum_ptr, first, K, tile, PROLOGUE)
+        acc, squares = _accumulate(acc, squares, w_first, x_ptr, r_ptr, g_ptr, sum_ptr, first, K, tile, PROLOGUE,
+                                   OFFSET_WEIGHT, offset)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + ks[None, :])
-        acc, squares = _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE)
+        acc, squares = _accumulate(acc, squares, w, x_ptr, r_ptr, g_ptr, sum_ptr, ks, K, tile, PROLOGUE,
+                                   OFFSET_WEIGHT, offset)
     sums = tl.sum(acc, axis=1)
     if PROLOGUE == _RMS_NORM or PROLOGUE == _ADD_RMS_NORM:
         sums = sums * tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
@@ -167,8 +178,9 @@ def _row(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_weight: torch.Tensor | None,
             weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-            eps: float, config: GemvConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y [..., N] (and x + other for ADD_RMS_NORM) of one row, by one fused GEMV launch."""
+            eps: float, config: GemvConfig, offset: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y [..., N] (and x + other for ADD_RMS_NORM) of one row, by one fused GEMV launch;
+    `offset` (not None): the norms' offset form."""
     n, k = weight.shape
     x1 = _row(x, k)
     r1 = _row(other, k) if other is not None else x1
@@ -180,7 +192,7 @@ def _launch(prologue: int, x: torch.Tensor, other: torch.Tensor | None, norm_wei
         x1, r1, g, summed if summed is not None else y, weight, weight_scale.float(), b, y, n, k, float(eps),
         PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, EARLY_TILE=GEMV_EARLY_TILE,
-        **pdl_launch_args(x.device, "fp8"))
+        OFFSET_WEIGHT=offset is not None, offset=float(offset or 0.0), **pdl_launch_args(x.device, "fp8"))
     return y.view(*x.shape[:-1], n), (summed.view(x.shape) if summed is not None else None)
 
 
@@ -209,6 +221,28 @@ def add_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm
         return add_rms_norm_fp8_linear_chain(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
     y, summed = _launch(ADD_RMS_NORM, x, residual, norm_weight, weight, weight_scale, bias, out_dtype, eps, config)
     return y, summed
+
+
+def offset_rms_norm_fp8_linear_triton(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, offset: float,
+                                      weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                      out_dtype: torch.dtype, config: GemvConfig | None = None) -> torch.Tensor:
+    m, config = _config_for(x, weight, config)
+    if not _applies(x, weight, weight_scale, bias, config, m):  # (the offset forms' norm weight: any dtype)
+        return offset_rms_norm_fp8_linear_chain(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype)
+    return _launch(RMS_NORM, x, None, norm_weight, weight, weight_scale, bias, out_dtype, eps, config, offset)[0]
+
+
+def add_offset_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                                          eps: float, offset: float, weight: torch.Tensor,
+                                          weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                          out_dtype: torch.dtype, config: GemvConfig | None = None
+                                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    m, config = _config_for(x, weight, config)
+    if not _applies(x, weight, weight_scale, bias, config, m, residual):
+        return add_offset_rms_norm_fp8_linear_chain(x, residual, norm_weight, eps, offset, weight, weight_scale,
+                                                    bias, out_dtype)
+    return _launch(ADD_RMS_NORM, x, residual, norm_weight, weight, weight_scale, bias, out_dtype, eps, config,
+                   offset)
 
 
 def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
@@ -241,6 +275,21 @@ def _add_rms_norm_fp8_linear_cuda(x, residual, norm_weight, eps, weight, weight_
     check_rms_norm_args(x, norm_weight, residual)
     check_fused_weight(x, weight, weight_scale, bias, "add_rms_norm_fp8_linear")
     return add_rms_norm_fp8_linear_triton(x, residual, norm_weight, eps, weight, weight_scale, bias, out_dtype)
+
+
+@offset_rms_norm_fp8_linear.register_kernel("cuda")
+def _offset_rms_norm_fp8_linear_cuda(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype):
+    check_rms_norm_args(x, norm_weight)
+    check_fused_weight(x, weight, weight_scale, bias, "offset_rms_norm_fp8_linear")
+    return offset_rms_norm_fp8_linear_triton(x, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype)
+
+
+@add_offset_rms_norm_fp8_linear.register_kernel("cuda")
+def _add_offset_rms_norm_fp8_linear_cuda(x, residual, norm_weight, eps, offset, weight, weight_scale, bias, out_dtype):
+    check_rms_norm_args(x, norm_weight, residual)
+    check_fused_weight(x, weight, weight_scale, bias, "add_offset_rms_norm_fp8_linear")
+    return add_offset_rms_norm_fp8_linear_triton(x, residual, norm_weight, eps, offset, weight, weight_scale, bias,
+                                                 out_dtype)
 
 
 @silu_and_mul_fp8_linear.register_kernel("cuda")

@@ -4,7 +4,9 @@ Before: xq, xs[, summed] = kiln.add_rms_norm_quant_fp8(x, residual, norm_w, eps)
         y = kiln.fp8_linear(xq, xs, W, W_scale, b, out_dtype)
 After:  y, summed = kiln.add_rms_norm_fp8_linear(x, residual, norm_w, eps, W, W_scale, b, out_dtype)
 
-and likewise `rms_norm_quant_fp8` -> `kiln::rms_norm_fp8_linear`, `silu_and_mul_quant_fp8` ->
+and likewise `rms_norm_quant_fp8` -> `kiln::rms_norm_fp8_linear`, the offset norm forms
+(`offset_rms_norm_quant_fp8`, `add_offset_rms_norm_quant_fp8`: Gemma's, Qwen3-Next's) ->
+`kiln::offset_rms_norm_fp8_linear` / `kiln::add_offset_rms_norm_fp8_linear`, `silu_and_mul_quant_fp8` ->
 `kiln::silu_and_mul_fp8_linear`, `quantize_fp8_per_token` (the attention output before
 o_proj) -> `kiln::quantize_fp8_linear` (kiln.kernels.fp8_fused_linear). Each fused op is its
 chain except at decode sizes on CUDA, where one GEMV computes the projection's input itself
@@ -37,9 +39,13 @@ from kiln.passes.fuse_common import CudaByDefault, move_output
 FUSED_OP = {
     fp8_ops.rms_norm_quant_fp8.default: fused_ops.rms_norm_fp8_linear,
     fp8_ops.add_rms_norm_quant_fp8.default: fused_ops.add_rms_norm_fp8_linear,
+    fp8_ops.offset_rms_norm_quant_fp8.default: fused_ops.offset_rms_norm_fp8_linear,
+    fp8_ops.add_offset_rms_norm_quant_fp8.default: fused_ops.add_offset_rms_norm_fp8_linear,
     fp8_ops.silu_and_mul_quant_fp8.default: fused_ops.silu_and_mul_fp8_linear,
     fp8_ops.quantize_fp8_per_token.default: fused_ops.quantize_fp8_linear,
 }
+# The fused ops that also return the residual sum.
+SUMMING = (fused_ops.add_rms_norm_fp8_linear, fused_ops.add_offset_rms_norm_fp8_linear)
 
 
 def _output(node: object, index: int) -> torch.fx.Node | None:
@@ -74,7 +80,7 @@ class FuseFP8LinearInputsPass(CudaByDefault, KilnPass):
                 continue
             summed_out = [u for u in producer.users if u not in (xq, xs)]  # add_rms_norm's residual sum
             fused = FUSED_OP[producer.target]
-            pair = fused is fused_ops.add_rms_norm_fp8_linear  # (y, summed)
+            pair = fused in SUMMING  # (y, summed)
             # At the producer's place: its inputs come before it, the weights are graph inputs,
             # and every user of its residual sum comes after it.
             with graph.inserting_before(producer):

@@ -53,15 +53,15 @@ import torch
 
 from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
-from kiln.kernels.fp8 import FP8_DTYPE, add_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8
+from kiln.kernels.fp8 import (FP8_DTYPE, add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8, offset_rms_norm_quant_fp8,
+                              rms_norm_quant_fp8, silu_and_mul_quant_fp8)
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.moe import moe_experts as moe_experts_op
 from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
-from kiln.kernels.rms_norm import add_rms_norm as add_rms_norm_op
-from kiln.kernels.rms_norm import rms_norm as rms_norm_op
+from kiln.kernels import rms_norm as norm_ops
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import move_output
 from kiln.passes.fuse_moe import router_projections
@@ -289,23 +289,39 @@ def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[to
     return {"fp8_experts": replaced, "kept_high_precision_experts": kept}
 
 
+# The op producing a projection's input -> its form with the quantization fused in (same
+# arguments; the summing norms' residual sum becomes the fused op's third output).
+QUANTIZING_FORM = {
+    norm_ops.rms_norm.default: rms_norm_quant_fp8,
+    norm_ops.offset_rms_norm.default: offset_rms_norm_quant_fp8,
+    silu_and_mul_op.default: silu_and_mul_quant_fp8,
+}
+SUMMING_QUANTIZING_FORM = {
+    norm_ops.add_rms_norm.default: add_rms_norm_quant_fp8,
+    norm_ops.add_offset_rms_norm.default: add_offset_rms_norm_quant_fp8,
+}
+
+
 def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[torch.fx.Node]) -> dict[str, int]:
-    """Each `quantize_fp8_per_token(x)` whose x comes from `kiln::rms_norm`, `kiln::add_rms_norm`
-    (its normed output) or `kiln::silu_and_mul` and is used by nothing else becomes the fused
-    op (`kiln::*_quant_fp8`), which returns the same (xq, scale) first: the normed or
+    """Each `quantize_fp8_per_token(x)` whose x comes from an RMSNorm (`kiln::rms_norm`,
+    `kiln::offset_rms_norm`, or the normed output of `kiln::add_rms_norm` /
+    `kiln::add_offset_rms_norm`) or `kiln::silu_and_mul` and is used by nothing else becomes
+    the fused op (`kiln::*_quant_fp8`), which returns the same (xq, scale) first: the normed or
     activated tensor is never written out in full precision. The fused op takes the producer's
-    place in the graph (the residual sum of add_rms_norm is used later, by the next layer)."""
+    place in the graph (the residual sum of the summing norms is used later, by the next layer).
+    `rms_norm_quant_fused` counts both norm forms. (Qwen3-Next's gated norm normalises each
+    head, its out_proj's input quantizes whole tokens: not fused.)"""
     stats = {"rms_norm_quant_fused": 0, "silu_and_mul_quant_fused": 0}
     for q in quantizations:
         x = q.args[0]
         if not isinstance(x, torch.fx.Node) or len(x.users) != 1:
             continue
-        if x.target in (rms_norm_op.default, silu_and_mul_op.default):
-            producer, fused_op = x, (rms_norm_quant_fp8 if x.target == rms_norm_op.default else silu_and_mul_quant_fp8)
+        if x.target in QUANTIZING_FORM:
+            producer, fused_op = x, QUANTIZING_FORM[x.target]
             residual_out = None
         elif (x.target is operator.getitem and x.args[1] == 0 and isinstance(x.args[0], torch.fx.Node)
-              and x.args[0].target == add_rms_norm_op.default):
-            producer, fused_op = x.args[0], add_rms_norm_quant_fp8
+              and x.args[0].target in SUMMING_QUANTIZING_FORM):
+            producer, fused_op = x.args[0], SUMMING_QUANTIZING_FORM[x.args[0].target]
             residual_out = next((u for u in producer.users if u.target is operator.getitem and u.args[1] == 1), None)
         else:
             continue

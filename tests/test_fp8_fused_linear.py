@@ -23,13 +23,16 @@ from kiln.kernels import fp8_fused_linear as fused  # noqa: E402
 from kiln.kernels import triton_fp8_fused_linear as triton_fused  # noqa: E402
 from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
 from kiln.kernels.fp8 import dequantize_fp8, quantize_fp8_rowwise  # noqa: E402
-from kiln.kernels.rms_norm import add_rms_norm_reference, rms_norm_reference  # noqa: E402
+from kiln.kernels.rms_norm import (add_offset_rms_norm_reference, add_rms_norm_reference,  # noqa: E402
+                                   offset_rms_norm_reference, rms_norm_reference)
 from kiln.kernels.triton_linear import GemvConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 EPS = 1e-5
-PROLOGUES = ("rms_norm", "add_rms_norm", "silu_and_mul", "plain")
+PROLOGUES = ("rms_norm", "add_rms_norm", "offset_rms_norm", "add_offset_rms_norm", "silu_and_mul", "plain")
+OFFSET = 1.0  # Gemma's and Qwen3-Next's norms: x (1 + weight), the weights near zero
+SUMMING = ("add_rms_norm", "add_offset_rms_norm")
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
@@ -47,8 +50,8 @@ def operands(prologue: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bo
         inputs = (randn(1, m, k, seed=seed, dtype=dtype),)
     else:
         x = randn(1, m, k, seed=seed, dtype=dtype, scale=4.0)
-        g = (1 + randn(k, seed=seed + 1, scale=0.2)).to(dtype)
-        inputs = (x, g) if prologue == "rms_norm" else (x, randn(1, m, k, seed=seed + 2, dtype=dtype), g)
+        g = (int("offset" not in prologue) + randn(k, seed=seed + 1, scale=0.2)).to(dtype)
+        inputs = (x, g) if prologue not in SUMMING else (x, randn(1, m, k, seed=seed + 2, dtype=dtype), g)
     wq, ws = quantize_fp8_rowwise(randn(n, k, seed=seed + 3, scale=k ** -0.5))
     b = randn(n, seed=seed + 4, dtype=dtype) if bias else None
     return inputs, wq, ws, b
@@ -61,6 +64,10 @@ def projection_input(prologue: str, inputs) -> tuple[torch.Tensor, torch.Tensor 
         return rms_norm_reference(cpu[0], cpu[1], EPS), None
     if prologue == "add_rms_norm":
         return add_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS)
+    if prologue == "offset_rms_norm":
+        return offset_rms_norm_reference(cpu[0], cpu[1], EPS, OFFSET), None
+    if prologue == "add_offset_rms_norm":
+        return add_offset_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS, OFFSET)
     if prologue == "silu_and_mul":
         return silu_and_mul_reference(*cpu), None
     return cpu[0], None
@@ -71,6 +78,11 @@ def run_triton(prologue: str, inputs, wq, ws, b, out_dtype, config=None):
         return triton_fused.rms_norm_fp8_linear_triton(inputs[0], inputs[1], EPS, wq, ws, b, out_dtype, config), None
     if prologue == "add_rms_norm":
         return triton_fused.add_rms_norm_fp8_linear_triton(*inputs, EPS, wq, ws, b, out_dtype, config)
+    if prologue == "offset_rms_norm":
+        return triton_fused.offset_rms_norm_fp8_linear_triton(inputs[0], inputs[1], EPS, OFFSET, wq, ws, b, out_dtype,
+                                                              config), None
+    if prologue == "add_offset_rms_norm":
+        return triton_fused.add_offset_rms_norm_fp8_linear_triton(*inputs, EPS, OFFSET, wq, ws, b, out_dtype, config)
     if prologue == "silu_and_mul":
         return triton_fused.silu_and_mul_fp8_linear_triton(*inputs, wq, ws, b, out_dtype, config), None
     return triton_fused.quantize_fp8_linear_triton(inputs[0], wq, ws, b, out_dtype, config), None
@@ -81,6 +93,10 @@ def run_op(prologue: str, inputs, wq, ws, b, out_dtype):
         return fused.rms_norm_fp8_linear(inputs[0], inputs[1], EPS, wq, ws, b, out_dtype), None
     if prologue == "add_rms_norm":
         return fused.add_rms_norm_fp8_linear(*inputs, EPS, wq, ws, b, out_dtype)
+    if prologue == "offset_rms_norm":
+        return fused.offset_rms_norm_fp8_linear(inputs[0], inputs[1], EPS, OFFSET, wq, ws, b, out_dtype), None
+    if prologue == "add_offset_rms_norm":
+        return fused.add_offset_rms_norm_fp8_linear(*inputs, EPS, OFFSET, wq, ws, b, out_dtype)
     if prologue == "silu_and_mul":
         return fused.silu_and_mul_fp8_linear(*inputs, wq, ws, b, out_dtype), None
     return fused.quantize_fp8_linear(inputs[0], wq, ws, b, out_dtype), None
@@ -112,7 +128,7 @@ def test_fused_gemv_is_the_weight_only_product(prologue, dtype, bias):
     torch.testing.assert_close(y.cpu().float(), ref, atol=2e-2, rtol=2e-2)
     # (the interpreter rounds float32 to bfloat16 by truncation, here and in the prologue's roundings)
     assert relative_error(y.cpu(), ref) < (2e-2 if dtype == torch.bfloat16 and DEVICE == "cpu" else 5e-3)
-    if prologue == "add_rms_norm":
+    if prologue in SUMMING:
         assert summed.shape == inputs[0].shape
         if dtype == torch.bfloat16 and DEVICE == "cpu":  # truncated: within one bfloat16 step
             torch.testing.assert_close(summed.cpu(), ref_summed, atol=0, rtol=2 ** -7)
@@ -133,6 +149,12 @@ def test_ops_are_their_unfused_chains(prologue):
         chain = fused.rms_norm_fp8_linear_chain(inputs[0], inputs[1], EPS, wq, ws, b, torch.bfloat16)
     elif prologue == "add_rms_norm":
         chain, chain_summed = fused.add_rms_norm_fp8_linear_chain(*inputs, EPS, wq, ws, b, torch.bfloat16)
+        assert torch.equal(summed, chain_summed)
+    elif prologue == "offset_rms_norm":
+        chain = fused.offset_rms_norm_fp8_linear_chain(inputs[0], inputs[1], EPS, OFFSET, wq, ws, b, torch.bfloat16)
+    elif prologue == "add_offset_rms_norm":
+        chain, chain_summed = fused.add_offset_rms_norm_fp8_linear_chain(*inputs, EPS, OFFSET, wq, ws, b,
+                                                                         torch.bfloat16)
         assert torch.equal(summed, chain_summed)
     elif prologue == "silu_and_mul":
         chain = fused.silu_and_mul_fp8_linear_chain(*inputs, wq, ws, b, torch.bfloat16)
@@ -156,7 +178,7 @@ def test_elsewhere_the_chain_runs(prologue, case, monkeypatch):
     y, summed = run_triton(prologue, inputs, wq, ws, None, torch.float16)
     chain, chain_summed = run_op(prologue, inputs, wq, ws, None, torch.float16)
     assert not launched and torch.equal(y, chain)
-    if prologue == "add_rms_norm":
+    if prologue in SUMMING:
         assert torch.equal(summed, chain_summed)
 
 
@@ -186,7 +208,8 @@ def test_bad_input_is_refused_with_a_message():
 # ---- on the GPU: Llama-3-8B shapes, the table's tilings ---------------------------------------
 
 LLAMA3_8B = {"qkv": (6144, 4096, "add_rms_norm"), "o": (4096, 4096, "plain"),
-             "down": (4096, 14336, "silu_and_mul"), "qkv_first": (6144, 4096, "rms_norm")}
+             "down": (4096, 14336, "silu_and_mul"), "qkv_first": (6144, 4096, "rms_norm"),
+             "qkv_offset": (6144, 4096, "add_offset_rms_norm"), "qkv_first_offset": (6144, 4096, "offset_rms_norm")}
 
 
 @pytest.mark.gpu

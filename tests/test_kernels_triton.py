@@ -1250,19 +1250,28 @@ def test_quantize_fp8_per_token(shape, block_k):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_quant_fp8(residual):
-    from kiln.kernels.fp8 import add_rms_norm_quant_fp8, rms_norm_quant_fp8
-    from kiln.kernels.triton_fp8 import add_rms_norm_quant_fp8_triton, rms_norm_quant_fp8_triton
+@pytest.mark.parametrize("offset", [None, 1.0, 0.0])
+def test_rms_norm_quant_fp8(residual, offset):
+    # offset: kiln::offset_rms_norm's forms (Gemma's 1 + weight; 0, the weight-in-float32 norm).
+    from kiln.kernels import fp8
+    from kiln.kernels import triton_fp8 as tf
 
     x, w = randn(2, 5, 96, seed=61, dtype=HALF) * 4, randn(96, seed=62, dtype=HALF)
+    if offset is not None:
+        w = w * 0.2  # Gemma's weights sit near zero: (1 + w) near one
+    offset_args = () if offset is None else (offset,)
     if residual:
         r = randn(2, 5, 96, seed=63, dtype=HALF)
-        xq, scale, summed = add_rms_norm_quant_fp8_triton(x, r, w, 1e-6)
-        ref_q, ref_scale, ref_summed = add_rms_norm_quant_fp8(x.cpu(), r.cpu(), w.cpu(), 1e-6)
+        fused, reference = ((tf.add_rms_norm_quant_fp8_triton, fp8.add_rms_norm_quant_fp8) if offset is None else
+                            (tf.add_offset_rms_norm_quant_fp8_triton, fp8.add_offset_rms_norm_quant_fp8))
+        xq, scale, summed = fused(x, r, w, 1e-6, *offset_args)
+        ref_q, ref_scale, ref_summed = reference(x.cpu(), r.cpu(), w.cpu(), 1e-6, *offset_args)
         assert torch.equal(summed.cpu(), ref_summed)
     else:
-        xq, scale = rms_norm_quant_fp8_triton(x, w, 1e-6)
-        ref_q, ref_scale = rms_norm_quant_fp8(x.cpu(), w.cpu(), 1e-6)
+        fused, reference = ((tf.rms_norm_quant_fp8_triton, fp8.rms_norm_quant_fp8) if offset is None else
+                            (tf.offset_rms_norm_quant_fp8_triton, fp8.offset_rms_norm_quant_fp8))
+        xq, scale = fused(x, w, 1e-6, *offset_args)
+        ref_q, ref_scale = reference(x.cpu(), w.cpu(), 1e-6, *offset_args)
     assert xq.dtype == FP8 and scale.shape == (2, 5, 1)
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)  # the norm's rsqrt may differ in the last place
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
