@@ -125,6 +125,33 @@ def test_merge_qkv_with_biases(tiny_model_dir):
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch,members", [("qwen3_next", ("in_proj_qkvz", "in_proj_ba")),
+                                          ("qwen3_5", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))])
+def test_merge_qkv_merges_the_gated_delta_net_inputs(arch, members):
+    # Each gated DeltaNet layer's input projections (two in Qwen3-Next, four in Qwen3.5) read
+    # the layer's normed input: one GEMM, its outputs slices, the same numbers.
+    from tiny_models import tiny_config
+
+    from kiln.compiler.pass_testing import graph_for_pass, run_graph
+
+    config = tiny_config(arch)
+    delta_layers = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    before = graph_for_pass(config, "merge_qkv")
+    after = before.copy()
+    stats = after.run_pass(MergeQKVPass())
+    attention_layers = config.num_hidden_layers - len(delta_layers)
+    assert stats == {"qkv_proj_merged": attention_layers, "in_proj_qkvzba_merged": len(delta_layers),
+                     "inputs_added": attention_layers + len(delta_layers)}
+    merged = [t for t in after.context.weight_transforms if t.output.endswith("in_proj_qkvzba.weight")]
+    assert merged == [ConcatWeights(f"model.layers.{i}.linear_attn.in_proj_qkvzba.weight",
+                                    tuple(f"model.layers.{i}.linear_attn.{m}.weight" for m in members))
+                      for i in delta_layers]
+    delta = Counter(op_counts(after.graph_module))
+    delta.subtract(op_counts(before.graph_module))
+    assert delta["aten.linear.default"] == -(len(members) - 1) * len(delta_layers) - 2 * attention_layers
+    assert torch.equal(run_graph(after), run_graph(before))
+
+
 def test_merge_gate_up(tiny_model_dir):
     _, hf = tiny_model_dir("llama")
     before, after = build("llama", torch.float32), build("llama", torch.float32, MergeGateUpPass())
