@@ -55,7 +55,8 @@ else:
 
     TRITON_KERNEL_MODULES = ("triton_norm", "triton_rope", "triton_activation", "triton_paged_attention",
                              "triton_linear", "triton_moe", "triton_fp8", "triton_fp8_fused_linear",
-                             "triton_causal_conv", "triton_gated_delta_net", "triton_mamba2")
+                             "triton_causal_conv", "triton_gated_delta_net", "triton_mamba2",
+                             "triton_shared_expert_gate")
 
 
     def triton_kernels_available() -> bool:

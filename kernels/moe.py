@@ -15,8 +15,9 @@ Returns [T, H] in hidden's dtype:
 
 with the router computed as transformers does it: softmax in float32, top-k, optional
 renormalisation. A shared expert (Qwen2-MoE) is not part of the op: it is a dense MLP over
-every token, which the dense passes and kernels already serve, and its sigmoid-gated output
-is added to this op's output by the graph as before.
+every token, which the dense passes and kernels already serve. Its sigmoid gate and the sum
+with this op's output are `kiln::add_gated_shared_expert` (below; the
+`fuse_shared_expert_gate` pass).
 
 The CPU implementation is the reference below: tokens are grouped by expert (one stable sort
 of the T*top_k (token, expert) pairs), each expert's rows go through its gate/up GEMM, SiLU
@@ -348,3 +349,38 @@ def _moe_experts_fp8_fake(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_s
                           b_gate_up=None, b_down=None, activation="silu", alpha=1.702, limit=7.0):
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
+
+
+# ---- a shared expert's sigmoid gate -----------------------------------------------------------
+
+def check_gated_shared_expert_args(out: torch.Tensor, shared: torch.Tensor, hidden: torch.Tensor,
+                                   gate_weight: torch.Tensor) -> None:
+    if out.shape != shared.shape:
+        raise ValueError(f"add_gated_shared_expert: out {tuple(out.shape)} and shared {tuple(shared.shape)} "
+                         "differ in shape")
+    if gate_weight.dim() != 2 or gate_weight.shape[0] != 1 or gate_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"add_gated_shared_expert: gate_weight must be [1, {hidden.shape[-1]}] (hidden's width), "
+                         f"got {tuple(gate_weight.shape)}")
+    if hidden.shape[:-1] != out.shape[:-1]:
+        raise ValueError(f"add_gated_shared_expert: hidden {tuple(hidden.shape)} and out {tuple(out.shape)} differ "
+                         "in their tokens")
+
+
+def add_gated_shared_expert_reference(out: torch.Tensor, shared: torch.Tensor, hidden: torch.Tensor,
+                                      gate_weight: torch.Tensor) -> torch.Tensor:
+    return out + torch.sigmoid(F.linear(hidden, gate_weight)) * shared
+
+
+@kiln_op("kiln::add_gated_shared_expert", mutates_args=())
+def add_gated_shared_expert(out: torch.Tensor, shared: torch.Tensor, hidden: torch.Tensor,
+                            gate_weight: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(hidden @ gate_weight.T) * shared: Qwen2-MoE's, Qwen3-Next's and Qwen3.5's
+    shared expert added to the routed experts' output `out`, scaled by its one-column gate.
+    The reference is that chain of torch ops (each rounding to the activation dtype)."""
+    check_gated_shared_expert_args(out, shared, hidden, gate_weight)
+    return add_gated_shared_expert_reference(out, shared, hidden, gate_weight)
+
+
+@add_gated_shared_expert.register_fake
+def _add_gated_shared_expert_fake(out, shared, hidden, gate_weight):
+    return torch.empty(out.shape, dtype=torch.promote_types(out.dtype, shared.dtype), device=out.device)

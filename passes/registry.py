@@ -46,6 +46,7 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
     from kiln.passes.fuse_moe import FuseMoEPass
     from kiln.passes.fuse_rmsnorm import FuseRMSNormPass
     from kiln.passes.fuse_rope import FuseRoPEPass
+    from kiln.passes.fuse_shared_expert_gate import FuseSharedExpertGatePass
     from kiln.passes.fuse_silu_mul import FuseSiluMulPass
     from kiln.passes.merge_gate_up import MergeGateUpPass
     from kiln.passes.merge_qkv import MergeQKVPass
@@ -56,6 +57,8 @@ def builtin_pass_factories() -> dict[str, Callable[[], GraphPass]]:
         # Mixture-of-experts blocks (issue 17). fuse_silu_mul has by then turned the experts'
         # silu * up into kiln::silu_and_mul; fuse_moe matches either form.
         "fuse_moe": FuseMoEPass,
+        # The gated shared expert's sum with fuse_moe's output (Qwen2-MoE, Qwen3-Next).
+        "fuse_shared_expert_gate": FuseSharedExpertGatePass,
     })
     # Logits phase, after prune_logits (which finds the LM head as an aten.linear): the
     # projections, merged and pruned, become kiln::linear (CUDA graphs by default).
