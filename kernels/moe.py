@@ -350,7 +350,6 @@ def _moe_experts_fp8_fake(hidden, topk_weights, topk_ids, w_gate_up, w_gate_up_s
     return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
 
-
 # ---- a shared expert's sigmoid gate -----------------------------------------------------------
 
 def check_gated_shared_expert_args(out: torch.Tensor, shared: torch.Tensor, hidden: torch.Tensor,

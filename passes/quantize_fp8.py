@@ -52,16 +52,16 @@ from typing import Any, Callable
 import torch
 
 from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
+from kiln.kernels import rms_norm as norm_ops
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
-from kiln.kernels.fp8 import (FP8_DTYPE, add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8, offset_rms_norm_quant_fp8,
-                              rms_norm_quant_fp8, silu_and_mul_quant_fp8)
+from kiln.kernels.fp8 import (FP8_DTYPE, add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8,
+                              offset_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8)
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.moe import moe_experts as moe_experts_op
 from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
-from kiln.kernels import rms_norm as norm_ops
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_common import move_output
 from kiln.passes.fuse_moe import router_projections
