@@ -18,8 +18,10 @@ them. Rotation is the "rotate half" convention of Llama/Qwen/Mistral:
 
     out = x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin
 
-with each product rounded to the model dtype as the eager graph does. The CPU
-implementation is the reference below; `kiln.kernels.triton_rope` registers the CUDA one.
+with each product rounded to the model dtype as the eager graph does (cos/sin in float32
+beside 16-bit q/k, the OLMo family's tables: in float32, returned in float32, as its graph
+computes before casting back). The CPU implementation is the reference below;
+`kiln.kernels.triton_rope` registers the CUDA one.
 """
 
 from __future__ import annotations
@@ -56,6 +58,18 @@ def rope_reference(
         return torch.cat([rot * c + rotate_half(rot) * s, x[..., r:]], dim=-1).contiguous()
 
     return rotate(q, q_norm_weight), rotate(k, k_norm_weight)
+
+
+def rotated_for_attention(q_rot: torch.Tensor, k_rot: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                          q_norm_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated q and k as `kiln::rope_paged_attention` attends with them: in the heads' own
+    dtype (promoted with the norm weights'), not cos/sin's. Only float32 tables beside 16-bit
+    heads make a difference: the OLMo family's graph computes its RoPE in float32 and casts it
+    back before the attention, and `fuse_rope` folds such a rope only through those casts."""
+    def dtype(x: torch.Tensor) -> torch.dtype:
+        return x.dtype if q_norm_weight is None else torch.promote_types(x.dtype, q_norm_weight.dtype)
+
+    return q_rot.to(dtype(q)), k_rot.to(dtype(k))
 
 
 def check_rope_args(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

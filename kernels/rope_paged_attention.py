@@ -6,7 +6,8 @@ weights and eps) followed by those of `kiln::paged_attention` after q/k/v (the c
 batch metadata, scale, sliding window, soft-cap, the FP8 cache's kv_scale; keyword-only, the attention sinks); layouts are documented in `kiln.kernels.rope` and
 `kiln.kernels.paged_attention`. It computes exactly
 
-    q', k' = rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    q', k' = rope(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)   (in q's and k's dtype:
+             `rotated_for_attention`, for the OLMo family's float32 cos/sin)
     out    = paged_attention(q', k', v, kv_cache, ...)
 
 On CUDA (`kiln.kernels.triton_paged_attention`) the rotation kernel writes k' and v into
@@ -21,7 +22,7 @@ import torch
 
 from kiln.kernels.library import kiln_op
 from kiln.kernels.paged_attention import paged_attention_reference
-from kiln.kernels.rope import check_rope_args, rope_reference
+from kiln.kernels.rope import check_rope_args, rope_reference, rotated_for_attention
 
 
 @kiln_op("kiln::rope_paged_attention", mutates_args=("kv_cache",))
@@ -47,7 +48,8 @@ def rope_paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_rope_args(q, k, cos, sin)
-    q_rot, k_rot = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
+    q_rot, k_rot = rotated_for_attention(*rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps), q, k,
+                                         q_norm_weight)
     return paged_attention_reference(q_rot, k_rot, v, kv_cache, slot_mapping, block_tables, seq_lens,
                                      query_start_loc, scale, sliding_window, softcap, kv_scale=kv_scale, sinks=sinks)
 
@@ -57,4 +59,4 @@ def _rope_paged_attention_fake(q, k, v, cos, sin, q_norm_weight, k_norm_weight, 
                                block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap=0.0,
                                kv_scale=None, *, sinks=None):
     dtype = q.dtype if q_norm_weight is None else torch.promote_types(q.dtype, q_norm_weight.dtype)
-    return torch.empty(q.shape, dtype=torch.promote_types(dtype, cos.dtype), device=q.device)
+    return torch.empty(q.shape, dtype=dtype, device=q.device)

@@ -689,7 +689,9 @@ def rope_paged_attention_triton(
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
     new_kv = NewTokensKV(k, v, slot_mapping, cos, sin, q_norm_weight, k_norm_weight, float(eps))
-    if not (fuse_rope and (q_norm_weight is None or fuse_norms) and q.stride(-1) == 1
+    # (The decode kernel's own RoPE rounds as a 16-bit graph does: float32 tables, the OLMo
+    # family's, take the RoPE kernel's launch first.)
+    if not (fuse_rope and (q_norm_weight is None or fuse_norms) and q.stride(-1) == 1 and cos.dtype == q.dtype
             and rope_kernel_applies(q, k, cos, sin, q_norm_weight, k_norm_weight, (v, kv_cache, slot_mapping))):
         q = _write_new_kv_first(q, new_kv, kv_cache, kv_scale)  # the RoPE kernel's launch (or torch's)
         new_kv = None

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.paged_attention import kv_amax_recording, write_kv_cache
-from kiln.kernels.rope import check_rope_args, rope_reference
+from kiln.kernels.rope import check_rope_args, rope_reference, rotated_for_attention
 from kiln.kernels.rope import rope as rope_op
 from kiln.kernels.triton_common import num_warps_for, pdl_launch_args, pow2_at_least, wait_for_previous_kernel
 
@@ -84,9 +84,11 @@ def rms_normed_rounded(x, inv_rms, w, NO_CONTRACT: tl.constexpr = False):
 def _rotate_heads(
     x_base, out_base, n_heads, stride_h, out_stride_h, w_ptr, c, s, eps, scale_ptr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr,
-    SCALED: tl.constexpr, ROT_DIM: tl.constexpr,
+    SCALED: tl.constexpr, ROT_DIM: tl.constexpr, F32_TABLES: tl.constexpr = False,
 ):
-    """Each head's first ROT_DIM dims rotated (partial rotary: the rest pass as they are)."""
+    """Each head's first ROT_DIM dims rotated (partial rotary: the rest pass as they are).
+    F32_TABLES: cos/sin are float32 beside 16-bit heads (the OLMo family's graph), whose
+    products and sum are float32, rounded once, where they are stored."""
     half = ROT_DIM // 2
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
@@ -103,13 +105,16 @@ def _rotate_heads(
         wr = tl.load(w_ptr + d_rot, mask=d_ok, other=0.0).to(tl.float32)
         x = rms_normed_rounded(x, inv_rms[:, None], w[None, :])
         xr = rms_normed_rounded(xr, inv_rms[:, None], wr[None, :])
-    out = rotate_rounded(x, xr, c[None, :], (sign * s)[None, :])
+    if F32_TABLES:
+        out = x.to(tl.float32) * c[None, :] + xr.to(tl.float32) * (sign * s)[None, :]
+    else:
+        out = rotate_rounded(x, xr, c[None, :], (sign * s)[None, :])
     if ROT_DIM < HEAD_DIM:
-        out = tl.where((d < ROT_DIM)[None, :], out, x)
+        out = tl.where((d < ROT_DIM)[None, :], out, x.to(out.dtype))
     if SCALED:
         # An FP8 cache holds k / k_scale: the rotated key rounded to the model dtype first,
         # then divided in float32 (as the reference's write), then the cast saturates.
-        out = out.to(tl.float32) / tl.load(scale_ptr)
+        out = out.to(dt).to(tl.float32) / tl.load(scale_ptr)
     tl.store(out_base + h[:, None] * out_stride_h + d[None, :], out.to(out_base.dtype.element_ty), mask=mask)
 
 
@@ -122,7 +127,7 @@ def _rope_kernel(
     stride_c_blk, stride_c_off, stride_c_h,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr, WRITE_KV: tl.constexpr, CACHE_BLOCK: tl.constexpr, KV_SCALE: tl.constexpr,
-    PDL: tl.constexpr = False, ROT_DIM: tl.constexpr = -1,
+    PDL: tl.constexpr = False, ROT_DIM: tl.constexpr = -1, F32_TABLES: tl.constexpr = False,
 ):
     wait_for_previous_kernel(PDL)
     ROTATED: tl.constexpr = HEAD_DIM if ROT_DIM < 0 else ROT_DIM  # cos/sin's width
@@ -132,13 +137,14 @@ def _rope_kernel(
     c = tl.load(cos_ptr + t * stride_ct + d, mask=d < ROTATED, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_st + d, mask=d < ROTATED, other=0.0).to(tl.float32)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * n_q_heads * HEAD_DIM, n_q_heads, stride_qh, HEAD_DIM,
-                  qw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HQ_PAD, HAS_NORM, False, ROTATED)
+                  qw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HQ_PAD, HAS_NORM, False, ROTATED, F32_TABLES)
     if WRITE_KV:
         # The rotated key and the value go straight to the token's cache slot.
         slot = tl.load(slot_ptr + t).to(tl.int64)
         dest = (slot // CACHE_BLOCK) * stride_c_blk + (slot % CACHE_BLOCK) * stride_c_off
         _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dest, n_k_heads, stride_kh, stride_c_h,
-                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, KV_SCALE, ROTATED)
+                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, KV_SCALE, ROTATED,
+                      F32_TABLES)
         h = tl.arange(0, HK_PAD)
         mask = (h < n_k_heads)[:, None] & d_ok[None, :]
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
@@ -148,7 +154,15 @@ def _rope_kernel(
                  mask=mask)
     else:
         _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * n_k_heads * HEAD_DIM, n_k_heads, stride_kh, HEAD_DIM,
-                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, False, ROTATED)
+                      kw_ptr, c, s, eps, kv_scale_ptr, HEAD_DIM, D_PAD, HK_PAD, HAS_NORM, False, ROTATED,
+                      F32_TABLES)
+
+
+def f32_tables(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm_weight: torch.Tensor | None) -> bool:
+    """float32 cos/sin beside 16-bit q/k and no q/k norm: the OLMo family's RoPE, whose graph
+    computes the rotation in float32 and casts it back (the kernel's F32_TABLES)."""
+    return (cos.dtype == sin.dtype == torch.float32 and q.dtype in (torch.bfloat16, torch.float16)
+            and q_norm_weight is None)
 
 
 def rope_kernel_applies(
@@ -156,9 +170,10 @@ def rope_kernel_applies(
     k_norm_weight: torch.Tensor | None, write_kv: tuple | None,
 ) -> bool:
     """Whether a Triton kernel rotates these (else torch's reference does, then the write):
-    one dtype throughout, a KV cache whose last dimension is contiguous, and no KV-scale
-    calibration under way for an FP8 cache."""
-    dtypes = {q.dtype, k.dtype, cos.dtype, sin.dtype}
+    one dtype throughout (or float32 cos/sin beside 16-bit heads without q/k norms:
+    `f32_tables`), a KV cache whose last dimension is contiguous, and no KV-scale calibration
+    under way for an FP8 cache."""
+    dtypes = {q.dtype, k.dtype} | ({cos.dtype, sin.dtype} if not f32_tables(q, cos, sin, q_norm_weight) else set())
     if q_norm_weight is not None and k_norm_weight is not None:
         dtypes |= {q_norm_weight.dtype, k_norm_weight.dtype}
     if write_kv is None:
@@ -185,7 +200,9 @@ def rope_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q and k (the first cos.shape[-1] dims of each head: partial rotary where that is
     under D). With `write_kv=(v, kv_cache, slot_mapping[, kv_scale])` the rotated k and v are
-    written into the cache instead of returned (k_out is then None)."""
+    written into the cache instead of returned (k_out is then None), and the rotated q comes
+    back in q's dtype, for the attention (`kiln::rope_paged_attention`); without it in the
+    op's dtype, q's promoted with cos's (float32 for the OLMo family's float32 tables)."""
     check_rope_args(q, k, cos, sin, partial=True)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("rope: give both q_norm_weight and k_norm_weight, or neither")
@@ -195,12 +212,15 @@ def rope_triton(
         q_out, k_out = rope_reference(q, k, cos, sin, q_norm_weight, k_norm_weight, eps)
         if write_kv is None:
             return q_out, k_out
+        q_out, k_out = rotated_for_attention(q_out, k_out, q, k, q_norm_weight)
         write_kv_cache(k_out, write_kv[0], write_kv[1], write_kv[2], kv_scale)
         return q_out, None
     t, hq, d = q.shape
     hk = k.shape[1]
-    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hk, d), dtype=k.dtype, device=k.device) if write_kv is None else None
+    tables_f32 = f32_tables(q, cos, sin, q_norm_weight)
+    out_dtype = torch.float32 if tables_f32 and write_kv is None else q.dtype
+    q_out = torch.empty((t, hq, d), dtype=out_dtype, device=q.device)
+    k_out = torch.empty((t, hk, d), dtype=out_dtype, device=k.device) if write_kv is None else None
     if t == 0:
         return q_out, k_out
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -230,7 +250,7 @@ def rope_triton(
         *cache_strides,
         HEAD_DIM=d, D_PAD=d_pad, HQ_PAD=hq_pad, HK_PAD=hk_pad, HAS_NORM=has_norm,
         WRITE_KV=write_kv is not None, CACHE_BLOCK=cache_block, KV_SCALE=kv_scale is not None,
-        ROT_DIM=cos.shape[-1] if cos.shape[-1] < d else -1,
+        ROT_DIM=cos.shape[-1] if cos.shape[-1] < d else -1, F32_TABLES=tables_f32,
         num_warps=num_warps_for(hq_pad * d_pad), **COMPILE_OPTIONS, **pdl_launch_args(q.device, "rope"),
     )
     return q_out, k_out

@@ -23,7 +23,11 @@ norm costs no launch of its own. It is matched first. This pass must run before
 Then, where a layer's rotated q and k only feed its `kiln::paged_attention` (through
 views), the two ops become one `kiln::rope_paged_attention`: its RoPE kernel writes the
 rotated keys and the values straight into the KV cache, so the separate cache write and
-the rotated-k tensor disappear (stats: kv_write_fused).
+the rotated-k tensor disappear (stats: kv_write_fused). The OLMo family (OLMo, OLMo 2/3,
+FlexOlmo) keeps cos/sin in float32, so a bfloat16 graph rotates in float32 and casts q and k
+back before the attention: such a rope folds through those casts, and on CUDA its kernel
+computes in float32 and rounds once, as that graph does (`F32_TABLES`; before, the kernel
+refused the mixed dtypes and ~14 torch ops a layer rotated, unfolded).
 
 cos/sin stay the graph's own computation (once per step, shared by every layer), so
 every RoPE variant transformers implements through inv_freq and the attention factor
@@ -150,16 +154,31 @@ _VIEW_OPS = {aten.transpose.int, aten.unsqueeze.default, aten.select.int, aten.f
              aten.view.default, aten.squeeze.dim}
 
 
-def _follow_views(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(consumer, value): walk the single-user chain of view ops from `node`."""
-    value = node
+def _is_cast_to(node: torch.fx.Node, dtype: torch.dtype | None) -> bool:
+    """`node` is `x.to(dtype)` and nothing else (no copy or memory-format arguments)."""
+    return (dtype is not None and node.target == aten.to.dtype and tuple(node.args[1:]) == (dtype,)
+            and not node.kwargs)
+
+
+def _follow_views(node: torch.fx.Node, cast_to: torch.dtype | None = None
+                  ) -> tuple[torch.fx.Node, torch.fx.Node, int] | None:
+    """(consumer, value, casts): walk the single-user chain of view ops from `node`, and of
+    casts to `cast_to` (counted) where that is given."""
+    value, casts = node, 0
     while len(value.users) == 1:
         user = next(iter(value.users))
-        if user.op == "call_function" and user.target in _VIEW_OPS and user.args[0] is value:
+        if user.op == "call_function" and user.args[0] is value and (user.target in _VIEW_OPS
+                                                                     or _is_cast_to(user, cast_to)):
+            casts += user.target == aten.to.dtype
             value = user
             continue
-        return user, value
+        return user, value, casts
     return None
+
+
+def _dtype(node: object) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _same_layout(end: torch.fx.Node, start: torch.fx.Node) -> bool:
@@ -187,7 +206,10 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
 
     Only where the rotated q and k reach the attention through views that give back the
     very layout rope produced, and are used nowhere else: then the rotated k need not
-    exist as a tensor, since the RoPE kernel can write it into the cache.
+    exist as a tensor, since the RoPE kernel can write it into the cache. The OLMo family's
+    float32 cos/sin rotate 16-bit heads in float32: such a rope folds only where each output
+    is cast back to its head's dtype on the way, as the fused op returns it
+    (`kiln.kernels.rope.rotated_for_attention`).
     """
     graph = gm.graph
     folded = 0
@@ -195,9 +217,14 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         outs = {u.args[1]: u for u in rope.users if u.op == "call_function" and u.target is operator.getitem}
         if len(rope.users) != 2 or set(outs) != {0, 1}:
             continue
-        q_end, k_end = _follow_views(outs[0]), _follow_views(outs[1])
+        q_dtype, k_dtype, cos_dtype = _dtype(rope.args[0]), _dtype(rope.args[1]), _dtype(rope.args[2])
+        widened = q_dtype is not None and cos_dtype is not None and cos_dtype != q_dtype and rope.args[4] is None
+        q_end = _follow_views(outs[0], q_dtype if widened else None)
+        k_end = _follow_views(outs[1], k_dtype if widened else None)
         if q_end is None or k_end is None or q_end[0] is not k_end[0]:
             continue
+        if (q_end[2], k_end[2]) != ((1, 1) if widened else (0, 0)):
+            continue  # float32 tables: each rotated head cast back once, or no fold
         attn = q_end[0]
         if attn.target != torch.ops.kiln.paged_attention.default or attn.args[0] is not q_end[1] \
                 or attn.args[1] is not k_end[1]:

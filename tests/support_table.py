@@ -109,8 +109,8 @@ def render(rows: list[Row]) -> str:
         "(on CPU only the projection merges run by default), traced in float32; in bfloat16 graphs the "
         "same fire but for GPT-OSS's, OLMo's, Helium's, FlexOlmo's, AFMoE's and Nemotron-H's norms "
         "(`add_rms_norm_fp32_weight`, `rms_norm_fp32_weight`: their weight joins in float32), AFMoE's "
-        "q/k norms (apart from its RoPE) and the OLMo family's RoPE (float32 cos/sin: not folded into "
-        "the attention, and OLMo's non-parametric LayerNorm not fused).",
+        "q/k norms (apart from its RoPE) and OLMo's non-parametric LayerNorm (not fused). The OLMo "
+        "family's RoPE (float32 cos/sin, cast back) folds into the attention in both.",
         "",
         "| architecture | status | exercises / construct refused | fusions that fire |",
         "|---|---|---|---|",

@@ -226,6 +226,22 @@ def test_fuse_rope_takes_partial_rotary(tiny_model_dir, arch):
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["olmo2", "olmo"])
+def test_fuse_rope_folds_float32_tables_through_their_casts(tiny_model_dir, arch):
+    """The OLMo family keeps cos/sin in float32: in a bfloat16 graph its rotation is float32
+    and cast back to bfloat16 before the attention. Those casts do not stop the fold (the
+    fused op attends with q and k in their own dtype); logits unchanged in bfloat16."""
+    _, hf = tiny_model_dir(arch)
+    before, after = build(arch, torch.bfloat16), build(arch, torch.bfloat16, FuseRoPEPass(on_cpu=True))
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0,
+                                            "rope_partial": 0, "kv_write_fused": LAYERS}
+    fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
+    assert len(fused) == LAYERS and all(n.args[3].meta["val"].dtype == torch.float32 for n in fused)  # cos
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in fused)
+    assert counts_delta(before, after)["aten.to.dtype"] <= -2 * LAYERS  # each layer's two casts back
+    assert_same_logits(before, after, hf, torch.bfloat16, atol=0)
+
+
 def test_fuse_rmsnorm_with_residual(tiny_model_dir):
     _, hf = tiny_model_dir("mistral")
     before, after = build("mistral", torch.float32), build("mistral", torch.float32, FuseRMSNormPass(on_cpu=True))

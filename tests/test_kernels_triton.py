@@ -214,19 +214,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kiln.kernels.triton_rope import COMPILE_OPTIONS, _rope_kernel as fn
 found = {}
-variants = [(n, w, f, -1) for n, w, f in itertools.product([False, True], repeat=3) if w or not f]
-for has_norm, write_kv, fp8, rot_dim in variants + [(True, False, False, 64)]:  # the last: partial rotary
+variants = [(n, w, f, -1, False) for n, w, f in itertools.product([False, True], repeat=3) if w or not f]
+# then partial rotary, and the OLMo family's float32 tables (the op's float32 outputs; the cache write)
+variants += [(True, False, False, 64, False), (False, False, False, -1, True), (False, True, False, -1, True)]
+for has_norm, write_kv, fp8, rot_dim, f32 in variants:
     scalar_types = {"slot_ptr": "*i64", "kv_scale_ptr": "*fp32", "n_q_heads": "i32", "n_k_heads": "i32",
-                    "eps": "fp32", **({"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {})}
+                    "eps": "fp32", **({"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"} if fp8 else {}),
+                    **({"cos_ptr": "*fp32", "sin_ptr": "*fp32"} if f32 else {}),
+                    **({"q_out_ptr": "*fp32", "k_out_ptr": "*fp32"} if f32 and not write_kv else {})}
     consts = dict(HEAD_DIM=128, D_PAD=128, HQ_PAD=32, HK_PAD=8, HAS_NORM=has_norm, WRITE_KV=write_kv,
-                  CACHE_BLOCK=16, KV_SCALE=fp8, ROT_DIM=rot_dim)
+                  CACHE_BLOCK=16, KV_SCALE=fp8, ROT_DIM=rot_dim, F32_TABLES=f32)
     signature = {name: "constexpr" if name in consts else
                  scalar_types.get(name, "*bf16" if name.endswith("_ptr") else "i64") for name in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **COMPILE_OPTIONS}).asm["ptx"]
     ops = {line.split()[0] for line in ptx.splitlines() if line.strip()[:4] in ("fma.", "mul.", "add.", "cvt.")}
-    found[f"norm={has_norm},write_kv={write_kv},fp8_cache={fp8},rot_dim={rot_dim}"] = sorted(ops)
+    found[f"norm={has_norm},write_kv={write_kv},fp8_cache={fp8},rot_dim={rot_dim},f32_tables={f32}"] = sorted(ops)
 print(json.dumps(found))
 """
 
@@ -738,6 +742,61 @@ def test_rope_paged_attention_writes_rotated_keys(with_norm, splits):
                                     0.25, window, softcap)
     assert_attention_close(out, ref, batch, atol=2e-5, rtol=2e-5)
     assert_cache_matches(batch["kv_cache"], ref_batch["kv_cache"], batch, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_rope_with_float32_tables(partial):
+    # The OLMo family's graph: float32 cos/sin beside 16-bit heads, the rotation computed in
+    # float32 (and cast back by the graph). The op returns float32 as that graph's rotation
+    # is; with write_kv (kiln::rope_paged_attention) the rotated q comes back in its own dtype
+    # and the key goes into the cache, each rounded once.
+    from kiln.kernels.paged_attention import write_kv_cache
+    from kiln.kernels.rope import rotated_for_attention
+    from kiln.kernels.triton_rope import rope_triton
+
+    t, hq, hkv, d = 5, 4, 2, 32
+    r = 8 if partial else d
+    q = randn(1, hq, t, d, seed=31, dtype=HALF)[0].transpose(0, 1)
+    k = randn(t, hkv, d, seed=32, dtype=HALF)
+    cos, sin = _cos_sin(t, r, seed=33)
+    assert cos.dtype == torch.float32
+    outs, refs = rope_triton(q, k, cos, sin, None, None, 0.0), rope_reference(q, k, cos, sin, None, None, 0.0)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == ref.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)  # float32 products and sum, unrounded
+    batch = make_paged_batch(**MIXED, hq=hq, hkv=hkv, d=d, block_size=4, num_blocks=24, seed=34, dtype=HALF)
+    n = batch["q"].shape[0]
+    cos, sin = _cos_sin(n, r, seed=35)
+    ref_cache = batch["kv_cache"].clone()
+    q_rot, _ = rope_triton(batch["q"], batch["k"], cos, sin, None, None, 0.0,
+                           write_kv=(batch["v"], batch["kv_cache"], batch["slot_mapping"]))
+    ref_q, ref_k = rotated_for_attention(*rope_reference(batch["q"], batch["k"], cos, sin, None, None, 0.0),
+                                         batch["q"], batch["k"], None)
+    write_kv_cache(ref_k, batch["v"], ref_cache, batch["slot_mapping"])
+    assert q_rot.dtype == HALF
+    assert_mostly_bit_exact(q_rot, ref_q)
+    assert_cache_matches(batch["kv_cache"], ref_cache, batch, atol=1e-3, rtol=1e-3)
+
+
+def test_rope_paged_attention_with_float32_tables():
+    # The fused op over float32 tables: the RoPE kernel's launch (with the cache write), then
+    # the attention over q in its own dtype: what the op's CPU implementation composes.
+    from kiln.kernels.rope_paged_attention import rope_paged_attention
+
+    batch = make_paged_batch(**MIXED, hq=4, hkv=2, d=16, block_size=4, num_blocks=24, seed=36, dtype=HALF)
+    cos, sin = _cos_sin(batch["q"].shape[0], 16, seed=37)
+    ref_batch = {k: v.clone() for k, v in batch.items()}
+    args = ("q", "k", "v")
+    out = rope_paged_attention_triton(*(batch[a] for a in args), cos, sin, None, None, 0.0, batch["kv_cache"],
+                                      batch["slot_mapping"], batch["block_tables"], batch["seq_lens"],
+                                      batch["query_start_loc"], 0.25, 0)
+    ref_cache = ref_batch["kv_cache"].cpu()  # the CPU implementation writes into it
+    ref = rope_paged_attention(*(ref_batch[a].cpu() for a in args), cos.cpu(), sin.cpu(), None, None, 0.0,
+                               ref_cache, ref_batch["slot_mapping"].cpu(), ref_batch["block_tables"].cpu(),
+                               ref_batch["seq_lens"].cpu(), ref_batch["query_start_loc"].cpu(), 0.25, 0)
+    assert out.dtype == ref.dtype == HALF
+    assert_attention_close(out, ref.to(out.device), batch, atol=2e-3, rtol=2e-3)
+    assert_cache_matches(batch["kv_cache"], ref_cache.to(out.device), batch, atol=1e-3, rtol=1e-3)
 
 
 def _new_tokens_decode(cache: str, seed: int, keys_as_rows: bool = True
