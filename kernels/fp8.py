@@ -2,7 +2,7 @@
 quantization fused into the ops that produce a projection's input: `kiln::rms_norm_quant_fp8`,
 `kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8`, and the offset norm form's
 (`kiln::offset_rms_norm_quant_fp8`, `kiln::add_offset_rms_norm_quant_fp8`: Gemma's, Qwen3-Next's
-and the weight-in-float32 norms).
+and the weight-in-float32 norms) and Gemma's GeGLU (`kiln::gelu_tanh_and_mul_quant_fp8`).
 
     quantize_fp8_per_token(x [..., K]) -> (xq [..., K] float8_e4m3fn, scale [..., 1] float32)
         x ~= xq * scale, one scale per row (token): max|row| / 448, the e4m3 range.
@@ -33,7 +33,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.activation import silu_and_mul_reference
+from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from kiln.kernels.library import kiln_op
 from kiln.kernels.rms_norm import (add_offset_rms_norm_reference, add_rms_norm_reference, check_rms_norm_args,
                                    offset_rms_norm_reference, rms_norm_reference)
@@ -221,3 +221,17 @@ def silu_and_mul_quant_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.
 @silu_and_mul_quant_fp8.register_fake
 def _silu_and_mul_quant_fp8_fake(gate, up):
     return _fake_quantized(gate)
+
+
+@kiln_op("kiln::gelu_tanh_and_mul_quant_fp8")
+def gelu_tanh_and_mul_quant_fp8(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate.shape != up.shape:
+        raise ValueError(f"gelu_tanh_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ "
+                         "in shape")
+    return quantize_fp8_rows(gelu_tanh_and_mul_reference(gate, up))
+
+
+@gelu_tanh_and_mul_quant_fp8.register_fake
+def _gelu_tanh_and_mul_quant_fp8_fake(gate, up):
+    return _fake_quantized(gate)
+

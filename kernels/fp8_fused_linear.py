@@ -7,6 +7,7 @@
     add_offset_rms_norm_fp8_linear(x, residual, norm_weight, eps, offset, weight, weight_scale, bias,
                                    out_dtype) -> (y, summed)     the norm form of kiln::offset_rms_norm
     silu_and_mul_fp8_linear(gate, up, weight, weight_scale, bias, out_dtype) -> y
+    gelu_tanh_and_mul_fp8_linear(gate, up, weight, weight_scale, bias, out_dtype) -> y   (Gemma's GeGLU)
     quantize_fp8_linear(x, weight, weight_scale, bias, out_dtype) -> y
 
 Each is the `kiln::*_quant_fp8` op (kiln.kernels.fp8) followed by `kiln::fp8_linear`, and
@@ -31,8 +32,8 @@ from __future__ import annotations
 import torch
 
 from kiln.kernels.fp8 import (add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8, check_fp8_linear_args, fp8_linear,
-                              offset_rms_norm_quant_fp8, quantize_fp8_per_token, rms_norm_quant_fp8,
-                              silu_and_mul_quant_fp8)
+                              gelu_tanh_and_mul_quant_fp8, offset_rms_norm_quant_fp8, quantize_fp8_per_token,
+                              rms_norm_quant_fp8, silu_and_mul_quant_fp8)
 from kiln.kernels.library import kiln_op
 from kiln.kernels.rms_norm import check_rms_norm_args
 
@@ -93,6 +94,13 @@ def silu_and_mul_fp8_linear_chain(gate: torch.Tensor, up: torch.Tensor, weight: 
                                   weight_scale: torch.Tensor, bias: torch.Tensor | None,
                                   out_dtype: torch.dtype) -> torch.Tensor:
     xq, xs = silu_and_mul_quant_fp8(gate, up)
+    return fp8_linear(xq, xs, weight, weight_scale, bias, out_dtype)
+
+
+def gelu_tanh_and_mul_fp8_linear_chain(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                                       weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                       out_dtype: torch.dtype) -> torch.Tensor:
+    xq, xs = gelu_tanh_and_mul_quant_fp8(gate, up)
     return fp8_linear(xq, xs, weight, weight_scale, bias, out_dtype)
 
 
@@ -171,6 +179,20 @@ def silu_and_mul_fp8_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.
 
 @silu_and_mul_fp8_linear.register_fake
 def _silu_and_mul_fp8_linear_fake(gate, up, weight, weight_scale, bias, out_dtype):
+    return _projected_fake(gate, weight, out_dtype)
+
+
+@kiln_op("kiln::gelu_tanh_and_mul_fp8_linear")
+def gelu_tanh_and_mul_fp8_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                                 weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+    check_silu_and_mul_args(gate, up, "gelu_tanh_and_mul_fp8_linear")
+    check_fused_weight(gate, weight, weight_scale, bias, "gelu_tanh_and_mul_fp8_linear")
+    return gelu_tanh_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
+
+
+@gelu_tanh_and_mul_fp8_linear.register_fake
+def _gelu_tanh_and_mul_fp8_linear_fake(gate, up, weight, weight_scale, bias, out_dtype):
     return _projected_fake(gate, weight, out_dtype)
 
 

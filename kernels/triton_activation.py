@@ -20,6 +20,17 @@ BLOCK_COLS = 1024
 
 
 @triton.jit
+def gated_activation(g, GELU_TANH: tl.constexpr):
+    """act(g) in float32 (g float32): SiLU, or GELU with the tanh approximation."""
+    if GELU_TANH:
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with 1 + tanh(y) = 2 sigmoid(2y).
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return g * tl.sigmoid(2.0 * inner)
+    else:
+        return g * tl.sigmoid(g)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, BLOCK: tl.constexpr,
                          GELU_TANH: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
@@ -29,12 +40,7 @@ def _silu_and_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, 
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    if GELU_TANH:
-        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), with 1 + tanh(y) = 2 sigmoid(2y).
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        activated = (g * tl.sigmoid(2.0 * inner)).to(dt)
-    else:
-        activated = (g * tl.sigmoid(g)).to(dt)  # rounded like the eager activation's output
+    activated = gated_activation(g, GELU_TANH).to(dt)  # rounded like the eager activation's output
     tl.store(out_ptr + row * n_cols + cols, (activated.to(tl.float32) * u).to(dt), mask=mask)
 
 

@@ -1,6 +1,6 @@
 """Triton kernels for `kiln::quantize_fp8_per_token` and the fused `kiln::rms_norm_quant_fp8`,
 `kiln::add_rms_norm_quant_fp8`, `kiln::silu_and_mul_quant_fp8` (and the offset norm form of the
-first two), and a GEMV for
+first two, and Gemma's GeGLU form of the third), and a GEMV for
 `kiln::fp8_linear` at decode-sized inputs (all registered for CUDA).
 
 The plain-torch reference is five launches (abs, amax, multiply, clamp, cast) and reads the
@@ -20,18 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.activation import silu_and_mul_reference
+from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from kiln.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, check_fp8_linear_args, fp8_linear_reference
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import add_offset_rms_norm_quant_fp8 as add_offset_rms_norm_quant_op
 from kiln.kernels.fp8 import add_rms_norm_quant_fp8 as add_rms_norm_quant_op
+from kiln.kernels.fp8 import gelu_tanh_and_mul_quant_fp8 as gelu_tanh_and_mul_quant_op
 from kiln.kernels.fp8 import offset_rms_norm_quant_fp8 as offset_rms_norm_quant_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.fp8 import quantize_fp8_rows as quantize_fp8_rows_ref
 from kiln.kernels.fp8 import rms_norm_quant_fp8 as rms_norm_quant_op
 from kiln.kernels.fp8 import silu_and_mul_quant_fp8 as silu_and_mul_quant_op
 from kiln.kernels.rms_norm import check_rms_norm_args
-from kiln.kernels.triton_activation import _rows
+from kiln.kernels.triton_activation import _rows, gated_activation
 from kiln.kernels.triton_common import (GEMV_EARLY_TILE, NORM_EARLY_WEIGHT, max_shared_memory, num_warps_for,
                                         pdl_launch_args, pow2_at_least, split_k_counters, split_k_sum,
                                         wait_for_previous_kernel)
@@ -165,28 +166,28 @@ def add_offset_rms_norm_quant_fp8_triton(x: torch.Tensor, residual: torch.Tensor
 
 
 @triton.jit
-def _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask):
-    """silu(g) * u for the columns `cols` of a row, in float32, each product rounded to the
-    activation dtype as kiln::silu_and_mul's output is."""
+def _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask, GELU_TANH: tl.constexpr = False):
+    """act(g) * u for the columns `cols` of a row (SiLU, or with GELU_TANH Gemma's GELU), in
+    float32, each product rounded to the activation dtype as kiln::silu_and_mul's output is."""
     dt = gate_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    return ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+    return (gated_activation(g, GELU_TANH).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
 
 
 @triton.jit
 def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stride_g, stride_u,
                                FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr, BLOCK: tl.constexpr,
-                               ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+                               ONE_PASS: tl.constexpr, PDL: tl.constexpr = False, GELU_TANH: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    # One program per row; the row's max|silu(g) * u| sets its scale.
+    # One program per row; the row's max|act(g) * u| sets its scale (act: SiLU, or GELU_TANH).
     row = tl.program_id(0).to(tl.int64)
     if ONE_PASS:
         # The whole row in one block (BLOCK >= n_cols): one load of gate and up, the products
         # kept in registers for the quantization.
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
+        y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask, GELU_TANH)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
         q = tl.minimum(tl.maximum(y * _reciprocal(scale), -FP8_MAX_C), FP8_MAX_C)
@@ -197,7 +198,7 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, cols < n_cols)
+            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, cols < n_cols, GELU_TANH)
             amax = tl.maximum(amax, tl.abs(y))
         scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_C, MIN_SCALE_C)
         tl.store(scale_ptr + row, scale)
@@ -205,7 +206,7 @@ def _silu_and_mul_quant_kernel(gate_ptr, up_ptr, xq_ptr, scale_ptr, n_cols, stri
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask)
+            y = _silu_and_mul_block(gate_ptr, up_ptr, row, stride_g, stride_u, cols, mask, GELU_TANH)
             q = tl.minimum(tl.maximum(y * inv, -FP8_MAX_C), FP8_MAX_C)
             tl.store(xq_ptr + row * n_cols + cols, q.to(xq_ptr.dtype.element_ty), mask=mask)
 
@@ -232,12 +233,15 @@ def silu_and_mul_quant_plan(rows: int, n_cols: int, block: int = 1024,
 
 
 def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024,
-                                  one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 silu(gate) * up with one scale per row; `one_pass` overrides the plan (tests)."""
+                                  one_pass: bool | None = None, gelu_tanh: bool = False
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 silu(gate) * up (with `gelu_tanh`, Gemma's GELU(gate) * up) with one scale per row;
+    `one_pass` overrides the plan (tests)."""
+    name = "gelu_tanh_and_mul_quant_fp8" if gelu_tanh else "silu_and_mul_quant_fp8"
     if gate.shape != up.shape:
-        raise ValueError(f"silu_and_mul_quant_fp8: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        raise ValueError(f"{name}: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
     if gate.dtype != up.dtype:
-        return quantize_fp8_rows_ref(silu_and_mul_reference(gate, up))
+        return quantize_fp8_rows_ref((gelu_tanh_and_mul_reference if gelu_tanh else silu_and_mul_reference)(gate, up))
     n = gate.shape[-1]
     xq = torch.empty(gate.shape, dtype=FP8_DTYPE, device=gate.device)
     scale = torch.empty((*gate.shape[:-1], 1), dtype=torch.float32, device=gate.device)
@@ -248,8 +252,13 @@ def silu_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: i
     _silu_and_mul_quant_kernel[(g2.shape[0],)](g2, u2, xq, scale, n, g2.stride(0), u2.stride(0),
                                                FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
                                                BLOCK=block_size, ONE_PASS=planned, num_warps=num_warps,
-                                               **pdl_launch_args(gate.device, "fp8_quant"))
+                                               GELU_TANH=gelu_tanh, **pdl_launch_args(gate.device, "fp8_quant"))
     return xq, scale
+
+
+def gelu_tanh_and_mul_quant_fp8_triton(gate: torch.Tensor, up: torch.Tensor, block: int = 1024,
+                                       one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return silu_and_mul_quant_fp8_triton(gate, up, block, one_pass, gelu_tanh=True)
 
 
 @rms_norm_quant_op.register_kernel("cuda")
@@ -277,6 +286,11 @@ def _add_offset_rms_norm_quant_fp8_cuda(x: torch.Tensor, residual: torch.Tensor,
                                         offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_rms_norm_args(x, weight, residual)
     return add_offset_rms_norm_quant_fp8_triton(x, residual, weight, eps, offset)
+
+
+@gelu_tanh_and_mul_quant_op.register_kernel("cuda")
+def _gelu_tanh_and_mul_quant_fp8_cuda(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return gelu_tanh_and_mul_quant_fp8_triton(gate, up)
 
 
 @silu_and_mul_quant_op.register_kernel("cuda")

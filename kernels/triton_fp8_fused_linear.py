@@ -7,7 +7,7 @@ builds each tile of the projection's input from the producer's inputs:
     RMS_NORM       x * norm_weight                   (x 1/rms at the end)
     ADD_RMS_NORM   (x + residual) * norm_weight      (the same; program 0 writes x + residual)
                    (with OFFSET_WEIGHT: offset + norm_weight, kiln::offset_rms_norm's form)
-    SILU_AND_MUL   silu(gate) * up
+    SILU_AND_MUL   silu(gate) * up                   (GELU_TANH_AND_MUL: Gemma's GELU(gate) * up)
     PLAIN          x                                 (the attention output before o_proj)
 
 and multiplies it with the e4m3 weight widened to float32: no activation quantization
@@ -48,11 +48,13 @@ import triton.language as tl
 from kiln.kernels.fp8 import FP8_DTYPE
 from kiln.kernels.fp8_fused_linear import (add_offset_rms_norm_fp8_linear, add_offset_rms_norm_fp8_linear_chain,
                                            add_rms_norm_fp8_linear, add_rms_norm_fp8_linear_chain,
-                                           check_fused_weight, check_silu_and_mul_args, offset_rms_norm_fp8_linear,
+                                           check_fused_weight, check_silu_and_mul_args, gelu_tanh_and_mul_fp8_linear,
+                                           gelu_tanh_and_mul_fp8_linear_chain, offset_rms_norm_fp8_linear,
                                            offset_rms_norm_fp8_linear_chain, quantize_fp8_linear,
                                            quantize_fp8_linear_chain, rms_norm_fp8_linear, rms_norm_fp8_linear_chain,
                                            silu_and_mul_fp8_linear, silu_and_mul_fp8_linear_chain)
 from kiln.kernels.rms_norm import check_rms_norm_args
+from kiln.kernels.triton_activation import gated_activation
 from kiln.kernels.triton_common import GEMV_EARLY_TILE, pdl_launch_args, wait_for_previous_kernel
 from kiln.kernels.triton_linear import GemvConfig, fit_block_k
 
@@ -69,10 +71,10 @@ FUSED_ROW_TABLE: tuple[tuple[float, float, GemvConfig | None], ...] = (
 )
 
 # What the K loop computes from the op's inputs (module doc).
-PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2, 3
+PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, GELU_TANH_AND_MUL = 0, 1, 2, 3, 4
 # The same as the kernels see them (a global a kernel reads must be a constexpr).
-_PLAIN, _RMS_NORM, _ADD_RMS_NORM, _SILU_AND_MUL = (tl.constexpr(v) for v in (PLAIN, RMS_NORM, ADD_RMS_NORM,
-                                                                            SILU_AND_MUL))
+_PLAIN, _RMS_NORM, _ADD_RMS_NORM, _SILU_AND_MUL, _GELU_TANH_AND_MUL = (
+    tl.constexpr(v) for v in (PLAIN, RMS_NORM, ADD_RMS_NORM, SILU_AND_MUL, GELU_TANH_AND_MUL))
 _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -84,10 +86,10 @@ def _input_tile(x_ptr, r_ptr, g_ptr, x_offs, r_offs, ks, mask, PROLOGUE: tl.cons
     value is rounded to the activation dtype where the unfused chain rounds it."""
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
-    if PROLOGUE == _SILU_AND_MUL:
+    if PROLOGUE == _SILU_AND_MUL or PROLOGUE == _GELU_TANH_AND_MUL:
         g = x.to(tl.float32)
         u = tl.load(r_ptr + r_offs, mask=mask, other=0.0).to(tl.float32)
-        a = ((g * tl.sigmoid(g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        a = (gated_activation(g, PROLOGUE == _GELU_TANH_AND_MUL).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
         s = a
     elif PROLOGUE == _PLAIN:
         a = x.to(tl.float32)
@@ -254,6 +256,15 @@ def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight:
     return _launch(SILU_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
 
 
+def gelu_tanh_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                                        weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                                        config: GemvConfig | None = None) -> torch.Tensor:
+    m, config = _config_for(gate, weight, config)
+    if not _applies(gate, weight, weight_scale, bias, config, m, up):
+        return gelu_tanh_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
+    return _launch(GELU_TANH_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
+
+
 def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                                bias: torch.Tensor | None, out_dtype: torch.dtype,
                                config: GemvConfig | None = None) -> torch.Tensor:
@@ -297,6 +308,13 @@ def _silu_and_mul_fp8_linear_cuda(gate, up, weight, weight_scale, bias, out_dtyp
     check_silu_and_mul_args(gate, up, "silu_and_mul_fp8_linear")
     check_fused_weight(gate, weight, weight_scale, bias, "silu_and_mul_fp8_linear")
     return silu_and_mul_fp8_linear_triton(gate, up, weight, weight_scale, bias, out_dtype)
+
+
+@gelu_tanh_and_mul_fp8_linear.register_kernel("cuda")
+def _gelu_tanh_and_mul_fp8_linear_cuda(gate, up, weight, weight_scale, bias, out_dtype):
+    check_silu_and_mul_args(gate, up, "gelu_tanh_and_mul_fp8_linear")
+    check_fused_weight(gate, weight, weight_scale, bias, "gelu_tanh_and_mul_fp8_linear")
+    return gelu_tanh_and_mul_fp8_linear_triton(gate, up, weight, weight_scale, bias, out_dtype)
 
 
 @quantize_fp8_linear.register_kernel("cuda")

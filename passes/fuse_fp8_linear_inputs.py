@@ -7,7 +7,8 @@ After:  y, summed = kiln.add_rms_norm_fp8_linear(x, residual, norm_w, eps, W, W_
 and likewise `rms_norm_quant_fp8` -> `kiln::rms_norm_fp8_linear`, the offset norm forms
 (`offset_rms_norm_quant_fp8`, `add_offset_rms_norm_quant_fp8`: Gemma's, Qwen3-Next's) ->
 `kiln::offset_rms_norm_fp8_linear` / `kiln::add_offset_rms_norm_fp8_linear`, `silu_and_mul_quant_fp8` ->
-`kiln::silu_and_mul_fp8_linear`, `quantize_fp8_per_token` (the attention output before
+`kiln::silu_and_mul_fp8_linear` (Gemma's `gelu_tanh_and_mul_quant_fp8` ->
+`kiln::gelu_tanh_and_mul_fp8_linear`), `quantize_fp8_per_token` (the attention output before
 o_proj) -> `kiln::quantize_fp8_linear` (kiln.kernels.fp8_fused_linear). Each fused op is its
 chain except at decode sizes on CUDA, where one GEMV computes the projection's input itself
 and multiplies it unquantized with the e4m3 weight: one launch instead of two, ~0.3 ms of a
@@ -42,6 +43,7 @@ FUSED_OP = {
     fp8_ops.offset_rms_norm_quant_fp8.default: fused_ops.offset_rms_norm_fp8_linear,
     fp8_ops.add_offset_rms_norm_quant_fp8.default: fused_ops.add_offset_rms_norm_fp8_linear,
     fp8_ops.silu_and_mul_quant_fp8.default: fused_ops.silu_and_mul_fp8_linear,
+    fp8_ops.gelu_tanh_and_mul_quant_fp8.default: fused_ops.gelu_tanh_and_mul_fp8_linear,
     fp8_ops.quantize_fp8_per_token.default: fused_ops.quantize_fp8_linear,
 }
 # The fused ops that also return the residual sum.

@@ -53,9 +53,11 @@ import torch
 
 from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.kernels import rms_norm as norm_ops
+from kiln.kernels.activation import gelu_tanh_and_mul as gelu_tanh_and_mul_op
 from kiln.kernels.activation import silu_and_mul as silu_and_mul_op
 from kiln.kernels.fp8 import (FP8_DTYPE, add_offset_rms_norm_quant_fp8, add_rms_norm_quant_fp8,
-                              offset_rms_norm_quant_fp8, rms_norm_quant_fp8, silu_and_mul_quant_fp8)
+                              gelu_tanh_and_mul_quant_fp8, offset_rms_norm_quant_fp8, rms_norm_quant_fp8,
+                              silu_and_mul_quant_fp8)
 from kiln.kernels.fp8 import fp8_linear as fp8_linear_op
 from kiln.kernels.fp8 import quantize_fp8_per_token as quantize_op
 from kiln.kernels.moe import fused_moe as fused_moe_op
@@ -295,6 +297,7 @@ QUANTIZING_FORM = {
     norm_ops.rms_norm.default: rms_norm_quant_fp8,
     norm_ops.offset_rms_norm.default: offset_rms_norm_quant_fp8,
     silu_and_mul_op.default: silu_and_mul_quant_fp8,
+    gelu_tanh_and_mul_op.default: gelu_tanh_and_mul_quant_fp8,
 }
 SUMMING_QUANTIZING_FORM = {
     norm_ops.add_rms_norm.default: add_rms_norm_quant_fp8,
@@ -305,11 +308,12 @@ SUMMING_QUANTIZING_FORM = {
 def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[torch.fx.Node]) -> dict[str, int]:
     """Each `quantize_fp8_per_token(x)` whose x comes from an RMSNorm (`kiln::rms_norm`,
     `kiln::offset_rms_norm`, or the normed output of `kiln::add_rms_norm` /
-    `kiln::add_offset_rms_norm`) or `kiln::silu_and_mul` and is used by nothing else becomes
+    `kiln::add_offset_rms_norm`) or `kiln::silu_and_mul` / `kiln::gelu_tanh_and_mul` and is used
+    by nothing else becomes
     the fused op (`kiln::*_quant_fp8`), which returns the same (xq, scale) first: the normed or
     activated tensor is never written out in full precision. The fused op takes the producer's
     place in the graph (the residual sum of the summing norms is used later, by the next layer).
-    `rms_norm_quant_fused` counts both norm forms. (Qwen3-Next's gated norm normalises each
+    `rms_norm_quant_fused` counts both norm forms, `silu_and_mul_quant_fused` both activations. (Qwen3-Next's gated norm normalises each
     head, its out_proj's input quantizes whole tokens: not fused.)"""
     stats = {"rms_norm_quant_fused": 0, "silu_and_mul_quant_fused": 0}
     for q in quantizations:
@@ -338,5 +342,6 @@ def fuse_quantization_into_producers(graph: torch.fx.Graph, quantizations: list[
         graph.erase_node(x)
         if producer is not x:
             graph.erase_node(producer)
-        stats["silu_and_mul_quant_fused" if fused_op is silu_and_mul_quant_fp8 else "rms_norm_quant_fused"] += 1
+        activation = fused_op in (silu_and_mul_quant_fp8, gelu_tanh_and_mul_quant_fp8)
+        stats["silu_and_mul_quant_fused" if activation else "rms_norm_quant_fused"] += 1
     return stats

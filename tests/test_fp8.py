@@ -563,11 +563,11 @@ def test_quantize_fp8_fuses_into_norms_and_activations():
     assert torch.equal(run_graph(after), run_graph(unfused))
 
 
-def test_fp8_fuses_the_offset_norms():
+def test_fp8_fuses_gemmas_norms_and_geglu():
     # Gemma 3's norms (x (1 + weight) in float32: kiln::offset_rms_norm / add_offset_rms_norm on
-    # the CUDA pipeline) take their projection's quantization (quantize_fp8), then the
-    # projection itself (fuse_fp8_linear_inputs), as Llama's norms do; in bfloat16, the
-    # numbers of the unfused graph at each step.
+    # the CUDA pipeline) and its GeGLU (kiln::gelu_tanh_and_mul) take their projection's
+    # quantization (quantize_fp8), then the projection itself (fuse_fp8_linear_inputs), as
+    # Llama's norms and SiLU-and-mul do; in bfloat16, the numbers of the unfused graph at each step.
     from kiln.passes.fuse_fp8_linear_inputs import FuseFP8LinearInputsPass
 
     config = tiny_config("gemma3_text")
@@ -575,12 +575,13 @@ def test_fp8_fuses_the_offset_norms():
     before = graph_for_pass(config, "quantize_fp8", cpu_fusions=True, dtype=torch.bfloat16)
     quantized = before.copy()
     stats = quantized.run_pass(QuantizeFP8Pass())
-    # Each layer's input norm (-> qkv) and pre-feedforward norm (-> gate/up); Gemma's GeGLU
-    # has no SiLU-and-mul to fuse into.
-    assert stats["rms_norm_quant_fused"] == 2 * layers and stats["silu_and_mul_quant_fused"] == 0
+    # Each layer's input norm (-> qkv) and pre-feedforward norm (-> gate/up), and its GeGLU
+    # (-> down: kiln::gelu_tanh_and_mul_quant_fp8).
+    assert stats["rms_norm_quant_fused"] == 2 * layers and stats["silu_and_mul_quant_fused"] == layers
     counts = op_counts(quantized.graph_module)
     assert (counts["kiln.offset_rms_norm_quant_fp8.default"]
             + counts["kiln.add_offset_rms_norm_quant_fp8.default"]) == 2 * layers
+    assert counts["kiln.gelu_tanh_and_mul_quant_fp8.default"] == layers
     unfused = graph_for_pass(config, "quantize_fp8", cpu_fusions=False, dtype=torch.bfloat16)
     unfused.run_pass(QuantizeFP8Pass())
     assert torch.equal(run_graph(quantized), run_graph(unfused))
@@ -589,9 +590,11 @@ def test_fp8_fuses_the_offset_norms():
     fused = linear_inputs.copy()
     stats = fused.run_pass(FuseFP8LinearInputsPass(on_cpu=True))
     assert stats["offset_rms_norm_fp8_linear"] + stats["add_offset_rms_norm_fp8_linear"] == 2 * layers
+    assert stats["gelu_tanh_and_mul_fp8_linear"] == layers
     counts = op_counts(fused.graph_module)
     assert not any(counts.get(f"kiln.{op}.default") for op in ("offset_rms_norm_quant_fp8",
-                                                               "add_offset_rms_norm_quant_fp8"))
+                                                               "add_offset_rms_norm_quant_fp8",
+                                                               "gelu_tanh_and_mul_quant_fp8"))
     assert torch.equal(run_graph(fused), run_graph(linear_inputs))
 
 
@@ -609,7 +612,8 @@ def test_fuse_fp8_linear_inputs():
     layers = config.num_hidden_layers
     assert stats == {"rms_norm_fp8_linear": 1, "add_rms_norm_fp8_linear": 2 * layers - 1,
                      "offset_rms_norm_fp8_linear": 0, "add_offset_rms_norm_fp8_linear": 0,
-                     "silu_and_mul_fp8_linear": layers, "quantize_fp8_linear": layers}
+                     "silu_and_mul_fp8_linear": layers, "gelu_tanh_and_mul_fp8_linear": 0,
+                     "quantize_fp8_linear": layers}
     counts = op_counts(after.graph_module)
     for op in ("fp8_linear", "rms_norm_quant_fp8", "add_rms_norm_quant_fp8", "silu_and_mul_quant_fp8",
                "quantize_fp8_per_token"):

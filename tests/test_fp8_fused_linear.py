@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 import kiln.kernels  # noqa: E402,F401  (registers the ops)
 from kiln.kernels import fp8_fused_linear as fused  # noqa: E402
 from kiln.kernels import triton_fp8_fused_linear as triton_fused  # noqa: E402
-from kiln.kernels.activation import silu_and_mul_reference  # noqa: E402
+from kiln.kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference  # noqa: E402
 from kiln.kernels.fp8 import dequantize_fp8, quantize_fp8_rowwise  # noqa: E402
 from kiln.kernels.rms_norm import (add_offset_rms_norm_reference, add_rms_norm_reference,  # noqa: E402
                                    offset_rms_norm_reference, rms_norm_reference)
@@ -30,7 +30,9 @@ from kiln.kernels.triton_linear import GemvConfig  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.triton_kernels  # on a GPU, part of `pytest -m gpu` (tests/conftest.py)
 EPS = 1e-5
-PROLOGUES = ("rms_norm", "add_rms_norm", "offset_rms_norm", "add_offset_rms_norm", "silu_and_mul", "plain")
+PROLOGUES = ("rms_norm", "add_rms_norm", "offset_rms_norm", "add_offset_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
+             "plain")
+ACTIVATIONS = ("silu_and_mul", "gelu_tanh_and_mul")
 OFFSET = 1.0  # Gemma's and Qwen3-Next's norms: x (1 + weight), the weights near zero
 SUMMING = ("add_rms_norm", "add_offset_rms_norm")
 
@@ -43,7 +45,7 @@ def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, scale: flo
 def operands(prologue: str, m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
     """(inputs of the op before the weight, wq, ws, bias). A residual stream of order 4, so the
     norm's 1/rms matters; weights of order 1/sqrt(K): outputs of order one."""
-    if prologue == "silu_and_mul":
+    if prologue in ACTIVATIONS:
         gate_up = randn(1, m, 2 * k, seed=seed, dtype=dtype, scale=2.0)
         inputs = (gate_up[..., :k], gate_up[..., k:])  # the halves of a merged projection, in place
     elif prologue == "plain":
@@ -70,6 +72,8 @@ def projection_input(prologue: str, inputs) -> tuple[torch.Tensor, torch.Tensor 
         return add_offset_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS, OFFSET)
     if prologue == "silu_and_mul":
         return silu_and_mul_reference(*cpu), None
+    if prologue == "gelu_tanh_and_mul":
+        return gelu_tanh_and_mul_reference(*cpu), None
     return cpu[0], None
 
 
@@ -85,6 +89,8 @@ def run_triton(prologue: str, inputs, wq, ws, b, out_dtype, config=None):
         return triton_fused.add_offset_rms_norm_fp8_linear_triton(*inputs, EPS, OFFSET, wq, ws, b, out_dtype, config)
     if prologue == "silu_and_mul":
         return triton_fused.silu_and_mul_fp8_linear_triton(*inputs, wq, ws, b, out_dtype, config), None
+    if prologue == "gelu_tanh_and_mul":
+        return triton_fused.gelu_tanh_and_mul_fp8_linear_triton(*inputs, wq, ws, b, out_dtype, config), None
     return triton_fused.quantize_fp8_linear_triton(inputs[0], wq, ws, b, out_dtype, config), None
 
 
@@ -99,6 +105,8 @@ def run_op(prologue: str, inputs, wq, ws, b, out_dtype):
         return fused.add_offset_rms_norm_fp8_linear(*inputs, EPS, OFFSET, wq, ws, b, out_dtype)
     if prologue == "silu_and_mul":
         return fused.silu_and_mul_fp8_linear(*inputs, wq, ws, b, out_dtype), None
+    if prologue == "gelu_tanh_and_mul":
+        return fused.gelu_tanh_and_mul_fp8_linear(*inputs, wq, ws, b, out_dtype), None
     return fused.quantize_fp8_linear(inputs[0], wq, ws, b, out_dtype), None
 
 
@@ -158,6 +166,8 @@ def test_ops_are_their_unfused_chains(prologue):
         assert torch.equal(summed, chain_summed)
     elif prologue == "silu_and_mul":
         chain = fused.silu_and_mul_fp8_linear_chain(*inputs, wq, ws, b, torch.bfloat16)
+    elif prologue == "gelu_tanh_and_mul":
+        chain = fused.gelu_tanh_and_mul_fp8_linear_chain(*inputs, wq, ws, b, torch.bfloat16)
     else:
         chain = fused.quantize_fp8_linear_chain(inputs[0], wq, ws, b, torch.bfloat16)
     assert torch.equal(y, chain)
@@ -209,7 +219,8 @@ def test_bad_input_is_refused_with_a_message():
 
 LLAMA3_8B = {"qkv": (6144, 4096, "add_rms_norm"), "o": (4096, 4096, "plain"),
              "down": (4096, 14336, "silu_and_mul"), "qkv_first": (6144, 4096, "rms_norm"),
-             "qkv_offset": (6144, 4096, "add_offset_rms_norm"), "qkv_first_offset": (6144, 4096, "offset_rms_norm")}
+             "qkv_offset": (6144, 4096, "add_offset_rms_norm"), "qkv_first_offset": (6144, 4096, "offset_rms_norm"),
+             "down_gelu": (4096, 14336, "gelu_tanh_and_mul")}
 
 
 @pytest.mark.gpu

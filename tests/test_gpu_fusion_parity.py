@@ -36,7 +36,8 @@ def test_gpu_float32_greedy_equals_hf_cpu(arch, compile_mode, tiny_model_dir, tm
     assert_greedy_equals_hf(engine, hf, prompts, 12, arch)
 
 
-@pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2"])
+# (OLMo 2: float32 cos/sin beside bfloat16 heads, the RoPE kernel's F32_TABLES folded into the attention.)
+@pytest.mark.parametrize("arch", ["llama3.1", "qwen3", "qwen2", "olmo2"])
 def test_gpu_bfloat16_logits_near_cpu_float32(arch, tiny_model_dir):
     from kiln.passes.manager import PassManager
 
@@ -44,6 +45,7 @@ def test_gpu_bfloat16_logits_near_cpu_float32(arch, tiny_model_dir):
     gpu = build(arch, torch.bfloat16, *[p for p in PassManager.default().passes
                                          if p.phase == "fusion"], device="cuda")
     assert any(r.stats.get("rope") or r.stats.get("qk_norm_rope") for r in gpu.report.records)
+    assert any(r.stats.get("kv_write_fused") for r in gpu.report.records)  # OLMo 2's too, through its casts
     cpu = build(arch, torch.float32)
     checked = 0
     for step, (ref, out) in enumerate(zip(run_steps(cpu, hf, torch.float32),

@@ -1358,14 +1358,15 @@ def test_norm_weight_loaded_early_changes_nothing(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_silu_and_mul_quant_fp8(one_pass):
-    from kiln.kernels.fp8 import silu_and_mul_quant_fp8
+@pytest.mark.parametrize("gelu_tanh", [False, True])  # Gemma's GeGLU: kiln::gelu_tanh_and_mul_quant_fp8
+def test_silu_and_mul_quant_fp8(one_pass, gelu_tanh):
+    from kiln.kernels.fp8 import gelu_tanh_and_mul_quant_fp8, silu_and_mul_quant_fp8
     from kiln.kernels.triton_fp8 import silu_and_mul_quant_fp8_triton
 
     gate_up = randn(7, 2 * 80, seed=64, dtype=HALF) * 3
     gate, up = gate_up[:, :80], gate_up[:, 80:]  # the halves of a merged projection, read in place
-    xq, scale = silu_and_mul_quant_fp8_triton(gate, up, block=32, one_pass=one_pass)
-    ref_q, ref_scale = silu_and_mul_quant_fp8(gate.cpu(), up.cpu())
+    xq, scale = silu_and_mul_quant_fp8_triton(gate, up, block=32, one_pass=one_pass, gelu_tanh=gelu_tanh)
+    ref_q, ref_scale = (gelu_tanh_and_mul_quant_fp8 if gelu_tanh else silu_and_mul_quant_fp8)(gate.cpu(), up.cpu())
     torch.testing.assert_close(scale.cpu(), ref_scale, rtol=2e-3, atol=0)
     assert_fp8_close(xq.cpu().float(), ref_q.float(), atol=0, rtol=FP8_NEIGHBOUR)
 
