@@ -249,20 +249,20 @@ def add_offset_rms_norm_fp8_linear_triton(x: torch.Tensor, residual: torch.Tenso
 
 def silu_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                                    weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                                   config: GemvConfig | None = None) -> torch.Tensor:
+                                   config: GemvConfig | None = None, gelu_tanh: bool = False) -> torch.Tensor:
+    """With `gelu_tanh`, Gemma's GELU(gate) * up (`kiln::gelu_tanh_and_mul_fp8_linear`)."""
     m, config = _config_for(gate, weight, config)
     if not _applies(gate, weight, weight_scale, bias, config, m, up):
-        return silu_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
-    return _launch(SILU_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
+        chain = gelu_tanh_and_mul_fp8_linear_chain if gelu_tanh else silu_and_mul_fp8_linear_chain
+        return chain(gate, up, weight, weight_scale, bias, out_dtype)
+    prologue = GELU_TANH_AND_MUL if gelu_tanh else SILU_AND_MUL
+    return _launch(prologue, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
 
 
 def gelu_tanh_and_mul_fp8_linear_triton(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                                         weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                                         config: GemvConfig | None = None) -> torch.Tensor:
-    m, config = _config_for(gate, weight, config)
-    if not _applies(gate, weight, weight_scale, bias, config, m, up):
-        return gelu_tanh_and_mul_fp8_linear_chain(gate, up, weight, weight_scale, bias, out_dtype)
-    return _launch(GELU_TANH_AND_MUL, gate, up, None, weight, weight_scale, bias, out_dtype, 0.0, config)[0]
+    return silu_and_mul_fp8_linear_triton(gate, up, weight, weight_scale, bias, out_dtype, config, gelu_tanh=True)
 
 
 def quantize_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
