@@ -17,6 +17,7 @@ from kiln.compiler.graph_inputs import graph_input_roles
 from kiln.compiler.pass_testing import graph_for_pass, run_graph
 from kiln.kernels import gated_delta_net as gdn
 from kiln.kernels import recurrent_states, recurrent_steps
+from kiln.passes.fuse_common import CPU_FUSIONS_ENV
 from kiln.passes.manager import op_counts
 from kiln.passes.recurrent_state import RecurrentStatePass
 from kiln.runtime import LLM, SamplingParams
@@ -210,12 +211,15 @@ def test_engine_runs_siblings_each_from_its_own_prompt(tiny_model_dir) -> None:
     assert llm.engine.scheduler.stats.num_forked_tokens == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
-def test_two_ranks_give_one_ranks_tokens(arch: str, tiny_model_dir) -> None:
+@pytest.mark.parametrize("arch,fusions", [("qwen3_next", False), ("qwen3_next", True), ("granitemoehybrid", False)])
+def test_two_ranks_give_one_ranks_tokens(arch: str, fusions: bool, tiny_model_dir, monkeypatch) -> None:
     """Qwen3-Next and Granite 4.0-H at tensor_parallel_size=2 (two CPU workers over gloo): each
     rank holds its heads' states (its conv channels, its value heads or Mamba2 heads) and reads
     its slices of the fused projections; over chunked prefills and decodes the greedy tokens
-    equal TP=1's."""
+    equal TP=1's. With `fusions` the CUDA pipeline's fusions run too (the norms, RoPE, the MoE
+    and the shared expert's gate, over each rank's shards)."""
+    if fusions:
+        monkeypatch.setenv(CPU_FUSIONS_ENV, "1")  # (the workers inherit the environment)
     path, _ = tiny_model_dir(arch)
     # On CPU workers over gloo (a machine with one GPU would otherwise need two).
     options = dict(dtype="float32", device="cpu", progress=False, max_model_len=128, max_num_seqs=4,
@@ -226,6 +230,11 @@ def test_two_ranks_give_one_ranks_tokens(arch: str, tiny_model_dir) -> None:
     llm = LLM(str(path), tensor_parallel_size=2, **options)
     try:
         assert llm.engine.num_state_slots == 5 and not llm.engine.block_manager.enable_prefix_caching
+        if arch == "qwen3_next":  # each rank's graph: its MoE and shared-expert gate fused or not
+            for report in llm.engine.executor.reports:
+                fired = {k for r in report["pass_records"] for k, v in r["stats"].items() if v}
+                assert {"fused_moe", "add_gated_shared_expert"} <= fired if fusions else not (
+                    {"fused_moe", "add_gated_shared_expert"} & fired), (report["rank"], fired)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
     finally:
         llm.engine.shutdown()
