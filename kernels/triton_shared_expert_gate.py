@@ -18,6 +18,7 @@ import triton.language as tl
 
 from kiln.kernels.moe import add_gated_shared_expert as add_gated_shared_expert_op
 from kiln.kernels.moe import add_gated_shared_expert_reference, check_gated_shared_expert_args
+from kiln.kernels.triton_activation import _rows
 from kiln.kernels.triton_common import num_warps_for, pdl_launch_args, pow2_at_least, wait_for_previous_kernel
 
 
@@ -39,12 +40,6 @@ def _add_gated_shared_expert_kernel(out_ptr, shared_ptr, hidden_ptr, w_ptr, y_pt
     o = tl.load(out_ptr + row * stride_out + cols, mask=mask, other=0.0).to(tl.float32)
     y = o + (gate * s).to(dt).to(tl.float32)
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as [rows, width] with a unit last stride (a view when strides allow)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def add_gated_shared_expert_triton(out: torch.Tensor, shared: torch.Tensor, hidden: torch.Tensor,

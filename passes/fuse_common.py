@@ -100,6 +100,12 @@ def hf_rms_norm_fp32_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -
     return (weight * h).to(x.dtype)
 
 
+def node_dtype(node: object) -> torch.dtype | None:
+    """The dtype of a graph node's example value (None for a non-node or a non-tensor value)."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
 def move_output(graph: torch.fx.Graph, old: torch.fx.Node, source: torch.fx.Node, index: int,
                 after: torch.fx.Node) -> torch.fx.Node:
     """Replace `old`, a getitem of an op being fused away, with getitem(source, index) placed

@@ -57,7 +57,7 @@ import torch
 
 from kiln.compiler.graph_inputs import add_graph_input, param_name, param_role
 from kiln.passes.base import KilnPass, PassContext, PassStats
-from kiln.passes.fuse_common import CudaByDefault
+from kiln.passes.fuse_common import CudaByDefault, node_dtype
 from kiln.passes.pattern import propagate_val
 from kiln.passes.weight_transforms import RearrangeExperts
 
@@ -103,18 +103,13 @@ def _is(node: object, *targets: object) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    val = node.meta.get("val")
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
 
 
 def _is_float32_cast(node: object) -> bool:
-    return _is(node, *_CASTS) and _dtype(node) == torch.float32  # type: ignore[arg-type]
+    return _is(node, *_CASTS) and node_dtype(node) == torch.float32  # type: ignore[arg-type]
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -215,9 +210,9 @@ def _weighted_sum(expert_out: torch.fx.Node, hidden: torch.fx.Node, top_k: int) 
     if not (_is(summed, aten.sum.dim_IntList) and list(summed.args[1]) == [1] and len(summed.args) == 2):
         return None
     output, after = summed, _only_user(summed)
-    if _is(after, *_CASTS) and _dtype(after) == _dtype(hidden):
+    if _is(after, *_CASTS) and node_dtype(after) == node_dtype(hidden):
         output = after
-    if _dtype(output) != _dtype(hidden):
+    if node_dtype(output) != node_dtype(hidden):
         return None
     return _WeightedSum(flat_weights=col_weights.args[0], output=output,
                         nodes=[col_weights, weighted, slots, summed, *([output] if output is not summed else [])])
@@ -512,7 +507,7 @@ def match_softmax_router(experts: ExpertsMatch) -> SoftmaxRouter | None:
     if _is_float32_cast(router_logits) and _only_user(router_logits) is softmax:
         nodes.append(router_logits)
         router_logits = router_logits.args[0]
-    if _dtype(softmax) != torch.float32:
+    if node_dtype(softmax) != torch.float32:
         return None
     items = _getitems(topk)
     if set(items) != {0, 1} or len(topk.users) != 2:
@@ -538,7 +533,7 @@ def match_softmax_router(experts: ExpertsMatch) -> SoftmaxRouter | None:
                                                                  experts.w_down):
         return None
     return SoftmaxRouter(router_logits=router_logits, renormalize=renormalize,
-                         fp32_weights=_dtype(weights) == torch.float32, nodes=nodes)
+                         fp32_weights=node_dtype(weights) == torch.float32, nodes=nodes)
 
 
 def _private(nodes: list[torch.fx.Node], output: torch.fx.Node) -> bool:

@@ -45,7 +45,7 @@ import torch
 
 from kiln.kernels.paged_attention import kv_heads_and_head_dim
 from kiln.passes.base import PassContext, PassStats
-from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm
+from kiln.passes.fuse_common import CustomOpFusionPass, hf_rms_norm, node_dtype
 from kiln.passes.pattern import Pattern
 
 
@@ -176,10 +176,6 @@ def _follow_views(node: torch.fx.Node, cast_to: torch.dtype | None = None
     return None
 
 
-def _dtype(node: object) -> torch.dtype | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
 
 def _same_layout(end: torch.fx.Node, start: torch.fx.Node) -> bool:
     """Whether the views from `start` (a rope output) to `end` give back start's own layout.
@@ -217,7 +213,7 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
         outs = {u.args[1]: u for u in rope.users if u.op == "call_function" and u.target is operator.getitem}
         if len(rope.users) != 2 or set(outs) != {0, 1}:
             continue
-        q_dtype, k_dtype, cos_dtype = _dtype(rope.args[0]), _dtype(rope.args[1]), _dtype(rope.args[2])
+        q_dtype, k_dtype, cos_dtype = node_dtype(rope.args[0]), node_dtype(rope.args[1]), node_dtype(rope.args[2])
         widened = q_dtype is not None and cos_dtype is not None and cos_dtype != q_dtype and rope.args[4] is None
         q_end = _follow_views(outs[0], q_dtype if widened else None)
         k_end = _follow_views(outs[1], k_dtype if widened else None)
