@@ -42,6 +42,7 @@ from kiln.compiler.graph_inputs import (
 from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_recurrent_layers
 from kiln.compiler.stacked_experts import stack_experts
 from kiln.kernels.paged_attention import caches_latent
+from kiln.kernels.recurrent_states import recurrent_layers
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -226,8 +227,8 @@ _RECURRENT_PARAMETER_SUFFIXES = (".A_log", ".dt_bias", ".time_decay", ".time_fir
 
 def find_unsupported_construct(model: torch.nn.Module) -> str | None:
     """The first construct in `model` Kiln cannot run, with where it is; None if none. Gated
-    DeltaNet and Mamba2 layers given Kiln's forward (`kiln.compiler.recurrent_layers`) run:
-    their states are per-sequence state caches."""
+    DeltaNet, Mamba2, Mamba and short-convolution layers given Kiln's forward
+    (`kiln.compiler.recurrent_layers`) run: their states are per-sequence state caches."""
     marked = tuple(f"{name}." for name, module in model.named_modules() if is_marked(module))
     for name, _ in model.named_parameters():
         if name.endswith(_RECURRENT_PARAMETER_SUFFIXES) and not name.startswith(marked):
@@ -240,7 +241,7 @@ def find_unsupported_construct(model: torch.nn.Module) -> str | None:
             # step would need the previous tokens' inputs, a per-sequence state Kiln lacks.
             return f"convolution over the sequence ({name}: {type(module).__name__})"
         if type(module).__name__.endswith(("Mixer", "Mamba", "MambaBlock")) and any(
-                n.endswith("conv1d") for n, _ in module.named_modules()):
+                n.endswith("conv1d") and not f"{name}.{n}".startswith(marked) for n, _ in module.named_modules()):
             return f"state-space layer ({name}: {type(module).__name__})"
     return None
 
@@ -487,7 +488,9 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     persistent = _persistent_buffer_names(hf)
     checkpoint_buffers: dict[str, list[str]] = {}
     param_dtypes: dict[str, torch.dtype] = {}
-    if not inline and not program.graph_module.graph.find_nodes(
+    # A model of recurrent layers alone (Mamba, Falcon-Mamba) has no attention to find.
+    all_recurrent = len(recurrent_layers(config)) == int(config.num_hidden_layers)
+    if not inline and not all_recurrent and not program.graph_module.graph.find_nodes(
             op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
 

@@ -87,7 +87,7 @@ SNAPSHOT_ATTRIBUTES = (
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "multi_query", "max_position_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
     "tie_word_embeddings", "sliding_window", "num_local_experts", "num_experts", "num_experts_per_tok",
-    "intermediate_size", "dtype", "architectures",
+    "intermediate_size", "dtype", "architectures", "layer_types", "layers_block_type",
 )
 CONFIG_SNAPSHOT_FORMAT = "kiln-config-snapshot/1"
 
@@ -481,7 +481,9 @@ def load_config(config_path: Path, raw: dict[str, Any] | None = None) -> Any:
         raise ModelSourceError(f"{config_path} has no 'model_type', so its architecture is unknown")
     missing = [f for f in REQUIRED_CONFIG_FIELDS if f not in raw and _config_field_alias(raw["model_type"], f) not in raw
                # Nemotron-H counts its layers from the list of their kinds.
-               and not (f == "num_hidden_layers" and any(isinstance(raw.get(k), list) for k in _LAYER_LISTS))]
+               and not (f == "num_hidden_layers" and any(isinstance(raw.get(k), list) for k in _LAYER_LISTS))
+               # Mamba and Falcon-Mamba have no attention, and their config classes no heads.
+               and not (f == "num_attention_heads" and not _config_declares(raw["model_type"], f))]
     if missing:
         raise ModelSourceError(f"{config_path} lacks required field(s): {', '.join(missing)}")
     try:
@@ -517,6 +519,19 @@ def _special_floats(value: Any) -> Any:
     if isinstance(value, list):
         return [_special_floats(v) for v in value]
     return value
+
+
+def _config_declares(model_type: str, field: str) -> bool:
+    """Whether `model_type`'s config class has `field` (itself or under another name); True for
+    a model type transformers does not know (its own error comes later)."""
+    with text_only_transformers():
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        try:
+            cls = CONFIG_MAPPING[model_type]
+        except KeyError:
+            return True
+    return hasattr(cls, field) or field in getattr(cls, "attribute_map", {})
 
 
 def _config_field_alias(model_type: str, field: str) -> str | None:
@@ -800,7 +815,8 @@ def _fp8_scale(key: str, where: dict[str, Path], shard: Path) -> torch.Tensor:
 #                               (already the model's name; Qwen2-MoE's shared_expert and
 #                               shared_expert_gate are named as in the model too)
 _MOE_STACKED = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-# LFM2-MoE's experts sit in the layer's `feed_forward`, one w1 (gate), w3 (up), w2 (down) each.
+# LFM2-MoE's experts sit in the layer's `feed_forward`, one w1 (gate), w3 (up), w2 (down) each;
+# Jamba's there too, as gate_proj / up_proj / down_proj.
 _FEED_FORWARD_EXPERTS = re.compile(r"^(.*\.feed_forward\.experts)\.(gate_up_proj|down_proj)$")
 # DBRX keeps one layer's experts in three [E * I, H] matrices (ffn.experts.mlp.w1 gate, v1 up,
 # w2 down, untransposed), which capture's StackedExperts hold stacked (kiln.compiler.stacked_experts).
@@ -843,8 +859,9 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     if m := _FEED_FORWARD_EXPERTS.match(name):
         if num_experts is None:
             return []
-        kinds = ("w1", "w3") if m.group(2) == "gate_up_proj" else ("w2",)
-        return [[f"{m.group(1)}.{e}.{w}.weight" for e in range(num_experts) for w in kinds]]
+        gate_up = m.group(2) == "gate_up_proj"
+        return [[f"{m.group(1)}.{e}.{w}.weight" for e in range(num_experts) for w in kinds]
+                for kinds in ((("w1", "w3"), ("gate_proj", "up_proj")) if gate_up else (("w2",), ("down_proj",)))]
     if m := _LOOPED_STACKED.match(name):
         kind = ("w1", "v1") if m.group(2) == "gate_up_proj" else ("w2",)
         return [[f"{m.group(1)}.mlp.{w}" for w in kind]] if num_experts is not None else []

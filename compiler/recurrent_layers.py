@@ -1,7 +1,9 @@
-"""Recurrent layers captured around one marker op: gated DeltaNet (Qwen3-Next, Qwen3.5),
+"""Recurrent layers captured around marker ops: gated DeltaNet (Qwen3-Next, Qwen3.5),
 Mamba2 mixers (Granite 4.0-H, Nemotron-H, Bamba), whose state-keeping part is
-`kiln::mamba2_scan` (kiln.kernels.mamba2), and LFM2's short convolutions (`kiln::short_conv`,
-kiln.kernels.short_conv), as the gated DeltaNet's is below.
+`kiln::mamba2_scan` (kiln.kernels.mamba2), Mamba mixers (Mamba, Falcon-Mamba, Jamba: their
+convolution `kiln::short_conv` with SiLU, their selective scan `kiln::selective_scan`,
+kiln.kernels.mamba, with the projections between them graph code) and LFM2's short
+convolutions (`kiln::short_conv`, kiln.kernels.short_conv), as the gated DeltaNet's is below.
 
 transformers' gated DeltaNet module keeps its recurrent and conv states in a `Cache` object
 and picks its kernel by sequence length; neither can be traced into a graph that serves any
@@ -26,7 +28,10 @@ from typing import Any
 
 import torch
 
+import torch.nn.functional as F
+
 from kiln.kernels.gated_delta_net import gated_delta_net
+from kiln.kernels.mamba import selective_scan
 from kiln.kernels.mamba2 import mamba2_scan
 from kiln.kernels.short_conv import short_conv
 
@@ -73,9 +78,9 @@ _MAMBA2 = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "nu
 
 
 # The Mamba2 mixers whose forward `_mamba2_forward` reproduces (each checked by a parity test).
-# Others of the kind compute more around the scan (Falcon-H1's multipliers, Mamba2's own MLP
-# branch, Zamba2's) and stay refused.
-MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "BambaMixer"})
+# Others of the kind compute more around the scan (Falcon-H1's multipliers, Zamba2's) and stay
+# refused.
+MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "BambaMixer", "Mamba2Mixer"})
 
 
 def is_mamba2_mixer(module: torch.nn.Module) -> bool:
@@ -109,6 +114,53 @@ def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
         return f"a Mamba2 mixer with a {activation!r} convolution activation (Kiln's op applies SiLU)"
     if module.num_heads % module.n_groups:
         return f"a Mamba2 mixer with {module.num_heads} heads in {module.n_groups} groups"
+    limit = tuple(float(v) for v in getattr(module, "time_step_limit", (0.0, float("inf"))))
+    if limit != (0.0, float("inf")):
+        return f"a Mamba2 mixer clamping dt to {limit} (Kiln's op does not clamp)"
+    return None
+
+
+# The Mamba (selective-scan) mixers `_mamba_forward` reproduces: Mamba's, Falcon-Mamba's (RMS
+# norms without weights on dt, B and C) and Jamba's (with weights).
+MAMBA_MIXERS = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+_MAMBA = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "time_step_rank", "ssm_state_size",
+          "intermediate_size", "layer_idx")
+_MAMBA_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def is_mamba_mixer(module: torch.nn.Module) -> bool:
+    """A Mamba (selective-scan) mixer Kiln runs (`MAMBA_MIXERS`)."""
+    return type(module).__name__ in MAMBA_MIXERS
+
+
+def _mamba_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The Mamba mixer over one packed step [1, T, hidden]: in_proj gives [x; z]; x's convolution
+    (SiLU after) and the scan run behind their markers; x_proj (dt, B, C, each normed where the
+    model norms them) and dt_proj's weight (its bias is the scan's dt_bias) stay graph code."""
+    x, z = self.in_proj(hidden_states)[0].chunk(2, dim=-1)
+    x = short_conv(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.layer_idx, True)
+    time_step, B, C = self.x_proj(x).split([self.time_step_rank, self.ssm_state_size, self.ssm_state_size], dim=-1)
+    if hasattr(self, "dt_layernorm"):
+        time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+    dt = F.linear(time_step, self.dt_proj.weight)
+    y = selective_scan(x, dt, B, C, z, self.A_log, self.D, self.dt_proj.bias, self.layer_idx)
+    return self.out_proj(y.unsqueeze(0))
+
+
+def why_not_mamba(module: torch.nn.Module, config: Any) -> str | None:
+    """What keeps `module` (a Mamba mixer) from Kiln's forward, or None."""
+    missing = [name for name in _MAMBA if not hasattr(module, name)]
+    norms = [name for name in _MAMBA_NORMS if hasattr(module, name)]
+    if missing or norms not in ([], list(_MAMBA_NORMS)):
+        return f"a Mamba mixer of an unknown layout ({', '.join(missing) or 'some of ' + ', '.join(_MAMBA_NORMS)})"
+    if module.in_proj.out_features != 2 * module.intermediate_size:
+        return (f"a Mamba mixer whose in_proj gives {module.in_proj.out_features} features, not x + z = "
+                f"{2 * module.intermediate_size}")
+    if module.dt_proj.bias is None:
+        return "a Mamba mixer whose dt_proj has no bias"
+    activation = getattr(module, "activation", None)
+    if activation not in ("silu", "swish"):
+        return f"a Mamba mixer with a {activation!r} convolution activation (Kiln's op applies SiLU)"
     return None
 
 
@@ -143,8 +195,8 @@ def why_not_markable(module: torch.nn.Module, config: Any) -> str | None:
 
 
 def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
-    """Give every recurrent layer of `model` (gated DeltaNet, a known Mamba2 mixer, LFM2's short
-    convolution) its marker forward; returns how many. Raises UnsupportedRecurrentLayer naming a
+    """Give every recurrent layer of `model` (gated DeltaNet, a known Mamba2 or Mamba mixer, LFM2's
+    short convolution) its marker forward; returns how many. Raises UnsupportedRecurrentLayer naming a
     module whose form it does not know."""
     count = 0
     for name, module in model.named_modules():
@@ -152,6 +204,8 @@ def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
             why, forward = why_not_markable(module, config), _kiln_forward
         elif is_mamba2_mixer(module):
             why, forward = why_not_mamba2(module, config), _mamba2_forward
+        elif is_mamba_mixer(module):
+            why, forward = why_not_mamba(module, config), _mamba_forward
         elif is_short_conv(module):
             why, forward = None, _short_conv_forward
         else:

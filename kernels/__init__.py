@@ -40,6 +40,7 @@ else:
     from kiln.kernels import fp8 as fp8  # noqa: F401  (kiln::quantize_fp8_per_token, kiln::fp8_linear)
     from kiln.kernels import fp8_fused_linear as fp8_fused_linear  # noqa: F401  (kiln::*_fp8_linear)
     from kiln.kernels import gated_delta_net as gated_delta_net  # noqa: F401  (kiln::*gated_delta_net)
+    from kiln.kernels import mamba as mamba  # noqa: F401  (kiln::selective_scan, kiln::paged_selective_scan)
     from kiln.kernels import mamba2 as mamba2  # noqa: F401  (kiln::mamba2_scan, kiln::paged_mamba2_scan)
     from kiln.kernels import short_conv as short_conv  # noqa: F401  (kiln::short_conv, kiln::paged_short_conv)
     from kiln.kernels import collectives as collectives  # noqa: F401  (kiln::all_reduce, kiln::all_gather)
@@ -55,7 +56,7 @@ else:
 
     TRITON_KERNEL_MODULES = ("triton_norm", "triton_rope", "triton_activation", "triton_paged_attention",
                              "triton_linear", "triton_moe", "triton_fp8", "triton_fp8_fused_linear",
-                             "triton_causal_conv", "triton_gated_delta_net", "triton_mamba2",
+                             "triton_causal_conv", "triton_gated_delta_net", "triton_mamba2", "triton_mamba",
                              "triton_shared_expert_gate")
 
 

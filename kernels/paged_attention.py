@@ -98,6 +98,8 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
 
     With `tp_size` > 1, the KV heads of one rank of a tensor-parallel group: its share, or
     one (replicated) when there are fewer KV heads than ranks (kiln.passes.shard_tensor_parallel)."""
+    if getattr(config, "num_attention_heads", None) is None:
+        return 0, 0  # no attention at all (Mamba, Falcon-Mamba): an empty KV cache
     heads = getattr(config, "num_key_value_heads", None)
     if heads is None and getattr(config, "multi_query", False):
         heads = 1

@@ -1,5 +1,5 @@
 """A decode step's causal convolutions as one Triton kernel (CUDA): `conv_single_tokens`
-(kiln.kernels.recurrent_steps) for the gated DeltaNet, Mamba2 and short-convolution layers.
+(kiln.kernels.recurrent_steps) for the gated DeltaNet, Mamba2, Mamba and short-convolution layers.
 
 The torch form gathers each row's conv state, concatenates the new input, multiplies, sums,
 applies SiLU and scatters the shifted state back: about ten kernels a layer, each a few
@@ -84,6 +84,6 @@ def conv_single_tokens_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 @paged_short_conv.register_kernel("cuda")
-def _paged_short_conv_cuda(bx, weight, bias, conv_state, state_slots, seq_lens, query_start_loc):
-    return paged_short_conv_reference(bx, weight, bias, conv_state, state_slots, seq_lens, query_start_loc,
+def _paged_short_conv_cuda(bx, weight, bias, conv_state, state_slots, seq_lens, query_start_loc, silu=False):
+    return paged_short_conv_reference(bx, weight, bias, conv_state, state_slots, seq_lens, query_start_loc, silu,
                                       conv_rule=conv_single_tokens_triton)

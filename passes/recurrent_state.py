@@ -1,6 +1,8 @@
 """`recurrent_state`: replace each `kiln::gated_delta_net` marker with `kiln::paged_gated_delta_net`
 (and each `kiln::mamba2_scan` with `kiln::paged_mamba2_scan`, each `kiln::short_conv` with
-`kiln::paged_short_conv`, alike: their states in the slots; LFM2's short conv has a conv state only).
+`kiln::paged_short_conv`, each `kiln::selective_scan` with `kiln::paged_selective_scan`, alike:
+their states in the slots; a short conv (LFM2's, or a Mamba mixer's convolution) has a conv
+state only, a Mamba mixer's selective scan the recurrent state only).
 
 Before: gated_delta_net(mixed_qkv, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads,
         head_k_dim, head_v_dim) over the T tokens of one sequence from zero states.
@@ -29,10 +31,11 @@ METADATA_INPUTS = ("state_slots", "seq_lens", "query_start_loc")
 PAGED_OPS = {
     torch.ops.kiln.gated_delta_net.default: (torch.ops.kiln.paged_gated_delta_net.default, ("conv", "recurrent")),
     torch.ops.kiln.mamba2_scan.default: (torch.ops.kiln.paged_mamba2_scan.default, ("conv", "recurrent")),
-    torch.ops.kiln.short_conv.default: (torch.ops.kiln.paged_short_conv.default, ("conv",)),  # LFM2
+    torch.ops.kiln.short_conv.default: (torch.ops.kiln.paged_short_conv.default, ("conv",)),  # LFM2, Mamba
+    torch.ops.kiln.selective_scan.default: (torch.ops.kiln.paged_selective_scan.default, ("recurrent",)),  # Mamba
 }
 LAYER_ARG = {torch.ops.kiln.gated_delta_net.default: 6, torch.ops.kiln.mamba2_scan.default: 7,
-             torch.ops.kiln.short_conv.default: 3}
+             torch.ops.kiln.short_conv.default: 3, torch.ops.kiln.selective_scan.default: 8}
 
 
 class RecurrentStatePass(KilnPass):

@@ -135,6 +135,8 @@ def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, d
         return int(config.num_kv_blocks)
     per_block = kv_bytes_per_token(model_config, dtype, config.tensor_parallel_size) * bs
     wanted = -(-config.max_num_seqs * max_model_len // bs) + 1
+    if per_block == 0:  # no attention layer (Mamba): blocks only count tokens, they hold no memory
+        return max(2, wanted)
     if device.type == "cpu":
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         fit = int(ram * CPU_KV_MEMORY_FRACTION) // per_block

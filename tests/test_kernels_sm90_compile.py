@@ -316,6 +316,7 @@ def test_latent_kernel_compiles_for_sm90() -> None:
 _RECURRENT_DECODE_SCRIPT = _SPILLS + """
 from kiln.kernels.triton_causal_conv import BLOCK_C, _conv_single_tokens_kernel
 from kiln.kernels.triton_gated_delta_net import BLOCK_V, _gated_delta_decode_kernel
+from kiln.kernels.triton_mamba import BLOCK_D, _selective_scan_kernel
 from kiln.kernels.triton_mamba2 import BLOCK_P, _mamba2_decode_kernel
 
 found = {}
@@ -335,19 +336,25 @@ types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", dt_ptr="*
 # Nemotron-H-56B's layer: 128 heads of 64 in 8 groups, a 128-wide state.
 found["mamba2"] = spills(compile_sm90(fn, dict(NUM_HEADS=128, N_GROUPS=8, HEAD_DIM=64, STATE=128, STATE_PAD=128,
                                                BLOCK_P=BLOCK_P), types, 4, 1))
+fn = _selective_scan_kernel
+types = {n: "*bf16" for n in fn.arg_names if n.endswith("_ptr")}
+types.update(a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i32", seq_lens_ptr="*i32", starts_ptr="*i32")
+# Falcon-Mamba-7B's layer: 8,192 channels over a 16-wide state.
+found["selective scan"] = spills(compile_sm90(fn, dict(STATE=16, STATE_PAD=16, BLOCK_D=BLOCK_D), types, 1, 1))
 print(json.dumps(found))
 """
 
 
 def test_recurrent_decode_kernels_compile_for_sm90() -> None:
     """The gated DeltaNet and Mamba2 decode kernels at Qwen3-Next's and Nemotron-H's head sizes
-    ([128, 32] and [16, 128] float32 state tiles a program) and the decode convolution compile
-    for sm_90 without register spills."""
+    ([128, 32] and [16, 128] float32 state tiles a program), the decode convolution and Mamba's
+    selective scan (any step) compile for sm_90 without register spills."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", _RECURRENT_DECODE_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "conv": 0, "mamba2": 0}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"gated delta": 0, "conv": 0, "mamba2": 0,
+                                                                  "selective scan": 0}
 
 
 _MOE_ROW_SCRIPT = _SPILLS + """

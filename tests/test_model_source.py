@@ -51,10 +51,11 @@ def test_unknown_architecture_in_config(tmp_path) -> None:
 
 
 def test_unsupported_architecture_fails_at_capture_naming_the_construct() -> None:
-    from transformers import MambaConfig
+    from transformers import RwkvConfig
 
-    with pytest.raises(UnsupportedArchitectureError, match=r"state-space / recurrent layer \(parameter .*A_log\)"):
-        capture(MambaConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64, state_size=4))
+    with pytest.raises(UnsupportedArchitectureError, match=r"state-space / recurrent layer \(parameter .*time_decay\)"):
+        capture(RwkvConfig(num_hidden_layers=1, hidden_size=32, vocab_size=64, attention_hidden_size=32,
+                           intermediate_size=64))
 
 
 def test_sharded_checkpoint_and_missing_tensor(tiny_model_dir, tmp_path) -> None:

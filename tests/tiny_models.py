@@ -227,11 +227,25 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "lfm2_moe": (dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"], num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1),
                  "as lfm2, with experts behind a sigmoid router with a selection bias, a dense first layer"),
+    # Mamba's selective scan (a decay per channel and state column; kiln.kernels.mamba): the
+    # pure state-space models have no attention layer at all; Jamba interleaves attention
+    # (without RoPE) and MoE.
+    "mamba": (dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128, state_size=16,
+                   time_step_rank=8), "selective-scan layers alone (no attention), residual in float32"),
+    "falcon_mamba": (dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                          state_size=16, time_step_rank=8),
+                     "selective-scan layers alone, RMS norms without weights on dt, B and C"),
+    "mamba2": (dict(_IDS, hidden_size=64, num_hidden_layers=2, vocab_size=128, num_heads=8, head_dim=16, n_groups=2,
+                    state_size=16, expand=2), "Mamba2 layers alone (no attention), heads in two groups"),
+    "jamba": (dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_dt_rank=8),
+              "selective-scan + attention layers without RoPE, dt/B/C norms, experts every other layer"),
 }
 
 # Architectures Kiln refuses: model_type -> (config overrides, the construct the refusal names).
 _REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "mamba": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
+    "rwkv": (dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, attention_hidden_size=64, intermediate_size=128),
+             "state-space"),
     "t5": (dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128), "cross-attention"),
     "bart": (dict(d_model=64, encoder_layers=2, decoder_layers=2, vocab_size=128), "cross-attention"),
 }
