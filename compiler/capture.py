@@ -42,7 +42,7 @@ from kiln.compiler.graph_inputs import (
 from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_recurrent_layers
 from kiln.compiler.stacked_experts import stack_experts
 from kiln.kernels.paged_attention import caches_latent
-from kiln.kernels.recurrent_states import recurrent_layers
+from kiln.kernels.recurrent_states import attention_free
 
 logger = logging.getLogger("kiln.compiler")
 
@@ -489,8 +489,7 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     checkpoint_buffers: dict[str, list[str]] = {}
     param_dtypes: dict[str, torch.dtype] = {}
     # A model of recurrent layers alone (Mamba, Falcon-Mamba) has no attention to find.
-    all_recurrent = len(recurrent_layers(config)) == int(config.num_hidden_layers)
-    if not inline and not all_recurrent and not program.graph_module.graph.find_nodes(
+    if not inline and not attention_free(config) and not program.graph_module.graph.find_nodes(
             op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
 

@@ -84,8 +84,8 @@ MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer",
 
 
 def is_mamba2_mixer(module: torch.nn.Module) -> bool:
-    """A Mamba2 mixer Kiln runs (Granite 4.0-H, Nemotron-H, Bamba: `MAMBA2_MIXERS`)."""
-    return type(module).__name__ in MAMBA2_MIXERS
+    """A Mamba2 mixer Kiln runs (Granite 4.0-H, Nemotron-H, Bamba, Mamba2: `MAMBA2_MIXERS`; Falcon-H1)."""
+    return type(module).__name__ in MAMBA2_MIXERS or type(module).__name__ == "FalconH1Mixer"
 
 
 def _mamba2_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -98,6 +98,22 @@ def _mamba2_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: A
     y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
                     self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size)
     return self.out_proj(self.norm(y.unsqueeze(0), gate.unsqueeze(0)).to(dtype))
+
+
+def _falcon_h1_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Falcon-H1's Mamba2 mixer: Mamba2's with its multipliers (the input's, and `mup_vector`
+    over in_proj's [gate; x B C; dt]), the scan's output gated by SiLU(gate) or, with
+    `mamba_rms_norm`, by the gated grouped norm."""
+    dtype = hidden_states.dtype
+    projected = self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector
+    gate, x_bc, dt = projected[0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
+                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size)
+    if self.mamba_rms_norm:
+        y = self.norm(y.unsqueeze(0), gate.unsqueeze(0))
+    else:
+        y = (y * F.silu(gate)).unsqueeze(0)
+    return self.out_proj(y.to(dtype))
 
 
 def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
@@ -203,7 +219,8 @@ def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
         if is_gated_delta_net(module):
             why, forward = why_not_markable(module, config), _kiln_forward
         elif is_mamba2_mixer(module):
-            why, forward = why_not_mamba2(module, config), _mamba2_forward
+            why = why_not_mamba2(module, config)
+            forward = _falcon_h1_forward if type(module).__name__ == "FalconH1Mixer" else _mamba2_forward
         elif is_mamba_mixer(module):
             why, forward = why_not_mamba(module, config), _mamba_forward
         elif is_short_conv(module):

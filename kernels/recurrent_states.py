@@ -17,7 +17,10 @@ import torch
 
 # Layer kinds that keep recurrent states, by config's `layer_types` / `layers_block_type`
 # (transformers 5.25 calls Mamba layers "linear_attention" too).
-RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv"})  # (conv: LFM2's short convolutions)
+# Falcon-H1's "hybrid" layers run attention and a Mamba2 mixer side by side: states and a KV cache.
+RECURRENT_KINDS = frozenset({"linear_attention", "mamba", "mamba2", "conv", "hybrid"})  # (conv: LFM2's short convolutions)
+# Recurrent kinds that have no attention beside them.
+RECURRENT_ONLY_KINDS = RECURRENT_KINDS - {"hybrid"}
 # Mamba2 sizes: the first attribute of each tuple the config has.
 # (Mamba2's own config names them plainly; a hybrid's `head_dim` is its attention's, so the
 # plain names come last.)
@@ -36,6 +39,12 @@ def layer_kinds(config: Any) -> list[str]:
 
 def recurrent_layers(config: Any) -> list[int]:
     return [i for i, kind in enumerate(layer_kinds(config)) if kind in RECURRENT_KINDS]
+
+
+def attention_free(config: Any) -> bool:
+    """Whether every layer is recurrent with no attention beside it (Mamba, Falcon-Mamba, Mamba2)."""
+    kinds = layer_kinds(config)
+    return len(kinds) == int(config.num_hidden_layers) and all(kind in RECURRENT_ONLY_KINDS for kind in kinds)
 
 
 def recurrent_family(config: Any) -> str | None:

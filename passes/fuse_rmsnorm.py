@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from kiln.passes.fuse_common import CustomOpFusionPass, hf_offset_rms_norm, hf_rms_norm, hf_rms_norm_fp32_weight
-from kiln.passes.pattern import Pattern
+from kiln.passes.pattern import Pattern, PatternMatch
 
 _X = torch.randn(1, 4, 32)  # [1, tokens, hidden], the rank of the graph's hidden states
 _W = torch.randn(32)
@@ -94,16 +94,27 @@ def gated_rms_norm_replacement(x, gate, weight, eps):
     return torch.ops.kiln.gated_rms_norm(x, gate, weight, eps)
 
 
-ADD_RMS_NORM = Pattern("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, (_X, _X, _W, 1e-6))
-RMS_NORM = Pattern("rms_norm", rms_norm_pattern, rms_norm_replacement, (_X, _W, 1e-6))
+def weight_over_last_dim(match: PatternMatch) -> bool:
+    """The ops scale the last dimension by a vector: a weight of another shape (Falcon-H1's
+    grouped norm multiplies [groups, size] into [..., groups, size]) is left unfused."""
+    weight, x = match.input_val("weight"), match.input_val("x")
+    return (not isinstance(weight, torch.Tensor) or not isinstance(x, torch.Tensor)
+            or (weight.dim() == 1 and weight.shape[0] == x.shape[-1]))
+
+
+ADD_RMS_NORM = Pattern("add_rms_norm", add_rms_norm_pattern, add_rms_norm_replacement, (_X, _X, _W, 1e-6),
+                       where=weight_over_last_dim)
+RMS_NORM = Pattern("rms_norm", rms_norm_pattern, rms_norm_replacement, (_X, _W, 1e-6), where=weight_over_last_dim)
 ADD_OFFSET_RMS_NORM = Pattern("add_offset_rms_norm", add_offset_rms_norm_pattern, add_offset_rms_norm_replacement,
-                              (_X, _X, _W, 1e-6))
-OFFSET_RMS_NORM = Pattern("offset_rms_norm", offset_rms_norm_pattern, offset_rms_norm_replacement, (_X, _W, 1e-6))
-GATED_RMS_NORM = Pattern("gated_rms_norm", gated_rms_norm_pattern, gated_rms_norm_replacement, (_X, _X, _W, 1e-6))
+                              (_X, _X, _W, 1e-6), where=weight_over_last_dim)
+OFFSET_RMS_NORM = Pattern("offset_rms_norm", offset_rms_norm_pattern, offset_rms_norm_replacement, (_X, _W, 1e-6),
+                          where=weight_over_last_dim)
+GATED_RMS_NORM = Pattern("gated_rms_norm", gated_rms_norm_pattern, gated_rms_norm_replacement, (_X, _X, _W, 1e-6),
+                         where=weight_over_last_dim)
 ADD_FP32_WEIGHT = Pattern("add_rms_norm_fp32_weight", add_rms_norm_fp32_weight_pattern,
-                          add_rms_norm_fp32_weight_replacement, (_X, _X, _W, 1e-6))
+                          add_rms_norm_fp32_weight_replacement, (_X, _X, _W, 1e-6), where=weight_over_last_dim)
 FP32_WEIGHT = Pattern("rms_norm_fp32_weight", hf_rms_norm_fp32_weight, rms_norm_fp32_weight_replacement,
-                      (_X, _W, 1e-6))
+                      (_X, _W, 1e-6), where=weight_over_last_dim)
 
 
 class FuseRMSNormPass(CustomOpFusionPass):

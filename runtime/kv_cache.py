@@ -22,7 +22,7 @@ import torch
 
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
-from kiln.kernels.recurrent_states import RECURRENT_KINDS, allocate_state_caches, layer_kinds, state_bytes_per_slot
+from kiln.kernels.recurrent_states import RECURRENT_ONLY_KINDS, allocate_state_caches, layer_kinds, state_bytes_per_slot
 from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes
 from kiln.runtime.config import EngineConfig
 
@@ -54,8 +54,9 @@ class KVCache:
         return next(iter(self.states.values())).shape[0] if self.states else 0
 
 
-# Layer kinds without a KV cache: recurrent ones, and Nemotron-H's MLP-only and MoE-only blocks.
-_NO_KV_KINDS = RECURRENT_KINDS | {"mlp", "moe"}
+# Layer kinds without a KV cache: recurrent ones (not Falcon-H1's "hybrid", attention beside a
+# Mamba2 mixer), and Nemotron-H's MLP-only and MoE-only blocks.
+_NO_KV_KINDS = RECURRENT_ONLY_KINDS | {"mlp", "moe"}
 
 
 def attention_layers(model_config: Any) -> list[int]:

@@ -180,7 +180,7 @@ def test_mamba_warm_starts_from_its_compile_cache(tiny_model_dir, tmp_path) -> N
     assert [o.outputs[0].token_ids for o in warm.generate(prompts, params)] == expected
 
 
-@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "jamba"])
+@pytest.mark.parametrize("arch", ["mamba", "falcon_mamba", "jamba", "mamba2", "falcon_h1"])
 def test_tensor_parallel_is_refused_by_name(arch: str) -> None:
     """Sharding a selective-scan layer is not built: the check names the model type before any
     shape goes wrong."""
