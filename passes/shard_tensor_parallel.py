@@ -122,6 +122,14 @@ TP_ARCHITECTURES = {
                         "dt_bias and the norm's weight; B and C by groups, or the heads' group replicated; out_proj "
                         "row-parallel); experts as granitemoe, the shared MLP's fused input_linear per part",
     "bamba": "Mamba2 mixers as granitemoehybrid's; a Llama MLP",
+    "mamba": "Mamba mixers by channels (in_proj's x and z, the convolution, dt_proj, A_log, D, dt_bias); x_proj and "
+             "out_proj row-parallel, all-reduced",
+    "falcon_mamba": "as mamba; the dt/B/C norms on every rank",
+    "jamba": "Mamba mixers as mamba's, their dt/B/C norms on every rank; attention as llama; experts as mixtral, the "
+             "router replicated",
+    "mamba2": "Mamba2 mixers as granitemoehybrid's, no attention",
+    "falcon_h1": "Mamba2 mixers as granitemoehybrid's beside the attention in every layer (mup_vector sliced as "
+                 "in_proj's rows; not with mamba_rms_norm); a Llama MLP",
     "lfm2": "gated short convolutions by channels (in_proj's [B; C; x] as three runs, the convolution's channels, "
             "out_proj row-parallel); attention as llama's with out_proj; w1/w3/w2 as gate/up/down",
     "lfm2_moe": "as lfm2; experts as mixtral, the router (with its selection bias) replicated",
@@ -226,6 +234,11 @@ _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|up_proj|down_proj)$")  # (up_pr
 _OAI_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 
 
+def attention_heads(config: Any) -> int:
+    """The config's attention heads; 0 for a model without attention (Mamba2's own)."""
+    return int(getattr(config, "num_attention_heads", None) or 0)
+
+
 def check_tp_size(config: Any, tp_size: int) -> None:
     """ValueError naming what does not divide, for a config that cannot be split tp_size ways."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
@@ -242,12 +255,17 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard Falcon models with "
                          "new_decoder_architecture (grouped query_key_value, as Falcon-40B/180B) yet; run it with "
                          "tensor_parallel_size=1")
+    if model_type == "falcon_h1" and getattr(config, "mamba_rms_norm", False):
+        # Its gated norm views the rank's channels as [groups, size] with the full model's
+        # counts spelled out, and multiplies a weight viewed alike: no rule yet.
+        raise ValueError(f"tensor_parallel_size={tp_size}: Kiln does not shard Falcon-H1 models with mamba_rms_norm "
+                         "(the gated norm over groups) yet; run it with tensor_parallel_size=1")
     if model_type == "codegen" and _CODEGEN_MP_NUM % tp_size:
         # Each rank must hold whole [q; v; k] blocks of qkv_proj (_Plan.fused's "mp4").
         raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
                          f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
                          f"that divides {_CODEGEN_MP_NUM}")
-    heads = int(config.num_attention_heads)
+    heads = attention_heads(config)
     kv_heads, _ = kv_heads_and_head_dim(config)
     if heads % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {heads} attention heads")
@@ -257,9 +275,13 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     intermediate = getattr(config, "intermediate_size", None)
     if isinstance(intermediate, int) and intermediate % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={intermediate}")
-    from kiln.kernels.recurrent_states import mamba2_sizes, recurrent_layers
+    from kiln.kernels.recurrent_states import mamba2_sizes, mamba_sizes, recurrent_family, recurrent_layers
 
-    if recurrent_layers(config):
+    if recurrent_family(config) == "mamba":
+        channels = mamba_sizes(config)[0]
+        if channels % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the Mamba layers' {channels} channels")
+    elif recurrent_layers(config):
         key_heads = getattr(config, "linear_num_key_heads", None)
         if key_heads is not None and key_heads % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {key_heads} key heads of the gated "
@@ -350,12 +372,25 @@ class _Mamba2Plan:
                 self.heads * self.head_dim: self.local_heads * self.head_dim}
 
 
+class _MambaPlan:
+    """Rank r's part of a Mamba (selective-scan) mixer: channels [c0, c1) of its intermediate
+    width (each channel's state row, its convolution and its D are its own; B, C and dt's
+    low-rank input are every channel's)."""
+
+    def __init__(self, config: Any, tp: int, rank: int):
+        from kiln.kernels.recurrent_states import mamba_sizes
+
+        self.full = mamba_sizes(config)[0]
+        self.local = self.full // tp
+        self.channels = (rank * self.local, (rank + 1) * self.local)
+
+
 class _Plan:
     """The row ranges of rank r for each kind of projection output."""
 
     def __init__(self, config: Any, tp: int, rank: int):
         self.tp, self.rank = tp, rank
-        heads = int(config.num_attention_heads)
+        heads = attention_heads(config)
         kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         per = heads // tp
         self.num_heads, self.heads_per_rank = heads, per
@@ -371,7 +406,9 @@ class _Plan:
 
     def size_map(self, config: Any) -> dict[int, int]:
         """Full-model sizes a view may spell out (head counts, their widths) -> this rank's."""
-        heads = int(config.num_attention_heads)
+        heads = attention_heads(config)
+        if not heads:
+            return {}  # no attention (Mamba2's own model): no head counts to map
         kv_heads, _ = kv_heads_and_head_dim(config)
         kv_rank = (self.kv[1] - self.kv[0]) // self.head_dim
         return {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
@@ -434,7 +471,9 @@ class _Plan:
 
     @property
     def heads(self) -> tuple[int, int]:
-        """This rank's query heads [first, last)."""
+        """This rank's query heads [first, last) ((0, 0) without attention)."""
+        if not self.head_dim:
+            return 0, 0
         return self.q[0] // self.head_dim, self.q[1] // self.head_dim
 
     def vocab(self, size: int) -> tuple[tuple[int, int], int]:
@@ -472,14 +511,15 @@ class ShardTensorParallelPass(KilnPass):
             raise ValueError(f"shard_tensor_parallel: rank {rank} is outside [0, {tp})")
         check_tp_size(ctx.config, tp)
         plan = _Plan(ctx.config, tp, rank)
-        from kiln.kernels.recurrent_states import recurrent_layers
+        from kiln.kernels.recurrent_states import recurrent_family, recurrent_layers
 
         recurrent = recurrent_layers(ctx.config)
-        gated_delta = (_GatedDeltaPlan(ctx.config, tp, rank)
-                       if recurrent and getattr(ctx.config, "linear_num_key_heads", None) is not None else None)
-        short_convs = recurrent and getattr(ctx.config, "conv_L_cache", None) is not None  # LFM2
-        mamba2 = _Mamba2Plan(ctx.config, tp, rank) if recurrent and gated_delta is None and not short_convs else None
-        mamba_layers = {f"layers.{i}." for i in recurrent} if mamba2 is not None else set()
+        family = recurrent_family(ctx.config)
+        gated_delta = _GatedDeltaPlan(ctx.config, tp, rank) if family == "gated_delta_net" else None
+        short_convs = family == "short_conv"  # LFM2
+        mamba2 = _Mamba2Plan(ctx.config, tp, rank) if family == "mamba2" else None
+        mamba = _MambaPlan(ctx.config, tp, rank) if family == "mamba" else None
+        mamba_layers = {f"layers.{i}." for i in recurrent} if mamba2 is not None or mamba is not None else set()
         model_type = str(getattr(ctx.config, "model_type", ""))
         graph = gm.graph
         shards: dict[str, ShardWeight] = {}
@@ -561,6 +601,7 @@ class ShardTensorParallelPass(KilnPass):
             elif mamba2 is not None and module == "in_proj" and any(f".{m}" in f".{name}" for m in mamba_layers):
                 ranges = mamba2.in_proj_rows()
                 shard(weight, 0, ranges, sum(b - a for a, b in ranges))
+                _slice_output_multiplier(graph, node, ranges, weight.meta["val"].shape[0])
                 _remap_split(node, [mamba2.heads * mamba2.head_dim, mamba2.heads * mamba2.head_dim
                                     + 2 * mamba2.groups * mamba2.state, mamba2.heads],
                              [mamba2.local_heads * mamba2.head_dim, mamba2.local_heads * mamba2.head_dim
@@ -572,6 +613,11 @@ class ShardTensorParallelPass(KilnPass):
                 all_reduce_after(node)
                 stats["row_parallel"] += 1
                 stats["all_reduce"] += 1
+            elif (mamba is not None and module in ("in_proj", "x_proj", "dt_proj", "out_proj")
+                  and any(f".{m}" in f".{name}" for m in mamba_layers)):
+                kind = self._shard_mamba_projection(node, module, mamba, shard, all_reduce_after)
+                stats[kind] += 1
+                stats["all_reduce"] += kind == "row_parallel"
             elif fused is not None:
                 ranges, boundaries = plan.fused(fused, weight.meta["val"].shape[0], name)
                 size = sum(b - a for a, b in ranges)
@@ -639,6 +685,8 @@ class ShardTensorParallelPass(KilnPass):
         size_map = plan.size_map(ctx.config)
         if mamba2 is not None:
             stats["mamba2_mixers_sharded"] = self._shard_mamba2_mixers(gm, mamba2, shard)
+        if mamba is not None:
+            stats["mamba_mixers_sharded"] = self._shard_mamba_mixers(gm, mamba, shard)
         if short_convs:
             stats["short_convs_sharded"] = self._shard_short_convs(gm, plan.even(int(ctx.config.hidden_size), "hidden"),
                                                                    shard)
@@ -889,6 +937,50 @@ class ShardTensorParallelPass(KilnPass):
                     raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight or bias that is "
                                      "no checkpoint weight")
                 shard(param, 0, [channels], channels[1] - channels[0])
+            count += 1
+        return count
+
+    @staticmethod
+    def _shard_mamba_projection(node: torch.fx.Node, module: str, plan: _MambaPlan, shard: Any,
+                                all_reduce_after: Any) -> str:
+        """A Mamba mixer's projection over the rank's channels [c0, c1): in_proj's rows of x and
+        of z, dt_proj's rows (its bias is the scan's dt_bias); x_proj and out_proj read the
+        rank's channels, so their partial products are all-reduced (x_proj's: dt, B and C are
+        every channel's, each rank then has all of them)."""
+        weight = node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        (c0, c1), width = plan.channels, plan.local
+        if module in ("in_proj", "dt_proj"):
+            ranges = [(c0, c1), (plan.full + c0, plan.full + c1)] if module == "in_proj" else [(c0, c1)]
+            shard(weight, 0, ranges, width * len(ranges))
+            if bias is not None:
+                shard(bias, 0, ranges, width * len(ranges))
+            return "column_parallel"
+        shard(weight, 1, [(c0, c1)], width)
+        if bias is not None:
+            node.args = node.args[:2]
+        all_reduce_after(node, bias)
+        return "row_parallel"
+
+    @staticmethod
+    def _shard_mamba_mixers(gm: torch.fx.GraphModule, plan: _MambaPlan, shard: Any) -> int:
+        """Each Mamba mixer's markers: the rank's channels of the convolution's weight and bias
+        (`kiln::short_conv`) and of the scan's A_log, D and dt_bias (`kiln::selective_scan`)."""
+        count = 0
+        channels = [plan.channels]
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.short_conv.default):
+            for param in (_param_behind_views(node.args[1]), node.args[2]):
+                if param is not None:
+                    if not isinstance(param, torch.fx.Node) or param_name(param) is None:
+                        raise ValueError(f"shard_tensor_parallel: {node.name} reads a convolution weight or bias that "
+                                         "is no checkpoint weight")
+                    shard(param, 0, channels, plan.local)
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.selective_scan.default):
+            for param in node.args[5:8]:
+                if not isinstance(param, torch.fx.Node) or param_name(param) is None:
+                    raise ValueError(f"shard_tensor_parallel: {node.name} reads an A_log, D or dt_bias that is no "
+                                     "checkpoint weight")
+                shard(param, 0, channels, plan.local)
             count += 1
         return count
 
@@ -1248,10 +1340,30 @@ def _remap_split(node: torch.fx.Node, full: list[int], local: list[int]) -> None
     frontier = list(node.users)
     while frontier:
         user = frontier.pop()
-        if user.target in (aten.select.int, aten.squeeze.dim, aten.view.default, aten.reshape.default):
-            frontier.extend(user.users)  # (the step's one sequence taken out of the batch dim)
+        if user.target in (aten.select.int, aten.squeeze.dim, aten.view.default, aten.reshape.default,
+                           aten.mul.Tensor):
+            # (the step's one sequence taken out of the batch dim; Falcon-H1's multiplier)
+            frontier.extend(user.users)
         elif user.target is aten.split_with_sizes.default and list(user.args[1]) == full:
             user.args = (user.args[0], local, *user.args[2:])
+
+
+def _slice_output_multiplier(graph: torch.fx.Graph, node: torch.fx.Node, ranges: list[tuple[int, int]],
+                             full: int) -> None:
+    """A constant multiplied into a column-parallel projection's whole output (Falcon-H1's
+    `mup_vector` over in_proj's [gate; x B C; dt]): the rank's `ranges` of it, sliced in the
+    graph (the input stays whole, so its binding does not depend on the rank)."""
+    for user in list(node.users):
+        if user.target is not aten.mul.Tensor:
+            continue
+        for i, arg in enumerate(user.args):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) and arg is not node else None
+            if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.shape[-1] != full:
+                continue
+            with graph.inserting_before(user):
+                parts = [graph.call_function(aten.slice.Tensor, (arg, -1, a, b)) for a, b in ranges]
+                sliced = parts[0] if len(parts) == 1 else graph.call_function(aten.cat.default, (parts, -1))
+            user.args = (*user.args[:i], sliced, *user.args[i + 1:])
 
 
 def _norm_weight_after(scan: torch.fx.Node) -> torch.fx.Node | None:

@@ -39,6 +39,11 @@ _GDN = dict(head_dim=16, num_hidden_layers=4, linear_num_key_heads=2, linear_num
 # groups, a width-4 convolution (with its bias), one attention layer among the Mamba2 ones.
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
                num_hidden_layers=4)
+# Falcon-H1 with multipliers of every kind away from 1.
+_FALCON_H1 = dict(head_dim=16, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_ssm=128,
+                  ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[0.8, 1.3], key_multiplier=0.6,
+                  attention_in_multiplier=1.4, attention_out_multiplier=0.7, ssm_in_multiplier=1.1,
+                  ssm_out_multiplier=0.9, embedding_multiplier=2.0, lm_head_multiplier=0.5)
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
 WINDOW = 6
 ALTERNATING = ["sliding_attention", "full_attention"]
@@ -236,13 +241,12 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                           state_size=16, time_step_rank=8),
                      "selective-scan layers alone, RMS norms without weights on dt, B and C"),
     # Falcon-H1: every layer attention and a Mamba2 mixer side by side (a KV cache and states),
-    # with its multipliers (mup_vector over in_proj's parts) and the gated grouped norm.
-    "falcon_h1": (dict(head_dim=16, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
-                       mamba_d_ssm=128, mamba_rms_norm=True, mamba_norm_before_gate=False,
-                       ssm_multipliers=[0.5, 1.5, 0.7, 1.2, 0.9], mlp_multipliers=[0.8, 1.3], key_multiplier=0.6,
-                       attention_in_multiplier=1.4, attention_out_multiplier=0.7, ssm_in_multiplier=1.1,
-                       ssm_out_multiplier=0.9, embedding_multiplier=2.0, lm_head_multiplier=0.5),
-                  "attention and Mamba2 side by side in every layer, muP multipliers, gated grouped norm"),
+    # with its multipliers (mup_vector over in_proj's parts); the scan gated by SiLU(z) as the
+    # 0.5B's config has it, or (falcon_h1_rms) by the gated norm over groups.
+    "falcon_h1": (dict(_FALCON_H1, mamba_rms_norm=False),
+                  "attention and Mamba2 side by side in every layer, muP multipliers"),
+    "falcon_h1_rms": (dict(_FALCON_H1, model_type="falcon_h1", mamba_rms_norm=True, mamba_norm_before_gate=False),
+                      "as falcon_h1, the scan's output through the gated norm over groups"),
     "mamba2": (dict(_IDS, hidden_size=64, num_hidden_layers=2, vocab_size=128, num_heads=8, head_dim=16, n_groups=2,
                     state_size=16, expand=2), "Mamba2 layers alone (no attention), heads in two groups"),
     "jamba": (dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
