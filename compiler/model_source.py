@@ -822,6 +822,9 @@ _FEED_FORWARD_EXPERTS = re.compile(r"^(.*\.feed_forward\.experts)\.(gate_up_proj
 # w2 down, untransposed), which capture's StackedExperts hold stacked (kiln.compiler.stacked_experts).
 _LOOPED_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 _MOE_GATE = re.compile(r"^(.*)\.mlp\.gate\.weight$")
+# OLMo Hybrid's checkpoints keep a gated DeltaNet's convolution as three (q_conv1d, k_conv1d,
+# v_conv1d), which transformers concatenates into conv1d as it loads.
+_SPLIT_CONV = re.compile(r"^(.*\.linear_attn)\.conv1d\.weight$")
 # Nemotron-H's experts (a MoE block is the layer's mixer): one up and one down matrix each, no gate.
 _MIXER_EXPERTS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$")
 # Per layout: Hub names of an expert's (gate, up) and down matrices, from (layer prefix, expert).
@@ -850,6 +853,8 @@ def checkpoint_source_layouts(name: str, num_experts: int | None = None) -> list
     (the loader takes the first whose tensors are all there); empty when no layout applies."""
     if m := _MOE_GATE.match(name):
         return [[f"{m.group(1)}.block_sparse_moe.gate.weight"]]
+    if m := _SPLIT_CONV.match(name):
+        return [[f"{m.group(1)}.{part}_conv1d.weight" for part in ("q", "k", "v")]]
     if m := _MIXER_EXPERTS.match(name):
         if num_experts is None:
             return []
@@ -889,6 +894,8 @@ def combine_checkpoint_tensors(name: str, tensors: list[torch.Tensor], sources: 
         return stacked_from_looped(m.group(2), tensors, num_experts)
     if _MOE_GATE.match(name):
         return tensors[0]
+    if _SPLIT_CONV.match(name):
+        return torch.cat(tensors, dim=0)
     if name.endswith("gate_up_proj"):
         pairs = [torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)]
         return torch.stack(pairs)

@@ -73,6 +73,41 @@ def _kiln_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any
     return self.out_proj(core.reshape(1, t, -1))
 
 
+# OLMo Hybrid's gated DeltaNet: separate q/k/v/a/b projections, its gate from g_proj, beta
+# doubled with `allow_neg_eigval`, o_norm and o_proj.
+_SEPARATE = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj", "conv1d", "A_log",
+             "dt_bias", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "allow_neg_eigval", "layer_idx")
+
+
+def _separate_projections_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any,
+                                  **kwargs: Any) -> torch.Tensor:
+    """OLMo Hybrid's gated DeltaNet over one packed step [1, T, hidden]: [q; k; v] from their
+    own projections into the marker (beta_scale 2 with `allow_neg_eigval`), then the gated norm
+    by g_proj's gate per value head, and o_proj."""
+    t = hidden_states.shape[1]
+    mixed = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], dim=-1)
+    core = gated_delta_net(mixed[0], self.a_proj(hidden_states)[0], self.b_proj(hidden_states)[0],
+                           self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, self.layer_idx, self.num_k_heads,
+                           self.head_k_dim, self.head_v_dim, 2.0 if self.allow_neg_eigval else 1.0)
+    gate = self.g_proj(hidden_states)
+    core = self.o_norm(core.reshape(-1, self.head_v_dim), gate.reshape(-1, self.head_v_dim))
+    return self.o_proj(core.reshape(1, t, -1))
+
+
+def why_not_separate(module: torch.nn.Module, config: Any) -> str | None:
+    """What keeps `module` (OLMo Hybrid's gated DeltaNet) from Kiln's forward, or None."""
+    missing = [name for name in _SEPARATE if not hasattr(module, name)]
+    if missing:
+        return f"a gated DeltaNet of an unknown layout ({', '.join(missing)})"
+    if module.conv1d.bias is not None:
+        return "a gated DeltaNet with a convolution bias"
+    if getattr(module, "activation", None) not in ("silu", "swish"):
+        return f"a gated DeltaNet with a {module.activation!r} convolution activation (Kiln's op applies SiLU)"
+    if module.num_v_heads % module.num_k_heads:
+        return f"a gated DeltaNet with {module.num_v_heads} value heads over {module.num_k_heads} key heads"
+    return None
+
+
 _MAMBA2 = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
            "ssm_state_size", "intermediate_size", "conv_dim", "layer_idx")
 
@@ -216,7 +251,9 @@ def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
     module whose form it does not know."""
     count = 0
     for name, module in model.named_modules():
-        if is_gated_delta_net(module):
+        if is_gated_delta_net(module) and hasattr(module, "g_proj"):  # OLMo Hybrid's
+            why, forward = why_not_separate(module, config), _separate_projections_forward
+        elif is_gated_delta_net(module):
             why, forward = why_not_markable(module, config), _kiln_forward
         elif is_mamba2_mixer(module):
             why = why_not_mamba2(module, config)

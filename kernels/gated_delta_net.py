@@ -68,11 +68,13 @@ def _split_heads(mixed: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_
     return q, k, v
 
 
-def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+def gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, beta_scale: float = 1.0
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g, beta) [T, Hv] float32: the log decay and the write strength of each token and value head."""
+    """(g, beta) [T, Hv] float32: the log decay and the write strength of each token and value
+    head (beta = beta_scale * sigmoid(b): OLMo Hybrid's 2, eigenvalues of the update in [-1, 1])."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-    return g, b.float().sigmoid()
+    beta = b.float().sigmoid()
+    return g, beta * beta_scale if beta_scale != 1.0 else beta
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -134,11 +136,11 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                               A_log: torch.Tensor, dt_bias: torch.Tensor, num_k_heads: int, head_k_dim: int,
-                              head_v_dim: int) -> torch.Tensor:
+                              head_v_dim: int, beta_scale: float = 1.0) -> torch.Tensor:
     """One sequence of T tokens from zero states: [T, Hv, Dv] in mixed_qkv's dtype."""
     mixed = causal_conv(mixed_qkv, conv_weight)
     q, k, v = _split_heads(mixed, num_k_heads, head_k_dim, head_v_dim)
-    g, beta = gates(a, b, A_log, dt_bias)
+    g, beta = gates(a, b, A_log, dt_bias, beta_scale)
     state = q.new_zeros(v.shape[1], head_k_dim, head_v_dim)
     out, _ = delta_rule_chunked(q, k, v, g, beta, state)
     return out.to(mixed_qkv.dtype)
@@ -146,13 +148,13 @@ def gated_delta_net_reference(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch
 
 def decode_rule_reference(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                           dt_bias: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
-                          continuing: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
-                          ) -> torch.Tensor:
+                          continuing: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                          beta_scale: float = 1.0) -> torch.Tensor:
     """One token of each of B rows after its convolution (conv [B, conv_dim], SiLU applied; a, b
     [B, Hv]) from its slot's recurrent state (zeros where not `continuing`), the state written
     back. Returns o [B, Hv, Dv] float32 (the CUDA kernel, kiln.kernels.triton_gated_delta_net:
     in conv's dtype)."""
-    g, beta = gates(a, b, A_log, dt_bias)
+    g, beta = gates(a, b, A_log, dt_bias, beta_scale)
     q, k, v = _split_heads(conv, num_k_heads, head_k_dim, head_v_dim)
     state = torch.where(continuing.view(-1, 1, 1, 1), recurrent_state[slots], 0.0)
     o, state = delta_rule_step(q, k, v, g, beta, state)
@@ -167,7 +169,7 @@ def paged_gated_delta_net_reference(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor, state_slots: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
-    decode_rule: DecodeRule = decode_rule_reference, conv_rule: ConvRule = conv_single_tokens,
+    beta_scale: float = 1.0, decode_rule: DecodeRule = decode_rule_reference, conv_rule: ConvRule = conv_single_tokens,
 ) -> torch.Tensor:
     """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
     `conv_rule` runs the single tokens' convolution (`conv_single_tokens`' contract),
@@ -177,12 +179,13 @@ def paged_gated_delta_net_reference(
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda x: x) if rows is None else (lambda x: x[rows])
         conv = conv_rule(pick(mixed_qkv), conv_weight, None, conv_state, slots, continuing)
-        o = decode_rule(conv, pick(a), pick(b), A_log, dt_bias, recurrent_state, slots, continuing, *heads)
+        o = decode_rule(conv, pick(a), pick(b), A_log, dt_bias, recurrent_state, slots, continuing, *heads,
+                        beta_scale=beta_scale)
         return o.to(mixed_qkv.dtype)
 
     def prefills(rows: PaddedRows, out: torch.Tensor) -> None:
         # Padding: zero inputs, g = 0 and beta = 0, which change no state.
-        g, beta = gates(rows.padded(a), rows.padded(b), A_log, dt_bias)
+        g, beta = gates(rows.padded(a), rows.padded(b), A_log, dt_bias, beta_scale)
         real = rows.real.unsqueeze(-1)
         conv = rows.conv(mixed_qkv, conv_weight, None, conv_state)  # [S, L, C]
         num_seqs, length, channels = conv.shape
@@ -208,13 +211,15 @@ def gated_delta_net(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
-    return gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim)
+    return gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, num_k_heads, head_k_dim, head_v_dim,
+                                     beta_scale)
 
 
 @gated_delta_net.register_fake
 def _gated_delta_net_fake(mixed_qkv, a, b, conv_weight, A_log, dt_bias, layer_idx, num_k_heads, head_k_dim,
-                          head_v_dim):
+                          head_v_dim, beta_scale=1.0):
     return mixed_qkv.new_empty(mixed_qkv.shape[0], a.shape[1], head_v_dim)
 
 
@@ -234,12 +239,14 @@ def paged_gated_delta_net(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    beta_scale: float = 1.0,
 ) -> torch.Tensor:
     return paged_gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state,
-                                           state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim)
+                                           state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim,
+                                           beta_scale)
 
 
 @paged_gated_delta_net.register_fake
 def _paged_gated_delta_net_fake(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state, state_slots,
-                                seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim):
+                                seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim, beta_scale=1.0):
     return mixed_qkv.new_empty(mixed_qkv.shape[0], a.shape[1], head_v_dim)

@@ -36,7 +36,7 @@ BLOCK_V = 32
 def _gated_delta_decode_kernel(
     conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slots_ptr, continuing_ptr, out_ptr,
     stride_ct, stride_at, stride_ah, stride_bt, stride_bh, stride_st_slot, stride_st_head, stride_st_k,
-    stride_ot, stride_oh, q_scale,
+    stride_ot, stride_oh, q_scale, beta_scale,
     NUM_K_HEADS: tl.constexpr, V_PER_K: tl.constexpr, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr,
     K_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -57,12 +57,13 @@ def _gated_delta_decode_kernel(
     v = tl.load(conv_row + 2 * NUM_K_HEADS * HEAD_K + head * HEAD_V + cols, mask=v_mask, other=0.0).to(tl.float32)
     q = q * tl.math.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
     k = k * tl.math.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20), beta = sigmoid(b).
+    # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20), beta =
+    # beta_scale * sigmoid(b).
     pre = (tl.load(a_ptr + row * stride_at + head * stride_ah).to(tl.float32)
            + tl.load(dt_bias_ptr + head).to(tl.float32))
     softplus = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
     g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
-    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bt + head * stride_bh).to(tl.float32))
+    beta = tl.sigmoid(tl.load(b_ptr + row * stride_bt + head * stride_bh).to(tl.float32)) * beta_scale
 
     tile = state_ptr + slot * stride_st_slot + head * stride_st_head + ks[:, None] * stride_st_k + cols[None, :]
     mask = k_mask[:, None] & v_mask[None, :]
@@ -78,8 +79,8 @@ def _gated_delta_decode_kernel(
 
 def gated_delta_decode_triton(conv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                               dt_bias: torch.Tensor, recurrent_state: torch.Tensor, slots: torch.Tensor,
-                              continuing: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int
-                              ) -> torch.Tensor:
+                              continuing: torch.Tensor, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+                              beta_scale: float = 1.0) -> torch.Tensor:
     """`kiln.kernels.gated_delta_net.decode_rule_reference` as one kernel: conv [B, conv_dim]
     (the convolved rows), a, b [B, Hv], recurrent_state [slots, Hv, Dk, Dv] float32 (written in
     place), slots [B], continuing [B] bool. Returns o [B, Hv, Dv] in conv's dtype (the float32
@@ -97,7 +98,7 @@ def gated_delta_decode_triton(conv: torch.Tensor, a: torch.Tensor, b: torch.Tens
         conv, a, b, A_log, dt_bias, recurrent_state, slots.contiguous(), continuing.contiguous(), out,
         conv.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         recurrent_state.stride(0), recurrent_state.stride(1), recurrent_state.stride(2),
-        out.stride(0), out.stride(1), head_k_dim ** -0.5,
+        out.stride(0), out.stride(1), head_k_dim ** -0.5, float(beta_scale),
         NUM_K_HEADS=num_k_heads, V_PER_K=num_v_heads // num_k_heads, HEAD_K=head_k_dim, HEAD_V=head_v_dim,
         K_PAD=triton.next_power_of_2(head_k_dim), BLOCK_V=block_v, num_warps=4,
     )
@@ -106,8 +107,9 @@ def gated_delta_decode_triton(conv: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 @paged_gated_delta_net.register_kernel("cuda")
 def _paged_gated_delta_net_cuda(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state,
-                                state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim):
+                                state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim, head_v_dim,
+                                beta_scale=1.0):
     return paged_gated_delta_net_reference(mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, recurrent_state,
                                            state_slots, seq_lens, query_start_loc, num_k_heads, head_k_dim,
-                                           head_v_dim, decode_rule=gated_delta_decode_triton,
+                                           head_v_dim, beta_scale, decode_rule=gated_delta_decode_triton,
                                            conv_rule=conv_single_tokens_triton)

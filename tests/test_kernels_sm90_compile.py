@@ -322,7 +322,8 @@ from kiln.kernels.triton_mamba2 import BLOCK_P, _mamba2_decode_kernel
 found = {}
 fn = _gated_delta_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", q_scale="fp32")
+types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", q_scale="fp32",
+             beta_scale="fp32")
 # Qwen3-Next's layer: 16 key heads of 128, 32 value heads of 128.
 found["gated delta"] = spills(compile_sm90(fn, dict(NUM_K_HEADS=16, V_PER_K=2, HEAD_K=128, HEAD_V=128, K_PAD=128,
                                                     BLOCK_V=BLOCK_V), types, 4, 1))

@@ -295,7 +295,8 @@ def test_triton_decode_kernel_equals_the_reference() -> None:
     """The CUDA decode kernel (under Triton's interpreter without a GPU) gives the reference's
     outputs and states from the convolved rows and a, b as strided views: grouped value heads,
     a value width over one block (two column blocks), a row starting fresh in a slot holding
-    garbage, two padded rows on the null slot, one row's a past softplus's linear threshold."""
+    garbage, two padded rows on the null slot, one row's a past softplus's linear threshold;
+    and with OLMo Hybrid's doubled beta (`beta_scale` 2)."""
     code = r'''
 import os, torch
 if not torch.cuda.is_available():
@@ -324,6 +325,14 @@ ref16 = gdn.decode_rule_reference(*half, A_log, dt_bias, state.clone(), slots, c
 out16 = gated_delta_decode_triton(*half, A_log, dt_bias, state.clone(), slots, continuing, hk, dk, dv)
 assert out16.dtype == torch.float16
 torch.testing.assert_close(out16[:3].float(), ref16[:3], rtol=2e-3, atol=2e-3)
+doubled_ref_state, doubled_state = state.clone(), state.clone()
+ref2 = gdn.decode_rule_reference(conv, a, b, A_log, dt_bias, doubled_ref_state, slots, continuing, hk, dk, dv,
+                                 beta_scale=2.0)
+out2 = gated_delta_decode_triton(conv, a, b, A_log, dt_bias, doubled_state, slots, continuing, hk, dk, dv,
+                                 beta_scale=2.0)
+torch.testing.assert_close(out2[:3], ref2[:3], rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(doubled_state[1:], doubled_ref_state[1:], rtol=1e-5, atol=1e-5)
+assert not torch.allclose(out2[:3], out[:3])
 print("ok")
 '''
     _run_with_triton(code)

@@ -212,6 +212,11 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3_next": (dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=32),
                    "gated DeltaNet + gated attention layers (recurrent states), experts with a gated shared expert"),
+    # OLMo Hybrid: separate q/k/v/a/b/g projections, beta doubled (`allow_neg_eigval`), the
+    # convolution saved as three tensors; OLMo 3 attention layers.
+    "olmo_hybrid": (dict(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=8),
+                    "gated DeltaNet (separate projections, doubled beta) + attention layers, q/k norm, post-norms"),
     "qwen3_5": (dict(_GDN, model_type="qwen3_5_text"), "gated DeltaNet + gated attention layers (Qwen3.5, dense)"),
     "qwen3_5_moe": (dict(_GDN, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=32, shared_expert_intermediate_size=32),
