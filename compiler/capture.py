@@ -39,6 +39,7 @@ import kiln.kernels  # noqa: F401  (registers kiln::attention)
 from kiln.compiler.graph_inputs import (
     INPUT_META_KEY, add_graph_input, batch_role, constant_role, graph_input_roles, param_role,
 )
+from kiln.compiler.model_source import checkpoint_part_alias
 from kiln.compiler.recurrent_layers import UnsupportedRecurrentLayer, is_marked, mark_recurrent_layers
 from kiln.compiler.stacked_experts import stack_experts
 from kiln.kernels.paged_attention import caches_latent
@@ -244,6 +245,20 @@ def find_unsupported_construct(model: torch.nn.Module) -> str | None:
                 n.endswith("conv1d") and not f"{name}.{n}".startswith(marked) for n, _ in module.named_modules()):
             return f"state-space layer ({name}: {type(module).__name__})"
     return None
+
+
+def _refuse_repeated_attention(gm: torch.fx.GraphModule) -> None:
+    """A layer that calls attention more than once (DiffLlama's differential attention: two
+    softmaxes over the halves of V) would write two K/V pairs into the one cache of its layer,
+    the second over the first: refused, naming the layer."""
+    calls: dict[int, int] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.kiln.attention.default):
+        calls[int(node.args[3])] = calls.get(int(node.args[3]), 0) + 1
+    repeated = sorted(layer for layer, n in calls.items() if n > 1)
+    if repeated:
+        raise UnsupportedArchitectureError(
+            f"attention called {calls[repeated[0]]} times in layer {repeated[0]} (e.g. differential attention) is not "
+            "supported by Kiln: its KV cache keeps one K and V per layer")
 
 
 def attention_outside_interface(model: torch.nn.Module) -> str:
@@ -492,6 +507,7 @@ def capture(config: Any, dtype: torch.dtype = torch.float32, device: torch.devic
     if not inline and not attention_free(config) and not program.graph_module.graph.find_nodes(
             op="call_function", target=torch.ops.kiln.attention.default):
         raise UnsupportedArchitectureError(f"{attention_outside_interface(hf)} is not supported by Kiln")
+    _refuse_repeated_attention(program.graph_module)
 
     gm = program.graph_module
     sig = program.graph_signature
@@ -626,11 +642,71 @@ def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
     from transformers.core_model_loading import revert_weight_conversion
 
     names: dict[str, str] = {}
+    owners: dict[str, set[int]] = {}  # saved name -> the parameters (by identity) saved under it
     for name, p in hf.named_parameters(remove_duplicate=False):
         saved = list(revert_weight_conversion(hf, {name: p}))
         if len(saved) == 1 and saved[0] != name:
             names[name] = saved[0]
+            owners.setdefault(saved[0], set()).add(id(p))
+    # A name several parameters are saved under is a tensor transformers splits as it loads
+    # (Sarvam's and Param-2's query_key_value, Lara's fused in_proj): each part's alias names its
+    # run of that tensor (`checkpoint_part_alias`), found by reverting the conversion over
+    # marked stand-ins; parts whose runs cannot be found get no alias (such a checkpoint then
+    # fails to load naming the missing tensor).
+    shared = {saved_name for saved_name, params in owners.items() if len(params) > 1}  # (tied: one parameter)
+    params = dict(hf.named_parameters(remove_duplicate=False))
+    for saved_name in shared:
+        parts = list(dict.fromkeys(name for name, other in names.items() if other == saved_name))
+        parts = list({id(params[name]): name for name in reversed(parts)}.values())[::-1]  # one name a tensor
+        runs = _runs_in_fused(hf, saved_name, [(name, params[name].shape) for name in parts])
+        for name, other in list(names.items()):
+            if other == saved_name:
+                run = runs.get(name) if runs else None
+                if run is None:
+                    run = next((runs[p] for p in parts if runs and p in runs and params[p] is params[name]), None)
+                if run is None:
+                    del names[name]
+                else:
+                    names[name] = checkpoint_part_alias(saved_name, *run)
     return names
+
+
+def _runs_in_fused(hf: torch.nn.Module, saved_name: str, parts: list[tuple[str, torch.Size]]
+                   ) -> dict[str, tuple[int, int, int]] | None:
+    """Each part's (dim, start, stop) in the checkpoint tensor `saved_name` that transformers
+    splits into `parts` as it loads: transformers' own conversion, reverted over stand-ins that
+    keep each part's size along one dimension (1 along the others) and hold the part's number;
+    the first dimension along which the stand-ins join into `saved_name` is the split's. None
+    when no dimension gives one run per part."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rank = len(parts[0][1])
+    for dim in range(rank):
+        if any(len(shape) != rank for _, shape in parts):
+            return None
+        stand_ins = {}
+        for i, (name, shape) in enumerate(parts):
+            size = [1] * rank
+            size[dim] = shape[dim]
+            stand_ins[name] = torch.full(size, float(i + 1))
+        try:
+            fused = revert_weight_conversion(hf, stand_ins)
+        except Exception:  # (a conversion that cannot join along this dimension)
+            continue
+        if list(fused) != [saved_name]:
+            continue
+        line = fused[saved_name].reshape(-1) if fused[saved_name].numel() == fused[saved_name].shape[dim] else None
+        if line is None:
+            continue
+        runs: dict[str, tuple[int, int, int]] = {}
+        for i, (name, shape) in enumerate(parts):
+            where = (line == float(i + 1)).nonzero().flatten().tolist()
+            if len(where) != shape[dim] or where != list(range(where[0], where[0] + len(where))):
+                break
+            runs[name] = (dim, where[0], where[0] + len(where))
+        else:
+            return runs
+    return None
 
 
 def _persistent_buffer_names(hf: torch.nn.Module) -> dict[str, list[str]]:

@@ -675,8 +675,33 @@ def _convert_gguf(path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# A parameter that a checkpoint keeps inside a fused tensor (transformers splits it as it
+# loads: Sarvam's query_key_value) is named "<tensor>#<dim>:<start>:<stop>", its run along dim.
+_PART = "#"
+
+
+def checkpoint_part_alias(tensor: str, dim: int, start: int, stop: int) -> str:
+    return f"{tensor}{_PART}{dim}:{start}:{stop}"
+
+
+def _part_of(alias: str) -> tuple[str, tuple[int, int, int] | None]:
+    """(checkpoint tensor name, its (dim, start, stop) run, or None for the whole tensor)."""
+    if _PART not in alias:
+        return alias, None
+    tensor, run = alias.rsplit(_PART, 1)
+    dim, start, stop = (int(v) for v in run.split(":"))
+    return tensor, (dim, start, stop)
+
+
+def _read_part(f: Any, key: str, run: tuple[int, int, int]) -> torch.Tensor:
+    """The run of checkpoint tensor `key` (read through safetensors' slices: only its bytes)."""
+    dim, start, stop = run
+    index = tuple([slice(None)] * dim + [slice(start, stop)])
+    return f.get_slice(key)[index]
+
+
 def _pick(names: list[str], available: Any) -> str | None:
-    return next((n for n in names if n in available), None)
+    return next((n for n in names if _part_of(n)[0] in available), None)
 
 
 def _keep(out: dict[str, torch.Tensor], name: str, tensor: torch.Tensor, on_tensor: TensorHook | None) -> None:
@@ -728,7 +753,7 @@ def _load_safetensors_dir(
                 f"tensor {name!r} is in none of the weight shards of {path} "
                 f"({', '.join(s.name for s in shards)}); the checkpoint is incomplete or of another architecture"
             )
-        plan.setdefault(where[found], []).append((name, found))
+        plan.setdefault(where[_part_of(found)[0]], []).append((name, found))
     raw: dict[str, torch.Tensor] = {}
     derived_sources = {src for sources in derived.values() for src in sources}
     with tqdm(total=sum(len(v) for v in plan.values()), desc="Loading weights", unit="tensor",
@@ -737,6 +762,17 @@ def _load_safetensors_dir(
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name, key in items:
                     want = param_dtypes.get(name, dtype)
+                    key, run = _part_of(key)
+                    if run is not None:  # a run of a fused tensor: read it, then as any whole tensor
+                        tensor = _read_part(f, key, run)
+                        if is_fp8(tensor):  # its scale is the whole tensor's: dequantized whole, then cut
+                            whole = dequantize(f.get_tensor(key), _fp8_scale(key, where, shard), want)
+                            tensor = whole.narrow(run[0], run[1], run[2] - run[1])
+                        if tp_shards and name in tp_shards:
+                            tensor = tp_shards[name].read_shard(tensor)
+                        _keep(out, name, tensor.to(device=device, dtype=want), on_tensor)
+                        bar.update(1)
+                        continue
                     if tp_shards and name in tp_shards and key not in derived_sources:
                         _load_rank_slice(out, f, name, key, tp_shards[name], where, shard, name in keep_fp8, want,
                                          device, on_tensor)

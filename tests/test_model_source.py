@@ -58,6 +58,18 @@ def test_unsupported_architecture_fails_at_capture_naming_the_construct() -> Non
                            intermediate_size=64))
 
 
+def test_a_fused_tensor_transformers_splits_is_read_as_its_parts() -> None:
+    """Sarvam's checkpoints keep q, k and v as one `query_key_value`, which transformers splits
+    as it loads: each projection's alias names its run of rows (found by reverting
+    transformers' own conversion), never the whole fused tensor. (Its parity, and Lara's fused
+    `in_proj`, in tests/test_parity.py.)"""
+    captured = capture(tiny_config("sarvam_moe"))
+    fused = "model.layers.0.attention.query_key_value.weight"
+    runs = {part: captured.param_aliases[f"model.layers.0.self_attn.{part}_proj.weight"][-1] for part in "qkv"}
+    # 4 query heads and 2 KV heads of 16: q rows 0-64, k 64-96, v 96-128.
+    assert runs == {"q": f"{fused}#0:0:64", "k": f"{fused}#0:64:96", "v": f"{fused}#0:96:128"}
+
+
 def test_sharded_checkpoint_and_missing_tensor(tiny_model_dir, tmp_path) -> None:
     src, _ = tiny_model_dir("llama")
     tensors = load_file(str(src / "model.safetensors"))
