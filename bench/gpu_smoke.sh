@@ -16,6 +16,7 @@
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
+#                                         mamba_latency
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_c tests_d tests_b latency throughput startup)
 #
@@ -353,6 +354,10 @@ for stage in $STAGES; do
     moe_gpt_oss_20b)  # GPT-OSS-20B's shape (dummy bf16, ~41 GB): decode 1/64 against Hugging Face eager
       run_stage moe_gpt_oss_20b 560 $PY bench/moe.py --shape gpt-oss-20b --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_gpt_oss_20b.json" ;;
+    mamba_latency)  # Falcon-Mamba-7B's shape (dummy bf16, ~14.5 GB; 64 selective-scan layers, no attention): decode
+                    # batch 1 / 8 / 64 on the selective-scan and conv kernels, Hugging Face eager (its torch scan) in the same run
+      run_stage mamba_latency 300 $PY bench/latency.py --model bench/falcon_mamba_7b.json --batch-sizes 1,8,64 \
+        --steps 128 --hf-steps 4 --out "$OUT/mamba_latency.json" ;;
     olmo2_latency)  # OLMo-2-7B's shape (dummy bf16, ~15 GB; float32 cos/sin: its RoPE folded into the attention
                     # since the forty-third session) at decode batch 1 / 8, Hugging Face eager in the same run
       run_stage olmo2_latency 300 $PY bench/latency.py --model bench/olmo2_7b.json --batch-sizes 1,8 --steps 128 \

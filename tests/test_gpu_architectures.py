@@ -22,6 +22,11 @@ and Hugging Face's (gpu marker; skipped without CUDA).
                  to 24 (the kernels' head-size padding past a power of two), DeepSeek-V3 routing
     gpt_oss      attention sinks (the general attention kernel, not the keys-as-rows decode),
                  biased experts with the clamped SwiGLU in the MoE kernels' epilogues
+    mamba, jamba Mamba's selective scan on its Triton kernel (every step kind), the convolution's
+                 decode kernel with SiLU; Mamba without any attention layer (an empty KV cache)
+    mamba2, falcon_h1
+                 Mamba2's own model (no attention); Falcon-H1's attention and Mamba2 side by side
+    olmo_hybrid  the gated DeltaNet's decode kernel with beta doubled
 
 Architectures the GPU image's transformers lacks are skipped.
 """
@@ -39,7 +44,8 @@ pytestmark = pytest.mark.gpu
 
 MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe", "deepseek_v3", "glm4_moe_lite"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
-         "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h"]
+         "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h",
+         "mamba", "jamba", "mamba2", "falcon_h1", "olmo_hybrid"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
