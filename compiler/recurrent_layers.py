@@ -113,8 +113,8 @@ _MAMBA2 = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "nu
 
 
 # The Mamba2 mixers whose forward `_mamba2_forward` reproduces (each checked by a parity test).
-# Others of the kind compute more around the scan (Falcon-H1's multipliers, Zamba2's) and stay
-# refused.
+# Falcon-H1's, with its multipliers, has its own forward; others of the kind (Zamba2's, whose
+# shared attention blocks all carry layer_idx -1) stay refused.
 MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "BambaMixer", "Mamba2Mixer"})
 
 
@@ -131,8 +131,13 @@ def _mamba2_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: A
     gate, x_bc, dt = self.in_proj(hidden_states)[0].split([self.intermediate_size, self.conv_dim, self.num_heads],
                                                           dim=-1)
     y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
-                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size)
+                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, _dt_min(self))
     return self.out_proj(self.norm(y.unsqueeze(0), gate.unsqueeze(0)).to(dtype))
+
+
+def _dt_min(module: torch.nn.Module) -> float:
+    """The lower end of a Mamba2 mixer's `time_step_limit` (0.0 without one)."""
+    return float(tuple(getattr(module, "time_step_limit", None) or (0.0,))[0])
 
 
 def _falcon_h1_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -143,7 +148,7 @@ def _falcon_h1_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args
     projected = self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector
     gate, x_bc, dt = projected[0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
-                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size)
+                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, _dt_min(self))
     if self.mamba_rms_norm:
         y = self.norm(y.unsqueeze(0), gate.unsqueeze(0))
     else:
@@ -165,9 +170,9 @@ def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
         return f"a Mamba2 mixer with a {activation!r} convolution activation (Kiln's op applies SiLU)"
     if module.num_heads % module.n_groups:
         return f"a Mamba2 mixer with {module.num_heads} heads in {module.n_groups} groups"
-    limit = tuple(float(v) for v in getattr(module, "time_step_limit", (0.0, float("inf"))))
-    if limit != (0.0, float("inf")):
-        return f"a Mamba2 mixer clamping dt to {limit} (Kiln's op does not clamp)"
+    limit = tuple(float(v) for v in (getattr(module, "time_step_limit", None) or (0.0, float("inf"))))
+    if limit[1] != float("inf"):
+        return f"a Mamba2 mixer clamping dt to at most {limit[1]} (Kiln's op clamps from below only)"
     return None
 
 

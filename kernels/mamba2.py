@@ -14,7 +14,8 @@ capture marker (one sequence from zero states), which `kiln.passes.recurrent_sta
 float32 through the gated norm). Prefills run in chunks of CHUNK tokens: within a chunk the
 outputs are a masked product (C B^T weighted by the decay between positions) and the state
 enters through one product; only the state's chain runs chunk by chunk. Padding has dt = 0:
-no decay and no input. Plain torch on every device.
+no decay and no input. `dt_min` clamps dt from below after softplus (Zamba2's
+`time_step_limit`; 0, a no-op, for the others). Plain torch on every device.
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ CHUNK = 64
 
 
 def ssm_inputs(x_bc: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int,
-               head_dim: int, n_groups: int, state_size: int
+               head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convolved [..., conv_dim] and raw dt [..., H] -> x [..., H, P], B, C [..., H, N] (each
-    head's group's), dt and the log decay dt * A [..., H], all float32."""
+    head's group's), dt (at least `dt_min`: Zamba2's time_step_limit) and the log decay
+    dt * A [..., H], all float32."""
     lead = x_bc.shape[:-1]
     x, B, C = x_bc.float().split([num_heads * head_dim, n_groups * state_size, n_groups * state_size], dim=-1)
     B, C = B.reshape(*lead, n_groups, state_size), C.reshape(*lead, n_groups, state_size)
     B, C = (t.repeat_interleave(num_heads // n_groups, dim=-2) for t in (B, C))
     dt = F.softplus(dt.float() + dt_bias.float())
+    if dt_min:
+        dt = dt.clamp(min=dt_min)
     return x.reshape(*lead, num_heads, head_dim), B, C, dt, dt * -A_log.float().exp()
 
 
@@ -89,12 +93,13 @@ def scan_step(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tenso
 
 def decode_rule_reference(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                           D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor,
-                          num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
+                          num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0
+                          ) -> torch.Tensor:
     """One token of each of R rows after its convolution (conv [R, conv_dim]; dt [R, H] as the
     projection gives it) from its slot's SSM state (zeros where not `continuing`), the state
     written back. Returns y = S C + D x as [R, H * P] float32. (The CUDA kernel:
     kiln.kernels.triton_mamba2.)"""
-    x, B, C, dt, log_decay = ssm_inputs(conv, dt, A_log, dt_bias, num_heads, head_dim, n_groups, state_size)
+    x, B, C, dt, log_decay = ssm_inputs(conv, dt, A_log, dt_bias, num_heads, head_dim, n_groups, state_size, dt_min)
     state = torch.where(continuing.view(-1, 1, 1, 1), ssm_state[slots], 0.0)
     y, ssm_state[slots] = scan_step(x, B, C, dt, log_decay, state)
     return (y + D.float()[:, None] * x).reshape(x.shape[0], -1)
@@ -102,10 +107,11 @@ def decode_rule_reference(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Ten
 
 def mamba2_scan_reference(x_bc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
                           conv_bias: torch.Tensor | None, A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
-                          num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
+                          num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0
+                          ) -> torch.Tensor:
     """One sequence of T tokens from zero states: [T, H * P] float32."""
     x, B, C, dt, log_decay = ssm_inputs(causal_conv(x_bc, conv_weight, conv_bias), dt, A_log, dt_bias, num_heads,
-                                        head_dim, n_groups, state_size)
+                                        head_dim, n_groups, state_size, dt_min)
     y, _ = scan_chunked(x, B, C, dt, log_decay, x.new_zeros(num_heads, head_dim, state_size))
     return (y + D.float()[:, None] * x).reshape(x.shape[0], -1)
 
@@ -114,7 +120,8 @@ def paged_mamba2_scan_reference(
     x_bc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
     A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
     state_slots: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, head_dim: int,
-    n_groups: int, state_size: int, decode_rule: Callable[..., torch.Tensor] = decode_rule_reference,
+    n_groups: int, state_size: int, dt_min: float = 0.0,
+    decode_rule: Callable[..., torch.Tensor] = decode_rule_reference,
     conv_rule: ConvRule = conv_single_tokens,
 ) -> torch.Tensor:
     """A step of any mix of sequences (kiln.kernels.recurrent_steps); writes the states in place.
@@ -126,11 +133,11 @@ def paged_mamba2_scan_reference(
     def singles(rows: torch.Tensor | None, slots: torch.Tensor, continuing: torch.Tensor) -> torch.Tensor:
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         conv = conv_rule(pick(x_bc), conv_weight, conv_bias, conv_state, slots, continuing)
-        return decode_rule(conv, pick(dt), A_log, dt_bias, D, ssm_state, slots, continuing, *shape)
+        return decode_rule(conv, pick(dt), A_log, dt_bias, D, ssm_state, slots, continuing, *shape, dt_min=dt_min)
 
     def prefills(rows: PaddedRows, out: torch.Tensor) -> None:
         conv = rows.conv(x_bc, conv_weight, conv_bias, conv_state)  # [S, L, conv_dim]
-        x, B, C, step, log_decay = ssm_inputs(conv, rows.padded(dt), A_log, dt_bias, *shape)
+        x, B, C, step, log_decay = ssm_inputs(conv, rows.padded(dt), A_log, dt_bias, *shape, dt_min)
         step = step * rows.real.unsqueeze(-1)  # padding: dt = 0, no decay and no input
         state = torch.where(rows.continuing.view(-1, 1, 1, 1), ssm_state[rows.slots], 0.0)
         y, ssm_state[rows.slots] = scan_chunked(x, B, C, step, log_decay * rows.real.unsqueeze(-1), state)
@@ -154,14 +161,15 @@ def mamba2_scan(
     head_dim: int,
     n_groups: int,
     state_size: int,
+    dt_min: float = 0.0,
 ) -> torch.Tensor:
     return mamba2_scan_reference(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, num_heads, head_dim, n_groups,
-                                 state_size)
+                                 state_size, dt_min)
 
 
 @mamba2_scan.register_fake
 def _mamba2_scan_fake(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, layer_idx, num_heads, head_dim, n_groups,
-                      state_size):
+                      state_size, dt_min=0.0):
     return x_bc.new_empty(x_bc.shape[0], num_heads * head_dim, dtype=torch.float32)
 
 
@@ -183,13 +191,14 @@ def paged_mamba2_scan(
     head_dim: int,
     n_groups: int,
     state_size: int,
+    dt_min: float = 0.0,
 ) -> torch.Tensor:
     return paged_mamba2_scan_reference(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
                                        state_slots, seq_lens, query_start_loc, num_heads, head_dim, n_groups,
-                                       state_size)
+                                       state_size, dt_min)
 
 
 @paged_mamba2_scan.register_fake
 def _paged_mamba2_scan_fake(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state, state_slots,
-                            seq_lens, query_start_loc, num_heads, head_dim, n_groups, state_size):
+                            seq_lens, query_start_loc, num_heads, head_dim, n_groups, state_size, dt_min=0.0):
     return x_bc.new_empty(x_bc.shape[0], num_heads * head_dim, dtype=torch.float32)

@@ -32,7 +32,7 @@ BLOCK_P = 16
 @triton.jit
 def _mamba2_decode_kernel(
     conv_ptr, dt_ptr, a_log_ptr, dt_bias_ptr, d_ptr, state_ptr, slots_ptr, continuing_ptr, out_ptr,
-    stride_ct, stride_dtt, stride_dth, stride_st_slot, stride_st_head, stride_st_p, stride_ot,
+    stride_ct, stride_dtt, stride_dth, stride_st_slot, stride_st_head, stride_st_p, stride_ot, dt_min,
     NUM_HEADS: tl.constexpr, N_GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, STATE: tl.constexpr,
     STATE_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -55,7 +55,7 @@ def _mamba2_decode_kernel(
     # dt = softplus(dt + dt_bias) (torch's: linear past 20); the log decay dt * -exp(A_log).
     pre = (tl.load(dt_ptr + row * stride_dtt + head * stride_dth).to(tl.float32)
            + tl.load(dt_bias_ptr + head).to(tl.float32))
-    dt = tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0))))
+    dt = tl.maximum(tl.where(pre > 20.0, pre, tl.log(1.0 + tl.exp(tl.minimum(pre, 20.0)))), dt_min)
     decay = dt * -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     skip = tl.load(d_ptr + head).to(tl.float32)
 
@@ -70,7 +70,8 @@ def _mamba2_decode_kernel(
 
 def mamba2_decode_triton(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                          D: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, continuing: torch.Tensor,
-                         num_heads: int, head_dim: int, n_groups: int, state_size: int) -> torch.Tensor:
+                         num_heads: int, head_dim: int, n_groups: int, state_size: int, dt_min: float = 0.0
+                         ) -> torch.Tensor:
     """`kiln.kernels.mamba2.decode_rule_reference` as one kernel: conv [R, conv_dim] (the
     convolved rows), dt [R, H] (before softplus), ssm_state [slots, H, P, N] float32 (written in
     place), slots [R], continuing [R] bool. Returns y = S C + D x as [R, H * P] float32."""
@@ -85,7 +86,7 @@ def mamba2_decode_triton(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tens
     _mamba2_decode_kernel[(rows, num_heads, triton.cdiv(head_dim, block_p))](
         conv, dt, A_log, dt_bias, D, ssm_state, slots.contiguous(), continuing.contiguous(), out,
         conv.stride(0), dt.stride(0), dt.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        out.stride(0),
+        out.stride(0), float(dt_min),
         NUM_HEADS=num_heads, N_GROUPS=n_groups, HEAD_DIM=head_dim, STATE=state_size,
         STATE_PAD=triton.next_power_of_2(state_size), BLOCK_P=block_p, num_warps=4,
     )
@@ -94,8 +95,8 @@ def mamba2_decode_triton(conv: torch.Tensor, dt: torch.Tensor, A_log: torch.Tens
 
 @paged_mamba2_scan.register_kernel("cuda")
 def _paged_mamba2_scan_cuda(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state, state_slots,
-                            seq_lens, query_start_loc, num_heads, head_dim, n_groups, state_size):
+                            seq_lens, query_start_loc, num_heads, head_dim, n_groups, state_size, dt_min=0.0):
     return paged_mamba2_scan_reference(x_bc, dt, conv_weight, conv_bias, A_log, D, dt_bias, conv_state, ssm_state,
                                        state_slots, seq_lens, query_start_loc, num_heads, head_dim, n_groups,
-                                       state_size, decode_rule=mamba2_decode_triton,
+                                       state_size, dt_min, decode_rule=mamba2_decode_triton,
                                        conv_rule=conv_single_tokens_triton)

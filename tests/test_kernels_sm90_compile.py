@@ -333,7 +333,7 @@ types.update(slots_ptr="*i32", continuing_ptr="*i1")
 found["conv"] = spills(compile_sm90(fn, dict(WIDTH=4, W_PAD=4, BLOCK_C=BLOCK_C, HAS_BIAS=True, SILU=True), types, 4, 1))
 fn = _mamba2_decode_kernel
 types = {n: "*fp32" for n in fn.arg_names if n.endswith("_ptr")}
-types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", dt_ptr="*bf16", d_ptr="*bf16")
+types.update(slots_ptr="*i32", continuing_ptr="*i1", conv_ptr="*bf16", dt_ptr="*bf16", d_ptr="*bf16", dt_min="fp32")
 # Nemotron-H-56B's layer: 128 heads of 64 in 8 groups, a 128-wide state.
 found["mamba2"] = spills(compile_sm90(fn, dict(NUM_HEADS=128, N_GROUPS=8, HEAD_DIM=64, STATE=128, STATE_PAD=128,
                                                BLOCK_P=BLOCK_P), types, 4, 1))

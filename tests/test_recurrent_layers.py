@@ -521,6 +521,12 @@ ref = mamba2.decode_rule_reference(conv, dt, A_log, dt_bias, D, ref_state, slots
 out = mamba2_decode_triton(conv, dt, A_log, dt_bias, D, ssm, slots, continuing, *shape)
 torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(ssm[1:], ref_state[1:], rtol=1e-5, atol=1e-5)
+# Zamba2's time_step_limit: dt clamped from below after softplus.
+clamped_ref_state, clamped_state = ssm.clone(), ssm.clone()
+ref = mamba2.decode_rule_reference(conv, dt, A_log, dt_bias, D, clamped_ref_state, slots, continuing, *shape, dt_min=1.5)
+out = mamba2_decode_triton(conv, dt, A_log, dt_bias, D, clamped_state, slots, continuing, *shape, dt_min=1.5)
+torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(clamped_state[1:], clamped_ref_state[1:], rtol=1e-5, atol=1e-5)
 print("ok")
 '''
     _run_with_triton(code)
