@@ -122,6 +122,18 @@ TP_ARCHITECTURES = {
                         "dt_bias and the norm's weight; B and C by groups, or the heads' group replicated; out_proj "
                         "row-parallel); experts as granitemoe, the shared MLP's fused input_linear per part",
     "bamba": "Mamba2 mixers as granitemoehybrid's; a Llama MLP",
+    "apertus1p5_text": "as llama; an xIELU MLP, q/k norm per head",
+    "cwm": "as mistral",
+    "flint": "as llama; sinks by heads, experts as glm4_moe",
+    "granite_swa": "as granite; sinks by heads",
+    "hy_v3": "as glm4_moe",
+    "hyperclovax": "as granite",
+    "iquestcoder": "as llama",
+    "kolibri1": "as glm4_moe",
+    "lara_mini": "gated DeltaNet layers as qwen3_5_text's; experts as qwen3_next",
+    "mellum": "as glm4_moe",
+    "nanochat": "as llama",
+    "xglm": "as llama, with biases",
     "mamba": "Mamba mixers by channels (in_proj's x and z, the convolution, dt_proj, A_log, D, dt_bias); x_proj and "
              "out_proj row-parallel, all-reduced",
     "falcon_mamba": "as mamba; the dt/B/C norms on every rank",
