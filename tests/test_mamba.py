@@ -180,28 +180,10 @@ def test_mamba_warm_starts_from_its_compile_cache(tiny_model_dir, tmp_path) -> N
     assert [o.outputs[0].token_ids for o in warm.generate(prompts, params)] == expected
 
 
-@pytest.mark.parametrize("arch", ["mamba", "jamba", "mamba2", "falcon_h1"])
-def test_two_ranks_give_one_ranks_tokens(arch: str, tiny_model_dir) -> None:
-    """tensor_parallel_size=2 (two CPU workers over gloo): a Mamba mixer by channels (x_proj's
-    and out_proj's partial products all-reduced), Mamba2's by heads, Falcon-H1's multiplier
-    vector sliced as in_proj's rows; over chunked prefills and decodes the greedy tokens equal
-    TP=1's."""
-    path, _ = tiny_model_dir(arch)
-    options = dict(dtype="float32", device="cpu", progress=False, max_model_len=128, max_num_seqs=4,
-                   max_num_batched_tokens=16)
-    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    prompts = [list(range(3, 40)), [5, 9], list(range(20, 45))]
-    expected = [o.outputs[0].token_ids for o in LLM(str(path), **options).generate(prompts, greedy)]
-    llm = LLM(str(path), tensor_parallel_size=2, **options)
-    try:
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == expected
-    finally:
-        llm.engine.shutdown()
-
-
 def test_tensor_parallel_falcon_h1_with_its_grouped_norm_is_refused_by_name() -> None:
     """Falcon-H1's gated norm over groups has no sharding rule: the check says so before any
-    shape goes wrong."""
+    shape goes wrong. (Two ranks of Mamba, Jamba, Mamba2 and Falcon-H1 without it:
+    tests/test_recurrent_layers.py.)"""
     from kiln.passes.shard_tensor_parallel import check_tp_size
 
     with pytest.raises(ValueError, match="Falcon-H1 models with mamba_rms_norm"):
