@@ -182,8 +182,8 @@ def test_mamba_warm_starts_from_its_compile_cache(tiny_model_dir, tmp_path) -> N
 
 def test_tensor_parallel_falcon_h1_with_its_grouped_norm_is_refused_by_name() -> None:
     """Falcon-H1's gated norm over groups has no sharding rule: the check says so before any
-    shape goes wrong. (Two ranks of Mamba, Jamba, Mamba2 and Falcon-H1 without it:
-    tests/test_recurrent_layers.py.)"""
+    shape goes wrong. (Two ranks of Jamba: tests/test_recurrent_layers.py; of Mamba, Mamba2 and
+    Falcon-H1 without it, against their unsharded graphs: tests/test_shard_tensor_parallel.py.)"""
     from kiln.passes.shard_tensor_parallel import check_tp_size
 
     with pytest.raises(ValueError, match="Falcon-H1 models with mamba_rms_norm"):
