@@ -637,8 +637,9 @@ def _tied_weights(hf: torch.nn.Module, config: Any) -> dict[str, str]:
 
 def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
     """Parameter name -> the name transformers' own `save_pretrained` writes it under, where
-    transformers renames it (GPT-NeoX's lm_head is saved as `embed_out`). Only one-to-one
-    renames: tensors split on save (MoE experts) are the loader's `checkpoint_sources`."""
+    transformers renames it (GPT-NeoX's lm_head is saved as `embed_out`), or the run of a fused
+    tensor it is saved in (`checkpoint_part_alias`). Tensors split on save (MoE experts) are the
+    loader's `checkpoint_source_layouts`."""
     from transformers.core_model_loading import revert_weight_conversion
 
     names: dict[str, str] = {}
@@ -656,14 +657,14 @@ def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
     shared = {saved_name for saved_name, params in owners.items() if len(params) > 1}  # (tied: one parameter)
     params = dict(hf.named_parameters(remove_duplicate=False))
     for saved_name in shared:
-        parts = list(dict.fromkeys(name for name, other in names.items() if other == saved_name))
-        parts = list({id(params[name]): name for name in reversed(parts)}.values())[::-1]  # one name a tensor
-        runs = _runs_in_fused(hf, saved_name, [(name, params[name].shape) for name in parts])
+        first_names: dict[int, str] = {}  # each part (a tensor) under its first name
+        for name, other in names.items():
+            if other == saved_name:
+                first_names.setdefault(id(params[name]), name)
+        runs = _runs_in_fused(hf, saved_name, [(name, params[name].shape) for name in first_names.values()]) or {}
         for name, other in list(names.items()):
             if other == saved_name:
-                run = runs.get(name) if runs else None
-                if run is None:
-                    run = next((runs[p] for p in parts if runs and p in runs and params[p] is params[name]), None)
+                run = runs.get(first_names[id(params[name])])
                 if run is None:
                     del names[name]
                 else:
@@ -681,9 +682,9 @@ def _runs_in_fused(hf: torch.nn.Module, saved_name: str, parts: list[tuple[str, 
     from transformers.core_model_loading import revert_weight_conversion
 
     rank = len(parts[0][1])
+    if any(len(shape) != rank or 0 in shape for _, shape in parts):
+        return None
     for dim in range(rank):
-        if any(len(shape) != rank for _, shape in parts):
-            return None
         stand_ins = {}
         for i, (name, shape) in enumerate(parts):
             size = [1] * rank
