@@ -112,48 +112,47 @@ _MAMBA2 = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj", "nu
            "ssm_state_size", "intermediate_size", "conv_dim", "layer_idx")
 
 
-# The Mamba2 mixers whose forward `_mamba2_forward` reproduces (each checked by a parity test).
-# Falcon-H1's, with its multipliers, has its own forward; others of the kind (Zamba2's, whose
-# shared attention blocks all carry layer_idx -1) stay refused.
-MAMBA2_MIXERS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "BambaMixer", "Mamba2Mixer"})
-
-
-def is_mamba2_mixer(module: torch.nn.Module) -> bool:
-    """A Mamba2 mixer Kiln runs (Granite 4.0-H, Nemotron-H, Bamba, Mamba2: `MAMBA2_MIXERS`; Falcon-H1)."""
-    return type(module).__name__ in MAMBA2_MIXERS or type(module).__name__ == "FalconH1Mixer"
+def _mamba2_parts(self: torch.nn.Module, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_proj's output [1, T, gate + x B C + dt] -> (gate [T, I], the scan's y [T, H * P]
+    float32): the convolution and the SSD scan (with D's skip, dt at least its
+    `time_step_limit`'s lower end) behind the marker."""
+    gate, x_bc, dt = projected[0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    dt_min = float(tuple(getattr(self, "time_step_limit", None) or (0.0,))[0])
+    y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
+                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, dt_min)
+    return gate, y
 
 
 def _mamba2_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """The Mamba2 mixer over one packed step [1, T, hidden]: in_proj gives [gate; x B C; dt],
-    the convolution and the scan (with D's skip) run behind the marker, then the gated norm and
-    out_proj as the model computes them."""
-    dtype = hidden_states.dtype
-    gate, x_bc, dt = self.in_proj(hidden_states)[0].split([self.intermediate_size, self.conv_dim, self.num_heads],
-                                                          dim=-1)
-    y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
-                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, _dt_min(self))
-    return self.out_proj(self.norm(y.unsqueeze(0), gate.unsqueeze(0)).to(dtype))
-
-
-def _dt_min(module: torch.nn.Module) -> float:
-    """The lower end of a Mamba2 mixer's `time_step_limit` (0.0 without one)."""
-    return float(tuple(getattr(module, "time_step_limit", None) or (0.0,))[0])
+    the convolution and the scan run behind the marker, then the gated norm and out_proj as the
+    model computes them."""
+    gate, y = _mamba2_parts(self, self.in_proj(hidden_states))
+    return self.out_proj(self.norm(y.unsqueeze(0), gate.unsqueeze(0)).to(hidden_states.dtype))
 
 
 def _falcon_h1_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Falcon-H1's Mamba2 mixer: Mamba2's with its multipliers (the input's, and `mup_vector`
     over in_proj's [gate; x B C; dt]), the scan's output gated by SiLU(gate) or, with
     `mamba_rms_norm`, by the gated grouped norm."""
-    dtype = hidden_states.dtype
-    projected = self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector
-    gate, x_bc, dt = projected[0].split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    y = mamba2_scan(x_bc, dt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.A_log, self.D, self.dt_bias,
-                    self.layer_idx, self.num_heads, self.head_dim, self.n_groups, self.ssm_state_size, _dt_min(self))
+    gate, y = _mamba2_parts(self, self.in_proj(hidden_states * self.ssm_in_multiplier) * self.mup_vector)
     if self.mamba_rms_norm:
         y = self.norm(y.unsqueeze(0), gate.unsqueeze(0))
     else:
         y = (y * F.silu(gate)).unsqueeze(0)
-    return self.out_proj(y.to(dtype))
+    return self.out_proj(y.to(hidden_states.dtype))
+
+
+# The Mamba2 mixers Kiln runs, by class, with the forward that reproduces each (each checked by
+# a parity test). Others of the kind (Zamba2's, whose shared attention blocks all carry
+# layer_idx -1) stay refused.
+MAMBA2_FORWARDS = {"GraniteMoeHybridMambaLayer": _mamba2_forward, "NemotronHMamba2Mixer": _mamba2_forward,
+                   "BambaMixer": _mamba2_forward, "Mamba2Mixer": _mamba2_forward, "FalconH1Mixer": _falcon_h1_forward}
+
+
+def is_mamba2_mixer(module: torch.nn.Module) -> bool:
+    """A Mamba2 mixer Kiln runs (Granite 4.0-H, Nemotron-H, Bamba, Mamba2, Falcon-H1: `MAMBA2_FORWARDS`)."""
+    return type(module).__name__ in MAMBA2_FORWARDS
 
 
 def why_not_mamba2(module: torch.nn.Module, config: Any) -> str | None:
@@ -261,8 +260,7 @@ def mark_recurrent_layers(model: torch.nn.Module, config: Any) -> int:
         elif is_gated_delta_net(module):
             why, forward = why_not_markable(module, config), _kiln_forward
         elif is_mamba2_mixer(module):
-            why = why_not_mamba2(module, config)
-            forward = _falcon_h1_forward if type(module).__name__ == "FalconH1Mixer" else _mamba2_forward
+            why, forward = why_not_mamba2(module, config), MAMBA2_FORWARDS[type(module).__name__]
         elif is_mamba_mixer(module):
             why, forward = why_not_mamba(module, config), _mamba_forward
         elif is_short_conv(module):
