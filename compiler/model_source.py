@@ -39,10 +39,10 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # (Hugging Face's config classes would silently fill in the defaults of a 7B model).
 REQUIRED_CONFIG_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Multimodal checkpoints whose language model Kiln runs alone, as a text model (the images'
-# tower is never read): Llama 4, Gemma 3, Mistral Small 3.x, Qwen3.5 (dense and MoE). Their
-# config.json nests the text model's config as `text_config`, and their tensors carry a prefix
-# (`multimodal_aliases`).
-MULTIMODAL_TEXT_MODELS = frozenset({"llama4", "gemma3", "mistral3", "qwen3_5", "qwen3_5_moe"})
+# tower is never read): Llama 4, Gemma 3, Gemma 4, Mistral Small 3.x, Qwen3.5 (dense and MoE).
+# Their config.json nests the text model's config as `text_config`, and their tensors carry a
+# prefix (`multimodal_aliases`).
+MULTIMODAL_TEXT_MODELS = frozenset({"llama4", "gemma3", "gemma4", "mistral3", "qwen3_5", "qwen3_5_moe"})
 # Top-level fields of such a config.json that hold for the text model too, where its own
 # config does not say.
 _MULTIMODAL_SHARED_FIELDS = ("torch_dtype", "dtype", "quantization_config")
@@ -120,6 +120,21 @@ class ConfigSnapshot:
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(self._values))
 
+    @property
+    def is_heterogeneous(self) -> bool:
+        """Whether layers override fields of the config (transformers' `per_layer_config`)."""
+        return bool(self._values.get("per_layer_config"))
+
+    @property
+    def per_layer_config(self) -> list["ConfigSnapshot"]:
+        """Each layer's view, as transformers' heterogeneous configs give it: the model-wide
+        values with the layer's overrides (to_dict() keeps them by zero-padded layer index)."""
+        overrides = {int(k): v for k, v in (self._values.get("per_layer_config") or {}).items()}
+        values = {k: v for k, v in self._values.items() if k != "per_layer_config"}
+        return [ConfigSnapshot({**values, **overrides.get(i, {})}, {**self._attributes, **overrides.get(i, {})},
+                               self._parameter_shapes)
+                for i in range(int(self.num_hidden_layers))]
+
     def to_transformers(self) -> Any:
         """The transformers config again (what capture needs), from the stored to_dict()."""
         with text_only_transformers():
@@ -136,7 +151,11 @@ class ConfigSnapshot:
         from kiln.compiler.capture import parameter_shapes
 
         values = json.loads(json.dumps(config.to_dict(), default=str))
-        attributes = {name: getattr(config, name) for name in SNAPSHOT_ATTRIBUTES if hasattr(config, name)}
+        # A heterogeneous config's per-layer fields have no model-wide value (reading one raises);
+        # to_dict() keeps the default and each layer's overrides (`per_layer_config` above).
+        per_layer = getattr(config, "per_layer_attributes", None) or set()
+        attributes = {name: getattr(config, name) for name in SNAPSHOT_ATTRIBUTES
+                      if name not in per_layer and hasattr(config, name)}
         attributes = json.loads(json.dumps(attributes, default=str))
         shapes = {name: list(shape) for name, shape in parameter_shapes(config).items()}
         return cls(values, attributes, shapes)

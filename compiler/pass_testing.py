@@ -181,7 +181,8 @@ def run_captured(captured: CapturedModel, block_size: int, num_tokens: int = 8, 
         batch["logits_indices"] = torch.arange(num_tokens)
     num_blocks = -(-num_tokens // block_size) + 1
     args = bind(graph_input_roles(captured.graph_module), params=weights, constants=captured.constants,
-                kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size, tp_size), dtype=captured.dtype),
+                kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, num_blocks, block_size, tp_size, int(layer)),
+                                                    dtype=captured.dtype),
                 batch=batch, states=allocate_state_caches(config, 2, captured.dtype, "cpu", tp_size))
     with torch.no_grad():
         return captured.graph_module(*args)

@@ -36,11 +36,12 @@ router in the graph, as the model computes it, and fuses the experts after it. T
 dtype decides the rounding of the weighted sum as `fp32_weights` does in `fused_moe`, which is
 `route` followed by this op.
 
-Keyword-only, for experts that are not a bias-free SiLU-and-mul (GPT-OSS):
+Keyword-only, for experts that are not a bias-free SiLU-and-mul (GPT-OSS, Gemma 4):
 
     b_gate_up  [E, 2I] or None   added to the gate/up GEMM's output (gate half, then up half)
     b_down     [E, H] or None    added to the down GEMM's output, before the routing weight
     activation "silu"            silu(gate) * up
+               "gelu_tanh"       gelu(gate, approximate="tanh") * up (Gemma 4's experts)
                "swiglu_oai"      GPT-OSS's clamped SwiGLU: gate = min(gate, limit),
                                  up = clamp(up, -limit, limit),
                                  (up + 1) * gate * sigmoid(alpha * gate)
@@ -95,7 +96,7 @@ def check_fused_moe_args(hidden: torch.Tensor, router_logits: torch.Tensor, w_ga
         raise ValueError(f"fused_moe: top_k={top_k} must be in 1..{e} (the number of experts)")
 
 
-EXPERT_ACTIVATIONS = ("silu", "swiglu_oai")
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 
 
 def expert_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
@@ -106,6 +107,8 @@ def expert_activation(gate_up: torch.Tensor, activation: str = "silu", alpha: fl
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     if activation == "silu":
         return F.silu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -88,8 +88,39 @@ def _attention_expands_kv_apart(model_type: str) -> bool:
     return re.search(r"^\s+def expand_kv\(", source, re.MULTILINE) is not None
 
 
-def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
-    """A Hugging Face config's KV heads and head size.
+def layer_config(config: Any, layer: int) -> Any:
+    """Layer `layer`'s view of `config`. transformers' heterogeneous configs (`per_layer_config`:
+    Gemma 4's full-attention layers have a head_dim and KV heads of their own) give each layer
+    its own and refuse to say the model-wide value of a field that differs between layers; any
+    other config is every layer's."""
+    if getattr(config, "is_heterogeneous", False):
+        return config.per_layer_config[layer]
+    return config
+
+
+def kv_sharing(config: Any) -> dict[int, int]:
+    """Layers that attend over another layer's K and V instead of their own (Gemma 3n's and
+    Gemma 4's `num_kv_shared_layers`, the last layers of the model), each mapped to the layer
+    whose cache it reads: the last layer of its kind (windowed or global) before the shared
+    ones, as transformers' `kv_sharing_modes` picks it. Such a layer has no K/V projections
+    and no cache of its own."""
+    shared = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    if shared <= 0:
+        return {}
+    layers = int(config.num_hidden_layers)
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    first = layers - shared
+    producers = {kind: i for i, kind in enumerate(kinds[:first])}  # the last of each kind wins
+    missing = sorted({kinds[i] for i in range(first, layers)} - set(producers))
+    if missing:
+        raise ValueError(f"config shares K/V across its last {shared} layers, but no earlier layer of kind "
+                         f"{', '.join(missing)} has a cache to share")
+    return {i: producers[kinds[i]] for i in range(first, layers)}
+
+
+def kv_heads_and_head_dim(config: Any, tp_size: int = 1, layer: int | None = None) -> tuple[int, int]:
+    """A Hugging Face config's KV heads and head size (of `layer`, where layers differ:
+    `layer_config`; a heterogeneous config's model-wide values raise).
 
     GQA configs name the KV heads (`num_key_value_heads`); multi-query configs that predate
     that name set a flag instead (GPT-BigCode's `multi_query`: one KV head); otherwise every
@@ -98,6 +129,8 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1) -> tuple[int, int]:
 
     With `tp_size` > 1, the KV heads of one rank of a tensor-parallel group: its share, or
     one (replicated) when there are fewer KV heads than ranks (kiln.passes.shard_tensor_parallel)."""
+    if layer is not None:
+        config = layer_config(config, layer)
     if getattr(config, "num_attention_heads", None) is None:
         return 0, 0  # no attention at all (Mamba, Falcon-Mamba): an empty KV cache
     heads = getattr(config, "num_key_value_heads", None)
@@ -126,10 +159,11 @@ def kv_planes(config: Any) -> int:
     return 1 if caches_latent(config) else 2
 
 
-def kv_cache_shape(config: Any, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
-    """One layer's cache for `config` (one rank's of `tp_size`): [planes, num_blocks, block_size, kv_heads,
-    head_dim], planes 2 (K, V) or 1 (`kv_planes`)."""
-    return (kv_planes(config), num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size))
+def kv_cache_shape(config: Any, num_blocks: int, block_size: int, tp_size: int = 1,
+                   layer: int | None = None) -> tuple[int, ...]:
+    """Layer `layer`'s cache for `config` (one rank's of `tp_size`): [planes, num_blocks, block_size,
+    kv_heads, head_dim], planes 2 (K, V) or 1 (`kv_planes`)."""
+    return (kv_planes(config), num_blocks, block_size, *kv_heads_and_head_dim(config, tp_size, layer))
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:

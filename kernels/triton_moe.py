@@ -66,6 +66,7 @@ from kiln.kernels.moe import fused_moe as fused_moe_op
 from kiln.kernels.moe import fused_moe_fp8 as fused_moe_fp8_op
 from kiln.kernels.moe import moe_experts as moe_experts_op
 from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
+from kiln.kernels.triton_activation import gated_activation
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
 from kiln.kernels.triton_moe_router import route_triton
 
@@ -494,10 +495,11 @@ def _moe_dot(a, w, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit,
-                      BIAS: tl.constexpr, ACT_OAI: tl.constexpr):
+                      BIAS: tl.constexpr, ACT_OAI: tl.constexpr, ACT_GELU: tl.constexpr = False):
     """The gate/up products (float32) -> the activation (float32), rounded where the model's
-    graph rounds: the GEMMs' outputs, the biases' sums (BIAS: `bias_ptr` [E, 2N]), SiLU's output.
-    ACT_OAI: GPT-OSS's clamped SwiGLU (kiln.kernels.moe), else silu(gate) * up."""
+    graph rounds: the GEMMs' outputs, the biases' sums (BIAS: `bias_ptr` [E, 2N]), SiLU's (or
+    GELU's) output. ACT_OAI: GPT-OSS's clamped SwiGLU (kiln.kernels.moe); ACT_GELU:
+    gelu_tanh(gate) * up (Gemma 4); else silu(gate) * up."""
     dt = out_ptr.dtype.element_ty
     gate = acc_gate.to(dt).to(tl.float32)
     up = acc_up.to(dt).to(tl.float32)
@@ -510,7 +512,7 @@ def _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alph
         up = tl.minimum(tl.maximum(up, -limit), limit)
         act = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     else:
-        act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32) * up
+        act = gated_activation(gate, ACT_GELU).to(dt).to(tl.float32) * up
     return act
 
 
@@ -533,7 +535,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
                         w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
                         SWAP_AB: tl.constexpr = False, bias_ptr=None, alpha=1.0, limit=0.0,
-                        BIAS: tl.constexpr = False, ACT_OAI: tl.constexpr = False):
+                        BIAS: tl.constexpr = False, ACT_OAI: tl.constexpr = False, ACT_GELU: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -578,7 +580,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
         acc_gate = acc_gate * tl.load(scale_cols)[None, :]
         acc_up = acc_up * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
-    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
+    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI, ACT_GELU)
     out_rows = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_om
     tl.store(out_rows + cols[None, :], act.to(dt), mask=valid[:, None] & (cols[None, :] < N))
 
@@ -633,7 +635,7 @@ def _moe_gate_up_row_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, N, K, stride_xt,
                             w_scale_ptr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_K: tl.constexpr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
                             bias_ptr=None, alpha=1.0, limit=0.0, BIAS: tl.constexpr = False,
-                            ACT_OAI: tl.constexpr = False):
+                            ACT_OAI: tl.constexpr = False, ACT_GELU: tl.constexpr = False):
     """One pair's gate/up (`ROW_KERNELS`): x[pair // TOP_K] against BLOCK_N columns of each
     half of its expert's w_gate_up, the activation of the two into out[pair, cols]."""
     wait_for_previous_kernel(PDL)
@@ -665,7 +667,7 @@ def _moe_gate_up_row_kernel(x_ptr, w_ptr, out_ptr, experts_ptr, N, K, stride_xt,
         scale_cols = w_scale_ptr + expert * (2 * N) + tl.minimum(cols, N - 1)
         gate = gate * tl.load(scale_cols)[None, :]
         up = up * tl.load(scale_cols + N)[None, :]
-    act = _gate_up_epilogue(gate, up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
+    act = _gate_up_epilogue(gate, up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI, ACT_GELU)
     out_row = out_ptr + pair.to(tl.int64) * stride_om
     tl.store(out_row + cols[None, :], act.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
 
@@ -714,7 +716,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
                             GROUP_M: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
                             a_scale_ptr=None, w_scale_ptr=None, SCALED: tl.constexpr = False,
                             bias_ptr=None, alpha=1.0, limit=0.0, BIAS: tl.constexpr = False,
-                            ACT_OAI: tl.constexpr = False):
+                            ACT_OAI: tl.constexpr = False, ACT_GELU: tl.constexpr = False):
     """`_moe_gate_up_kernel` over rows already in expert order (row block i = rows i*BLOCK_M..,
     padding rows included): x [rows, K] and w_gate_up as [E * 2N, K] through tensor
     descriptors. Tiles past N (or K) read the next rows (or TMA's zeros) and are never stored.
@@ -743,7 +745,7 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
         acc_gate = acc_gate * row_scale * tl.load(scale_cols)[None, :]
         acc_up = acc_up * row_scale * tl.load(scale_cols + N)[None, :]
     dt = out_ptr.dtype.element_ty
-    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI)
+    act = _gate_up_epilogue(acc_gate, acc_up, expert, cols, N, out_ptr, bias_ptr, alpha, limit, BIAS, ACT_OAI, ACT_GELU)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], act.to(dt), mask=cols[None, :] < N)
 
 
@@ -786,7 +788,8 @@ def _gate_up_extras(extras: ExpertExtras, stand_in: torch.Tensor) -> dict[str, A
     passed for a pointer never read)."""
     bias = extras.b_gate_up
     return {"bias_ptr": bias.contiguous() if bias is not None else stand_in, "alpha": float(extras.alpha),
-            "limit": float(extras.limit), "BIAS": bias is not None, "ACT_OAI": extras.activation == "swiglu_oai"}
+            "limit": float(extras.limit), "BIAS": bias is not None, "ACT_OAI": extras.activation == "swiglu_oai",
+            "ACT_GELU": extras.activation == "gelu_tanh"}
 
 
 def _down_extras(extras: ExpertExtras, stand_in: torch.Tensor) -> dict[str, Any]:

@@ -87,6 +87,8 @@ class ExpertsMatch:
     # scaled by the token's score for it; `topk_weights` is then the [T, E] scores (0 off the
     # top k), which the pass gathers per pair.
     input_scaled: bool = False
+    # The gated activation (`kiln::moe_experts`' `activation`): "silu", or Gemma 4's "gelu_tanh".
+    activation: str = "silu"
 
 
 @dataclass
@@ -218,9 +220,24 @@ def _weighted_sum(expert_out: torch.fx.Node, hidden: torch.fx.Node, top_k: int) 
                         nodes=[col_weights, weighted, slots, summed, *([output] if output is not summed else [])])
 
 
-def _swiglu_of(gate_up: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """(act, nodes) when `gate_up`'s only use is chunk(., 2, -1) into g, u and act = silu(g) * u
-    (or `kiln::silu_and_mul(g, u)`, when fuse_silu_mul ran first); nodes: the chunk to act."""
+# The fused gated activations fuse_silu_mul forms, by `kiln::moe_experts` activation.
+_GATED_OPS = {torch.ops.kiln.silu_and_mul.default: "silu", torch.ops.kiln.gelu_tanh_and_mul.default: "gelu_tanh"}
+
+
+def _activation_name(node: object) -> str | None:
+    """"silu" for silu(g), "gelu_tanh" for gelu(g, approximate="tanh") (Gemma 4's experts)."""
+    if _is(node, aten.silu.default):
+        return "silu"
+    if _is(node, aten.gelu.default):
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")  # type: ignore[union-attr]
+        return "gelu_tanh" if approximate == "tanh" else None
+    return None
+
+
+def _gated_activation_of(gate_up: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], str] | None:
+    """(act, nodes, activation) when `gate_up`'s only use is chunk(., 2, -1) into g, u and act =
+    silu(g) * u or gelu_tanh(g) * u (or `kiln::silu_and_mul(g, u)` / `kiln::gelu_tanh_and_mul`,
+    when fuse_silu_mul ran first); nodes: the chunk to act."""
     chunk = _only_user(gate_up)
     if not (_is(chunk, aten.chunk.default) and tuple(chunk.args[1:]) == (2, -1)):
         return None
@@ -228,14 +245,15 @@ def _swiglu_of(gate_up: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Nod
     if set(items) != {0, 1} or len(chunk.users) != 2:
         return None
     gate, up = items[0], items[1]
-    silu = _only_user(gate)
-    if _is(silu, aten.silu.default):
-        act = _only_user(silu)
-        if not (_is(act, aten.mul.Tensor) and set(act.args) == {silu, up} and len(act.args) == 2):
+    fn = _only_user(gate)
+    activation = _activation_name(fn)
+    if activation is not None:
+        act = _only_user(fn)  # type: ignore[arg-type]
+        if not (_is(act, aten.mul.Tensor) and set(act.args) == {fn, up} and len(act.args) == 2):
             return None
-        return act, [chunk, gate, up, silu, act]
-    if _is(silu, torch.ops.kiln.silu_and_mul.default) and silu.args == (gate, up):
-        return silu, [chunk, gate, up, silu]
+        return act, [chunk, gate, up, fn, act], activation  # type: ignore[list-item]
+    if _is(fn, *_GATED_OPS) and fn.args == (gate, up):  # type: ignore[union-attr]
+        return fn, [chunk, gate, up, fn], _GATED_OPS[fn.target]  # type: ignore[union-attr,index,list-item]
     return None
 
 
@@ -253,10 +271,10 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     if gate_up is None or gate_up[2] is not repeated:
         return None
     w_gate_up, ids, _ = gate_up
-    swiglu = _swiglu_of(squeeze_gu)
-    if swiglu is None:
+    gated = _gated_activation_of(squeeze_gu)
+    if gated is None:
         return None
-    act, act_nodes = swiglu
+    act, act_nodes, activation = gated
     col_act = _only_user(act)
     bmm_down = _only_user(col_act) if col_act is not None else None
     squeeze_down = _only_user(bmm_down) if bmm_down is not None else None
@@ -278,7 +296,7 @@ def match_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
              _gather_of(bmm_down), bmm_down, squeeze_down, tail.flat_weights, *dict.fromkeys([flat_ids, ids]),
              *tail.nodes]
     return ExpertsMatch(hidden=hidden, topk_weights=topk_weights, topk_ids=topk_ids, w_gate_up=w_gate_up,
-                        w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes)
+                        w_down=w_down, top_k=top_k, output=tail.output, nodes=nodes, activation=activation)
 
 
 def _sigmoid_of_top_k(scores: object) -> tuple[torch.fx.Node, int] | None:
@@ -341,10 +359,10 @@ def match_llama4_experts(repeated: torch.fx.Node) -> ExpertsMatch | None:
     bmm_gu = _only_user(view_in) if _is(view_in, aten.view.default, aten.reshape.default) else None
     if not (_is(bmm_gu, aten.bmm.default) and bmm_gu.args[0] is view_in and param_name(bmm_gu.args[1])):
         return None
-    swiglu = _swiglu_of(bmm_gu)
-    if swiglu is None:
+    gated = _gated_activation_of(bmm_gu)
+    if gated is None or gated[2] != "silu":  # (Llama 4's experts are SiLU's)
         return None
-    act, act_nodes = swiglu
+    act, act_nodes, _ = gated
     bmm_down = _only_user(act)
     if not (_is(bmm_down, aten.bmm.default) and bmm_down.args[0] is act and param_name(bmm_down.args[1])):
         return None
@@ -596,7 +614,8 @@ def find_moe_blocks(gm: torch.fx.GraphModule) -> list[MoEBlock]:
         experts = match_experts(node) or match_oai_experts(node)
         if experts is None:
             continue
-        router = match_softmax_router(experts) if experts.oai is None else None
+        # kiln::fused_moe computes SiLU experts only; others keep their router in the graph.
+        router = match_softmax_router(experts) if experts.oai is None and experts.activation == "silu" else None
         if router is not None and _private(experts.nodes + router.nodes, experts.output):
             blocks.append(MoEBlock(experts, router))
         elif _private(experts.nodes, experts.output) and _routes_each_token(experts):
@@ -686,7 +705,8 @@ def _fused_op(gm: torch.fx.GraphModule, ctx: PassContext, block: MoEBlock) -> to
                 m.hidden, router.router_logits, m.w_gate_up, m.w_down, m.top_k, router.renormalize,
                 router.fp32_weights))
         return graph.call_function(torch.ops.kiln.moe_experts.default,
-                                   (m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down))
+                                   (m.hidden, m.topk_weights, m.topk_ids, m.w_gate_up, m.w_down),
+                                   {"activation": m.activation} if m.activation != "silu" else {})
 
 
 def _rearranged_oai_experts(gm: torch.fx.GraphModule, ctx: PassContext,

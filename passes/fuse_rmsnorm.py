@@ -13,7 +13,9 @@ weight an offset from 1, joined in float32, one rounding), becomes `kiln::add_of
 GPT-OSS's, OLMo 2/3's, Helium's, FlexOlmo's, AFMoE's and Nemotron-H's norm, `(weight * h).to(x.dtype)`
 (the weight joined in float32, one rounding), is the same op with offset 0
 (`add_rms_norm_fp32_weight` / `rms_norm_fp32_weight`). In float32 graphs, where no cast is
-left, these forms are the Llama form and match its patterns first.
+left, these forms are the Llama form and match its patterns first. Gemma 4's writes the
+reciprocal root as `torch.pow(mean + eps, -0.5)` and the weight after the norm,
+`(h * weight.float()).type_as(x)`: the same op (`add_rms_norm_pow` / `rms_norm_pow`).
 
 Qwen3-Next's and Qwen3.5's gated norm after each gated DeltaNet layer, once its norm is
 `kiln::rms_norm`: `(rms_norm(x) * silu(gate.float())).to(x.dtype)` becomes
@@ -86,6 +88,19 @@ def rms_norm_fp32_weight_replacement(x, weight, eps):
     return torch.ops.kiln.offset_rms_norm(x, weight, eps, 0.0)
 
 
+def hf_rms_norm_pow(x, weight, eps):
+    """Gemma 4's RMSNorm as its modeling code writes it (`torch.pow` for the reciprocal root,
+    "to address compiler differences between Torch and JAX"; the weight joined in float32)."""
+    h = x.float()
+    h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (h * weight.float()).type_as(x)
+
+
+def add_rms_norm_pow_pattern(x, residual, weight, eps):
+    summed = x + residual
+    return hf_rms_norm_pow(summed, weight, eps), summed
+
+
 def gated_rms_norm_pattern(x, gate, weight, eps):
     return (torch.ops.kiln.rms_norm(x, weight, eps) * torch.nn.functional.silu(gate.to(torch.float32))).to(x.dtype)
 
@@ -115,9 +130,13 @@ ADD_FP32_WEIGHT = Pattern("add_rms_norm_fp32_weight", add_rms_norm_fp32_weight_p
                           add_rms_norm_fp32_weight_replacement, (_X, _X, _W, 1e-6), where=weight_over_last_dim)
 FP32_WEIGHT = Pattern("rms_norm_fp32_weight", hf_rms_norm_fp32_weight, rms_norm_fp32_weight_replacement,
                       (_X, _W, 1e-6), where=weight_over_last_dim)
+ADD_POW = Pattern("add_rms_norm_pow", add_rms_norm_pow_pattern, add_rms_norm_fp32_weight_replacement,
+                  (_X, _X, _W, 1e-6), where=weight_over_last_dim)
+POW = Pattern("rms_norm_pow", hf_rms_norm_pow, rms_norm_fp32_weight_replacement, (_X, _W, 1e-6),
+              where=weight_over_last_dim)
 
 
 class FuseRMSNormPass(CustomOpFusionPass):
     name = "fuse_rmsnorm"
     patterns = (ADD_RMS_NORM, RMS_NORM, ADD_OFFSET_RMS_NORM, OFFSET_RMS_NORM, ADD_FP32_WEIGHT, FP32_WEIGHT,
-                GATED_RMS_NORM)
+                ADD_POW, POW, GATED_RMS_NORM)

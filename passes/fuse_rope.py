@@ -248,8 +248,10 @@ def fold_rope_into_attention(gm: torch.fx.GraphModule) -> int:
     return folded
 
 
-def model_head_dim(config: Any) -> int:
-    return kv_heads_and_head_dim(config)[1]
+def model_head_dims(config: Any) -> list[int]:
+    """The head sizes of the model's attention layers (Gemma 4's global layers have their own)."""
+    layers = range(config.num_hidden_layers) if getattr(config, "is_heterogeneous", False) else [None]
+    return sorted({kv_heads_and_head_dim(config, 1, layer)[1] for layer in layers})
 
 
 class FuseRoPEPass(CustomOpFusionPass):
@@ -263,15 +265,18 @@ class FuseRoPEPass(CustomOpFusionPass):
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         if not self.applies_to(gm):
             return {"skipped_on_cpu": 1}
-        head_dim = model_head_dim(ctx.config)
-        if head_dim not in self._patterns_by_head_dim:
-            self._patterns_by_head_dim[head_dim] = rope_patterns(head_dim)
-        stats = {p.name: p.apply(gm, dtype=ctx.dtype) for p in self._patterns_by_head_dim[head_dim]}
-        stats["rope_partial"] = 0
-        for width in sorted(w for w in rotary_widths(gm) if w < head_dim and w % 2 == 0):
-            key = (head_dim, width)
-            if key not in self._partial_patterns:
-                self._partial_patterns[key] = partial_rope_patterns(head_dim, width)
-            stats["rope_partial"] += sum(p.apply(gm, dtype=ctx.dtype) for p in self._partial_patterns[key])
+        stats: PassStats = {}
+        partial = 0
+        for head_dim in model_head_dims(ctx.config):
+            if head_dim not in self._patterns_by_head_dim:
+                self._patterns_by_head_dim[head_dim] = rope_patterns(head_dim)
+            for p in self._patterns_by_head_dim[head_dim]:
+                stats[p.name] = stats.get(p.name, 0) + p.apply(gm, dtype=ctx.dtype)
+            for width in sorted(w for w in rotary_widths(gm) if w < head_dim and w % 2 == 0):
+                key = (head_dim, width)
+                if key not in self._partial_patterns:
+                    self._partial_patterns[key] = partial_rope_patterns(head_dim, width)
+                partial += sum(p.apply(gm, dtype=ctx.dtype) for p in self._partial_patterns[key])
+        stats["rope_partial"] = partial
         stats["kv_write_fused"] = fold_rope_into_attention(gm)
         return stats

@@ -14,6 +14,9 @@ layer whose values are small loses many below e4m3's normal range (2^-6; on Smol
 layer 0's V). Calibrated scales (amax / 448 from a calibration set, as llm-compressor
 writes them) come with the checkpoint.
 
+Layers that attend over one cache (`kv_sharing`: Gemma 4's last layers read earlier layers')
+take the scales of the first of them, the layer that owns the cache.
+
 Phase `logits`: after the attention fusions (fuse_rope has formed rope_paged_attention).
 Off unless the KV cache is FP8 (kiln.compiler.startup enables it).
 """
@@ -47,6 +50,7 @@ class KVCacheScalesPass(KilnPass):
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         added = 0
+        scale_of: dict[str, torch.fx.Node] = {}  # by cache: layers that share one cache share its scales
         for op_name, cache_arg in _CACHE_ARG.items():
             target = getattr(torch.ops.kiln, op_name).default
             for node in gm.graph.find_nodes(op="call_function", target=target):
@@ -55,11 +59,15 @@ class KVCacheScalesPass(KilnPass):
                 role = role_of(node.args[cache_arg])
                 if role is None or role.kind is not RoleKind.KV_CACHE:
                     raise ValueError(f"kv_cache_scales: {node.name}'s cache argument is not a kv_cache: input")
+                if role.name in scale_of:
+                    node.kwargs = {**node.kwargs, "kv_scale": scale_of[role.name]}
+                    continue
                 module = attention_module(node, role.name)
                 output = f"{module}.{SCALES_SUFFIX}"
                 q_val = node.args[0].meta.get("val")
                 example = q_val.new_empty((2,), dtype=torch.float32) if isinstance(q_val, torch.Tensor) else None
-                scale = add_graph_input(gm, f"kv_cache_scales_{role.name}", param_role(output), example)
+                scale = scale_of[role.name] = add_graph_input(gm, f"kv_cache_scales_{role.name}", param_role(output),
+                                                              example)
                 node.kwargs = {**node.kwargs, "kv_scale": scale}
                 ctx.weight_transforms.append(KVCacheScales(output, module))
                 added += 1

@@ -23,7 +23,7 @@ import torch
 from kiln.compiler.buckets import BucketPlan
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
 from kiln.kernels.recurrent_states import RECURRENT_ONLY_KINDS, allocate_state_caches, layer_kinds, state_bytes_per_slot
-from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes
+from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes, kv_sharing
 from kiln.runtime.config import EngineConfig
 
 logger = logging.getLogger("kiln.runtime")
@@ -66,26 +66,43 @@ def attention_layers(model_config: Any) -> list[int]:
     return [i for i in range(model_config.num_hidden_layers) if i >= len(kinds) or kinds[i] not in _NO_KV_KINDS]
 
 
+def cache_layers(model_config: Any) -> list[int]:
+    """The layers with a cache of their own: the attention layers but those that read another
+    layer's (`kv_sharing`: Gemma 4's last layers)."""
+    shared = kv_sharing(model_config)
+    return [i for i in attention_layers(model_config) if i not in shared]
+
+
+def kv_layer_shapes(model_config: Any, tp_size: int = 1) -> dict[int, tuple[int, int]]:
+    """(KV heads, head_dim) of each layer with a cache of its own (on one rank of `tp_size`);
+    layers may differ (Gemma 4's global layers: `layer_config`)."""
+    return {i: kv_heads_and_head_dim(model_config, tp_size, i) for i in cache_layers(model_config)}
+
+
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of K and V per token over all layers (on one rank of `tp_size`)."""
-    kv_heads, head_dim = kv_heads_and_head_dim(model_config, tp_size)
     elem = torch.empty((), dtype=dtype).element_size()
-    return kv_planes(model_config) * len(attention_layers(model_config)) * kv_heads * head_dim * elem
+    values = sum(heads * dim for heads, dim in kv_layer_shapes(model_config, tp_size).values())
+    return kv_planes(model_config) * values * elem
 
 
 def allocate_kv_caches(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device, planes: int = 2, without: Collection[int] = (),
+    layer_shapes: dict[int, tuple[int, int]] | None = None,
 ) -> list[torch.Tensor]:
-    """One cache per layer; the layers in `without` (recurrent ones) get an empty one."""
+    """One cache per layer, of `layer_shapes[layer]` (KV heads, head_dim) where given, else
+    `num_kv_heads` x `head_dim`; the layers in `without` (recurrent ones, those that read
+    another layer's cache) get an empty one."""
     caches = []
     for layer in range(num_layers):
+        heads, dim = (layer_shapes or {}).get(layer, (num_kv_heads, head_dim))
         if layer in without:
-            caches.append(torch.empty((planes, 0, block_size, num_kv_heads, head_dim), dtype=dtype, device=device))
+            caches.append(torch.empty((planes, 0, block_size, heads, dim), dtype=dtype, device=device))
             continue
         # Uninitialised: attention only reads slots a sequence has written. The null block
         # (padding's target) is zeroed so padded rows never see NaN garbage.
-        cache = torch.empty((planes, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+        cache = torch.empty((planes, num_blocks, block_size, heads, dim), dtype=dtype, device=device)
         cache[:, 0].zero_()
         caches.append(cache)
     return caches
@@ -159,11 +176,16 @@ def num_kv_blocks(config: EngineConfig, model_config: Any, dtype: torch.dtype, d
 
 def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """`num_blocks` blocks per layer, of this rank's KV heads (tensor parallelism: its share)."""
-    kv_heads, head_dim = kv_heads_and_head_dim(model_config, config.tensor_parallel_size)
-    recurrent = set(range(model_config.num_hidden_layers)) - set(attention_layers(model_config))
+    """`num_blocks` blocks per layer with a cache of its own, of this rank's KV heads (tensor
+    parallelism: its share)."""
+    tp_size = config.tensor_parallel_size
+    owning = cache_layers(model_config)
+    # Every attention layer's own shape, the empty caches of those that share one's too.
+    shapes = {i: kv_heads_and_head_dim(model_config, tp_size, i) for i in attention_layers(model_config)}
+    kv_heads, head_dim = next(iter(shapes.values()), (0, 0))  # recurrent layers' empty caches
     return allocate_kv_caches(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads, head_dim,
-                              dtype, device, kv_planes(model_config), without=recurrent)
+                              dtype, device, kv_planes(model_config),
+                              without=set(range(model_config.num_hidden_layers)) - set(owning), layer_shapes=shapes)
 
 
 def state_slots_that_fit(max_num_seqs: int, bytes_per_slot: int, free_bytes: int) -> int:

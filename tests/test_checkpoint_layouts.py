@@ -71,6 +71,8 @@ _TINY_VISION = {
                    patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
     "gemma3": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
                    patch_size=14),
+    "gemma4": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, patch_size=14,
+                   head_dim=16),
     "mistral3": dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
                      patch_size=14, head_dim=16),
     "qwen3_5_moe": dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=14, out_hidden_size=64),
@@ -78,9 +80,10 @@ _TINY_VISION = {
 
 
 @pytest.mark.parametrize("model_type,text_arch", [("llama4", "llama4_text"), ("gemma3", "gemma3_text"),
-                                                  ("mistral3", "mistral"), ("qwen3_5_moe", "qwen3_5_moe")])
+                                                  ("gemma4", "gemma4_e2b"), ("mistral3", "mistral"),
+                                                  ("qwen3_5_moe", "qwen3_5_moe")])
 def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_arch: str, tmp_path) -> None:
-    """Llama 4, Gemma 3, Mistral Small 3.x and Qwen3.5 are published as image-text models; Kiln reads the text model's config
+    """Llama 4, Gemma 3 and 4, Mistral Small 3.x and Qwen3.5 are published as image-text models; Kiln reads the text model's config
     out of `text_config` and its tensors from under `language_model.` (the vision tower is never
     read), and generates the multimodal model's own greedy tokens for a text prompt."""
     from tiny_models import tiny_config
@@ -100,7 +103,7 @@ def test_multimodal_checkpoint_runs_as_its_language_model(model_type: str, text_
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         saved = set(f.keys())
     assert {"language_model.model.embed_tokens.weight", "model.language_model.embed_tokens.weight"} & saved
-    assert any(k.startswith(("vision_model.", "vision_tower.", "model.visual.")) for k in saved)
+    assert any(k.startswith(("vision_model.", "vision_tower.", "model.visual.", "model.vision_tower.")) for k in saved)
 
     source = resolve_model(tmp_path)
     assert source.multimodal and source.config.model_type == text.model_type

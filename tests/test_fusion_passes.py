@@ -83,9 +83,8 @@ def run_steps(graph: ModelGraph, hf_model: torch.nn.Module, dtype: torch.dtype, 
     state = {k: v.detach().to(device=device, dtype=dtype) for k, v in hf_model.state_dict().items()}
     weights = {name: state[next(a for a in aliases if a in state)] for name, aliases in graph.captured.param_aliases.items()}
     weights = apply_weight_transforms(weights, graph.weight_transforms)
-    kv_heads, head_dim = kv_heads_and_head_dim(config)
-    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype, device=device)
-                 for _ in range(config.num_hidden_layers)]
+    kv_caches = [torch.zeros(2, 4, BLOCK_SIZE, *kv_heads_and_head_dim(config, layer=i), dtype=dtype, device=device)
+                 for i in range(config.num_hidden_layers)]
     outputs = []
     for batch in step_batches(config.vocab_size):
         args = []
@@ -248,11 +247,30 @@ def test_fuse_rmsnorm_with_residual(tiny_model_dir):
     # Every norm after the first has the residual add in front: 2 per layer, minus the first, plus the final norm.
     assert stats_of(after, "fuse_rmsnorm") == {"add_rms_norm": 2 * LAYERS, "rms_norm": 1, "add_offset_rms_norm": 0,
                                                "offset_rms_norm": 0, "add_rms_norm_fp32_weight": 0,
-                                               "rms_norm_fp32_weight": 0, "gated_rms_norm": 0}
+                                               "rms_norm_fp32_weight": 0, "add_rms_norm_pow": 0, "rms_norm_pow": 0,
+                                               "gated_rms_norm": 0}
     delta = counts_delta(before, after)
     assert delta["aten.rsqrt.default"] == -(2 * LAYERS + 1) and delta["aten.pow.Tensor_Scalar"] == -(2 * LAYERS + 1)
     assert delta["aten.add.Tensor"] == -(2 * LAYERS + 1) - 2 * LAYERS  # eps adds and residual adds
     assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fuse_rmsnorm_takes_gemma4s_pow_form(tiny_model_dir, dtype):
+    """Gemma 4's norm (torch.pow(mean + eps, -0.5), the weight after the norm in float32) becomes
+    kiln::add_offset_rms_norm / kiln::offset_rms_norm with offset 0: its four sandwich norms and q/k
+    norms a layer, the final norm; the logits unchanged. (Its weightless V and router norms stay.)"""
+    _, hf = tiny_model_dir("gemma4_text")
+    before, after = build("gemma4_text", dtype), build("gemma4_text", dtype, FuseRMSNormPass(on_cpu=True))
+    stats = stats_of(after, "fuse_rmsnorm")
+    layers = hf.config.num_hidden_layers
+    # Per layer: input, post-attention, pre- and post-feedforward norms, q and k norms; the
+    # residual adds feed the input and pre-feedforward norms (but layer 0's input norm).
+    assert stats["add_rms_norm_pow"] == 2 * layers - 1 - (layers - 1) and stats["rms_norm_pow"] > 4 * layers
+    delta = counts_delta(before, after)
+    assert delta["kiln.offset_rms_norm.default"] == stats["rms_norm_pow"]
+    assert delta["kiln.add_offset_rms_norm.default"] == stats["add_rms_norm_pow"]
+    assert_same_logits(before, after, hf, dtype, atol=1e-5 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])

@@ -27,6 +27,9 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     mamba2, falcon_h1
                  Mamba2's own model (no attention); Falcon-H1's attention and Mamba2 side by side
     olmo_hybrid  the gated DeltaNet's decode kernel with beta doubled
+    gemma4_text, gemma4_e2b, gemma4_moe, gemma3n_text
+                 a KV cache shape per layer (global layers' own head size and KV heads), layers
+                 attending over another layer's cache, GELU-tanh experts in the MoE kernels
 
 Architectures the GPU image's transformers lacks are skipped.
 """
@@ -45,7 +48,8 @@ pytestmark = pytest.mark.gpu
 MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granitemoe", "deepseek_v3", "glm4_moe_lite"]
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
          "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h",
-         "mamba", "jamba", "mamba2", "falcon_h1", "olmo_hybrid"]
+         "mamba", "jamba", "mamba2", "falcon_h1", "olmo_hybrid", "gemma4_text", "gemma4_e2b", "gemma4_moe",
+         "gemma3n_text"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -226,6 +226,39 @@ def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, d
 
 
 
+@pytest.mark.parametrize("t,e,top_k,path", [(3, 8, 2, "per_pair"), (2, 8, 2, "row"), (17, 6, 3, "grouped"),
+                                            (40, 4, 2, "tma"), (12, 4, 2, "fp8"), (30, 4, 2, "grouped_mm")])
+def test_gelu_tanh_experts_match_reference(t, e, top_k, path) -> None:
+    """Gemma 4's experts (GELU-tanh and mul) in every kernel's epilogue: the reference's result,
+    which differs from the SiLU one."""
+    from kiln.kernels.moe import ExpertExtras, moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    if path == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
+    dtype = torch.float32 if path == "grouped_mm" and DEVICE == "cpu" else torch.float16
+    h, i = 32, 24
+    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
+    weights, ids = deepseek_routing(logits, top_k)
+    extras = ExpertExtras(activation="gelu_tanh")
+    ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
+    silu = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
+    assert (ref.float() - silu.float()).abs().max() > 0.05
+    if path == "fp8":
+        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+        out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds, tiling=None,
+                                 per_pair=False, tma=False, extras=extras)
+        ref = moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
+    elif path == "grouped_mm":
+        out = moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
+    else:
+        out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=path in ("per_pair", "row"),
+                                 tma=path == "tma", row_kernels=path == "row" if path != "tma" else None,
+                                 extras=extras)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("h,i,experts", [(32, 24, "plain"), (40, 36, "fp8"), (48, 20, "oai")])
 def test_per_pair_row_kernels_match_the_dot_kernels_and_reference(h, i, experts, dtype) -> None:

@@ -47,6 +47,10 @@ _FALCON_H1 = dict(head_dim=16, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=
 # Most prompts in the parity tests are longer than this: windowed layers really cut.
 WINDOW = 6
 ALTERNATING = ["sliding_attention", "full_attention"]
+# Gemma 4 at tiny sizes: windowed layers of 2 KV heads of 16, global ones of 1 KV head of 32.
+_GEMMA4 = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+               sliding_window=WINDOW, num_hidden_layers=4, layer_types=ALTERNATING * 2, vocab_size_per_layer_input=128,
+               final_logit_softcapping=3.0)
 
 
 def _partial_rope(factor: float, theta: float = 10000.0) -> dict[str, Any]:
@@ -71,6 +75,27 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                "attention and final-logit soft-capping, windowed + global layers, query_pre_attn_scalar, sandwich norms"),
     "gemma3_text": (dict(head_dim=16, sliding_window=WINDOW, layer_types=ALTERNATING, query_pre_attn_scalar=24),
                     "windowed + global layers with their own RoPE bases, q/k norm, query_pre_attn_scalar"),
+    # Gemma 4: its global layers have a head size and KV heads of their own (a heterogeneous
+    # config: `per_layer_config`), and there the keys are the values too (`attention_k_eq_v`).
+    "gemma4_text": (dict(_GEMMA4, hidden_size_per_layer_input=0),
+                    "global layers with their own head size and KV heads (a cache shape per layer), K as V there, "
+                    "proportional partial RoPE, soft-capping, layer scalars"),
+    "gemma4_e2b": (dict(_GEMMA4, model_type="gemma4_text", hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                        use_double_wide_mlp=True),
+                   "per-layer embeddings, the last layers attending over earlier layers' K/V (no cache of their "
+                   "own), double-wide MLPs there"),
+    "gemma4_moe": (dict(_GEMMA4, model_type="gemma4_text", hidden_size_per_layer_input=0, enable_moe_block=True,
+                        num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+                   "a dense MLP and experts side by side in every layer, a router with its own norm and "
+                   "per-expert scales"),
+    # Gemma 3n's text model (E2B/E4B): AltUp's 4 predicted streams, LAuReL's low-rank residual,
+    # activation sparsity (a Gaussian top-k of the gate) in the first layers, KV sharing, PLE.
+    "gemma3n_text": (dict(head_dim=16, sliding_window=WINDOW, num_hidden_layers=4, layer_types=ALTERNATING * 2,
+                          vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+                          intermediate_size=[128] * 4, activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0],
+                          laurel_rank=8, altup_num_inputs=4, final_logit_softcapping=3.0),
+                     "AltUp streams, LAuReL residuals, activation sparsity, per-layer embeddings, the last layers "
+                     "attending over earlier layers' K/V"),
     "phi": (dict(MHA, rope_parameters=_partial_rope(0.5), qk_layernorm=False),
             "partial rotary (1/2), parallel attention/MLP block, LayerNorm with bias, GELU MLP, biases"),
     "phi3": (dict(), "fused qkv and gate_up checkpoint tensors"),
@@ -382,6 +407,11 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0) -> torch.nn.Module:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.5)
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                b.uniform_(0.5, 1.5)
+        for name, p in model.named_parameters():  # Gemma 4's router scales (ones at init)
+            if name.endswith(("router.scale", "router.per_expert_scale")):
+                p.uniform_(0.5, 1.5)
         # GPT-OSS's attention sinks (one logit per head) of the size trained ones reach.
         for name, p in model.named_parameters():
             if name.endswith(".sinks"):
