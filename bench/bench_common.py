@@ -153,8 +153,19 @@ def copy_bandwidth(device: torch.device, gib: float = 4.0, repeats: int = 20) ->
     return 2 * n * 2 * repeats / elapsed
 
 
+def hf_attention(config: Any) -> str:
+    """The attention implementation the baseline runs: sdpa, or eager for an architecture
+    transformers runs without it (Mamba and Falcon-Mamba have no attention at all, and
+    transformers refuses sdpa for them)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def hf_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The transformers model of the same architecture with random weights (eager, sdpa)."""
+    """The transformers model of the same architecture with random weights (eager, with
+    `hf_attention`'s attention: sdpa where transformers has it)."""
     import copy
 
     from transformers import AutoModelForCausalLM
@@ -163,7 +174,7 @@ def hf_model(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.
     # onto the config it is given, and the caller may pass the same config to Kiln.
     config = copy.deepcopy(config)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=hf_attention(config))
     model.eval()
     model.generation_config.pad_token_id = 0
     return model

@@ -120,7 +120,7 @@ def main() -> None:
     if not args.no_baseline:  # first: the KV cache Kiln sizes from free memory would crowd it out
         model = bc.hf_model(config, dtype, device)
         hf_batches = [int(x) for x in (args.hf_batch_sizes or args.batch_sizes).split(",")]
-        result["baseline"] = {"name": "transformers eager (sdpa)",
+        result["baseline"] = {"name": f"transformers eager ({bc.hf_attention(config)})",
                               "runs": hf_decode_runs(model, hf_batches, args.prompt_len, args.hf_steps,
                                                      config.vocab_size, wbytes)}
         del model
