@@ -7,7 +7,10 @@ After:
     q', k' = kiln::rope(q[0].T, k[0].T, cos[0], sin[0], None, None, 0.0)   (transposed back as views)
 
 GPT-OSS rotates by halves (`chunk`, cos/sin of D/2, `cat`): the same rotation, which
-becomes `kiln::rope` with cos/sin repeated over both halves (`rope_halves`).
+becomes `kiln::rope` with cos/sin repeated over both halves (`rope_halves`). Gemma 4 rotates q
+and k one at a time while they are still token-major ([1, T, H, D], `unsqueeze(cos, 2)`), each
+after its own norm: the same op on the two (`rope_token_major`). Its global layers have a head
+size of their own, so the patterns are traced for every head size the model's layers have.
 
 Partial rotary (Qwen3-Next, Qwen3.5, GLM-4.5, GPT-NeoX: cos/sin of R < D, `q[..., :R]` rotated
 and concatenated with `q[..., R:]`) becomes `kiln::rope` with the narrow cos/sin (`rope_partial`),
@@ -74,6 +77,22 @@ def rope_replacement(q, k, cos, sin):
     return _to_head_major(q_out), _to_head_major(k_out)
 
 
+def _token_major_rope(x, cos, sin):
+    return x * cos.unsqueeze(2) + _rotate_half(x) * sin.unsqueeze(2)
+
+
+def token_major_rope_pattern(q, k, cos, sin):
+    # Gemma 4's: q and k rotated one call at a time (each unsqueezing cos/sin itself) while
+    # still [1, T, H, D] (`unsqueeze_dim=2`), after their norms, before the transposes.
+    return _token_major_rope(q, cos, sin), _token_major_rope(k, cos, sin)
+
+
+def token_major_rope_replacement(q, k, cos, sin):
+    q_out, k_out = torch.ops.kiln.rope(q.flatten(0, 1), k.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1),
+                                       None, None, 0.0)
+    return q_out.unsqueeze(0), k_out.unsqueeze(0)
+
+
 def qk_norm_rope_pattern(q, k, q_weight, k_weight, cos, sin, eps):
     q = hf_rms_norm(q, q_weight, eps).transpose(1, 2)
     k = hf_rms_norm(k, k_weight, eps).transpose(1, 2)
@@ -132,8 +151,8 @@ def rotary_widths(gm: torch.fx.GraphModule) -> set[int]:
 
 
 def rope_patterns(head_dim: int) -> tuple[Pattern, ...]:
-    """The patterns for one head_dim: Qwen3's q/k norm + RoPE, plain RoPE, and GPT-OSS's RoPE
-    by halves (cos/sin of D/2)."""
+    """The patterns for one head_dim: Qwen3's q/k norm + RoPE, plain RoPE, GPT-OSS's RoPE by
+    halves (cos/sin of D/2), and Gemma 4's token-major one."""
     t, hq, hkv, d = 4, 4, 2, head_dim
     cos, sin = torch.randn(1, t, d), torch.randn(1, t, d)
     qk_norm = Pattern(
@@ -145,7 +164,9 @@ def rope_patterns(head_dim: int) -> tuple[Pattern, ...]:
     halves = Pattern("rope_halves", halves_rope_pattern, halves_rope_replacement,
                      (torch.randn(1, hq, t, d), torch.randn(1, hkv, t, d), torch.randn(1, t, d // 2),
                       torch.randn(1, t, d // 2)))
-    return qk_norm, plain, halves
+    token_major = Pattern("rope_token_major", token_major_rope_pattern, token_major_rope_replacement,
+                          (torch.randn(1, t, hq, d), torch.randn(1, t, hkv, d), cos, sin))
+    return qk_norm, plain, halves, token_major
 
 
 aten = torch.ops.aten

@@ -169,7 +169,7 @@ def test_merge_gate_up_leaves_moe_experts_alone():
 def test_fuse_rope_llama31_scaling(tiny_model_dir):
     _, hf = tiny_model_dir("llama3.1")  # Llama 3.1 frequency scaling lives in the inv_freq constant
     before, after = build("llama3.1", torch.float32), build("llama3.1", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0,
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0, "rope_token_major": 0,
                                             "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     # Each layer's rope then went into its attention: rope + KV write + attention, one op.
@@ -183,7 +183,7 @@ def test_fuse_rope_llama31_scaling(tiny_model_dir):
 def test_fuse_rope_takes_qwen3_qk_norm(tiny_model_dir):
     _, hf = tiny_model_dir("qwen3")
     before, after = build("qwen3", torch.float32), build("qwen3", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "rope_halves": 0,
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": LAYERS, "rope": 0, "rope_halves": 0, "rope_token_major": 0,
                                             "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.rsqrt.default"] == -2 * LAYERS
@@ -197,7 +197,7 @@ def test_fuse_rope_takes_gpt_oss_rotation_by_halves(tiny_model_dir):
     repeated, folded into the attention with the layer's sinks carried over."""
     _, hf = tiny_model_dir("gpt_oss")
     before, after = build("gpt_oss", torch.float32), build("gpt_oss", torch.float32, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": LAYERS,
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": LAYERS, "rope_token_major": 0,
                                             "rope_partial": 0, "kv_write_fused": LAYERS}
     delta = counts_delta(before, after)
     assert delta["kiln.rope_paged_attention.default"] == LAYERS and delta["aten.chunk.default"] == -2 * LAYERS
@@ -215,7 +215,7 @@ def test_fuse_rope_takes_partial_rotary(tiny_model_dir, arch):
     attention_layers = len(before.graph_module.graph.find_nodes(op="call_function",
                                                                target=torch.ops.kiln.paged_attention.default))
     assert attention_layers >= 1
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": 0,
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": 0, "rope_halves": 0, "rope_token_major": 0,
                                             "rope_partial": attention_layers, "kv_write_fused": 0}
     delta = counts_delta(before, after)
     assert delta["kiln.rope.default"] == attention_layers and delta["aten.neg.default"] == -2 * attention_layers
@@ -232,13 +232,28 @@ def test_fuse_rope_folds_float32_tables_through_their_casts(tiny_model_dir, arch
     fused op attends with q and k in their own dtype); logits unchanged in bfloat16."""
     _, hf = tiny_model_dir(arch)
     before, after = build(arch, torch.bfloat16), build(arch, torch.bfloat16, FuseRoPEPass(on_cpu=True))
-    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0,
+    assert stats_of(after, "fuse_rope") == {"qk_norm_rope": 0, "rope": LAYERS, "rope_halves": 0, "rope_token_major": 0,
                                             "rope_partial": 0, "kv_write_fused": LAYERS}
     fused = after.graph_module.graph.find_nodes(op="call_function", target=torch.ops.kiln.rope_paged_attention.default)
     assert len(fused) == LAYERS and all(n.args[3].meta["val"].dtype == torch.float32 for n in fused)  # cos
     assert all(n.meta["val"].dtype == torch.bfloat16 for n in fused)
     assert counts_delta(before, after)["aten.to.dtype"] <= -2 * LAYERS  # each layer's two casts back
     assert_same_logits(before, after, hf, torch.bfloat16, atol=0)
+
+
+@pytest.mark.parametrize("arch,folded", [("gemma4_text", True), ("gemma4_e2b", False)])
+def test_fuse_rope_takes_gemma4s_token_major_form(tiny_model_dir, arch, folded):
+    """Gemma 4 rotates q and k one at a time while token-major, in layers of two head sizes: one
+    `kiln::rope` a layer with its own K, folded into the attention where only that layer reads
+    the keys (in gemma4_e2b the owning layers' keys feed the sharing layers' attention too, and
+    those layers rotate a q alone: left as they are); logits unchanged."""
+    _, hf = tiny_model_dir(arch)
+    layers = hf.config.num_hidden_layers
+    before, after = build(arch, torch.float32), build(arch, torch.float32, FuseRoPEPass(on_cpu=True))
+    stats = stats_of(after, "fuse_rope")
+    owning = layers - (hf.config.num_kv_shared_layers or 0)
+    assert stats["rope_token_major"] == owning and stats["kv_write_fused"] == (owning if folded else 0)
+    assert_same_logits(before, after, hf, torch.float32, atol=1e-5)
 
 
 def test_fuse_rmsnorm_with_residual(tiny_model_dir):
