@@ -50,25 +50,26 @@ class KVCacheScalesPass(KilnPass):
 
     def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassStats:
         added = 0
+        cache_arg_of = {getattr(torch.ops.kiln, op_name).default: arg for op_name, arg in _CACHE_ARG.items()}
         scale_of: dict[str, torch.fx.Node] = {}  # by cache: layers that share one cache share its scales
-        for op_name, cache_arg in _CACHE_ARG.items():
-            target = getattr(torch.ops.kiln, op_name).default
-            for node in gm.graph.find_nodes(op="call_function", target=target):
-                if "kv_scale" in node.kwargs:
-                    continue
-                role = role_of(node.args[cache_arg])
-                if role is None or role.kind is not RoleKind.KV_CACHE:
-                    raise ValueError(f"kv_cache_scales: {node.name}'s cache argument is not a kv_cache: input")
-                if role.name in scale_of:
-                    node.kwargs = {**node.kwargs, "kv_scale": scale_of[role.name]}
-                    continue
-                module = attention_module(node, role.name)
-                output = f"{module}.{SCALES_SUFFIX}"
-                q_val = node.args[0].meta.get("val")
-                example = q_val.new_empty((2,), dtype=torch.float32) if isinstance(q_val, torch.Tensor) else None
-                scale = scale_of[role.name] = add_graph_input(gm, f"kv_cache_scales_{role.name}", param_role(output),
-                                                              example)
-                node.kwargs = {**node.kwargs, "kv_scale": scale}
-                ctx.weight_transforms.append(KVCacheScales(output, module))
-                added += 1
+        # In graph order, so that of the layers sharing a cache the one that owns it (the first) names the scales.
+        for node in list(gm.graph.nodes):
+            cache_arg = cache_arg_of.get(node.target) if node.op == "call_function" else None
+            if cache_arg is None or "kv_scale" in node.kwargs:
+                continue
+            role = role_of(node.args[cache_arg])
+            if role is None or role.kind is not RoleKind.KV_CACHE:
+                raise ValueError(f"kv_cache_scales: {node.name}'s cache argument is not a kv_cache: input")
+            if role.name in scale_of:
+                node.kwargs = {**node.kwargs, "kv_scale": scale_of[role.name]}
+                continue
+            module = attention_module(node, role.name)
+            output = f"{module}.{SCALES_SUFFIX}"
+            q_val = node.args[0].meta.get("val")
+            example = q_val.new_empty((2,), dtype=torch.float32) if isinstance(q_val, torch.Tensor) else None
+            scale = scale_of[role.name] = add_graph_input(gm, f"kv_cache_scales_{role.name}", param_role(output),
+                                                          example)
+            node.kwargs = {**node.kwargs, "kv_scale": scale}
+            ctx.weight_transforms.append(KVCacheScales(output, module))
+            added += 1
         return {"kv_scales_added": added}

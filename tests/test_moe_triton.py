@@ -187,14 +187,36 @@ def oai_extras(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0):
                         activation="swiglu_oai", alpha=1.702, limit=0.6)
 
 
+def experts_on_path(path: str, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, extras: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, ref): `kiln::moe_experts` with `extras` on one kernel path ("per_pair", "row",
+    "grouped", "tma", "swapped", "fp8": e4m3 experts on the pointer kernels, "grouped_mm"), and
+    the reference it must equal (the FP8 reference for "fp8")."""
+    from kiln.kernels.moe import moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
+    from kiln.kernels.triton_moe import moe_experts_triton
+
+    ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
+    if path == "fp8":
+        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
+        out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds, tiling=None,
+                                 per_pair=False, tma=False, extras=extras)
+        return out, moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
+    if path == "grouped_mm":
+        return moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs()), ref
+    tiling = MoETiling(16, 16, 16, 4, 2, swap_ab=True) if path == "swapped" else None
+    out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, tiling=tiling,
+                             per_pair=path in ("per_pair", "row"), tma=path == "tma",
+                             row_kernels=(path == "row") if path in ("per_pair", "row") else None, extras=extras)
+    return out, ref
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,e,top_k,path", [(3, 8, 2, "per_pair"), (17, 6, 3, "grouped"), (40, 4, 2, "tma"),
                                             (9, 4, 2, "swapped"), (12, 4, 2, "fp8"), (30, 4, 2, "grouped_mm")])
 def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, dtype) -> None:
     """GPT-OSS's experts (biases after both GEMMs, the clamped SwiGLU) in every kernel's
     epilogue: the reference's result, which differs from the bias-free SiLU one."""
-    from kiln.kernels.moe import moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
-    from kiln.kernels.triton_moe import moe_experts_triton
+    from kiln.kernels.moe import moe_experts_reference
 
     if path == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
@@ -207,17 +229,7 @@ def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, d
     ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
     plain = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
     assert (ref - plain).abs().max() > 0.1
-    if path == "fp8":
-        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
-        out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds, tiling=None,
-                                 per_pair=False, tma=False, extras=extras)
-        ref = moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
-    elif path == "grouped_mm":
-        out = moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
-    else:
-        tiling = MoETiling(16, 16, 16, 4, 2, swap_ab=True) if path == "swapped" else None
-        out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, tiling=tiling,
-                                 per_pair=path == "per_pair", tma=path == "tma", extras=extras)
+    out, ref = experts_on_path(path, hidden, weights, ids, w_gate_up, w_down, extras)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     if DEVICE == "cuda" and path != "fp8":
@@ -231,8 +243,7 @@ def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, d
 def test_gelu_tanh_experts_match_reference(t, e, top_k, path) -> None:
     """Gemma 4's experts (GELU-tanh and mul) in every kernel's epilogue: the reference's result,
     which differs from the SiLU one."""
-    from kiln.kernels.moe import ExpertExtras, moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
-    from kiln.kernels.triton_moe import moe_experts_triton
+    from kiln.kernels.moe import ExpertExtras, moe_experts_reference
 
     if path == "tma" and DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the sorted-rows kernels' descriptors are for sm_90 and newer")
@@ -244,17 +255,7 @@ def test_gelu_tanh_experts_match_reference(t, e, top_k, path) -> None:
     ref = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
     silu = moe_experts_reference(hidden, weights, ids, w_gate_up, w_down)
     assert (ref.float() - silu.float()).abs().max() > 0.05
-    if path == "fp8":
-        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
-        out = moe_experts_triton(hidden, weights, ids, gq, dq, w_gate_up_scale=gs, w_down_scale=ds, tiling=None,
-                                 per_pair=False, tma=False, extras=extras)
-        ref = moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
-    elif path == "grouped_mm":
-        out = moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs())
-    else:
-        out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, per_pair=path in ("per_pair", "row"),
-                                 tma=path == "tma", row_kernels=path == "row" if path != "tma" else None,
-                                 extras=extras)
+    out, ref = experts_on_path(path, hidden, weights, ids, w_gate_up, w_down, extras)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
