@@ -118,6 +118,17 @@ def kv_sharing(config: Any) -> dict[int, int]:
     return {i: producers[kinds[i]] for i in range(first, layers)}
 
 
+# Architectures whose windowed layers have twice the config's KV heads: their attention module
+# says so (`num_key_value_heads * 2 if is_swa`), their config does not.
+_DOUBLE_WINDOWED_KV_HEADS = frozenset({"mimo_v2_flash"})
+
+
+def _doubles_windowed_kv_heads(config: Any, layer: int) -> bool:
+    kinds = getattr(config, "layer_types", None) or []
+    return (getattr(config, "model_type", None) in _DOUBLE_WINDOWED_KV_HEADS and layer < len(kinds)
+            and kinds[layer] == "sliding_attention")
+
+
 def kv_heads_and_head_dim(config: Any, tp_size: int = 1, layer: int | None = None) -> tuple[int, int]:
     """A Hugging Face config's KV heads and head size (of `layer`, where layers differ:
     `layer_config`; a heterogeneous config's model-wide values raise).
@@ -129,6 +140,7 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1, layer: int | None = Non
 
     With `tp_size` > 1, the KV heads of one rank of a tensor-parallel group: its share, or
     one (replicated) when there are fewer KV heads than ranks (kiln.passes.shard_tensor_parallel)."""
+    doubled = layer is not None and _doubles_windowed_kv_heads(config, layer)
     if layer is not None:
         config = layer_config(config, layer)
     if getattr(config, "num_attention_heads", None) is None:
@@ -136,7 +148,7 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1, layer: int | None = Non
     heads = getattr(config, "num_key_value_heads", None)
     if heads is None and getattr(config, "multi_query", False):
         heads = 1
-    heads = int(heads or config.num_attention_heads)
+    heads = int(heads or config.num_attention_heads) * (2 if doubled else 1)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     if caches_latent(config):
         # The latent (kv_lora_rank) and the shared RoPE key, one "head" that every query head
@@ -148,6 +160,9 @@ def kv_heads_and_head_dim(config: Any, tp_size: int = 1, layer: int | None = Non
         # Every query head gets its own K and V from the latent, whatever num_key_value_heads says.
         heads = int(config.num_attention_heads)
         head_dim = max(config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    elif isinstance(getattr(config, "v_head_dim", None), int):
+        # Values narrower or wider than the keys (MiMo-V2-Flash: 192 and 128): both cached at the larger.
+        head_dim = max(head_dim, int(config.v_head_dim))
     if tp_size > 1:
         heads = heads // tp_size if heads >= tp_size else 1
     return heads, head_dim

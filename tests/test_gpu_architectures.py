@@ -30,6 +30,8 @@ and Hugging Face's (gpu marker; skipped without CUDA).
     gemma4_text, gemma4_e2b, gemma4_moe, gemma3n_text
                  a KV cache shape per layer (global layers' own head size and KV heads), layers
                  attending over another layer's cache, GELU-tanh experts in the MoE kernels
+    mimo_v2_flash
+                 windowed layers with twice the KV heads, values narrower than keys, sinks
 
 Architectures the GPU image's transformers lacks are skipped.
 """
@@ -49,7 +51,7 @@ MOE_ROUTER_ARCHS = ["glm4_moe", "ernie4_5_moe", "minimax_m2", "phimoe", "granite
 ARCHS = ["gemma2", "phi", "gpt_neox", "gpt_bigcode", "cohere2", "smollm3", "bloom", "falcon_rw", "falcon",
          "codegen", *MOE_ROUTER_ARCHS, "gpt_oss", "qwen3_next", "qwen3_5", "granitemoehybrid", "nemotron_h",
          "mamba", "jamba", "mamba2", "falcon_h1", "olmo_hybrid", "gemma4_text", "gemma4_e2b", "gemma4_moe",
-         "gemma3n_text"]
+         "gemma3n_text", "mimo_v2_flash"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -96,6 +96,12 @@ _CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
                           laurel_rank=8, altup_num_inputs=4, final_logit_softcapping=3.0),
                      "AltUp streams, LAuReL residuals, activation sparsity, per-layer embeddings, the last layers "
                      "attending over earlier layers' K/V"),
+    # MiMo-V2-Flash: keys of 24 and values of 16 a head, windowed layers with twice the config's
+    # KV heads (its attention module doubles them), attention sinks, sigmoid-routed experts.
+    "mimo_v2_flash": (dict(head_dim=24, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32, sliding_window=WINDOW, num_hidden_layers=3),
+                      "values narrower than keys, windowed layers with twice the KV heads (a cache shape per "
+                      "layer), attention sinks, value scaling, sigmoid-routed experts"),
     "phi": (dict(MHA, rope_parameters=_partial_rope(0.5), qk_layernorm=False),
             "partial rotary (1/2), parallel attention/MLP block, LayerNorm with bias, GELU MLP, biases"),
     "phi3": (dict(), "fused qkv and gate_up checkpoint tensors"),

@@ -1,7 +1,8 @@
-"""Gemma 4's constructs beyond its parity rows (tests/tiny_models.py: gemma4_text, gemma4_e2b,
-gemma4_moe): a KV cache whose shape differs between layers (transformers' heterogeneous
-configs), layers that attend over another layer's cache (`num_kv_shared_layers`), and both
-through a warm start, an FP8 cache and the config snapshot."""
+"""KV caches whose shape differs between layers, and layers that read another layer's cache,
+beyond the parity rows of the models that have them (tests/tiny_models.py: gemma4_text,
+gemma4_e2b, gemma4_moe, gemma3n_text, mimo_v2_flash): transformers' heterogeneous configs
+(Gemma 4's global layers), MiMo-V2-Flash's windowed layers with twice the KV heads, Gemma 3n's
+and 4's `num_kv_shared_layers`; through a warm start, an FP8 cache and the config snapshot."""
 
 from __future__ import annotations
 
@@ -86,3 +87,17 @@ def test_fp8_cache_shared_layers_take_the_owning_layers_scales(tiny_model_dir) -
     # The tiny config's logits are soft-capped at 3.0 (near-ties everywhere): FP8 weights alone
     # keep 65% of its picks, an FP8 cache 73% (gemma4_text's 88%).
     assert teacher_forced_agreement(llm, engine_tokens(path)) >= 0.6
+
+
+def test_mimo_windowed_layers_have_twice_the_kv_heads(tiny_model_dir) -> None:
+    """MiMo-V2-Flash's attention module doubles the config's KV heads in its windowed layers, and
+    its values (16) are narrower than its keys (24): each layer's cache has its own heads, at
+    the keys' width."""
+    config = tiny_config("mimo_v2_flash")
+    assert config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    assert [kv_heads_and_head_dim(config, layer=i) for i in range(3)] == [(2, 24), (4, 24), (4, 24)]
+    path, hf = tiny_model_dir("mimo_v2_flash")
+    llm = LLM(str(path), dtype="float32", device="cpu", progress=False)
+    assert [tuple(c.shape[3:]) for c in llm.engine.runner.kv_caches] == [(2, 24), (4, 24), (4, 24)]
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 12)
