@@ -133,8 +133,9 @@ def example_inputs(
     sizes = bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, EXAMPLE_BLOCK_TABLE_WIDTH)
     try:
         args = bind(roles, params=param, constants=lambda name: constants[name].to(device),
-                    kv_caches=lambda layer: torch.zeros(kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size, tp_size, int(layer)),
-                                                        dtype=kv_cache_dtype or dtype, device=device),
+                    kv_caches=lambda layer: torch.zeros(
+                        kv_cache_shape(config, EXAMPLE_NUM_BLOCKS, block_size, tp_size, int(layer)),
+                        dtype=kv_cache_dtype or dtype, device=device),
                     batch=empty_step(sizes, device),
                     states=lambda name: torch.zeros((EXAMPLE_NUM_STATE_SLOTS, *state_shapes[name][0]),
                                                     dtype=state_shapes[name][1], device=device))

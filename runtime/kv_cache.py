@@ -74,15 +74,16 @@ def cache_layers(model_config: Any) -> list[int]:
 
 
 def kv_layer_shapes(model_config: Any, tp_size: int = 1) -> dict[int, tuple[int, int]]:
-    """(KV heads, head_dim) of each layer with a cache of its own (on one rank of `tp_size`);
-    layers may differ (Gemma 4's global layers: `layer_config`)."""
-    return {i: kv_heads_and_head_dim(model_config, tp_size, i) for i in cache_layers(model_config)}
+    """(KV heads, head_dim) of each attention layer (on one rank of `tp_size`); layers may
+    differ (Gemma 4's global layers: `layer_config`)."""
+    return {i: kv_heads_and_head_dim(model_config, tp_size, i) for i in attention_layers(model_config)}
 
 
 def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of K and V per token over all layers (on one rank of `tp_size`)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    values = sum(heads * dim for heads, dim in kv_layer_shapes(model_config, tp_size).values())
+    shapes = kv_layer_shapes(model_config, tp_size)
+    values = sum(heads * dim for heads, dim in (shapes[i] for i in cache_layers(model_config)))
     return kv_planes(model_config) * values * elem
 
 
@@ -178,10 +179,9 @@ def allocate_kv_cache(config: EngineConfig, model_config: Any, num_blocks: int, 
                       device: torch.device) -> list[torch.Tensor]:
     """`num_blocks` blocks per layer with a cache of its own, of this rank's KV heads (tensor
     parallelism: its share)."""
-    tp_size = config.tensor_parallel_size
     owning = cache_layers(model_config)
     # Every attention layer's own shape, the empty caches of those that share one's too.
-    shapes = {i: kv_heads_and_head_dim(model_config, tp_size, i) for i in attention_layers(model_config)}
+    shapes = kv_layer_shapes(model_config, config.tensor_parallel_size)
     kv_heads, head_dim = next(iter(shapes.values()), (0, 0))  # recurrent layers' empty caches
     return allocate_kv_caches(model_config.num_hidden_layers, num_blocks, config.block_size, kv_heads, head_dim,
                               dtype, device, kv_planes(model_config),
