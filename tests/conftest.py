@@ -24,6 +24,28 @@ import shared_capture  # noqa: E402  (tests/ is on pythonpath)
 shared_capture.install()
 
 
+# Test files that capture every tiny architecture (float32, CPU): with `--dist loadfile`
+# (the README's test command) they go to one pytest-xdist worker together, as one unit, so
+# that the worker captures and saves each tiny model once for all three (its memo above and
+# the session's `tiny_model_dir`), not each file on whichever worker it lands. Apart, in one
+# CI run, the three took 595 s of test time, ~290 s of it capturing the same ~110 models
+# a second and third time.
+PER_ARCHITECTURE_FILES = ("test_fusions_per_arch.py", "test_parity.py", "test_shard_tensor_parallel.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadFileScheduling
+
+    class CaptureSharingScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "per-architecture files" if file.rsplit("/", 1)[-1] in PER_ARCHITECTURE_FILES else file
+
+    return CaptureSharingScheduling(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects: the marks added here count
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

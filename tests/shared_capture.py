@@ -30,8 +30,14 @@ import torch
 from kiln.compiler import capture as capture_module
 from kiln.compiler.capture import CapturedModel
 
-# Fields of a config that say where it was read from, not what model it describes.
-_PROVENANCE_FIELDS = ("_name_or_path", "transformers_version")
+# Fields of a config that say where it was read from, not what model it describes, and
+# those capture overrides: it picks the model class by `model_type` (never `architectures`)
+# and builds in its own dtype argument (transformers' `_from_config` writes that onto its copy
+# of the config). A config saved by `save_pretrained` and read back gains `architectures` and
+# `dtype`; without them here, the tests that capture a tiny config as built
+# (tests/test_shard_tensor_parallel.py) and those that load it from disk (test_parity.py,
+# test_fusions_per_arch.py) would capture the same model twice.
+_PROVENANCE_FIELDS = ("_name_or_path", "transformers_version", "architectures", "dtype")
 
 _pristine: dict[tuple, CapturedModel] = {}
 
