@@ -25,6 +25,10 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   Persimmon, Bloom, Falcon-RW) is one run of rows, the rank's heads; CodeGen's qkv_proj
   (4 blocks of [q; v; k], a quarter of the heads each) is one run of whole blocks, so tp
   must divide 4;
+- modules whose names say nothing of their role (CTRL's Sequential `ffn.0` / `ffn.2`,
+  ModernBERT's attention and MLP `Wo`) take the role their parent gives them (`_RENAMED`);
+  a gate per query head (`g_proj`: LFM3's, Laguna's) splits by heads, and so do Laguna's
+  per-layer query-head counts, each layer's evenly;
 - projections that are no `aten.linear`: GPT-2's Conv1D, `addmm(bias, x, W)` with W
   [in, out] (column-parallel keeps W's columns, row-parallel its rows and becomes `mm`, the
   bias added after the all-reduce; the views that spell out the widths get the rank's), and
@@ -192,6 +196,14 @@ TP_ARCHITECTURES = {
     "codegen": "qkv_proj in 4 [q; v; k] blocks: the rank's whole blocks are one run of rows (tp divides 4); parallel block",
     "falcon": "FalconLinear matmul(x, W.T): query_key_value multi-query (one K/V head, replicated) or per head; "
               "dense, dense_h_to_4h/4h_to_h; ALiBi slopes sliced (Falcon-RW). Not new_decoder_architecture",
+    "ctrl": "Wq/Wk/Wv/dense and the ffn's Linear-ReLU-Linear as llama's q/k/v/o and up/down (_RENAMED); the "
+            "sinusoidal positions and the LM head's bias (vocab-parallel) per rank",
+    "modernbert-decoder": "as llama with attn.Wo as o_proj; the GeGLU's fused Wi [input; gate] as phi3's gate_up, "
+                          "mlp.Wo as down_proj (_RENAMED); the prediction head's dense replicated",
+    "laguna": "as glm4_moe; a query-head count per layer (each split evenly, its rows one run a rank), the softplus "
+              "head gate g_proj by heads",
+    "lfm3": "as lfm2 (short convolutions by channels); attention as llama, q/k norm per head, the sigmoid head gate "
+            "g_proj by heads",
     "gpt2": "Conv1D addmm with [in, out] weights: fused c_attn [q; k; v] by columns, c_fc, row-parallel c_proj",
 }
 # Projection module names -> which split: "q" (query heads), "kv" (KV heads), "mlp" (the
@@ -205,9 +217,18 @@ _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "u
            # (q_b_proj: nope + rope; kv_b_proj, where it is a linear: k_nope + v).
            "q_b_proj": "q", "kv_b_proj": "q",
            # MiniCPM 5's query and output gate, [q; gate] rows per head: the rank's heads are one run.
-           "q_gate_proj": "q"}
+           "q_gate_proj": "q",
+           # A gate per query head (LFM3's sigmoid head gate): rows per head, one run a rank.
+           "g_proj": "q"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp", "w2": "mlp",
         "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}
+# Modules whose names say nothing of their role (CTRL's Sequential ffn, ModernBERT's two Wo),
+# per model_type: "parent.module" -> the name of the role above (or of _FUSED below).
+_RENAMED = {
+    "ctrl": {"multi_head_attention.Wq": "q_proj", "multi_head_attention.Wk": "k_proj",
+             "multi_head_attention.Wv": "v_proj", "ffn.0": "up_proj", "ffn.2": "down_proj"},
+    "modernbert-decoder": {"attn.Wo": "o_proj", "mlp.Wo": "down_proj", "lm_head.dense": "prediction_head"},
+}
 # Fused checkpoint tensors, per model_type (a name alone does not say the layout: Falcon's
 # and CodeGen's fused qkv are laid out otherwise): module -> `_Plan.fused` layout.
 _FUSED = {
@@ -219,6 +240,7 @@ _FUSED = {
     "gpt2": {"c_attn": "qkv"},  # along the columns of Conv1D's [in, out] weight
     "glm": {"gate_up_proj": "gate_up"},
     "glm4": {"gate_up_proj": "gate_up"},
+    "modernbert-decoder": {"Wi": "gate_up"},  # the GeGLU's [input; gate] (Wqkv: transformers splits it)
     "granitemoeshared": {"input_linear": "gate_up"},  # the shared MLP's [gate; up]
     "granitemoehybrid": {"input_linear": "gate_up"},
     "gpt_neox": {"query_key_value": "heads3"},
@@ -233,7 +255,8 @@ _CODEGEN_MP_NUM = 4
 # needs all experts' scores). Routers of any name are found by kiln.passes.fuse_moe's
 # router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
 # (MLA's: into the shared q and kv latents; the shared expert's one-column gate of Qwen2-MoE and Qwen3-Next.)
-_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate"}
+# (ModernBERT's prediction head: a [hidden, hidden] dense before the LM head.)
+_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate", "prediction_head"}
 # Gated DeltaNet projections (`_GatedDeltaPlan.rows`), and its row-parallel output projection.
 _GATED_DELTA_COLUMN = {"in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
 # Where an MoE block's output ends: the residual add (or the graph output); for Llama 4's
@@ -244,6 +267,14 @@ _LLAMA4_BLOCK_END = _BLOCK_END | {aten.add_.Tensor}
 _TRANSPOSED_EXPERTS = {"llama4_text"}
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|up_proj|down_proj)$")  # (up_proj: Nemotron-H's, no gate)
 _OAI_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+def _module_role(name: str, model_type: str) -> str:
+    """The module name of a parameter (`...self_attn.q_proj.weight` -> `q_proj`), or the role
+    `_RENAMED` gives its parent and module for `model_type`."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else name
+    return _RENAMED.get(model_type, {}).get(".".join(parts[-3:-1]), module)
 
 
 def attention_heads(config: Any) -> int:
@@ -281,6 +312,12 @@ def check_tp_size(config: Any, tp_size: int) -> None:
     kv_heads, _ = kv_heads_and_head_dim(config)
     if heads % tp_size:
         raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {heads} attention heads")
+    # Laguna's query heads per layer: each layer's split evenly, so that a rank's rows of its
+    # projections (`_Plan.head_rows`, a 1/tp run of them) hold whole heads.
+    for layer, layer_heads in enumerate(getattr(config, "num_attention_heads_per_layer", None) or []):
+        if int(layer_heads) % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {layer_heads} attention heads of "
+                             f"layer {layer}")
     if kv_heads % tp_size and tp_size % kv_heads:
         raise ValueError(f"tensor_parallel_size={tp_size}: the {kv_heads} KV heads can be neither split over nor "
                          f"replicated across {tp_size} ranks (one must divide the other)")
@@ -582,7 +619,7 @@ class ShardTensorParallelPass(KilnPass):
                 stats["vocab_parallel"] += 1
                 stats["all_gather"] += 1
                 continue
-            module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+            module = _module_role(name, model_type)
             fused = _FUSED.get(model_type, {}).get(module)
             if gated_delta is not None and module in _GATED_DELTA_COLUMN:
                 ranges = gated_delta.rows(module, weight.meta["val"].shape[0], name)

@@ -22,6 +22,7 @@ from kiln.passes.registry import PHASES
 from kiln.passes import shard_tensor_parallel as shard_tp
 from kiln.passes.shard_tensor_parallel import TP_ARCHITECTURES, ShardTensorParallelPass, check_tp_size
 from kiln.passes.weight_transforms import ShardWeight, transforms_from_json, transforms_to_json
+from kiln.runtime.hardware_defaults import CPU_LIMITS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shared_capture import shared_capture  # noqa: E402
@@ -99,6 +100,28 @@ def test_refusals_are_clear() -> None:
         check_tp_size(unsupported, 2)
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         check_tp_size(tiny_config("llama"), 3)
+    # Laguna's query heads per layer ([4, 8, 4] in its tiny model): each layer's must split.
+    laguna = tiny_config("laguna")
+    check_tp_size(laguna, 4)
+    laguna.num_attention_heads_per_layer = [4, 6, 4]
+    with pytest.raises(ValueError, match="does not divide the 6 attention heads of layer 1"):
+        check_tp_size(laguna, 4)
+
+
+def test_modules_named_by_their_parent_take_their_roles() -> None:
+    """CTRL's Sequential ffn (`ffn.0`, `ffn.2`) and ModernBERT's two `Wo` (attention's and the
+    MLP's) shard as the projections they are; ModernBERT's prediction head before the LM head
+    stays whole on every rank (the two-rank parity below checks the numbers)."""
+    for arch, column, row, whole in (
+            ("ctrl", "transformer.h.0.ffn.0.weight", "transformer.h.0.ffn.2.weight", None),
+            ("modernbert-decoder", "model.layers.0.mlp.Wi.weight", "model.layers.0.attn.Wo.weight",
+             "lm_head.dense.weight")):
+        after = graph_for_pass(tiny_config(arch), "shard_tensor_parallel").copy()
+        after.context.tp_size, after.context.tp_rank = 2, 1
+        after.run_pass(ShardTensorParallelPass())
+        shards = {t.name: t for t in after.context.weight_transforms}
+        assert shards[column].dim == 0 and shards[row].dim == 1, (arch, shards[column], shards[row])
+        assert whole is None or whole not in shards, arch
 
 
 def test_a_norm_over_all_heads_gets_a_global_mean_of_squares() -> None:
@@ -270,8 +293,11 @@ def _capture_or_error(arch: str):
     import traceback
 
     try:
-        # graph_for_pass in the tests above captured some of these already (the same memo).
-        return shared_capture(config_for(arch), dtype=torch.float32, device="cpu")
+        # At the CPU engine's token budget: the capture test_parity.py's and
+        # test_fusions_per_arch.py's engines made of the same tiny model on this worker
+        # (tests/conftest.py runs the three files together), one memo entry for all three.
+        return shared_capture(config_for(arch), dtype=torch.float32, device="cpu",
+                              max_num_tokens=CPU_LIMITS[1])
     except Exception:
         return traceback.format_exc()  # reported by the test of that architecture
 
