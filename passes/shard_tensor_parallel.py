@@ -28,7 +28,8 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
 - modules whose names say nothing of their role (CTRL's Sequential `ffn.0` / `ffn.2`,
   ModernBERT's attention and MLP `Wo`) take the role their parent gives them (`_RENAMED`);
   a gate per query head (`g_proj`: LFM3's, Laguna's) splits by heads, and so do Laguna's
-  per-layer query-head counts, each layer's evenly;
+  per-layer query-head counts, each layer's evenly, and parameters of one value per head read
+  outside a projection (Beam's attention-gate bias, `_PER_HEAD_VECTORS`);
 - projections that are no `aten.linear`: GPT-2's Conv1D, `addmm(bias, x, W)` with W
   [in, out] (column-parallel keeps W's columns, row-parallel its rows and becomes `mm`, the
   bias added after the all-reduce; the views that spell out the widths get the rank's), and
@@ -200,6 +201,7 @@ TP_ARCHITECTURES = {
             "sinusoidal positions and the LM head's bias (vocab-parallel) per rank",
     "modernbert-decoder": "as llama with attn.Wo as o_proj; the GeGLU's fused Wi [input; gate] as phi3's gate_up, "
                           "mlp.Wo as down_proj (_RENAMED); the prediction head's dense replicated",
+    "beam": "as glm4_moe; q/k norm per head, the attention gate's gate_proj and gate_bias by heads",
     "laguna": "as glm4_moe; a query-head count per layer (each split evenly, its rows one run a rank), the softplus "
               "head gate g_proj by heads",
     "lfm3": "as lfm2 (short convolutions by channels); attention as llama, q/k norm per head, the sigmoid head gate "
@@ -257,6 +259,8 @@ _CODEGEN_MP_NUM = 4
 # (MLA's: into the shared q and kv latents; the shared expert's one-column gate of Qwen2-MoE and Qwen3-Next.)
 # (ModernBERT's prediction head: a [hidden, hidden] dense before the LM head.)
 _REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate", "prediction_head"}
+# Parameters of one value per query head, by name (Beam's attention-gate bias): the rank's heads'.
+_PER_HEAD_VECTORS = {"gate_bias"}
 # Gated DeltaNet projections (`_GatedDeltaPlan.rows`), and its row-parallel output projection.
 _GATED_DELTA_COLUMN = {"in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
 # Where an MoE block's output ends: the residual add (or the graph output); for Llama 4's
@@ -730,6 +734,7 @@ class ShardTensorParallelPass(KilnPass):
         stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
         stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
+        stats["per_head_vectors_sharded"] = self._shard_per_head_vectors(gm, plan, shard)
         stats["latent_up_projections_sharded"] = self._shard_latent_up_projections(gm, plan, shard)
         size_map = plan.size_map(ctx.config)
         if mamba2 is not None:
@@ -939,6 +944,23 @@ class ShardTensorParallelPass(KilnPass):
                 continue
             (a, b) = plan.head_rows(int(node.meta["val"].shape[0]), name)
             shard(node, 0, [(a, b)], b - a)
+            count += 1
+        return count
+
+    @staticmethod
+    def _shard_per_head_vectors(gm: torch.fx.GraphModule, plan: _Plan, shard: Any) -> int:
+        """Parameters of one value per query head read outside a projection (`_PER_HEAD_VECTORS`:
+        Beam's attention-gate bias, added to its gate's logits by heads): the rank's heads'."""
+        h0, h1 = plan.heads
+        count = 0
+        for node in gm.graph.find_nodes(op="placeholder"):
+            name = param_name(node)
+            if name is None or name.rsplit(".", 1)[-1] not in _PER_HEAD_VECTORS:
+                continue
+            if tuple(node.meta["val"].shape) != (plan.num_heads,):
+                raise ValueError(f"shard_tensor_parallel: {name} {tuple(node.meta['val'].shape)} is not one value "
+                                 f"per query head ({plan.num_heads})")
+            shard(node, 0, [(h0, h1)], h1 - h0)
             count += 1
         return count
 

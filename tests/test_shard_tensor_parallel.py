@@ -124,6 +124,17 @@ def test_modules_named_by_their_parent_take_their_roles() -> None:
         assert whole is None or whole not in shards, arch
 
 
+def test_a_vector_per_head_takes_the_ranks_heads() -> None:
+    """Beam's attention-gate bias (one value per query head, added to the gate's logits by
+    heads) is cut like the heads: rank 1 of 2 reads heads 2-3 of 4."""
+    after = graph_for_pass(tiny_config("beam"), "shard_tensor_parallel").copy()
+    after.context.tp_size, after.context.tp_rank = 2, 1
+    stats = after.run_pass(ShardTensorParallelPass())
+    shards = {t.name: t for t in after.context.weight_transforms}
+    assert stats["per_head_vectors_sharded"] == tiny_config("beam").num_hidden_layers
+    assert shards["model.layers.0.self_attn.gate_bias"].ranges == ((2, 4),)
+
+
 def test_a_norm_over_all_heads_gets_a_global_mean_of_squares() -> None:
     """OLMo2 normalizes q over all heads at once: each rank keeps its slice of the norm
     weight and all-reduces its partial sum of squares (the two-rank parity below checks the
