@@ -220,7 +220,7 @@ _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "u
            "q_b_proj": "q", "kv_b_proj": "q",
            # MiniCPM 5's query and output gate, [q; gate] rows per head: the rank's heads are one run.
            "q_gate_proj": "q",
-           # A gate per query head (LFM3's sigmoid head gate): rows per head, one run a rank.
+           # A gate per query head (LFM3's sigmoid, Laguna's softplus): rows per head, one run a rank.
            "g_proj": "q"}
 _ROW = {"o_proj": "q", "dense": "q", "out_proj": "q", "down_proj": "mlp", "fc2": "mlp", "c_proj": "mlp", "w2": "mlp",
         "fc_out": "mlp", "dense_4h_to_h": "mlp", "output_linear": "mlp"}

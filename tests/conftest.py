@@ -27,9 +27,11 @@ shared_capture.install()
 # Test files that capture every tiny architecture (float32, CPU): with `--dist loadfile`
 # (the README's test command) they go to one pytest-xdist worker together, as one unit, so
 # that the worker captures and saves each tiny model once for all three (its memo above and
-# the session's `tiny_model_dir`), not each file on whichever worker it lands. Apart, in one
-# CI run, the three took 595 s of test time, ~290 s of it capturing the same ~110 models
-# a second and third time.
+# the session's `tiny_model_dir`), not each file on whichever worker it lands. Apart they
+# took 595 s of test time in one CI run (2026-12-06), each making its own ~1 s capture of
+# every tiny model (and the first two its saved checkpoint); together, in one process on an
+# idle core, 360 s (before the two-rank test captured at the engines' token budget, and so
+# shared them too).
 PER_ARCHITECTURE_FILES = ("test_fusions_per_arch.py", "test_parity.py", "test_shard_tensor_parallel.py")
 
 
