@@ -41,12 +41,15 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   count (refused when KV heads are replicated: a head would count once per rank). Any other
   reduction over a dimension the rank holds part of is refused, naming the node;
 - ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads;
-- gated DeltaNet layers (Qwen3-Next, Qwen3.5): by key heads, each with its value heads
-  (`_GatedDeltaPlan`): Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, are one
-  run of rows; Qwen3.5's in_proj_qkv and the convolution's channels are [q; k; v], three runs;
-  in_proj_z / _b / _a, A_log and dt_bias the rank's value heads; out_proj row-parallel over
-  them; the `kiln::gated_delta_net` marker gets the rank's key-head count, the views that spell
-  out a head count the rank's, and the state caches hold the rank's heads;
+- gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo Hybrid): by key heads, each with its value
+  heads (`_GatedDeltaPlan`): Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, are
+  one run of rows; Qwen3.5's in_proj_qkv and the convolution's channels are [q; k; v], three
+  runs; in_proj_z / _b / _a, A_log and dt_bias the rank's value heads; OLMo Hybrid's separate
+  q_proj / k_proj by key heads, v_proj / g_proj / a_proj / b_proj by value heads (its gated
+  norm's `reshape(-1, head_dim)` takes the rank's heads: a view that only cuts rows of a width
+  the rank holds whole, `_merges_leading_dims`); out_proj (o_proj) row-parallel over them; the
+  `kiln::gated_delta_net` marker gets the rank's key-head count, the views that spell out a
+  head count the rank's, and the state caches hold the rank's heads;
 - multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): q_b_proj / q_proj and kv_b_proj
   keep the rank's heads' rows (whatever a head's width: `_Plan.head_rows`), kv_b_proj also
   where it is no linear but the per-head weight the latent cache's absorbed attention views;
@@ -201,6 +204,8 @@ TP_ARCHITECTURES = {
             "sinusoidal positions and the LM head's bias (vocab-parallel) per rank",
     "modernbert-decoder": "as llama with attn.Wo as o_proj; the GeGLU's fused Wi [input; gate] as phi3's gate_up, "
                           "mlp.Wo as down_proj (_RENAMED); the prediction head's dense replicated",
+    "olmo_hybrid": "gated DeltaNet layers as qwen3_5_text's, their separate projections q_proj / k_proj by key "
+                   "heads, v_proj / g_proj / a_proj / b_proj by value heads, o_proj row-parallel; attention as olmo2's",
     "beam": "as glm4_moe; q/k norm per head, the attention gate's gate_proj and gate_bias by heads",
     "laguna": "as glm4_moe; a query-head count per layer (each split evenly, its rows one run a rank), the softplus "
               "head gate g_proj by heads",
@@ -263,6 +268,8 @@ _REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_exper
 _PER_HEAD_VECTORS = {"gate_bias"}
 # Gated DeltaNet projections (`_GatedDeltaPlan.rows`), and its row-parallel output projection.
 _GATED_DELTA_COLUMN = {"in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"}
+# OLMo Hybrid's: a projection each (`linear_attn.`): q and k by key heads, the rest by value heads.
+_GATED_DELTA_SEPARATE = {"q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj"}
 # Where an MoE block's output ends: the residual add (or the graph output); for Llama 4's
 # experts also the in-place add of the routed sum to the shared expert's (reduced) output.
 _BLOCK_END = {aten.add.Tensor, "output"}
@@ -374,6 +381,11 @@ class _GatedDeltaPlan:
         """The rank's output rows of one of the layer's input projections (`size` rows in all)."""
         if module == "in_proj_qkv":
             return self.qkv()
+        if module in ("q_proj", "k_proj"):  # OLMo Hybrid's separate projections: by key heads
+            if size % self.num_k:
+                raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per key head")
+            width = size // self.num_k
+            return [(self.k0 * width, self.k1 * width)]
         if module in ("in_proj_qkvz", "in_proj_ba"):  # one block per key head, its value heads inside
             if size % self.num_k:
                 raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per key head")
@@ -625,11 +637,12 @@ class ShardTensorParallelPass(KilnPass):
                 continue
             module = _module_role(name, model_type)
             fused = _FUSED.get(model_type, {}).get(module)
-            if gated_delta is not None and module in _GATED_DELTA_COLUMN:
+            if gated_delta is not None and (module in _GATED_DELTA_COLUMN or ".linear_attn." in name
+                                            and module in _GATED_DELTA_SEPARATE):
                 ranges = gated_delta.rows(module, weight.meta["val"].shape[0], name)
                 shard(weight, 0, ranges, sum(b - a for a, b in ranges))
                 stats["column_parallel"] += 1
-            elif gated_delta is not None and ".linear_attn." in name and module == "out_proj":
+            elif gated_delta is not None and ".linear_attn." in name and module in ("out_proj", "o_proj"):
                 cols = (gated_delta.v0 * gated_delta.head_v, gated_delta.v1 * gated_delta.head_v)
                 shard(weight, 1, [cols], cols[1] - cols[0])
                 all_reduce_after(node)
@@ -1341,7 +1354,29 @@ def _view_takes_rank_shapes(node: torch.fx.Node, args: tuple[Any, ...], old: tor
     can be made so by giving one spelled-out count the rank's (then rewritten in place)."""
     return (_keeps_unsharded_dims(old, node.meta["val"], size_map)
             or _fix_view(node, args, old, size_map)
-            or _keeps_unsharded_dims(old, node.meta["val"], size_map, _inferred_fixed_dims(node, old)))
+            or _keeps_unsharded_dims(old, node.meta["val"], size_map, _inferred_fixed_dims(node, old))
+            or _merges_leading_dims(node, args))
+
+
+def _merges_leading_dims(node: torch.fx.Node, args: tuple[Any, ...]) -> bool:
+    """Whether the view only merges its input's leading dimensions into its -1 and keeps its
+    last ones, or cuts the last one into rows of one spelled-out width that divides the rank's
+    (OLMo Hybrid's per-head gated norm: `reshape(-1, head_dim)` over [.., heads, head_dim] and
+    over the gate's [.., heads * head_dim]). A rank's slice of that dimension is one run at a
+    multiple of its width, so every row stays one of the full model's rows: a smaller -1 is the
+    rank's (tokens times its heads), never fewer tokens. (A width the rank's does not divide,
+    a full row spelled over the rank's half, is refused.)"""
+    shape = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else None
+    source = args[0] if args else None
+    if not shape or shape[0] != -1 or not isinstance(source, torch.Tensor) or len(shape) - 1 > source.dim() - 1:
+        return False
+    kept = list(shape[1:])
+    if not all(isinstance(d, int) and d > 0 for d in kept):
+        return False
+    if kept == list(source.shape[source.dim() - len(kept):]):
+        return True
+    last = source.shape[-1]
+    return len(kept) == 1 and isinstance(last, int) and last % kept[0] == 0
 
 
 def _inferred_fixed_dims(node: torch.fx.Node, old: torch.Tensor) -> frozenset[int]:

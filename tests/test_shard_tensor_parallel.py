@@ -124,6 +124,19 @@ def test_modules_named_by_their_parent_take_their_roles() -> None:
         assert whole is None or whole not in shards, arch
 
 
+def test_a_view_may_cut_rows_of_a_width_the_rank_holds_whole() -> None:
+    """OLMo Hybrid's gated norm views its gate [.., heads * head_dim] as rows of head_dim: on a
+    rank's half the -1 halves with the heads, each row still one head's. A full-model row
+    spelled over the rank's half (64 over 32) would silently halve the tokens: refused."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    per_head = graph.call_function(torch.ops.aten.view.default, (x, [-1, 8]))
+    full_row = graph.call_function(torch.ops.aten.view.default, (x, [-1, 64]))
+    rank_gate = torch.empty(5, 32)  # 4 of the full model's 8 heads of 8
+    assert shard_tp._merges_leading_dims(per_head, (rank_gate,))
+    assert not shard_tp._merges_leading_dims(full_row, (rank_gate,))
+
+
 def test_a_vector_per_head_takes_the_ranks_heads() -> None:
     """Beam's attention-gate bias (one value per query head, added to the gate's logits by
     heads) is cut like the heads: rank 1 of 2 reads heads 2-3 of 4."""
