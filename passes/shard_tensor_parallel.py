@@ -381,17 +381,15 @@ class _GatedDeltaPlan:
         """The rank's output rows of one of the layer's input projections (`size` rows in all)."""
         if module == "in_proj_qkv":
             return self.qkv()
-        if module in ("q_proj", "k_proj"):  # OLMo Hybrid's separate projections: by key heads
+        # One block per key head (its value heads inside Qwen3-Next's fused projections; OLMo
+        # Hybrid's separate q_proj / k_proj are one key head's rows a block).
+        if module in ("in_proj_qkvz", "in_proj_ba", "q_proj", "k_proj"):
             if size % self.num_k:
                 raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per key head")
             width = size // self.num_k
             return [(self.k0 * width, self.k1 * width)]
-        if module in ("in_proj_qkvz", "in_proj_ba"):  # one block per key head, its value heads inside
-            if size % self.num_k:
-                raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per key head")
-            width = size // self.num_k
-            return [(self.k0 * width, self.k1 * width)]
-        width = size // self.num_v  # in_proj_z (head_v a value head), in_proj_b / _a (1)
+        # A block per value head: in_proj_z, v_proj, g_proj (head_v rows), in_proj_b / _a, a_proj, b_proj (1).
+        width = size // self.num_v
         if size % self.num_v:
             raise ValueError(f"shard_tensor_parallel: {what} ({size} rows) is not one block per value head")
         return [(self.v0 * width, self.v1 * width)]
@@ -790,7 +788,7 @@ class ShardTensorParallelPass(KilnPass):
         if param_name(bias) is None:
             raise ValueError(f"shard_tensor_parallel: the bias of {name!r}'s addmm ({node.name}) is computed in the "
                              "graph, not a weight the rank can read a slice of")
-        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        module = _module_role(name, model_type)
         in_full, out_full = (int(d) for d in weight.meta["val"].shape)
         fused = _FUSED.get(model_type, {}).get(module)
         if fused is not None or module in _COLUMN:
@@ -834,7 +832,7 @@ class ShardTensorParallelPass(KilnPass):
         name = param_name(weight)
         if name is None or weight.meta["val"].dim() != 2:
             return ""
-        module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+        module = _module_role(name, str(getattr(config, "model_type", "")))
         out_full = int(weight.meta["val"].shape[0])
         users = list(node.users)
         bias_add = users[0] if (len(users) == 1 and users[0].target == aten.add.Tensor
@@ -1368,7 +1366,7 @@ def _merges_leading_dims(node: torch.fx.Node, args: tuple[Any, ...]) -> bool:
     a full row spelled over the rank's half, is refused.)"""
     shape = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else None
     source = args[0] if args else None
-    if not shape or shape[0] != -1 or not isinstance(source, torch.Tensor) or len(shape) - 1 > source.dim() - 1:
+    if not shape or shape[0] != -1 or not isinstance(source, torch.Tensor) or len(shape) > source.dim():
         return False
     kept = list(shape[1:])
     if not all(isinstance(d, int) and d > 0 for d in kept):
