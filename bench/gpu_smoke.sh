@@ -283,7 +283,7 @@ for stage in $STAGES; do
           bench/moe.py --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} \
           --out "$OUT/moe_grouping_offline_${i}_$max_pairs.json"
       done ;;
-    moe_fp8_experts)  # issues 16/17: FP8 MoE experts (KILN_FP8_EXPERTS=1, weight-only e4m3): their kernel tests on
+    moe_fp8_experts)  # issues 16/17: FP8 MoE experts (the default of --quantization fp8 since 2026-12-06): their kernel tests on
                       # CUDA, then the Mixtral shape with --quantization fp8, decode 1/64 and the offline run; ~7 min
       run_stage moe_fp8_experts_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py \
         -k "fp8_experts or quantizing_stacked or fp8_activations"

@@ -71,12 +71,12 @@ SHAPES = {
     "gpt-oss-20b": MoEShape("gpt-oss-20b", "gpt_oss_20b.json", offline=False),
     # Llama 4 Scout's language model (107.8 B parameters: 16 experts top-1 and a shared expert in
     # all 48 layers, chunked attention with NoPE every 4th layer): 216 GB in bf16, so on one
-    # H200 only with --quantization fp8 (KILN_FP8_EXPERTS=1 for the experts; ~108 GB), and
+    # H200 only with --quantization fp8 (the experts too, by default; ~108 GB), and
     # without the Hugging Face baseline, which would need the bf16 weights on the device.
     "llama4-scout": MoEShape("llama4-scout", "llama4_scout.json", offline=False),
     # Qwen3-Next-80B-A3B: 36 gated DeltaNet layers (per-sequence recurrent states, ~74 MiB a
     # sequence) and 12 gated attention layers, 512 experts top-10 and a gated shared expert in
-    # all 48: ~160 GB in bf16, so on one H200 only with --quantization fp8 (KILN_FP8_EXPERTS=1;
+    # all 48: ~160 GB in bf16, so on one H200 only with --quantization fp8 (its experts too;
     # ~81 GB) and without the Hugging Face baseline.
     "qwen3-next-80b": MoEShape("qwen3-next-80b", "qwen3_next_80b.json", offline=False),
 }
@@ -278,7 +278,7 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
     result["kiln_num_kv_blocks"] = llm.engine.num_kv_blocks
     result["kiln_fuse_moe"] = pass_stats(llm, "fuse_moe")
     # The bytes a decode step reads are the engine's as loaded: with FP8 weights (and
-    # KILN_FP8_EXPERTS=1's experts) about half the config's 16-bit figure above.
+    # FP8 experts, the default with it) about half the config's 16-bit figure above.
     held = engine_weight_bytes(llm, result["top_k"], result["num_experts"])
     kiln_active_bytes = active_bytes
     if held:
@@ -345,7 +345,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="Kiln's KV-cache dtype (default auto: the model's; fp8 holds twice the tokens)")
     parser.add_argument("--quantization", choices=("fp8",), default=None,
-                        help="Kiln's FP8 projections (the experts too with KILN_FP8_EXPERTS=1)")
+                        help="Kiln's FP8 projections, the experts too (KILN_FP8_EXPERTS=0: experts in 16 bits)")
     parser.add_argument("--decode-buckets", default=None, help="comma-separated decode bucket sizes (default: the engine's)")
     parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
     args = parser.parse_args()

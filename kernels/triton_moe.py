@@ -142,12 +142,15 @@ FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024
 # FP8 experts in steps with at least this many rows an expert run W8A8 on sm_90: the sorted-rows
 # kernels over e4m3 rows (each token's hidden state, then each row's SiLU-and-mul output,
 # quantized per row, as the dense FP8 projections quantize theirs) and e4m3 experts, on e4m3
-# MMAs (twice bf16's rate on Hopper), instead of widening the experts. With 1 (every step) the
-# Mixtral offline run made 5,769 output tokens/s against weight-only's 3,824 and decode 3,592.5
-# against 2,973.5 at batch 64 (bench/RESULTS.md AF4-AF6). 0 (the default, until the GPU suite has
-# run with 1: its weight-only tests take the default path) never does;
-# KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (1: every grouped step).
-FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "0"))
+# MMAs (twice bf16's rate on Hopper), instead of widening the experts. With 1 (every grouped
+# step) the Mixtral offline run made 5,769 output tokens/s against weight-only's 3,824, and decode
+# at batch 64 (16 rows an expert) 3,592.5 against 2,973.5 (bench/RESULTS.md AF4-AF6, H200); but
+# Qwen3-MoE-30B-A3B's small experts decode faster weight-only at 4-16 rows an expert (AL2-AL3,
+# H100: batch 64 / 128 / 256 3,650.7 / 6,875.8 / 12,231.7 tokens/s against W8A8's 3,442.0 /
+# 6,526.4 / 11,668.5). 16 (the default since 2026-12-06) keeps Mixtral's batch-64 gain and
+# Qwen3-MoE's decodes to 128 sequences. Per-pair steps stay weight-only on the GEMV kernels.
+# KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (0: never, weight-only as until then).
+FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "16"))
 
 
 def uses_fp8_activations(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: torch.Tensor,

@@ -11,13 +11,14 @@ their values and scales. Left in the compute dtype, as vLLM leaves them: the LM 
 logits decide every token; prune_logits already cut it to the sampled rows) and a weight tied
 to the embedding, and MoE routers (`...gate.weight`, and every projection that
 `kiln.passes.fuse_moe.router_projections` finds deciding a block's routing: a few columns
-whose ranking picks the experts). Expert weights inside `kiln::fused_moe` are not projections of this form and stay
-as they are, unless `experts=True` (`KILN_FP8_EXPERTS=1`, and by default for a pre-quantized FP8
-checkpoint whose experts are quantized: `fp8_experts_by_default`; off otherwise until timed on a
-GPU): then each `kiln::fused_moe` (`kiln::moe_experts`) becomes its `_fp8` op over e4m3 experts with one
-scale per expert and output channel, the activations staying in the model dtype
-(weight-only; kernels/moe.py). A pre-quantized checkpoint's FP8 experts are dequantized as
-the loader stacks them, then quantized again per channel.
+whose ranking picks the experts). MoE experts (inside `kiln::fused_moe` / `kiln::moe_experts`, not
+projections of this form) are quantized too, as vLLM's `quantization="fp8"` quantizes them: each
+such op becomes its `_fp8` op over e4m3 experts with one scale per expert and output channel
+(kernels/moe.py; on sm_90 the grouped steps run W8A8, the rows quantized in the kernels, and
+per-pair decode steps weight-only). Not where `experts=False` (`KILN_FP8_EXPERTS=0`) says so, or
+where a pre-quantized checkpoint left its experts unquantized (`fp8_experts_by_default`). A
+pre-quantized checkpoint's FP8 experts are dequantized as the loader stacks them, then quantized
+again per channel.
 
 The first and last decoder layers: in a small model (fewer than `EDGE_LAYERS_MAX_PARAMS`
 parameters, counted over the graph's parameter inputs) their projections stay in the compute dtype too, as
@@ -140,8 +141,8 @@ class QuantizeFP8Pass(KilnPass):
     def __init__(self, keep_edge_layers: bool | None = None, experts: bool | None = None):
         """`keep_edge_layers`: None keeps the first and last layers in the compute dtype in
         models of fewer than EDGE_LAYERS_MAX_PARAMS parameters (module doc). `experts`: MoE
-        experts in FP8 too; None: KILN_FP8_EXPERTS (1 on, 0 off), and unset, on for a
-        pre-quantized FP8 checkpoint whose experts it quantized (`fp8_experts_by_default`)."""
+        experts in FP8 too; None: KILN_FP8_EXPERTS (1 on, 0 off), and unset, on unless a
+        pre-quantized checkpoint left its experts unquantized (`fp8_experts_by_default`)."""
         self.keep_edge_layers = keep_edge_layers
         env = os.environ.get("KILN_FP8_EXPERTS")
         self.experts = bool(experts) if experts is not None else (None if env is None else env == "1")
@@ -223,16 +224,15 @@ class QuantizeFP8Pass(KilnPass):
 
 
 def fp8_experts_by_default(gm: torch.fx.GraphModule, config: Any) -> bool:
-    """Whether experts run in FP8 without KILN_FP8_EXPERTS: for a pre-quantized FP8 checkpoint
-    whose experts are quantized (Qwen3-30B-A3B-FP8, GLM-4.5-Air-FP8, DeepSeek-V3), as vLLM runs
-    them. 16-bit experts would hold twice the bytes the checkpoint does (GLM-4.5-Air's 106 B
-    parameters: ~110 GB in FP8, ~212 GB widened, more than an H200), and its e4m3 values are
-    what the model was published as. A 16-bit checkpoint quantized at load keeps 16-bit experts
-    unless asked (compiler/README.md, Mixture of experts: their prefill is slower in FP8)."""
+    """Whether experts run in FP8 without KILN_FP8_EXPERTS: yes, as vLLM's FP8 runs them (half
+    the bytes a decode step streams; on sm_90 the grouped steps' e4m3 MMAs at twice bf16's rate:
+    the Mixtral-8x7B shape's offline run 5,769 output tokens/s against 4,448 with 16-bit experts,
+    bench/RESULTS.md AF4-AF6), unless a pre-quantized FP8 checkpoint left its experts unquantized
+    (its `ignore` / `modules_to_not_convert`): then they stay as the checkpoint has them."""
     qc = quantization_config(config)
     # (The engine has refused any other quantization by now: compiler/fp8_checkpoint.py.)
     if qc is None or qc.get("quant_method") not in ("fp8", "compressed-tensors"):
-        return False
+        return True  # a 16-bit checkpoint quantized at load
     unquantized = checkpoint_unquantized(config)
     for node in gm.graph.find_nodes(op="placeholder"):
         name = param_name(node)
@@ -243,7 +243,7 @@ def fp8_experts_by_default(gm: torch.fx.GraphModule, config: Any) -> bool:
         hub = prefix.replace(".mlp", ".block_sparse_moe")
         names = [f"{prefix}.experts.0.gate_proj", f"{hub}.experts.0.w1", f"{prefix}.experts.gate_up_proj"]
         return not any(unquantized(n) for n in names)
-    return False
+    return True
 
 
 def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[torch.fx.Node, torch.fx.Node],
@@ -255,6 +255,8 @@ def quantize_experts(gm: torch.fx.GraphModule, ctx: PassContext, scales: dict[to
     replaced = kept = 0
     nodes = [*graph.find_nodes(op="call_function", target=fused_moe_op.default),
              *graph.find_nodes(op="call_function", target=moe_experts_op.default)]
+    if not nodes:
+        return {}  # no MoE block (or its experts unfused: batched matmuls on CPU)
     for node in nodes:
         fused = node.target is fused_moe_op.default
         # fused_moe(x, logits, w_gate_up, w_down, ...); moe_experts(x, weights, ids, w_gate_up, w_down)

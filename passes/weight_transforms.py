@@ -133,7 +133,7 @@ class QuantizeFP8Weight:
                 # a stacked FP8 tensor comes from elsewhere, without the scales to read it by.
                 raise WeightTransformError(
                     f"cannot load {self.weight!r}: pre-quantized FP8 expert weights arrived stacked without "
-                    "their scales; give them per expert (as on the Hub) or in bf16/fp16, or leave KILN_FP8_EXPERTS unset")
+                    "their scales; give them per expert (as on the Hub), with their scales, or in bf16/fp16")
             # One expert at a time: the float32 temporaries of a whole layer's experts (Mixtral:
             # 3.8 GB each) would sit beside every other weight already loaded.
             if _fragments(w):

@@ -359,8 +359,8 @@ def test_gpt_oss_experts_in_fp8_keep_their_biases_and_activation() -> None:
     before = graph_for_pass(tiny_config("gpt_oss"), "quantize_fp8", cpu_fusions=True)
     assert op_counts(before.graph_module)[EXPERTS_OP] == 2
     plain, fp8 = before.copy(), before.copy()
-    plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False))
-    assert fp8.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=True))["fp8_experts"] == 2
+    plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=False))
+    assert fp8.run_pass(QuantizeFP8Pass(keep_edge_layers=False))["fp8_experts"] == 2  # by default
     node = next(n for n in fp8.graph_module.graph.nodes if str(n.target) == "kiln.moe_experts_fp8.default")
     assert node.kwargs["activation"] == "swiglu_oai" and node.kwargs["b_gate_up"] is not None
     transforms = fp8.context.weight_transforms
@@ -516,7 +516,7 @@ def test_checkpoint_buffers_replace_the_captured_values(tmp_path) -> None:
 def test_fp8_experts_rewrite_each_fused_moe_and_stay_close(arch: str) -> None:
     """With experts=True each fused MoE block runs e4m3 experts (one scale per expert and output
     channel, quantized at load by the weight transforms); the logits stay close to the
-    unquantized graph's. Off by default: the experts then stay in the model dtype."""
+    unquantized graph's. With experts=False they stay in the model dtype."""
     from kiln.compiler.pass_testing import graph_for_pass, run_graph
     from kiln.passes.quantize_fp8 import QuantizeFP8Pass
     from kiln.passes.weight_transforms import QuantizeFP8Weight, fp8_scale_name
@@ -525,7 +525,7 @@ def test_fp8_experts_rewrite_each_fused_moe_and_stay_close(arch: str) -> None:
     before = graph_for_pass(config, "quantize_fp8", cpu_fusions=True)
     assert op_counts(before.graph_module)[FUSED_OP] == MOE_LAYERS[arch]
     plain, fp8 = before.copy(), before.copy()
-    plain_stats = plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False))
+    plain_stats = plain.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=False))
     assert "fp8_experts" not in plain_stats and op_counts(plain.graph_module)[FUSED_OP] == MOE_LAYERS[arch]
     stats = fp8.run_pass(QuantizeFP8Pass(keep_edge_layers=False, experts=True))
     assert stats["fp8_experts"] == MOE_LAYERS[arch] and stats["kept_high_precision_experts"] == 0
@@ -542,10 +542,10 @@ def test_fp8_experts_rewrite_each_fused_moe_and_stay_close(arch: str) -> None:
     assert QuantizeFP8Pass(experts=True).uuid() != QuantizeFP8Pass(experts=False).uuid()
 
 
-def test_fp8_checkpoints_run_their_experts_in_fp8_by_default(monkeypatch) -> None:
-    """A pre-quantized FP8 checkpoint's experts stay FP8 (as vLLM runs them; widened to 16 bits
-    they would hold twice the checkpoint's bytes), unless the checkpoint left them unquantized or
-    KILN_FP8_EXPERTS=0 says so; a 16-bit checkpoint quantized at load keeps 16-bit experts."""
+def test_experts_run_in_fp8_by_default(monkeypatch) -> None:
+    """quantization="fp8" quantizes the experts too, as vLLM does: a 16-bit checkpoint's at load,
+    a pre-quantized FP8 checkpoint's kept FP8 (widened to 16 bits they would hold twice its
+    bytes); not where the checkpoint left them unquantized or KILN_FP8_EXPERTS=0 says so."""
     import copy
 
     from kiln.compiler.pass_testing import graph_for_pass
@@ -565,14 +565,15 @@ def test_fp8_checkpoints_run_their_experts_in_fp8_by_default(monkeypatch) -> Non
     layers = MOE_LAYERS["qwen3_moe"]
     hf_fp8 = {"quant_method": "fp8", "weight_block_size": [32, 32], "modules_to_not_convert": ["lm_head"]}
     compressed = {"quant_method": "compressed-tensors", "ignore": ["lm_head", "re:.*mlp\\.gate$"]}
-    assert fp8_experts(None) == 0
+    assert fp8_experts(None) == layers
     assert fp8_experts(hf_fp8) == layers and fp8_experts(compressed) == layers
     assert fp8_experts({**hf_fp8, "modules_to_not_convert": ["lm_head", "mlp.experts"]}) == 0
     assert fp8_experts({**compressed, "ignore": ["re:.*mlp\\.experts\\..*"]}) == 0
     monkeypatch.setenv("KILN_FP8_EXPERTS", "0")
-    assert fp8_experts(hf_fp8) == 0
+    assert fp8_experts(hf_fp8) == 0 and fp8_experts(None) == 0
     monkeypatch.setenv("KILN_FP8_EXPERTS", "1")
     assert fp8_experts(None) == layers
+    assert fp8_experts(None, experts=False) == 0  # the pass's own option outranks the environment
     monkeypatch.delenv("KILN_FP8_EXPERTS")
     assert len({QuantizeFP8Pass(experts=e).uuid() for e in (None, True, False)}) == 3  # auto, on, off
 

@@ -398,7 +398,7 @@ def test_fp8_experts_match_their_reference(t, h, i, e, top_k, renormalize, fp32_
     hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
     gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
     out = fused_moe_triton(hidden, logits, gq, dq, top_k, renormalize, fp32_weights, tiling=tiling, per_pair=per_pair,
-                           w_gate_up_scale=gs, w_down_scale=ds)
+                           w_gate_up_scale=gs, w_down_scale=ds, fp8_activations=False)  # (W8A8: below)
     ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
@@ -427,7 +427,7 @@ def test_swapped_pointer_kernels_match_reference(t, h, i, e, top_k, renormalize,
     if fp8:
         gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
         out = fused_moe_triton(hidden, logits, gq, dq, top_k, renormalize, fp32_weights, tiling=tiling,
-                               per_pair=per_pair, w_gate_up_scale=gs, w_down_scale=ds)
+                               per_pair=per_pair, w_gate_up_scale=gs, w_down_scale=ds, fp8_activations=False)
         ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
     else:
         out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
@@ -502,6 +502,7 @@ def test_fp8_experts_in_prefill_sized_steps_run_widened_by_the_16_bit_kernels(mo
 
     assert triton_moe.FP8_DEQUANT_MIN_ROWS == int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024"))
     monkeypatch.setattr(triton_moe, "FP8_DEQUANT_MIN_ROWS", 8)
+    monkeypatch.setattr(triton_moe, "FP8_ACTIVATIONS_MIN_ROWS", 0)  # weight-only (W8A8 widens nothing)
     calls = []
     widen = triton_moe.dequantize_experts_triton
     monkeypatch.setattr(triton_moe, "dequantize_experts_triton", lambda *a: calls.append(a[0].shape) or widen(*a))
@@ -682,10 +683,14 @@ def test_sorted_rows_kernels_at_real_shapes(shape: str, tokens: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 64, 1000, 4096])
-def test_fp8_experts_at_mixtral_shape(tokens: int) -> None:
-    """kiln::fused_moe_fp8 dispatched to the kernels on the GPU, bfloat16 activations over e4m3
-    Mixtral experts, against the float32 reference over the same dequantized experts (4,096
-    tokens: 1,024 rows an expert, the experts widened for the 16-bit sorted-rows kernels)."""
+def test_fp8_experts_at_mixtral_shape(monkeypatch, tokens: int) -> None:
+    """kiln::fused_moe_fp8 weight-only (KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS=0) dispatched to the
+    kernels on the GPU, bfloat16 activations over e4m3 Mixtral experts, against the float32
+    reference over the same dequantized experts (4,096 tokens: 1,024 rows an expert, the experts
+    widened for the 16-bit sorted-rows kernels)."""
+    from kiln.kernels import triton_moe
+
+    monkeypatch.setattr(triton_moe, "FP8_ACTIVATIONS_MIN_ROWS", 0)
     hidden, logits, (gq, gs, dq, ds), k, renorm, ref = mixtral_fp8_case(tokens)
     out = torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, k, renorm, True)
     rel = (out.float() - ref).norm() / ref.norm()
@@ -745,6 +750,8 @@ def test_fp8_activations_at_mixtral_shape(tokens: int) -> None:
                            fp8_activations=True)
     rel = (out.float() - ref).norm() / ref.norm()
     assert rel < 5e-2, f"{tokens} tokens: relative error {rel:.2e}"
+    # The op's default on sm_90 (from KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS=16 rows an expert): the same launch.
+    assert torch.equal(torch.ops.kiln.fused_moe_fp8(hidden, logits, gq, gs, dq, ds, k, renorm, True), out)
 
 
 @pytest.mark.gpu
