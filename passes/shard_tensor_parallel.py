@@ -29,7 +29,11 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   ModernBERT's attention and MLP `Wo`) take the role their parent gives them (`_RENAMED`);
   a gate per query head (`g_proj`: LFM3's, Laguna's) splits by heads, and so do Laguna's
   per-layer query-head counts, each layer's evenly, and parameters of one value per head read
-  outside a projection (Beam's attention-gate bias, `_PER_HEAD_VECTORS`);
+  outside a projection (Beam's attention-gate bias, `_PER_HEAD_VECTORS`); one of a list of
+  projections (Gemma 3n's `altup_projections.0`) takes the list's role;
+- configs whose layers differ (transformers' heterogeneous configs: Gemma 4's full-attention
+  layers have a head_dim and KV heads of their own) get a plan a layer (`_LayerPlans`): a
+  parameter's rows are its layer's heads', and a view's spelled-out sizes its layer's;
 - projections that are no `aten.linear`: GPT-2's Conv1D, `addmm(bias, x, W)` with W
   [in, out] (column-parallel keeps W's columns, row-parallel its rows and becomes `mm`, the
   bias added after the all-reduce; the views that spell out the widths get the rank's), and
@@ -38,8 +42,10 @@ At `tp_size` 1 (the default) the pass changes nothing. Otherwise, on rank r of t
   new_decoder_architecture layout is refused);
 - norms over all heads' width (OLMo2's q/k norm, BitNet's sub-norms): the rank keeps its
   slice of the weight, and the mean of squares becomes a sum, all-reduced, over the full
-  count (refused when KV heads are replicated: a head would count once per rank). Any other
-  reduction over a dimension the rank holds part of is refused, naming the node;
+  count (refused when KV heads are replicated: a head would count once per rank); a standard
+  deviation likewise from the all-reduced sums of x and x * x (Gemma 3n's activation sparsity
+  over the MLP's channels, `_global_std`). Any other reduction over a dimension the rank
+  holds part of is refused, naming the node;
 - ALiBi slopes (Bloom, MPT): sliced in the graph to the rank's heads;
 - gated DeltaNet layers (Qwen3-Next, Qwen3.5, OLMo Hybrid): by key heads, each with its value
   heads (`_GatedDeltaPlan`): Qwen3-Next's in_proj_qkvz / in_proj_ba, grouped per key head, are
@@ -76,7 +82,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.graph_inputs import param_name
-from kiln.kernels.paged_attention import kv_heads_and_head_dim
+from kiln.kernels.paged_attention import kv_heads_and_head_dim, layer_config
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_moe import router_projections
 from kiln.passes.prune_logits import find_lm_head
@@ -162,6 +168,11 @@ TP_ARCHITECTURES = {
     "gemma": "as llama; embedding scaled after the all-reduce",
     "gemma2": "as llama; soft-capping per head and on the gathered logits",
     "gemma3_text": "as llama; q/k norm per head",
+    "gemma4_text": "as gemma3_text; each layer's own heads and head_dim (its full-attention layers' KV heads, "
+                   "replicated where fewer than the ranks, K read as V), planned per layer (`_LayerPlans`); the "
+                   "per-layer inputs' projections replicated; experts split along their intermediate dimension",
+    "gemma3n_text": "as gemma3_text; AltUp, LAuReL and the per-layer inputs replicated, the activation sparsity's "
+                    "std over the rank's intermediate channels from all-reduced sums (`_global_std`)",
     "olmo": "as llama; LayerNorm without weights",
     "cohere": "parallel attention/MLP block: both partial sums all-reduced",
     "cohere2": "as cohere",
@@ -263,7 +274,14 @@ _CODEGEN_MP_NUM = 4
 # router_projections too (PhiMoE's and Granite's `router`, Hunyuan's `gate.wg`).
 # (MLA's: into the shared q and kv latents; the shared expert's one-column gate of Qwen2-MoE and Qwen3-Next.)
 # (ModernBERT's prediction head: a [hidden, hidden] dense before the LM head.)
-_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate", "prediction_head"}
+# (Gemma 4's per-layer inputs, its E2B/E4B models': the residual stream into a few hundred
+# columns a layer and back, small beside the layer's MLP.)
+# (Gemma 3n's AltUp, its stream predictions and their router and coefficients, and its LAuReL
+# low-rank residual: every one reads and writes the residual streams every rank holds whole.)
+_REPLICATED = {"gate", "router", "q_a_proj", "kv_a_proj_with_mqa", "shared_expert_gate", "prediction_head",
+               "per_layer_model_projection", "per_layer_input_gate", "per_layer_projection",
+               "altup_projections", "altup_unembed_projections", "modality_router", "prediction_coefs",
+               "correction_coefs", "linear_left", "linear_right"}
 # Parameters of one value per query head, by name (Beam's attention-gate bias): the rank's heads'.
 _PER_HEAD_VECTORS = {"gate_bias"}
 # Gated DeltaNet projections (`_GatedDeltaPlan.rows`), and its row-parallel output projection.
@@ -285,12 +303,27 @@ def _module_role(name: str, model_type: str) -> str:
     `_RENAMED` gives its parent and module for `model_type`."""
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else name
+    if module.isdigit() and len(parts) >= 3:
+        module = parts[-3]  # one of a list of projections (Gemma 3n's `altup_projections.0`): the list's role
     return _RENAMED.get(model_type, {}).get(".".join(parts[-3:-1]), module)
 
 
 def attention_heads(config: Any) -> int:
     """The config's attention heads; 0 for a model without attention (Mamba2's own)."""
     return int(getattr(config, "num_attention_heads", None) or 0)
+
+
+def _check_heads(config: Any, tp_size: int, layer: int | None = None) -> None:
+    """ValueError where tp_size splits the attention heads (of `layer`, where layers differ)
+    unevenly, or the KV heads neither evenly nor by replication."""
+    heads = attention_heads(config if layer is None else layer_config(config, layer))
+    kv_heads, _ = kv_heads_and_head_dim(config, layer=layer)
+    of = "" if layer is None else f" of layer {layer}"
+    if heads % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {heads} attention heads{of}")
+    if kv_heads and kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp_size}: the {kv_heads} KV heads{of} can be neither split over nor "
+                         f"replicated across {tp_size} ranks (one must divide the other)")
 
 
 def check_tp_size(config: Any, tp_size: int) -> None:
@@ -319,22 +352,23 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
                          f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
                          f"that divides {_CODEGEN_MP_NUM}")
-    heads = attention_heads(config)
-    kv_heads, _ = kv_heads_and_head_dim(config)
-    if heads % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {heads} attention heads")
+    if getattr(config, "is_heterogeneous", False):
+        # Gemma 4: each layer's own head counts (its full-attention layers': num_global_key_value_heads).
+        for layer in range(int(config.num_hidden_layers)):
+            _check_heads(config, tp_size, layer)
+    else:
+        _check_heads(config, tp_size)
     # Laguna's query heads per layer: each layer's split evenly, so that a rank's rows of its
     # projections (`_Plan.head_rows`, a 1/tp run of them) hold whole heads.
     for layer, layer_heads in enumerate(getattr(config, "num_attention_heads_per_layer", None) or []):
         if int(layer_heads) % tp_size:
             raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {layer_heads} attention heads of "
                              f"layer {layer}")
-    if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp_size}: the {kv_heads} KV heads can be neither split over nor "
-                         f"replicated across {tp_size} ranks (one must divide the other)")
     intermediate = getattr(config, "intermediate_size", None)
-    if isinstance(intermediate, int) and intermediate % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={intermediate}")
+    for layer, size in enumerate(intermediate if isinstance(intermediate, (list, tuple)) else [intermediate]):
+        if isinstance(size, int) and size % tp_size:  # (Gemma 3n's: one a layer)
+            of = f" of layer {layer}" if isinstance(intermediate, (list, tuple)) else ""
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide intermediate_size={size}{of}")
     from kiln.kernels.recurrent_states import mamba2_sizes, mamba_sizes, recurrent_family, recurrent_layers
 
     if recurrent_family(config) == "mamba":
@@ -449,12 +483,13 @@ class _MambaPlan:
 
 
 class _Plan:
-    """The row ranges of rank r for each kind of projection output."""
+    """The row ranges of rank r for each kind of projection output (of `layer`'s attention,
+    where the config's layers differ: `_LayerPlans`)."""
 
-    def __init__(self, config: Any, tp: int, rank: int):
+    def __init__(self, config: Any, tp: int, rank: int, layer: int | None = None):
         self.tp, self.rank = tp, rank
-        heads = attention_heads(config)
-        kv_heads, self.head_dim = kv_heads_and_head_dim(config)
+        heads = attention_heads(config if layer is None else layer_config(config, layer))
+        kv_heads, self.head_dim = kv_heads_and_head_dim(config, layer=layer)
         per = heads // tp
         self.num_heads, self.heads_per_rank = heads, per
         self.q = (rank * per * self.head_dim, (rank + 1) * per * self.head_dim)
@@ -467,12 +502,11 @@ class _Plan:
             kv_index = rank * kv_heads // tp
             self.kv = (kv_index * self.head_dim, (kv_index + 1) * self.head_dim)
 
-    def size_map(self, config: Any) -> dict[int, int]:
+    def size_map(self) -> dict[int, int]:
         """Full-model sizes a view may spell out (head counts, their widths) -> this rank's."""
-        heads = attention_heads(config)
+        heads, kv_heads = self.num_heads, self.kv_heads
         if not heads:
             return {}  # no attention (Mamba2's own model): no head counts to map
-        kv_heads, _ = kv_heads_and_head_dim(config)
         kv_rank = (self.kv[1] - self.kv[0]) // self.head_dim
         return {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
                 kv_heads: kv_rank, kv_heads * self.head_dim: kv_rank * self.head_dim}
@@ -545,6 +579,45 @@ class _Plan:
         return (start, min(size, start + per)), per
 
 
+class _LayerPlans:
+    """One `_Plan` for the model, or one a layer where the config's layers differ (transformers'
+    heterogeneous configs: Gemma 4's full-attention layers have a head_dim and KV heads of their
+    own). A parameter's plan is its layer's (by the `layers.N.` in its name), a node's that of
+    the module it was traced in (its `nn_module_stack`); anything outside the layers (the
+    embeddings, the LM head) takes the first layer's, whose head counts it does not read."""
+
+    def __init__(self, config: Any, tp: int, rank: int):
+        self.by_layer: dict[int, _Plan] = {}
+        if getattr(config, "is_heterogeneous", False):
+            self.by_layer = {i: _Plan(config, tp, rank, i) for i in range(int(config.num_hidden_layers))}
+            self.model = self.by_layer[0]
+        else:
+            self.model = _Plan(config, tp, rank)
+        # Each plan's view sizes (full model -> rank), kept: the recurrent layers' join them.
+        self._size_maps = {id(p): p.size_map() for p in (self.by_layer.values() if self.by_layer else [self.model])}
+
+    def of_name(self, name: str | None) -> _Plan:
+        match = _LAYER_INDEX.search(name or "")
+        return self.by_layer.get(int(match.group(1)), self.model) if match else self.model
+
+    def of_node(self, node: torch.fx.Node) -> _Plan:
+        if not self.by_layer:
+            return self.model
+        stack = node.meta.get("nn_module_stack") or {}
+        return self.of_name(list(stack.values())[-1][0] if stack else None)
+
+    def size_maps(self) -> list[dict[int, int]]:
+        """Every plan's `size_map` (one without per-layer plans), as `size_map_of` gives them."""
+        return list(self._size_maps.values())
+
+    def size_map_of(self, node: torch.fx.Node) -> dict[int, int]:
+        """The sizes a view traced in `node`'s layer may spell out -> the rank's."""
+        return self._size_maps[id(self.of_node(node))]
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def _all_reduce_at_block_end(down_proj: torch.fx.Node, all_reduce_after: Any,
                              ends: set[object] = _BLOCK_END) -> int:
     """An all-reduce where each reader of a row-sharded experts' down projection leads, through
@@ -573,7 +646,8 @@ class ShardTensorParallelPass(KilnPass):
         if not 0 <= rank < tp:
             raise ValueError(f"shard_tensor_parallel: rank {rank} is outside [0, {tp})")
         check_tp_size(ctx.config, tp)
-        plan = _Plan(ctx.config, tp, rank)
+        plans = _LayerPlans(ctx.config, tp, rank)
+        plan = plans.model
         from kiln.kernels.recurrent_states import recurrent_family, recurrent_layers
 
         recurrent = recurrent_layers(ctx.config)
@@ -692,14 +766,15 @@ class ShardTensorParallelPass(KilnPass):
                 stats["column_parallel"] += 1
             elif module in _COLUMN:
                 kind = _COLUMN[module]
-                rows = (plan.head_rows(weight.meta["val"].shape[0], name) if kind == "q" else plan.kv if kind == "kv"
-                        else plan.even(weight.meta["val"].shape[0], name))
+                layer_plan = plans.of_name(name)
+                rows = (layer_plan.head_rows(weight.meta["val"].shape[0], name) if kind == "q"
+                        else layer_plan.kv if kind == "kv" else plan.even(weight.meta["val"].shape[0], name))
                 shard(weight, 0, [rows], rows[1] - rows[0])
                 if bias is not None:
                     shard(bias, 0, [rows], rows[1] - rows[0])
                 stats["column_parallel"] += 1
             elif module in _ROW:
-                cols = (plan.head_rows(weight.meta["val"].shape[1], name) if _ROW[module] == "q"
+                cols = (plans.of_name(name).head_rows(weight.meta["val"].shape[1], name) if _ROW[module] == "q"
                         else plan.even(weight.meta["val"].shape[1], name))
                 shard(weight, 1, [cols], cols[1] - cols[0])
                 if bias is not None:
@@ -742,12 +817,12 @@ class ShardTensorParallelPass(KilnPass):
             stats["experts_sharded"] = self._shard_experts(gm, plan, shard, all_reduce_after,
                                                            transposed=model_type in _TRANSPOSED_EXPERTS)
         stats["all_reduce"] += stats["experts_sharded"]
-        stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plan, shard, ctx.config)
+        stats["wide_norms_sharded"] = self._shard_wide_norms(gm, plans, shard, ctx.config)
         stats["alibi_sliced"] = self._slice_alibi_slopes(gm, plan)
         stats["sinks_sharded"] = self._shard_sinks(gm, plan, shard)
         stats["per_head_vectors_sharded"] = self._shard_per_head_vectors(gm, plan, shard)
         stats["latent_up_projections_sharded"] = self._shard_latent_up_projections(gm, plan, shard)
-        size_map = plan.size_map(ctx.config)
+        size_maps = plans.size_maps()
         if mamba2 is not None:
             stats["mamba2_mixers_sharded"] = self._shard_mamba2_mixers(gm, mamba2, shard)
         if mamba is not None:
@@ -759,11 +834,13 @@ class ShardTensorParallelPass(KilnPass):
         if recurrent_plan is not None:
             if gated_delta is not None:
                 stats["gated_delta_nets_sharded"] = self._shard_gated_delta_nets(gm, gated_delta, shard)
-            for full, local in recurrent_plan.size_map().items():
-                if size_map.setdefault(full, local) != local:
-                    raise ValueError(f"shard_tensor_parallel: a view of size {full} could be attention's (-> "
-                                     f"{size_map[full]}) or the gated DeltaNet's (-> {local}); no rule tells them apart")
-        stats["all_reduce"] += _reshape_params(gm, new_shapes, size_map, plan)
+            for size_map in size_maps:
+                for full, local in recurrent_plan.size_map().items():
+                    if size_map.setdefault(full, local) != local:
+                        raise ValueError(f"shard_tensor_parallel: a view of size {full} could be attention's (-> "
+                                         f"{size_map[full]}) or the gated DeltaNet's (-> {local}); no rule tells "
+                                         "them apart")
+        stats["all_reduce"] += _reshape_params(gm, new_shapes, plans)
         ctx.weight_transforms.extend(shards.values())
         stats["weights_sharded"] = len(shards)
         return stats
@@ -1113,7 +1190,7 @@ class ShardTensorParallelPass(KilnPass):
         return len(sliced)
 
     @staticmethod
-    def _shard_wide_norms(gm: torch.fx.GraphModule, plan: _Plan, shard: Any, config: Any) -> int:
+    def _shard_wide_norms(gm: torch.fx.GraphModule, plans: _LayerPlans, shard: Any, config: Any) -> int:
         """Norm weights as wide as all heads (OLMo2's q_norm over num_heads * head_dim,
         BitNet's sub-norms over the attention output and the MLP's intermediate dimension):
         the rank keeps the slice its sharded activations meet. Per-head norms ([head_dim])
@@ -1127,14 +1204,15 @@ class ShardTensorParallelPass(KilnPass):
             val = node.meta.get("val")
             if kind is None or not isinstance(val, torch.Tensor) or val.dim() != 1:
                 continue
+            plan = plans.of_name(name)
             if kind == "mlp":
                 if val.shape[0] != getattr(config, "intermediate_size", None):
                     continue
                 rows = plan.even(val.shape[0], name)
             else:
                 rows = plan.q if kind == "q" else plan.kv
-                if val.shape[0] != plan.full_width[kind]:
-                    continue  # per head: every rank's heads use the whole weight
+                if val.shape[0] != plan.full_width[kind] or plan.full_width[kind] == plan.head_dim:
+                    continue  # per head (one KV head's is both): every rank's heads use the whole weight
                 if kind == "kv" and plan.kv_replicated:
                     raise ValueError(f"shard_tensor_parallel: {name!r} normalizes over all {plan.kv_heads} KV "
                                      f"heads at once, and tp={plan.tp} replicates them (a global sum of squares "
@@ -1213,17 +1291,20 @@ _WIDE_NORMS = {"q_norm": "q", "k_norm": "kv", "attn_sub_norm": "q", "ffn_sub_nor
 # all-reduced, over the full count), these are refused.
 _PARTIAL_REDUCTIONS = {aten.sum.dim_IntList, aten.var.correction, aten.var_mean.correction, aten.amax.default,
                        aten._softmax.default, aten.native_layer_norm.default}
+# Standard deviations over a sharded dimension: rewritten from all-reduced sums (`_global_std`;
+# Gemma 3n's activation sparsity, a cutoff at mean + k std over the MLP's intermediate channels).
+_STD = {aten.std.dim, aten.std.correction}
 
 
-def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, list[int]],
-                    size_map: dict[int, int], plan: _Plan) -> int:
+def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, list[int]], plans: _LayerPlans) -> int:
     """Give the sharded inputs their new fake values and recompute every node's (so that
     later passes see the rank's shapes). A view that spells out a full-model size (StableLM's
     `view(1, T, num_heads, head_dim)`) gets the rank's, one dimension tried at a time; a mean
     over a dimension the rank holds part of (the RMS of a norm over all heads) becomes a sum,
     `kiln::all_reduce`d, over the full count; any other node whose shape arithmetic cannot
-    follow, or another reduction over a sharded dimension, is an error naming it. Returns the
-    number of all-reduces added."""
+    follow, or another reduction over a sharded dimension, is an error naming it. The sizes a
+    view may spell out are its layer's (`_LayerPlans.size_map_of`). Returns the number of
+    all-reduces added."""
     from torch._guards import detect_fake_mode
 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -1236,6 +1317,7 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
     # complex-valued RoPE) could add a guard that pins the symbolic token count to its example
     # value, and every later shape would come out fixed.
     reached: set[torch.fx.Node] = set(new_shapes)
+    combined: set[torch.fx.Node] = set()  # `_global_std`'s nodes: their reductions are already global
     with mode:
         for node, shape in new_shapes.items():
             old = node.meta["val"]
@@ -1247,10 +1329,14 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
                 continue
             reached.add(node)
             old = node.meta.get("val")
-            shrunk = _shrunk_reduced_dims(node, full_vals)
+            size_map = plans.size_map_of(node)
+            shrunk = {} if node in combined else _shrunk_reduced_dims(node, full_vals)
             if shrunk and node.target == aten.mean.dim:
-                _global_mean(gm.graph, node, shrunk, plan)
+                _global_mean(gm.graph, node, shrunk, plans.of_node(node))
                 reduced += 1
+            elif shrunk and node.target in _STD:
+                combined.update(_global_std(gm.graph, node, shrunk))
+                reduced += 2
             elif shrunk and node.target in _PARTIAL_REDUCTIONS:
                 raise ValueError(f"shard_tensor_parallel: node {node.name} ({node.target}) reduces over a dimension "
                                  f"each rank holds only part of ({shrunk}); no rule combines it across ranks")
@@ -1280,7 +1366,8 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
 def _shrunk_reduced_dims(node: torch.fx.Node, full_vals: dict[torch.fx.Node, Any]) -> dict[int, int]:
     """For a reduction (its input, then its dims), the reduced dimensions whose size the
     sharding changed -> their full-model size. Empty for anything else."""
-    if (node.target not in _PARTIAL_REDUCTIONS and node.target != aten.mean.dim) or not node.args \
+    if (node.target not in _PARTIAL_REDUCTIONS and node.target != aten.mean.dim and node.target not in _STD) \
+            or not node.args \
             or not isinstance(node.args[0], torch.fx.Node):
         return {}
     x = node.args[0]
@@ -1323,6 +1410,46 @@ def _global_mean(graph: torch.fx.Graph, node: torch.fx.Node, shrunk: dict[int, i
     with graph.inserting_after(summed):
         mean = graph.call_function(aten.div.Tensor, (summed, full_count))
     node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not summed)
+
+
+def _global_std(graph: torch.fx.Graph, node: torch.fx.Node, shrunk: dict[int, int]) -> list[torch.fx.Node]:
+    """std(x, dims) over a sharded dimension -> from the all-reduced sums of x and of x * x
+    over the full count n: sqrt((S2 - S1^2 / n) / (n - correction)), in float32 (the sums of a
+    16-bit x would round away the difference). Rewritten in place, as `_global_mean`; returns
+    the nodes added after it."""
+    x, dims = node.args[0], node.args[1] if len(node.args) > 1 else None
+    if node.target == aten.std.dim:
+        correction = 1 if (node.args[2] if len(node.args) > 2 else node.kwargs.get("unbiased", True)) else 0
+        keepdim = node.args[3] if len(node.args) > 3 else node.kwargs.get("keepdim", False)
+    else:
+        correction = node.kwargs.get("correction")
+        correction = 1 if correction is None else correction
+        keepdim = node.kwargs.get("keepdim", False)
+    rank = x.meta["val"].dim()
+    dims = list(range(rank)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    count = 1
+    for d in dims:
+        count *= shrunk.get(d % rank) or int(x.meta["val"].shape[d % rank])
+    dtype = x.meta["val"].dtype
+    created: list[torch.fx.Node] = []
+
+    def then(target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        with graph.inserting_after(created[-1] if created else node):
+            created.append(graph.call_function(target, args, kwargs))
+        return created[-1]
+
+    # The node itself becomes x in float32; the rest follows it, so the recomputation after
+    # this gives every new node its value in order.
+    node.target, node.args, node.kwargs = aten._to_copy.default, (x,), {"dtype": torch.float32}
+    s1 = then(torch.ops.kiln.all_reduce.default, then(aten.sum.dim_IntList, node, dims, True))
+    s2 = then(torch.ops.kiln.all_reduce.default, then(aten.sum.dim_IntList, then(aten.mul.Tensor, node, node), dims, True))
+    centred = then(aten.sub.Tensor, s2, then(aten.div.Tensor, then(aten.mul.Tensor, s1, s1), count))
+    var = then(aten.clamp_min.default, then(aten.div.Tensor, centred, max(count - correction, 1)), 0.0)
+    out = then(aten._to_copy.default, then(aten.sqrt.default, var), dtype=dtype)
+    if not keepdim:
+        out = then(aten.squeeze.dims, out, dims)
+    node.replace_all_uses_with(out, delete_user_cb=lambda user: user not in created)
+    return created
 
 
 def _same_dim(a: Any, b: Any) -> bool:

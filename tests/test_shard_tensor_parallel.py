@@ -148,11 +148,55 @@ def test_a_vector_per_head_takes_the_ranks_heads() -> None:
     assert shards["model.layers.0.self_attn.gate_bias"].ranges == ((2, 4),)
 
 
+def test_layers_with_their_own_heads_are_planned_per_layer() -> None:
+    """Gemma 4's full-attention layers have a head_dim (32) and KV heads (1, K read as V) of
+    their own, beside the windowed layers' (16, 2): each projection's rows are its layer's
+    (`_LayerPlans`), the one global KV head is every rank's, and check_tp_size names the layer
+    whose counts do not divide (the two-rank parity below checks the numbers)."""
+    config = tiny_config("gemma4_text")
+    shards, _ = _rank1("gemma4_text")
+    kinds = config.layer_types
+    window, full = kinds.index("sliding_attention"), kinds.index("full_attention")
+    attn = "model.layers.{}.self_attn.{}.weight"
+    assert shards[attn.format(window, "q_proj")].ranges == ((32, 64),)  # heads 2-3 of 4, 16 wide
+    assert shards[attn.format(window, "k_proj")].ranges == ((16, 32),)  # KV head 1 of 2
+    assert shards[attn.format(full, "q_proj")].ranges == ((64, 128),)  # heads 2-3 of 4, 32 wide
+    assert shards[attn.format(full, "k_proj")].ranges == ((0, 32),)  # the one KV head, replicated
+    check_tp_size(config, 4)
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads of layer 0"):
+        check_tp_size(config, 3)
+
+
+def test_a_std_over_the_ranks_channels_is_made_global() -> None:
+    """Gemma 3n's activation sparsity cuts each MLP activation at mean + k std over the
+    intermediate channels, which a rank holds half of: the std becomes sqrt of the all-reduced
+    sums of x and x * x (in float32) over the full count, the mean an all-reduced sum, so
+    every rank cuts where the whole model does (the two-rank parity below checks the numbers).
+    Its AltUp and LAuReL projections, listed modules (`altup_projections.0`), stay whole."""
+    config = tiny_config("gemma3n_text")
+    before = graph_for_pass(config, "shard_tensor_parallel")
+    after = before.copy()
+    after.context.tp_size, after.context.tp_rank = 2, 1
+    after.run_pass(ShardTensorParallelPass())
+    sparse = sum(1 for p in config.activation_sparsity_pattern if p > 0)
+    assert op_counts(before.graph_module)["aten.std.dim"] == sparse
+    counts = op_counts(after.graph_module)
+    assert counts["aten.std.dim"] == 0 and counts["aten.sqrt.default"] >= sparse
+    shards = {t.name for t in after.context.weight_transforms}
+    assert "model.layers.0.mlp.gate_proj.weight" in shards
+    assert not any("altup" in n or "laurel" in n for n in shards)
+    assert shard_tp._module_role("model.altup_projections.0.weight", "gemma3n_text") == "altup_projections"
+    config.intermediate_size = [128, 90, 128, 128]
+    with pytest.raises(ValueError, match="intermediate_size=90 of layer 1"):
+        check_tp_size(config, 4)
+
+
 def test_a_norm_over_all_heads_gets_a_global_mean_of_squares() -> None:
     """OLMo2 normalizes q over all heads at once: each rank keeps its slice of the norm
     weight and all-reduces its partial sum of squares (the two-rank parity below checks the
     numbers); with KV heads replicated over ranks that sum would count a head twice, so the
-    pass refuses rather than producing wrong logits."""
+    pass refuses rather than producing wrong logits. One KV head is the exception: every rank
+    holds it whole, so its norm is per head (Gemma 4's full-attention layers' k_norm)."""
     config = tiny_config("olmo2")  # 4 heads, 2 KV heads of 16
     before = graph_for_pass(config, "shard_tensor_parallel")
     after = before.copy()
@@ -170,11 +214,17 @@ def test_a_norm_over_all_heads_gets_a_global_mean_of_squares() -> None:
     assert counts["aten.sum.dim_IntList"] == 2 * layers
     assert counts["aten.mean.dim"] == op_counts(before.graph_module)["aten.mean.dim"] - 2 * layers
 
-    config.num_key_value_heads = 1
     replicated = graph_for_pass(config, "shard_tensor_parallel")
-    replicated.context.tp_size = 2
-    with pytest.raises(ValueError, match="k_norm.weight' normalizes over all 1 KV heads"):
+    replicated.context.tp_size = 4  # a KV head of 2 a rank, each on two ranks
+    with pytest.raises(ValueError, match="k_norm.weight' normalizes over all 2 KV heads"):
         replicated.run_pass(ShardTensorParallelPass())
+    config.num_key_value_heads = 1
+    one_kv_head = graph_for_pass(config, "shard_tensor_parallel")
+    one_kv_head.context.tp_size = 2
+    one_kv_head.run_pass(ShardTensorParallelPass())
+    shards = {t.name for t in one_kv_head.context.weight_transforms}
+    assert "model.layers.0.self_attn.q_norm.weight" in shards
+    assert "model.layers.0.self_attn.k_norm.weight" not in shards  # whole: the one K head on every rank
 
 
 def _rank1(arch: str) -> tuple[dict[str, ShardWeight], torch.fx.GraphModule]:
