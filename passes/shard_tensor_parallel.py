@@ -82,7 +82,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.graph_inputs import param_name
-from kiln.kernels.paged_attention import kv_heads_and_head_dim, layer_config
+from kiln.kernels.paged_attention import is_latent_attention, kv_heads_and_head_dim, layer_config
 from kiln.passes.base import KilnPass, PassContext, PassStats
 from kiln.passes.fuse_moe import router_projections
 from kiln.passes.prune_logits import find_lm_head
@@ -171,6 +171,8 @@ TP_ARCHITECTURES = {
     "gemma4_text": "as gemma3_text; each layer's own heads and head_dim (its full-attention layers' KV heads, "
                    "replicated where fewer than the ranks, K read as V), planned per layer (`_LayerPlans`); the "
                    "per-layer inputs' projections replicated; experts split along their intermediate dimension",
+    "mimo_v2_flash": "as glm4_moe; v_proj by the same KV heads at v_head_dim (`_Plan.v`), the windowed layers' "
+                     "twice the KV heads planned per layer, the sinks by heads",
     "gemma3n_text": "as gemma3_text; AltUp, LAuReL and the per-layer inputs replicated, the activation sparsity's "
                     "std over the rank's intermediate channels from all-reduced sums (`_global_std`)",
     "olmo": "as llama; LayerNorm without weights",
@@ -313,6 +315,15 @@ def attention_heads(config: Any) -> int:
     return int(getattr(config, "num_attention_heads", None) or 0)
 
 
+def layers_differ(config: Any) -> bool:
+    """Whether the config's attention layers differ in heads or head_dim: transformers'
+    heterogeneous configs (Gemma 4), or MiMo-V2-Flash's windowed layers of twice the KV heads."""
+    if getattr(config, "is_heterogeneous", False):
+        return True
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    return len({kv_heads_and_head_dim(config, layer=i) for i in range(layers)}) > 1
+
+
 def _check_heads(config: Any, tp_size: int, layer: int | None = None) -> None:
     """ValueError where tp_size splits the attention heads (of `layer`, where layers differ)
     unevenly, or the KV heads neither evenly nor by replication."""
@@ -352,8 +363,8 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
                          f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
                          f"that divides {_CODEGEN_MP_NUM}")
-    if getattr(config, "is_heterogeneous", False):
-        # Gemma 4: each layer's own head counts (its full-attention layers': num_global_key_value_heads).
+    if layers_differ(config):
+        # Gemma 4's full-attention layers' num_global_key_value_heads, MiMo's doubled windowed ones.
         for layer in range(int(config.num_hidden_layers)):
             _check_heads(config, tp_size, layer)
     else:
@@ -501,6 +512,14 @@ class _Plan:
         else:  # replicated: the KV head of this rank's query heads
             kv_index = rank * kv_heads // tp
             self.kv = (kv_index * self.head_dim, (kv_index + 1) * self.head_dim)
+        # Values narrower than the keys (MiMo-V2-Flash's v_head_dim): v_proj's rows are the same
+        # KV heads at their own width. (Latent attention's v_head_dim is kv_b_proj's, per query head.)
+        v_dim = int(getattr(config, "v_head_dim", None) or 0)
+        self.v: tuple[int, int] | None = None
+        if v_dim and self.head_dim and v_dim != self.head_dim and not is_latent_attention(config):
+            first, last = self.kv[0] // self.head_dim, self.kv[1] // self.head_dim
+            self.v, self.v_head_dim = (first * v_dim, last * v_dim), v_dim
+            self.full_width["v"] = kv_heads * v_dim
 
     def size_map(self) -> dict[int, int]:
         """Full-model sizes a view may spell out (head counts, their widths) -> this rank's."""
@@ -508,8 +527,12 @@ class _Plan:
         if not heads:
             return {}  # no attention (Mamba2's own model): no head counts to map
         kv_rank = (self.kv[1] - self.kv[0]) // self.head_dim
-        return {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
-                kv_heads: kv_rank, kv_heads * self.head_dim: kv_rank * self.head_dim}
+        sizes = {heads: heads // self.tp, heads * self.head_dim: heads * self.head_dim // self.tp,
+                 kv_heads: kv_rank, kv_heads * self.head_dim: kv_rank * self.head_dim}
+        if self.v is not None:
+            sizes[kv_heads * self.v_head_dim] = kv_rank * self.v_head_dim
+            sizes[heads * self.v_head_dim] = heads * self.v_head_dim // self.tp  # (the attention output)
+        return sizes
 
     def head_rows(self, size: int, what: str) -> tuple[int, int]:
         """This rank's part of a dimension laid out per query head, whatever a head's width (MLA's
@@ -582,13 +605,14 @@ class _Plan:
 class _LayerPlans:
     """One `_Plan` for the model, or one a layer where the config's layers differ (transformers'
     heterogeneous configs: Gemma 4's full-attention layers have a head_dim and KV heads of their
-    own). A parameter's plan is its layer's (by the `layers.N.` in its name), a node's that of
+    own; MiMo-V2-Flash's windowed layers twice the KV heads). A parameter's plan is its
+    layer's (by the `layers.N.` in its name), a node's that of
     the module it was traced in (its `nn_module_stack`); anything outside the layers (the
     embeddings, the LM head) takes the first layer's, whose head counts it does not read."""
 
     def __init__(self, config: Any, tp: int, rank: int):
         self.by_layer: dict[int, _Plan] = {}
-        if getattr(config, "is_heterogeneous", False):
+        if layers_differ(config):
             self.by_layer = {i: _Plan(config, tp, rank, i) for i in range(int(config.num_hidden_layers))}
             self.model = self.by_layer[0]
         else:
@@ -768,6 +792,7 @@ class ShardTensorParallelPass(KilnPass):
                 kind = _COLUMN[module]
                 layer_plan = plans.of_name(name)
                 rows = (layer_plan.head_rows(weight.meta["val"].shape[0], name) if kind == "q"
+                        else layer_plan.v if module == "v_proj" and layer_plan.v is not None
                         else layer_plan.kv if kind == "kv" else plan.even(weight.meta["val"].shape[0], name))
                 shard(weight, 0, [rows], rows[1] - rows[0])
                 if bias is not None:
@@ -1342,7 +1367,7 @@ def _reshape_params(gm: torch.fx.GraphModule, new_shapes: dict[torch.fx.Node, li
                                  f"each rank holds only part of ({shrunk}); no rule combines it across ranks")
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             try:
-                node.meta["val"] = node.target(*args, **kwargs)
+                node.meta["val"] = (_padded(*args) if node.target in _PADS else node.target(*args, **kwargs))
             except Exception as e:
                 if not ((node.target in _VIEWS and _fix_view(node, args, old, size_map))
                         or (node.target in _SIZES_ARG and _fix_sizes(node, args, size_map))):
@@ -1410,6 +1435,20 @@ def _global_mean(graph: torch.fx.Graph, node: torch.fx.Node, shrunk: dict[int, i
     with graph.inserting_after(summed):
         mean = graph.call_function(aten.div.Tensor, (summed, full_count))
     node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not summed)
+
+
+# Padding ops, whose fake implementations pin a symbolic token count to its example value (a
+# guard): their output's shape is computed here instead (MiMo-V2-Flash's values padded to the
+# keys' width for the attention op).
+_PADS = {aten.pad.default, aten.constant_pad_nd.default}
+
+
+def _padded(x: torch.Tensor, pad: list[int], *_: Any) -> torch.Tensor:
+    """A fake value of `x` padded by `pad` (before and after, last dimension first)."""
+    shape = list(x.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] = shape[-1 - i] + pad[2 * i] + pad[2 * i + 1]
+    return x.new_empty(shape)
 
 
 def _global_std(graph: torch.fx.Graph, node: torch.fx.Node, shrunk: dict[int, int]) -> list[torch.fx.Node]:

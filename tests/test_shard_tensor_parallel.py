@@ -167,6 +167,24 @@ def test_layers_with_their_own_heads_are_planned_per_layer() -> None:
         check_tp_size(config, 3)
 
 
+def test_values_narrower_than_keys_and_doubled_windowed_kv_heads() -> None:
+    """MiMo-V2-Flash: keys of 24 and values of 16 a head, and windowed layers with twice the
+    config's KV heads (2 in its full-attention layer 0, 4 in the windowed layers 1-2): v_proj
+    keeps the rank's KV heads at the values' width, and each layer's K/V rows are its own
+    heads' (the two-rank parity below checks the numbers)."""
+    shards, _ = _rank1("mimo_v2_flash")
+    attn = "model.layers.{}.self_attn.{}.weight"
+    assert shards[attn.format(0, "q_proj")].ranges == ((48, 96),)  # heads 2-3 of 4, 24 wide
+    assert shards[attn.format(0, "k_proj")].ranges == ((24, 48),)  # KV head 1 of 2
+    assert shards[attn.format(0, "v_proj")].ranges == ((16, 32),)  # the same head, 16 wide
+    assert shards[attn.format(1, "k_proj")].ranges == ((48, 96),)  # KV heads 2-3 of 4
+    assert shards[attn.format(1, "v_proj")].ranges == ((32, 64),)
+    config = tiny_config("mimo_v2_flash")
+    config.num_attention_heads = 12  # (so that 6 ranks split the query heads)
+    with pytest.raises(ValueError, match="the 4 KV heads of layer 1 can be neither"):
+        check_tp_size(config, 6)  # layer 0's 2 KV heads replicate over 6 ranks, layer 1's 4 cannot
+
+
 def test_a_std_over_the_ranks_channels_is_made_global() -> None:
     """Gemma 3n's activation sparsity cuts each MLP activation at mean + k std over the
     intermediate channels, which a rank holds half of: the std becomes sqrt of the all-reduced
