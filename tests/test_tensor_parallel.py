@@ -50,7 +50,7 @@ OPTIONS = dict(progress=False, max_model_len=128, max_num_seqs=8)
 # an MoE router of another kind whose selection bias each worker must read from the checkpoint
 # (GLM-4.5: a random bias there, zero in a model built from the config).
 TP_ARCHS = ["llama-kv1", "qwen2", "olmo2", "mixtral", "phi", "gemma2", "phi3", "bloom", "gpt2", "glm4_moe",
-            "deepseek_v3", "llama4_text"]
+            "deepseek_v3", "llama4_text", "gemma4_e2b"]
 
 
 def _save(arch: str, path: Path) -> Path:
