@@ -603,12 +603,12 @@ class _Plan:
 
 
 class _LayerPlans:
-    """One `_Plan` for the model, or one a layer where the config's layers differ (transformers'
-    heterogeneous configs: Gemma 4's full-attention layers have a head_dim and KV heads of their
-    own; MiMo-V2-Flash's windowed layers twice the KV heads). A parameter's plan is its
-    layer's (by the `layers.N.` in its name), a node's that of
-    the module it was traced in (its `nn_module_stack`); anything outside the layers (the
-    embeddings, the LM head) takes the first layer's, whose head counts it does not read."""
+    """One `_Plan` for the model, or one a layer where the config's layers differ (`layers_differ`:
+    Gemma 4's full-attention layers have a head_dim and KV heads of their own, MiMo-V2-Flash's
+    windowed layers twice the KV heads). A parameter's plan is its layer's (by the `layers.N.`
+    in its name), a node's that of the module it was traced in (its `nn_module_stack`);
+    anything outside the layers (the embeddings, the LM head) takes the first layer's, whose
+    head counts it does not read."""
 
     def __init__(self, config: Any, tp: int, rank: int):
         self.by_layer: dict[int, _Plan] = {}
