@@ -23,7 +23,8 @@ to check the script; the fused-MoE pass is enabled on CPU there, `KILN_CPU_FUSIO
 
     python bench/moe.py --shape mixtral-8x7b --out moe_mixtral.json          # on the H200
     python bench/moe.py --shape qwen3-moe-30b-a3b --out moe_qwen3.json
-    (--no-offline / --no-decode split the Mixtral run in two, e.g. under a per-command limit)
+    (--no-offline / --no-decode split the Mixtral run in two, e.g. under a per-command limit;
+    --offline runs the offline workload for a shape that skips it by default, e.g. Qwen3-MoE's)
     python bench/moe.py --tiny                                               # CPU check
 
 `--kv-cache-dtype fp8` runs Kiln with the FP8 KV cache (not the default): beside ~93 GB of
@@ -241,7 +242,7 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
     if bandwidth:
         result["copy_bandwidth_tb_s"] = bandwidth / 1e12
         result["batch1_limit_tokens_per_s"] = bandwidth / active_bytes
-    offline = shape.offline and not args.no_offline
+    offline = (shape.offline or args.offline) and not args.no_offline
     prompts = workload(args.num_requests, config.vocab_size, args.seed, args.min_prompt_len, args.max_prompt_len) \
         if offline else []
 
@@ -329,6 +330,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the JSON result here (also printed)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face transformers baseline")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline workload")
+    parser.add_argument("--offline", action="store_true",
+                        help="run the offline workload for a shape that skips it by default (all but Mixtral's)")
     parser.add_argument("--no-decode", action="store_true", help="skip the decode figures (offline workload only)")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--prompt-len", type=int, default=None, help="decode prompts (default 128; 16 with --tiny)")
