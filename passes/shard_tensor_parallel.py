@@ -310,8 +310,13 @@ def _module_role(name: str, model_type: str) -> str:
     return _RENAMED.get(model_type, {}).get(".".join(parts[-3:-1]), module)
 
 
-def attention_heads(config: Any) -> int:
-    """The config's attention heads; 0 for a model without attention (Mamba2's own)."""
+def attention_heads(config: Any, layer: int | None = None) -> int:
+    """The config's attention heads (of `layer`: Laguna's `num_attention_heads_per_layer`, a
+    heterogeneous config's layer config); 0 for a model without attention (Mamba2's own)."""
+    per_layer = getattr(config, "num_attention_heads_per_layer", None)
+    if layer is not None and per_layer:
+        return int(per_layer[layer])
+    config = config if layer is None else layer_config(config, layer)
     return int(getattr(config, "num_attention_heads", None) or 0)
 
 
@@ -327,7 +332,7 @@ def layers_differ(config: Any) -> bool:
 def _check_heads(config: Any, tp_size: int, layer: int | None = None) -> None:
     """ValueError where tp_size splits the attention heads (of `layer`, where layers differ)
     unevenly, or the KV heads neither evenly nor by replication."""
-    heads = attention_heads(config if layer is None else layer_config(config, layer))
+    heads = attention_heads(config, layer)
     kv_heads, _ = kv_heads_and_head_dim(config, layer=layer)
     of = "" if layer is None else f" of layer {layer}"
     if heads % tp_size:
@@ -363,18 +368,14 @@ def check_tp_size(config: Any, tp_size: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp_size}: CodeGen's qkv_proj is laid out in {_CODEGEN_MP_NUM} "
                          f"[q; v; k] blocks, which {tp_size} ranks cannot take whole; use a tensor_parallel_size "
                          f"that divides {_CODEGEN_MP_NUM}")
-    if layers_differ(config):
-        # Gemma 4's full-attention layers' num_global_key_value_heads, MiMo's doubled windowed ones.
+    if layers_differ(config) or getattr(config, "num_attention_heads_per_layer", None):
+        # Each layer's own counts: Gemma 4's full-attention layers' num_global_key_value_heads,
+        # MiMo's doubled windowed ones, Laguna's query heads (each layer's split evenly, so that a
+        # rank's rows of its projections, `_Plan.head_rows`' 1/tp run of them, hold whole heads).
         for layer in range(int(config.num_hidden_layers)):
             _check_heads(config, tp_size, layer)
     else:
         _check_heads(config, tp_size)
-    # Laguna's query heads per layer: each layer's split evenly, so that a rank's rows of its
-    # projections (`_Plan.head_rows`, a 1/tp run of them) hold whole heads.
-    for layer, layer_heads in enumerate(getattr(config, "num_attention_heads_per_layer", None) or []):
-        if int(layer_heads) % tp_size:
-            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the {layer_heads} attention heads of "
-                             f"layer {layer}")
     intermediate = getattr(config, "intermediate_size", None)
     for layer, size in enumerate(intermediate if isinstance(intermediate, (list, tuple)) else [intermediate]):
         if isinstance(size, int) and size % tp_size:  # (Gemma 3n's: one a layer)
@@ -499,7 +500,7 @@ class _Plan:
 
     def __init__(self, config: Any, tp: int, rank: int, layer: int | None = None):
         self.tp, self.rank = tp, rank
-        heads = attention_heads(config if layer is None else layer_config(config, layer))
+        heads = attention_heads(config, layer)
         kv_heads, self.head_dim = kv_heads_and_head_dim(config, layer=layer)
         per = heads // tp
         self.num_heads, self.heads_per_rank = heads, per
