@@ -287,12 +287,12 @@ for stage in $STAGES; do
                       # CUDA, then the Mixtral shape with --quantization fp8, decode 1/64 and the offline run; ~7 min
       run_stage moe_fp8_experts_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py \
         -k "fp8_experts or quantizing_stacked or fp8_activations"
-      run_stage moe_fp8_experts 400 env KILN_FP8_EXPERTS=1 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
+      run_stage moe_fp8_experts 400 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
         --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_fp8_experts.json" ;;
     moe_swap_ab)  # issue 17: fused_moe's pointer kernels swapped (MoETiling.swap_ab, KILN_MOE_SWAP_AB_MAX_ROWS):
                   # their tests on CUDA, the sweep at Mixtral's decode sizes (bf16 and FP8 weight-only), then
-                  # Mixtral decode 1/64 with them (bf16; SWAP_DECODE_ARGS="--quantization fp8" with
-                  # KILN_FP8_EXPERTS=1 for FP8 experts); ~7 min
+                  # Mixtral decode 1/64 with them (bf16; SWAP_DECODE_ARGS="--quantization fp8" for FP8
+                  # experts, that option's default); ~7 min
       run_stage moe_swap_tests 150 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py -k swap
       run_stage moe_swap_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b ${MOE_SWAP_TUNE_ARGS:---tokens 1,8,64,320,1600} \
         --sweeps swap,fp8 --out "$OUT/moe_swap_tune.json"
@@ -363,10 +363,10 @@ for stage in $STAGES; do
       run_stage olmo2_latency 300 $PY bench/latency.py --model bench/olmo2_7b.json --batch-sizes 1,8 --steps 128 \
         --hf-steps 8 --out "$OUT/olmo2_latency.json" ;;
     moe_qwen3_next)  # Qwen3-Next-80B's shape (dummy, FP8 with FP8 experts, ~81 GB; gated DeltaNet states): decode 1/64
-      KILN_FP8_EXPERTS=1 run_stage moe_qwen3_next 560 $PY bench/moe.py --shape qwen3-next-80b --no-offline \
+      run_stage moe_qwen3_next 560 $PY bench/moe.py --shape qwen3-next-80b --no-offline \
         --no-baseline --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_qwen3_next.json" ;;
     moe_llama4_scout)  # Llama 4 Scout's language model (dummy, FP8 with FP8 experts, ~108 GB): decode 1/64, no baseline
-      KILN_FP8_EXPERTS=1 run_stage moe_llama4_scout 560 $PY bench/moe.py --shape llama4-scout --no-offline \
+      run_stage moe_llama4_scout 560 $PY bench/moe.py --shape llama4-scout --no-offline \
         --no-baseline --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_llama4_scout.json" ;;
     arch_tests)  # issue 18: soft-capping, ALiBi, partial rotary, parallel blocks through Triton + CUDA graphs
       run_stage arch_tests 560 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_gpu_architectures.py \

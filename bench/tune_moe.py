@@ -33,7 +33,7 @@ the Triton kernels for per-expert GEMMs. `--sweeps fp8` times FP8 experts (e4m3,
 expert and channel) three ways at each size: weight-only (the pointer kernels widen each tile
 in the K loop), widened once (`dequantize_experts_triton`, then the 16-bit path; the widening
 timed with it) and W8A8 (`fp8_activations`: e4m3 rows on the sorted-rows kernels' e4m3 MMAs, at
-the default tiling and with 128-deep K tiles), each with its largest relative difference from
+the default tiling, whose K tiles are `W8A8_BLOCK_K` deep, and at the 16-bit tiling's), each with its largest relative difference from
 the 16-bit default's output: which `KILN_MOE_FP8_DEQUANT_MIN_ROWS` /
 `KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS` to set; with `swap` too, weight-only on the swapped pointer
 kernels (`weight_only_swap`: the e4m3 tiles widened in registers as the MMA's register operand).
@@ -211,7 +211,6 @@ def time_fp8_experts(x: torch.Tensor, logits: torch.Tensor, experts: tuple[torch
                      renorm: bool, reference: torch.Tensor, default: Any, args: Any, name: str, t: int,
                      flops: float, swapped: bool = False) -> dict[str, Any]:
     """FP8 experts' three paths at one size (see the module docstring): ms, TFLOP/s, difference."""
-    from dataclasses import replace
 
     from kiln.kernels.triton_moe import dequantize_experts_triton, fused_moe_triton, pair_per_block
 
@@ -233,9 +232,11 @@ def time_fp8_experts(x: torch.Tensor, logits: torch.Tensor, experts: tuple[torch
     if not pair_per_block(t * top_k, num_experts):
         paths["w8a8"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, w_gate_up_scale=gs,
                                                  w_down_scale=ds, fp8_activations=True)
-        deep = replace(default, block_k=128)
-        paths["w8a8_k128"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, tiling=deep,
-                                                      w_gate_up_scale=gs, w_down_scale=ds, fp8_activations=True)
+        # The 16-bit tiling as it is (64-element K tiles from 64 rows an expert), as W8A8 ran
+        # before W8A8_BLOCK_K: what the default's 128-element K tiles gain.
+        paths["w8a8_16bit_tiling"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, tiling=default,
+                                                              w_gate_up_scale=gs, w_down_scale=ds,
+                                                              fp8_activations=True)
     row: dict[str, Any] = {}
     ref = reference.float()
     for label, fn in paths.items():

@@ -143,14 +143,24 @@ FP8_DEQUANT_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_DEQUANT_MIN_ROWS", "1024
 # kernels over e4m3 rows (each token's hidden state, then each row's SiLU-and-mul output,
 # quantized per row, as the dense FP8 projections quantize theirs) and e4m3 experts, on e4m3
 # MMAs (twice bf16's rate on Hopper), instead of widening the experts. With 1 (every grouped
-# step) the Mixtral offline run made 5,769 output tokens/s against weight-only's 3,824, and decode
-# at batch 64 (16 rows an expert) 3,592.5 against 2,973.5 (bench/RESULTS.md AF4-AF6, H200); but
-# Qwen3-MoE-30B-A3B's small experts decode faster weight-only at 4-16 rows an expert (AL2-AL3,
-# H100: batch 64 / 128 / 256 3,650.7 / 6,875.8 / 12,231.7 tokens/s against W8A8's 3,442.0 /
-# 6,526.4 / 11,668.5). 16 (the default since 2026-12-06) keeps Mixtral's batch-64 gain and
-# Qwen3-MoE's decodes to 128 sequences. Per-pair steps stay weight-only on the GEMV kernels.
-# KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (0: never, weight-only as until then).
-FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "16"))
+# step) the Mixtral offline run made 5,769 output tokens/s against weight-only's 3,824 (bench/
+# RESULTS.md AF4-AF5, H200). Below ~24 rows an expert the quantization's extra launches outweigh
+# the MMA's rate: one layer's op on an H100 (AM1), weight-only against W8A8 (with W8A8_BLOCK_K),
+# at 16 rows an expert Mixtral-8x7B's shape 0.594 / 0.597 ms, Qwen3-MoE-30B-A3B's 0.349 / 0.370,
+# GLM-4.5-Air's 0.939 / 1.027, at 12 DeepSeek-V2-Lite's 0.314 / 0.329; at 24 (DeepSeek-V2-Lite,
+# 0.426 / 0.355) and 32 (Mixtral 0.870 / 0.608, Qwen3-MoE 0.474 / 0.423, GLM 1.447 / 1.187)
+# W8A8 wins. 24 the default since 2026-12-06 (16 for a few hours before: Qwen3-MoE's decode at
+# batch 256, 16 rows an expert, ran 4.6% slower W8A8, AL3). Per-pair steps stay weight-only on
+# the GEMV kernels. KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS sets it (0: never, weight-only).
+FP8_ACTIVATIONS_MIN_ROWS = int(os.environ.get("KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS", "24"))
+
+# W8A8 steps' K tiles: at least 128 e4m3 elements, the 128 bytes a 16-bit tiling's 64 elements
+# take (the same shared memory a stage). The 16-bit tilings' 64-element K tiles left the e4m3
+# MMAs waiting: one layer's op on an H100 (AM1), 64 -> 128, Mixtral-8x7B's shape 0.654 -> 0.608 ms
+# at 32 rows an expert, 0.720 -> 0.676 at 64, 1.496 -> 1.157 at 256, 2.468 -> 1.789 at 512 (585 ->
+# 807 TFLOP/s); DeepSeek-V2-Lite's 0.789 -> 0.684 at 192; Qwen3-MoE-30B-A3B's and GLM-4.5-Air's
+# 0-5% faster; never slower beyond the timings' noise (0.002 ms).
+W8A8_BLOCK_K = 128
 
 
 def uses_fp8_activations(num_pairs: int, num_experts: int, hidden: torch.Tensor, w_gate_up: torch.Tensor,
@@ -931,11 +941,16 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
     pick = (swap_tiling if not tma and not row and tiling is None and uses_swap_ab(num_pairs, num_experts)
             else choose_tiling)
+    down_tiling_given = down_tiling is not None
     gu_tiling = _fit(tiling, inter, h) if tiling else pick(num_pairs, num_experts, inter, h, elem, smem)
     if down_tiling or tiling:
         down_tiling = _fit(down_tiling or tiling, h, inter)
     else:
         down_tiling = pick(num_pairs, num_experts, h, inter, elem, smem)
+    if fp8_activations and not tiling:  # (the 16-bit tilings' K tiles: see W8A8_BLOCK_K)
+        gu_tiling = _fit(replace(gu_tiling, block_k=max(gu_tiling.block_k, W8A8_BLOCK_K)), inter, h)
+        if not down_tiling_given:
+            down_tiling = _fit(replace(down_tiling, block_k=max(down_tiling.block_k, W8A8_BLOCK_K)), h, inter)
     weights = topk_weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                            device=hidden.device)

@@ -162,10 +162,11 @@ def test_engine_fp8_under_cuda_graphs(tiny_model_dir):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "phimoe"])
-def test_engine_fp8_runs_moe_experts_in_fp8_by_default(tiny_model_dir, arch):
+def test_engine_fp8_runs_moe_experts_in_fp8_by_default(tiny_model_dir, monkeypatch, arch):
     """quantization="fp8" quantizes the experts too (kiln::fused_moe_fp8, or for PhiMoE's own
     router kiln::moe_experts_fp8, in every MoE layer): decode steps replayed from CUDA graphs,
-    the prompt pass's grouped steps W8A8 on sm_90 (e4m3 rows on the sorted-rows kernels).
+    a 99-token prompt's step (~50 rows for each of the 4 experts) W8A8 on sm_90 (e4m3 rows on
+    the sorted-rows kernels, from KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS=24 rows an expert).
     Mixtral's greedy picks agree with the bf16 engine's as the dense model's do. PhiMoE's tiny
     model is checked for the path alone: its sparsemixer router (two maxima over 4 experts)
     flips on the near-ties of random weights, so on an H100 its agreement was 70.8% with FP8
@@ -175,12 +176,26 @@ def test_engine_fp8_runs_moe_experts_in_fp8_by_default(tiny_model_dir, arch):
     from kiln.runtime import LLM, SamplingParams
     from test_fp8 import PROMPTS, teacher_forced_agreement
 
+    from kiln.kernels import triton_moe
+
     path, _ = tiny_model_dir(arch)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm = LLM(str(path), device="cuda", progress=False, max_num_seqs=8, quantization="fp8")
     records = {r["name"]: r["stats"] for r in llm.engine.graph_spec.pass_records}
     blocks = records["fuse_moe"]["fused_moe"] + records["fuse_moe"]["moe_experts"]
     assert records["quantize_fp8"]["fp8_experts"] == blocks > 0, records
+    w8a8_launches = []  # per sorted-rows launch: whether it took the experts' scales (W8A8)
+    sorted_rows = triton_moe._moe_sorted_rows
+
+    def counted(*args, **kwargs):
+        w8a8_launches.append(args[9] is not None)  # (w_gate_up_scale, passed by position)
+        return sorted_rows(*args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "_moe_sorted_rows", counted)
+    long = llm.generate([{"prompt_token_ids": list(range(1, 100))}], SamplingParams(temperature=0, max_tokens=2))
+    assert len(long[0].outputs[0].token_ids) == 2
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert w8a8_launches and all(w8a8_launches), w8a8_launches
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
     assert [len(t) for t in graphed] == [16] * len(PROMPTS)
     replays = [k for k in llm.engine.runner.bucket_counts if k.startswith("cudagraph-decode")]

@@ -135,12 +135,14 @@ gu = ptx(_moe_gate_up_tma_kernel, tiles, {"x_desc": "tensordesc<bf16[128,64]>", 
 down = ptx(_moe_down_tma_kernel, tiles, {"a_desc": "tensordesc<bf16[128,64]>", "a_ptr": "*bf16",
                                          "w_desc": "tensordesc<bf16[128,64]>", "weight_ptr": "*fp32", "out_ptr": "*fp32",
                                          "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}, 8, 3)
-# W8A8 (KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS): e4m3 rows and experts through the same descriptors.
-e4m3 = "tensordesc<fp8e4nv[128,64]>"
+# W8A8 (KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS): e4m3 rows and experts through the same descriptors,
+# on K tiles of 128 (W8A8_BLOCK_K: the bytes of the 16-bit tiles').
+e4m3 = "tensordesc<fp8e4nv[128,128]>"
 scales = {"a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32"}
-gu8a = ptx(_moe_gate_up_tma_kernel, dict(tiles, SCALED=True),
+tiles8 = dict(tiles, BLOCK_K=128, SCALED=True)
+gu8a = ptx(_moe_gate_up_tma_kernel, tiles8,
            dict(scales, x_desc=e4m3, w_desc=e4m3, out_ptr="*bf16", block_expert_ptr="*i32"), 8, 3)
-down8a = ptx(_moe_down_tma_kernel, dict(tiles, SCALED=True),
+down8a = ptx(_moe_down_tma_kernel, tiles8,
              dict(scales, a_desc=e4m3, a_ptr="*bf16", w_desc=e4m3, weight_ptr="*fp32", out_ptr="*fp32",
                   pairs_ptr="*i32", block_expert_ptr="*i32"), 8, 3)
 for name, code in (("gate_up", gu), ("down", down), ("gate_up w8a8", gu8a), ("down w8a8", down8a)):
