@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the CUDA path (issue 5), as run for bench/RESULTS.md, on the lent GPU machine.
 #
-#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests tests_a tests_b tests_c tests_d latency latency_graph latency_inductor
+#   bash bench/gpu_smoke.sh [STAGE...]    STAGE: tests tests_a tests_b tests_c tests_d tests_e latency latency_graph latency_inductor
 #                                         load_weights throughput startup profile
 #                                         profile_throughput tune_attention tune_attention_fp8 tune_gemv tune_gemv_fp8 moe_tests
 #                                         moe_mixtral_decode moe_mixtral_offline moe_qwen3
@@ -18,7 +18,7 @@
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
 #                                         mamba_latency
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
-#                                         (default: tests_a tests_c tests_d tests_b latency throughput startup)
+#                                         (default: tests_a tests_c tests_d tests_e tests_b latency throughput startup)
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
 # ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-04 for the tests): tests_a ~5.5 min,
@@ -34,7 +34,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${*:-tests_a tests_c tests_d tests_b latency throughput startup}
+STAGES=${*:-tests_a tests_c tests_d tests_e tests_b latency throughput startup}
 export PYTHONUNBUFFERED=1
 
 # A warm machine keeps /tmp/site and the editable install from an earlier command, but not
@@ -53,16 +53,18 @@ if ! $PY -c "import kiln_example_pass" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-build-isolation -e passes/examples/kiln-example-pass || exit 1
 fi
 
-# The GPU suite in four parts, one device command each: part A (stage tests_a), part C
-# (tests_c), part D (tests_d), and part B (tests_b), every other file under tests/.
+# The GPU suite in five parts, one device command each: part A (stage tests_a), part C
+# (tests_c), part D (tests_d), part E (tests_e), and part B (tests_b), every other file under tests/.
 # (tests/test_moe.py went to part B on 2026-12-05: part A had reached 572 of its 580 s in
 # AE1, and GPT-OSS's GPU tests, ~50 s in AF2, joined its files; on 2026-12-05 too part A's
 # GEMV, MoE-kernel and runtime files became part C; its MoE-kernel file became part D when
-# part C took 534 s on an H100 in AI3.)
+# part C took 534 s on an H100 in AI3; the compile tests became part E when part B met its
+# 580-s limit 3 tests short on an H100 in AM2, their cold compiles 324 s of its 574.)
 SUITE_A=(tests/test_gpu_architectures.py tests/test_gpu_kernels.py tests/test_kernels_triton.py)
 SUITE_C=(tests/test_kernels_triton_linear.py tests/test_runtime_engine_batching.py tests/test_runtime_sampler.py
          tests/test_gpu_tensor_parallel.py)
 SUITE_D=(tests/test_moe_triton.py)
+SUITE_E=(tests/test_compile_gpu.py)
 
 status=0
 run_stage() {  # name, timeout seconds, command...
@@ -96,7 +98,7 @@ FP8_ONLY=(--quantization fp8 --kv-cache-dtype fp8 --quantized-only)
 for stage in $STAGES; do
   case $stage in
     tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
-            # of 157 tests in ~515 s); run tests_a, tests_c, tests_d and tests_b, one command each, instead
+            # of 157 tests in ~515 s); run tests_a, tests_c, tests_d, tests_e and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
     tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4, 320 s in AB2, 443 s on an H100 in AI1; since then the Triton kernel files' dual CPU/CUDA tests
              # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): architectures, kernels, MoE, runtime, TP, the plugin
@@ -105,9 +107,11 @@ for stage in $STAGES; do
       run_stage tests_c 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_C[@]}" passes/examples ;;
     tests_d)  # part D: the MoE kernels (with part C 534 s on an H100 in AI3)
       run_stage tests_d 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_D[@]}" ;;
+    tests_e)  # part E: Inductor and graph-mode compiles on CUDA, cold then warm (324 s on an H100 in AM2)
+      run_stage tests_e 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_E[@]}" ;;
     tests_b)  # part B (~265 s in H4, 305 s in J6, 426 s in AA5, 307 s in AB3, 431 s on an H100 in AI2): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
       run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" \
-        "${SUITE_C[@]/#/--ignore=}" "${SUITE_D[@]/#/--ignore=}" ;;
+        "${SUITE_C[@]/#/--ignore=}" "${SUITE_D[@]/#/--ignore=}" "${SUITE_E[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
         --prompt-len 128 --out "$OUT/latency.json" ;;
