@@ -59,10 +59,11 @@ fi
 # AE1, and GPT-OSS's GPU tests, ~50 s in AF2, joined its files; on 2026-12-05 too part A's
 # GEMV, MoE-kernel and runtime files became part C; its MoE-kernel file became part D when
 # part C took 534 s on an H100 in AI3; the compile tests became part E when part B met its
-# 580-s limit 3 tests short on an H100 in AM2, their cold compiles 324 s of its 574.)
-SUITE_A=(tests/test_gpu_architectures.py tests/test_gpu_kernels.py tests/test_kernels_triton.py)
-SUITE_C=(tests/test_kernels_triton_linear.py tests/test_runtime_engine_batching.py tests/test_runtime_sampler.py
-         tests/test_gpu_tensor_parallel.py)
+# 580-s limit 3 tests short on an H100 in AM2, their cold compiles 324 s of its 574; part A's
+# two kernel files went to part C when its architectures file alone took ~400 s there, AM3.)
+SUITE_A=(tests/test_gpu_architectures.py)
+SUITE_C=(tests/test_gpu_kernels.py tests/test_kernels_triton.py tests/test_kernels_triton_linear.py
+         tests/test_runtime_engine_batching.py tests/test_runtime_sampler.py tests/test_gpu_tensor_parallel.py)
 SUITE_D=(tests/test_moe_triton.py)
 SUITE_E=(tests/test_compile_gpu.py)
 
@@ -101,9 +102,9 @@ for stage in $STAGES; do
             # of 157 tests in ~515 s); run tests_a, tests_c, tests_d, tests_e and tests_b, one command each, instead
       run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
     tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4, 320 s in AB2, 443 s on an H100 in AI1; since then the Triton kernel files' dual CPU/CUDA tests
-             # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): architectures, kernels, MoE, runtime, TP, the plugin
+             # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): the architectures file alone since AM3
       run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_A[@]}" ;;
-    tests_c)  # part C: the GEMV kernel file, the runtime's batching and sampler on CUDA, TP, the plugin
+    tests_c)  # part C: the kernel files, the runtime's batching and sampler on CUDA, TP, the plugin (100 s on an H100 in AM1, before the kernel files of part A joined it)
       run_stage tests_c 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_C[@]}" passes/examples ;;
     tests_d)  # part D: the MoE kernels (with part C 534 s on an H100 in AI3)
       run_stage tests_d 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_D[@]}" ;;
