@@ -50,10 +50,15 @@ def _reciprocal(scale):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                          pairs_ptr=None, num_pairs=0, TOP_K: tl.constexpr = 0):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+    src = row
+    if TOP_K > 0:  # (quantize_fp8_gathered_rows_triton) output row `row` is pair pairs[row]'s token's
+        pair = tl.load(pairs_ptr + row).to(tl.int64)
+        src = tl.where(pair < num_pairs, pair // TOP_K, 0)
+    x_row = x_ptr + src * stride_x
     amax = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -84,6 +89,29 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple
         _quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
                                     BLOCK_K=block, num_warps=4, **pdl_launch_args(x.device, "fp8_quant"))
     return xq.view(x.shape), scale.view(*x.shape[:-1], 1)
+
+
+def quantize_fp8_gathered_rows_triton(x: torch.Tensor, pairs: torch.Tensor, num_pairs: int, top_k: int,
+                                      block_k: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantization of x [T, K] gathered by MoE pairs: row r of the result is token
+    pairs[r] // top_k's row quantized (pairs[r] >= num_pairs, a padding row: token 0's), with its
+    scale [R] float32. The W8A8 MoE kernels' input in expert order, in one launch; the same
+    values as `quantize_fp8_per_token` then `index_select` (three launches, more for the
+    indices)."""
+    if x.dim() != 2 or pairs.dim() != 1 or top_k < 1:
+        raise ValueError(f"quantize_fp8_gathered_rows: x [T, K], pairs [R], top_k >= 1; got x {tuple(x.shape)}, "
+                         f"pairs {tuple(pairs.shape)}, top_k {top_k}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, k = pairs.shape[0], x.shape[1]
+    xq = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    if rows and k:
+        _quantize_rows_kernel[(rows,)](x, xq, scale, k, x.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
+                                       BLOCK_K=min(block_k, triton.next_power_of_2(k)), pairs_ptr=pairs,
+                                       num_pairs=num_pairs, TOP_K=top_k, num_warps=4,
+                                       **pdl_launch_args(x.device, "fp8_quant"))
+    return xq, scale
 
 
 @quantize_op.register_kernel("cuda")

@@ -68,6 +68,7 @@ from kiln.kernels.moe import moe_experts as moe_experts_op
 from kiln.kernels.moe import moe_experts_fp8 as moe_experts_fp8_op
 from kiln.kernels.triton_activation import gated_activation
 from kiln.kernels.triton_common import max_shared_memory, pdl_launch_args, wait_for_previous_kernel
+from kiln.kernels.triton_fp8 import quantize_fp8_gathered_rows_triton
 from kiln.kernels.triton_moe_router import route_triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -822,13 +823,18 @@ def _moe_sorted_rows(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     num_pairs, h = products.shape
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     block_m = gu_tiling.block_m
-    row_token = torch.where(blocks.sorted_pairs < num_pairs, blocks.sorted_pairs // top_k, 0)
     scaled = w_gate_up_scale is not None
-    if scaled:
-        xq, x_scale = torch.ops.kiln.quantize_fp8_per_token(hidden)
-        x_sorted, x_scale = xq.index_select(0, row_token), x_scale.reshape(-1).index_select(0, row_token)
-    else:
-        x_sorted, x_scale = hidden.index_select(0, row_token), None
+    if scaled and hidden.is_cuda:
+        # Each sorted row's token quantized where it lands, in one launch: bit for bit the
+        # per-token op's CUDA kernel, then the gather below (~6 launches, a layer's W8A8 step).
+        x_sorted, x_scale = quantize_fp8_gathered_rows_triton(hidden, blocks.sorted_pairs, num_pairs, top_k)
+    else:  # (on CPU the op's own rounding, which the interpreted kernel's reciprocal can miss by a step)
+        row_token = torch.where(blocks.sorted_pairs < num_pairs, blocks.sorted_pairs // top_k, 0)
+        if scaled:
+            xq, x_scale = torch.ops.kiln.quantize_fp8_per_token(hidden)
+            x_sorted, x_scale = xq.index_select(0, row_token), x_scale.reshape(-1).index_select(0, row_token)
+        else:
+            x_sorted, x_scale = hidden.index_select(0, row_token), None
     act = torch.empty((x_sorted.shape[0], inter), dtype=hidden.dtype, device=hidden.device)
     ieee = hidden.dtype == torch.float32 and not scaled  # (e4m3 operands: no float32 precision to keep)
     gu_k, down_k = gu_tiling.block_k, down_tiling.block_k

@@ -1308,6 +1308,25 @@ def test_quantize_fp8_per_token(shape, block_k):
     assert (xq.float().abs().amax(-1) <= 448).all()
 
 
+def test_quantize_fp8_gathered_rows_equal_quantize_then_gather():
+    """W8A8 MoE's input in one launch: row r is pair r's token quantized (padding pairs, >= the
+    pair count, token 0's), bit for bit what quantizing every token then gathering gives."""
+    from kiln.kernels.triton_fp8 import quantize_fp8_gathered_rows_triton, quantize_fp8_per_token_triton
+
+    top_k, tokens = 2, 5
+    x = randn(tokens, 96, seed=53, dtype=HALF) * 5
+    x[3] = 0  # a row of zeros: a positive scale, zeros
+    pairs = torch.tensor([7, 0, 3, 10, 10, 9, 2, 6], dtype=torch.int32, device=x.device)  # 10 pairs: two padding
+    xq, scale = quantize_fp8_gathered_rows_triton(x, pairs, tokens * top_k, top_k, block_k=32)
+    ref_q, ref_scale = quantize_fp8_per_token_triton(x, block_k=32)
+    token = torch.where(pairs < tokens * top_k, pairs // top_k, 0).long()
+    assert xq.dtype == FP8 and xq.shape == (8, 96) and scale.shape == (8,)
+    assert torch.equal(scale, ref_scale.reshape(-1)[token])
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)[token])
+    with pytest.raises(ValueError, match="top_k"):
+        quantize_fp8_gathered_rows_triton(x, pairs, tokens * top_k, 0)
+
+
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("offset", [None, 1.0, 0.0])
 def test_rms_norm_quant_fp8(residual, offset):
