@@ -49,13 +49,15 @@ def _reciprocal(scale):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, K, stride_x, FP8_MAX_C: tl.constexpr, MIN_SCALE_C: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                          pairs_ptr=None, num_pairs=0, TOP_K: tl.constexpr = 0):
+def _quantize_rows_kernel(x_ptr, xq_ptr, scale_ptr, pairs_ptr, num_pairs, K, stride_x, FP8_MAX_C: tl.constexpr,
+                          MIN_SCALE_C: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Row `row` of x quantized per row; with TOP_K > 0 (quantize_fp8_gathered_rows_triton) the
+    row of pair pairs[row]'s token instead (unread without)."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = row
-    if TOP_K > 0:  # (quantize_fp8_gathered_rows_triton) output row `row` is pair pairs[row]'s token's
+    if TOP_K > 0:
         pair = tl.load(pairs_ptr + row).to(tl.int64)
         src = tl.where(pair < num_pairs, pair // TOP_K, 0)
     x_row = x_ptr + src * stride_x
@@ -86,8 +88,9 @@ def quantize_fp8_per_token_triton(x: torch.Tensor, block_k: int = 1024) -> tuple
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m and k:
         block = min(block_k, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(m,)](x2, xq, scale, k, x2.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                    BLOCK_K=block, num_warps=4, **pdl_launch_args(x.device, "fp8_quant"))
+        _quantize_rows_kernel[(m,)](x2, xq, scale, scale, 0, k, x2.stride(0), FP8_MAX_C=FP8_MAX,  # (no pairs)
+                                    MIN_SCALE_C=MIN_SCALE, BLOCK_K=block, TOP_K=0, num_warps=4,
+                                    **pdl_launch_args(x.device, "fp8_quant"))
     return xq.view(x.shape), scale.view(*x.shape[:-1], 1)
 
 
@@ -107,10 +110,9 @@ def quantize_fp8_gathered_rows_triton(x: torch.Tensor, pairs: torch.Tensor, num_
     xq = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows,), dtype=torch.float32, device=x.device)
     if rows and k:
-        _quantize_rows_kernel[(rows,)](x, xq, scale, k, x.stride(0), FP8_MAX_C=FP8_MAX, MIN_SCALE_C=MIN_SCALE,
-                                       BLOCK_K=min(block_k, triton.next_power_of_2(k)), pairs_ptr=pairs,
-                                       num_pairs=num_pairs, TOP_K=top_k, num_warps=4,
-                                       **pdl_launch_args(x.device, "fp8_quant"))
+        _quantize_rows_kernel[(rows,)](x, xq, scale, pairs, num_pairs, k, x.stride(0), FP8_MAX_C=FP8_MAX,
+                                       MIN_SCALE_C=MIN_SCALE, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+                                       TOP_K=top_k, num_warps=4, **pdl_launch_args(x.device, "fp8_quant"))
     return xq, scale
 
 
