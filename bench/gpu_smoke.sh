@@ -16,7 +16,7 @@
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
 #                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
-#                                         mamba_latency
+#                                         mamba_latency w8a8_defaults
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests_a tests_c tests_d tests_e tests_b latency throughput startup)
 #
@@ -294,6 +294,15 @@ for stage in $STAGES; do
         -k "fp8_experts or quantizing_stacked or fp8_activations"
       run_stage moe_fp8_experts 400 $PY bench/moe.py --shape mixtral-8x7b --no-baseline \
         --quantization fp8 ${MOE_ARGS:-} --out "$OUT/moe_fp8_experts.json" ;;
+    w8a8_defaults)  # issues 16/17: the forty-eighth session's W8A8 MoE defaults (from 24 rows an expert, 128-deep K
+                    # tiles, the input quantized in expert order in one launch) on CUDA: their tests, one layer per
+                    # shape against AM1's figures, Qwen3-MoE's FP8 offline run against AM4's 9,752; ~7 min on an H100
+      run_stage w8a8_tests 240 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/test_moe_triton.py \
+        tests/test_gpu_fp8.py tests/test_kernels_triton.py -k "fp8_activations or w8a8 or sorted_rows or quantize_fp8 or moe_experts_in_fp8"
+      run_stage w8a8_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b,qwen3-moe-30b-a3b,glm-4.5-air,deepseek-v2-lite \
+        --tokens 64,128,256,512,2048 --sweeps fp8 --out "$OUT/w8a8_tune.json"
+      run_stage w8a8_qwen3_offline 150 $PY bench/moe.py --shape qwen3-moe-30b-a3b --offline --no-decode --no-baseline \
+        --quantization fp8 --out "$OUT/w8a8_qwen3_offline.json" ;;
     moe_swap_ab)  # issue 17: fused_moe's pointer kernels swapped (MoETiling.swap_ab, KILN_MOE_SWAP_AB_MAX_ROWS):
                   # their tests on CUDA, the sweep at Mixtral's decode sizes (bf16 and FP8 weight-only), then
                   # Mixtral decode 1/64 with them (bf16; SWAP_DECODE_ARGS="--quantization fp8" for FP8
