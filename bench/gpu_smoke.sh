@@ -22,7 +22,8 @@
 #
 # Each stage writes STAGE.log and STAGE.json (tests*: STAGE.log) under $OUT (default
 # ./gpu-out). Stage times on the H200 (2026-11-30; 2026-12-04 for the tests): tests_a ~5.5 min,
-# tests_b ~5 min (AB2-AB3; the whole suite, `tests`, no longer fits one device command), latency ~2 min (Hugging Face baseline
+# tests_b ~5 min (AB2-AB3, one process each; the whole suite, `tests`, in one process no longer fits one
+# device command: GPU_TEST_WORKERS below), latency ~2 min (Hugging Face baseline
 # included), throughput ~1.5 min (the issue's 1,000 requests; baseline on 64), startup ~1 min,
 # profile ~2 min, profile_throughput ~1.5 min, tune_attention ~2 min. A device command may
 # run 10 minutes: split the stages over calls.
@@ -66,6 +67,17 @@ SUITE_C=(tests/test_gpu_kernels.py tests/test_kernels_triton.py tests/test_kerne
          tests/test_runtime_engine_batching.py tests/test_runtime_sampler.py tests/test_gpu_tensor_parallel.py)
 SUITE_D=(tests/test_moe_triton.py)
 SUITE_E=(tests/test_compile_gpu.py)
+# The suite's stages run their tests on GPU_TEST_WORKERS pytest-xdist processes (default 4;
+# 1: one process, as until 2026-12-06) when xdist is importable (the wheels carry it: pass
+# `pytest-xdist` to fetch-wheels.sh). Most of the suite's time is the host's (Triton and
+# Inductor compiles, torch.export), which the device machine's 16 cores can do four at a time;
+# the tests' tiny models leave the GPU's memory room for four engines (each sizes its KV cache
+# by its own allocations and its configs' small max_model_len, not by the device's free memory).
+GPU_TEST_WORKERS=${GPU_TEST_WORKERS:-4}
+GPU_PYTEST=($PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu)
+if [ "$GPU_TEST_WORKERS" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
+  GPU_PYTEST+=(-n "$GPU_TEST_WORKERS")
+fi
 
 status=0
 run_stage() {  # name, timeout seconds, command...
@@ -98,20 +110,20 @@ FP8_ONLY=(--quantization fp8 --kv-cache-dtype fp8 --quantized-only)
 
 for stage in $STAGES; do
   case $stage in
-    tests)  # the whole GPU suite, one process: no longer fits one device command (I5 reached 145
-            # of 157 tests in ~515 s); run tests_a, tests_c, tests_d, tests_e and tests_b, one command each, instead
-      run_stage tests 580 $PY -m pytest -q -p no:cacheprovider -rfEs -m gpu tests/ passes/examples ;;
+    tests)  # the whole GPU suite in one command: with one process it no longer fit one (I5 reached 145
+            # of 157 tests in ~515 s; ~1,500 s in AM1-AM3 on an H100); with GPU_TEST_WORKERS=4 not yet timed
+      run_stage tests 580 "${GPU_PYTEST[@]}" tests/ passes/examples ;;
     tests_a)  # the GPU suite, part A (~175 s in H3, 398 s in AA4, 320 s in AB2, 443 s on an H100 in AI1; since then the Triton kernel files' dual CPU/CUDA tests
              # are in -m gpu on a GPU too, test_kernels_triton.py alone 70 s in P6): the architectures file alone since AM3
-      run_stage tests_a 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_A[@]}" ;;
+      run_stage tests_a 580 "${GPU_PYTEST[@]}" "${SUITE_A[@]}" ;;
     tests_c)  # part C: the kernel files, the runtime's batching and sampler on CUDA, TP, the plugin (100 s on an H100 in AM1, before the kernel files of part A joined it)
-      run_stage tests_c 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_C[@]}" passes/examples ;;
+      run_stage tests_c 580 "${GPU_PYTEST[@]}" "${SUITE_C[@]}" passes/examples ;;
     tests_d)  # part D: the MoE kernels (with part C 534 s on an H100 in AI3)
-      run_stage tests_d 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_D[@]}" ;;
+      run_stage tests_d 580 "${GPU_PYTEST[@]}" "${SUITE_D[@]}" ;;
     tests_e)  # part E: Inductor and graph-mode compiles on CUDA, cold then warm (324 s on an H100 in AM2)
-      run_stage tests_e 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu "${SUITE_E[@]}" ;;
+      run_stage tests_e 580 "${GPU_PYTEST[@]}" "${SUITE_E[@]}" ;;
     tests_b)  # part B (~265 s in H4, 305 s in J6, 426 s in AA5, 307 s in AB3, 431 s on an H100 in AI2): every other GPU-marked file (compile on CUDA, CUDA graphs, engine, FP8, parity)
-      run_stage tests_b 580 $PY -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu tests/ "${SUITE_A[@]/#/--ignore=}" \
+      run_stage tests_b 580 "${GPU_PYTEST[@]}" tests/ "${SUITE_A[@]/#/--ignore=}" \
         "${SUITE_C[@]/#/--ignore=}" "${SUITE_D[@]/#/--ignore=}" "${SUITE_E[@]/#/--ignore=}" ;;
     latency)
       run_stage latency 300 $PY bench/latency.py --batch-sizes 1,8,32,128 --steps 128 --hf-steps 8 \
