@@ -628,7 +628,7 @@ def _attend_latent(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     num_seqs, hkv = block_tables.shape[0], kv_cache.shape[3]
     if t == 0 or num_seqs == 0:
         return torch.zeros_like(q)
-    tiling = tiling or latent_tiling(t, num_seqs, hq // hkv)
+    tiling = tiling or latent_tiling(t, num_seqs, hq // hkv, fp8_cache=kv_cache.element_size() == 1)
     if num_splits is None:
         num_splits = choose_num_splits(t, num_seqs, hkv * tiling.head_blocks(hq // hkv), tiling.tokens,
                                        tiling.block_n, block_tables.shape[1] * kv_cache.shape[2],

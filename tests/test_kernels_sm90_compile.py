@@ -287,11 +287,11 @@ def spills(compiled):
 """
 
 _LATENT_KERNEL_SCRIPT = _SPILLS + """
-from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_PREFILL, _paged_latent_attention_kernel
+from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_DECODE_FP8, LATENT_PREFILL, _paged_latent_attention_kernel
 
 fn = _paged_latent_attention_kernel
 found = {}
-for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode fp8", LATENT_DECODE, 1, True),
+for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode fp8", LATENT_DECODE_FP8, 1, True),
                                   ("prefill", LATENT_PREFILL, 1, False)):
     block_t = tiling.tile_rows // tiling.heads
     consts = dict(KV_SCALE=fp8, FP8_CACHE=fp8, GROUP=16, HEADS=tiling.heads, HEAD_BLOCKS=1, BLOCK_T=block_t,
@@ -311,8 +311,10 @@ print(json.dumps(found))
 def test_latent_kernel_compiles_for_sm90() -> None:
     """The latent kernel (`kiln.kernels.triton_paged_latent`: 512 + 64 columns, 16 heads a
     program) at its decode and prefill launch shapes, split, over an FP8 cache: within 227 KB
-    of shared memory a block, on tensor-core MMAs, and without register spills (ptxas -v);
-    not yet run on a GPU."""
+    of shared memory a block, on tensor-core MMAs, and the decodes without register spills
+    (ptxas -v). The prefill tiling, the fastest in the H100 sweep (AN3) by 18%, spills 64
+    bytes under Triton 3.6 and 496 under 3.9: it may spill up to 512, no more (a wider tile
+    or more stages would spill kilobytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _LATENT_KERNEL_SCRIPT], env=env, capture_output=True, text=True,
@@ -320,7 +322,8 @@ def test_latent_kernel_compiles_for_sm90() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (shared, mma, spills) in found.items():
-        assert 0 < shared <= 227 * 1024 and mma and spills == 0, (name, shared, mma, spills)
+        spill_limit = 512 if name == "prefill" else 0
+        assert 0 < shared <= 227 * 1024 and mma and 0 <= spills <= spill_limit, (name, shared, mma, spills)
 
 
 _RECURRENT_DECODE_SCRIPT = _SPILLS + """
