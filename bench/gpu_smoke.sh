@@ -363,7 +363,8 @@ for stage in $STAGES; do
       run_stage moe_deepseek_v2_lite 560 $PY bench/moe.py --shape deepseek-v2-lite --no-offline ${MOE_ARGS:-} \
         --out "$OUT/moe_deepseek_v2_lite.json" ;;
     tune_latent)  # the latent kernel's launch shapes at DeepSeek-V2-Lite's attention, against the general kernel's
-      run_stage tune_latent 400 $PY bench/tune_latent_attention.py --out "$OUT/tune_latent.json" ;;
+      # (TUNE_LATENT_ARGS="--kv-cache-dtype fp8 --decode-seqs 64,256" for the FP8 cache's tilings)
+      run_stage tune_latent 400 $PY bench/tune_latent_attention.py ${TUNE_LATENT_ARGS:-} --out "$OUT/tune_latent.json" ;;
     latent_kernel_ab)  # issue 17: DeepSeek-V2-Lite's decode 1/64 over its latent on the latent kernel (512 + 64
                        # columns, each key read once) against the general kernel's LATENT_TILING (1,024 padded),
                        # alternating, two runs each (~4 min); then the latent kernel tests on CUDA
