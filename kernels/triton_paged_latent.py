@@ -68,10 +68,11 @@ class LatentTiling:
 # 1.61 ms for an 8,000-token prefill; the float32 accumulator over 512 columns is 128
 # registers a thread at 8 warps; it spills 64 bytes under the GPU image's Triton 3.6, ~500
 # under 3.9, and is still 18% faster than the fastest tiling without spills, 32 keys a step).
-# An FP8 cache's decode keeps 8 warps: at 4 the e4m3 widening spills (108-160 bytes); 8 warps
-# and two stages was 0.056 ms at 64 sequences over the bf16 cache (not yet timed over FP8).
+# An FP8 cache's decode (AN6, its own sweep): 64 keys a step on 8 warps, 0.053 / 0.160 ms at
+# 64 / 256 sequences against 0.062 / 0.189 for the bf16 cache's tiling (which spills 108-160
+# bytes there, the e4m3 widening's registers); it spills 4 bytes under Triton 3.6, 68 under 3.9.
 LATENT_DECODE = LatentTiling(heads=16, tile_rows=16, block_n=32, num_warps=4, num_stages=2)
-LATENT_DECODE_FP8 = LatentTiling(heads=16, tile_rows=16, block_n=32, num_warps=8, num_stages=2)
+LATENT_DECODE_FP8 = LatentTiling(heads=16, tile_rows=16, block_n=64, num_warps=8, num_stages=2)
 LATENT_PREFILL = LatentTiling(heads=16, tile_rows=64, block_n=64, num_warps=8, num_stages=2)
 
 

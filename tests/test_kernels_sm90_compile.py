@@ -311,10 +311,11 @@ print(json.dumps(found))
 def test_latent_kernel_compiles_for_sm90() -> None:
     """The latent kernel (`kiln.kernels.triton_paged_latent`: 512 + 64 columns, 16 heads a
     program) at its decode and prefill launch shapes, split, over an FP8 cache: within 227 KB
-    of shared memory a block, on tensor-core MMAs, and the decodes without register spills
-    (ptxas -v). The prefill tiling, the fastest in the H100 sweep (AN3) by 18%, spills 64
-    bytes under Triton 3.6 and 496 under 3.9: it may spill up to 512, no more (a wider tile
-    or more stages would spill kilobytes)."""
+    of shared memory a block, on tensor-core MMAs, and the bf16 decode without register spills
+    (ptxas -v). Two tilings, the fastest of their H100 sweeps by 18-25% (AN3, AN6), spill a
+    little and may, no more than they did: the prefill's 64 bytes under Triton 3.6 and 496
+    under 3.9 (up to 512 here), the FP8 cache's decode's 4 and 68 (up to 128; a wider tile or
+    more stages would spill kilobytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _LATENT_KERNEL_SCRIPT], env=env, capture_output=True, text=True,
@@ -322,7 +323,7 @@ def test_latent_kernel_compiles_for_sm90() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (shared, mma, spills) in found.items():
-        spill_limit = 512 if name == "prefill" else 0
+        spill_limit = {"prefill": 512, "decode fp8": 128}.get(name, 0)
         assert 0 < shared <= 227 * 1024 and mma and 0 <= spills <= spill_limit, (name, shared, mma, spills)
 
 
