@@ -217,6 +217,7 @@ def engine_weight_bytes(llm: Any, top_k: int, num_experts: int) -> tuple[int, in
 
 
 def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, tmp: Path) -> dict[str, Any]:
+    from kiln.kernels.paged_attention import caches_latent
     from kiln.runtime.llm import LLM
 
     if args.tiny:
@@ -277,6 +278,11 @@ def run_shape(shape: MoEShape, args: argparse.Namespace, device: torch.device, t
     result["kiln_quantization"] = args.quantization
     result["kiln_quantize_fp8"] = pass_stats(llm, "quantize_fp8") if args.quantization else None
     result["kiln_num_kv_blocks"] = llm.engine.num_kv_blocks
+    # Multi-head latent attention cached as its latent or K/V expanded per head (the block
+    # count alone does not say: max_num_seqs x max_model_len caps it before memory does).
+    result["kiln_kv_cache_latent"] = caches_latent(llm.engine.model_config)
+    print(f"[kiln {shape.name}] start-up {result['kiln_startup_s']:.1f} s; KV cache {llm.engine.num_kv_blocks} blocks"
+          f"{', the latent' if result['kiln_kv_cache_latent'] else ''}", flush=True)
     result["kiln_fuse_moe"] = pass_stats(llm, "fuse_moe")
     # The bytes a decode step reads are the engine's as loaded: with FP8 weights (and
     # FP8 experts, the default with it) about half the config's 16-bit figure above.
