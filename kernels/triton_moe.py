@@ -947,16 +947,17 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
     pick = (swap_tiling if not tma and not row and tiling is None and uses_swap_ab(num_pairs, num_experts)
             else choose_tiling)
-    down_tiling_given = down_tiling is not None
-    gu_tiling = _fit(tiling, inter, h) if tiling else pick(num_pairs, num_experts, inter, h, elem, smem)
-    if down_tiling or tiling:
-        down_tiling = _fit(down_tiling or tiling, h, inter)
-    else:
-        down_tiling = pick(num_pairs, num_experts, h, inter, elem, smem)
-    if fp8_activations and not tiling:  # (the 16-bit tilings' K tiles: see W8A8_BLOCK_K)
-        gu_tiling = _fit(replace(gu_tiling, block_k=max(gu_tiling.block_k, W8A8_BLOCK_K)), inter, h)
-        if not down_tiling_given:
-            down_tiling = _fit(replace(down_tiling, block_k=max(down_tiling.block_k, W8A8_BLOCK_K)), h, inter)
+
+    def picked(n: int, k: int) -> MoETiling:
+        """The chosen tiling of an [n, k] expert GEMM; W8A8's on K tiles of W8A8_BLOCK_K or more
+        (a given tiling is taken as it is)."""
+        chosen = pick(num_pairs, num_experts, n, k, elem, smem)
+        if fp8_activations:
+            chosen = _fit(replace(chosen, block_k=max(chosen.block_k, W8A8_BLOCK_K)), n, k)
+        return chosen
+
+    gu_tiling = _fit(tiling, inter, h) if tiling else picked(inter, h)
+    down_tiling = _fit(down_tiling or tiling, h, inter) if down_tiling or tiling else picked(h, inter)
     weights = topk_weights.reshape(-1).contiguous()
     products = torch.empty((num_pairs, h), dtype=torch.promote_types(hidden.dtype, weights.dtype),
                            device=hidden.device)
