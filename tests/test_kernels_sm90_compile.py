@@ -287,12 +287,13 @@ def spills(compiled):
 """
 
 _LATENT_KERNEL_SCRIPT = _SPILLS + """
-from kiln.kernels.triton_paged_latent import LATENT_DECODE, LATENT_DECODE_FP8, LATENT_PREFILL, _paged_latent_attention_kernel
+from kiln.kernels.triton_paged_latent import (LATENT_DECODE, LATENT_DECODE_FP8, LATENT_PREFILL, LATENT_PREFILL_FP8,
+                                              _paged_latent_attention_kernel)
 
 fn = _paged_latent_attention_kernel
 found = {}
 for name, tiling, splits, fp8 in (("decode", LATENT_DECODE, 4, False), ("decode fp8", LATENT_DECODE_FP8, 1, True),
-                                  ("prefill", LATENT_PREFILL, 1, False)):
+                                  ("prefill", LATENT_PREFILL, 1, False), ("prefill fp8", LATENT_PREFILL_FP8, 1, True)):
     block_t = tiling.tile_rows // tiling.heads
     consts = dict(KV_SCALE=fp8, FP8_CACHE=fp8, GROUP=16, HEADS=tiling.heads, HEAD_BLOCKS=1, BLOCK_T=block_t,
                   BLOCK_M=tiling.tile_rows, BLOCK_N=tiling.block_n, D_MAIN=512, D_TAIL=64, SEQ_CHUNK=64,
@@ -312,10 +313,11 @@ def test_latent_kernel_compiles_for_sm90() -> None:
     """The latent kernel (`kiln.kernels.triton_paged_latent`: 512 + 64 columns, 16 heads a
     program) at its decode and prefill launch shapes, split, over an FP8 cache: within 227 KB
     of shared memory a block, on tensor-core MMAs, and the bf16 decode without register spills
-    (ptxas -v). Two tilings, 18-28% faster in their H100 sweeps (AN3, AN6) than any there that
-    does not spill, spill a little and may, no more than they did: the prefill's 64 bytes under
-    Triton 3.6 and 496 under 3.9 (up to 512 here), the FP8 cache's decode's 4 and 68 (up to
-    128; a wider tile or more stages would spill kilobytes)."""
+    (ptxas -v). Three tilings, the fastest in their H100 sweeps (AN3, AN6, AO2; the first two
+    18-28% faster than any there that does not spill), spill a little and may, no more than they
+    did: the prefill's 64 bytes under Triton 3.6 and 496 under 3.9 (up to 512 here), the FP8
+    cache's prefill's 404 and 396 (the e4m3 widening's registers; up to 512), its decode's 4 and
+    68 (up to 128; a wider tile or more stages would spill kilobytes)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _LATENT_KERNEL_SCRIPT], env=env, capture_output=True, text=True,
@@ -323,7 +325,7 @@ def test_latent_kernel_compiles_for_sm90() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, (shared, mma, spills) in found.items():
-        spill_limit = {"prefill": 512, "decode fp8": 128}.get(name, 0)
+        spill_limit = {"prefill": 512, "prefill fp8": 512, "decode fp8": 128}.get(name, 0)
         assert 0 < shared <= 227 * 1024 and mma and 0 <= spills <= spill_limit, (name, shared, mma, spills)
 
 
