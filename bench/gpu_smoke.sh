@@ -13,8 +13,8 @@
 #                                         fused_combine_ab small_rows_16bit_ab tune_gemv_swap norm_early_weight_ab
 #                                         fused_rope_ab one_writer_ab fused_rope_norms_ab pdl_trigger_tests
 #                                         pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets
-#                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts moe_swap_ab
-#                                         moe_swap_offline fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
+#                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts
+#                                         fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
 #                                         mamba_latency w8a8_defaults
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
@@ -316,23 +316,6 @@ for stage in $STAGES; do
         --tokens 64,128,256,512,2048 --sweeps fp8 --out "$OUT/w8a8_tune.json"
       run_stage w8a8_qwen3_offline 150 $PY bench/moe.py --shape qwen3-moe-30b-a3b --offline --no-decode --no-baseline \
         --quantization fp8 --out "$OUT/w8a8_qwen3_offline.json" ;;
-    moe_swap_ab)  # issue 17: fused_moe's pointer kernels swapped (MoETiling.swap_ab, KILN_MOE_SWAP_AB_MAX_ROWS):
-                  # their tests on CUDA, the sweep at Mixtral's decode sizes (bf16 and FP8 weight-only), then
-                  # Mixtral decode 1/64 with them (bf16; SWAP_DECODE_ARGS="--quantization fp8" for FP8
-                  # experts, that option's default); ~7 min
-      run_stage moe_swap_tests 150 $PY -m pytest -q -p no:cacheprovider -rfEs tests/test_moe_triton.py -k swap
-      run_stage moe_swap_tune 200 $PY bench/tune_moe.py --shapes mixtral-8x7b ${MOE_SWAP_TUNE_ARGS:---tokens 1,8,64,320,1600} \
-        --sweeps swap,fp8 --out "$OUT/moe_swap_tune.json"
-      run_stage moe_swap_decode 300 env KILN_MOE_SWAP_AB_MAX_ROWS="${MOE_SWAP_MAX_ROWS:-128}" $PY bench/moe.py \
-        --shape mixtral-8x7b --no-offline --no-baseline ${SWAP_DECODE_ARGS:-} --out "$OUT/moe_swap_decode.json" ;;
-    moe_swap_offline)  # issue 17: the Mixtral offline run with the swapped kernels up to MOE_SWAP_MAX_ROWS (128)
-                       # rows an expert and without (0), alternating per MOE_SWAP_ORDER; ~7 min
-      i=0
-      for max_rows in ${MOE_SWAP_ORDER:-128 0}; do
-        i=$((i + 1))
-        run_stage "moe_swap_offline_${i}_$max_rows" 200 env KILN_MOE_SWAP_AB_MAX_ROWS="$max_rows" $PY bench/moe.py \
-          --shape mixtral-8x7b --no-decode --no-baseline ${MOE_ARGS:-} --out "$OUT/moe_swap_offline_${i}_$max_rows.json"
-      done ;;
     moe_mixtral_budgets)  # issue 17: the Mixtral offline run at smaller step token budgets (max_num_batched_tokens),
                           # whose decode steps, bound by reading every expert, could take prefill chunks nearly free
                           # (bench/simulate_scheduler.py --cost roofline: 1,024 +5% if host work stays hidden); ~6 min
@@ -438,7 +421,7 @@ for stage in $STAGES; do
            "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
            "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
            "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts" \
-           "moe_swap_ab moe_swap_offline fp8_70b tp70b_fp8)"; status=2 ;;
+           "fp8_70b tp70b_fp8)"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with

@@ -35,14 +35,10 @@ in the K loop), widened once (`dequantize_experts_triton`, then the 16-bit path;
 timed with it) and W8A8 (`fp8_activations`: e4m3 rows on the sorted-rows kernels' e4m3 MMAs, at
 the default tiling, whose K tiles are `W8A8_BLOCK_K` deep, and at the 16-bit tiling's), each with its largest relative difference from
 the 16-bit default's output: which `KILN_MOE_FP8_DEQUANT_MIN_ROWS` /
-`KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS` to set; with `swap` too, weight-only on the swapped pointer
-kernels (`weight_only_swap`: the e4m3 tiles widened in registers as the MMA's register operand).
-`--sweeps swap` times the pointer kernels swapped (`MoETiling.swap_ab`: the weight tile as the
-warpgroup MMA's M side, 16-64-row blocks as its N side) at `swap_tiling`'s choice, as
-`KILN_MOE_SWAP_AB_MAX_ROWS` would run the step, and over a sweep of row blocks, weight tiles, K
-tiles and depths, each against the default path: which `KILN_MOE_SWAP_AB_MAX_ROWS` to set.
+`KILN_MOE_FP8_ACTIVATIONS_MIN_ROWS` to set. (A `swap` sweep timed the pointer kernels with the
+weight tile as the MMA's M side; they lost at every decode size, bench/RESULTS.md AO1, and went.)
 
-    python bench/tune_moe.py --shapes mixtral-8x7b --tokens 1,8,64,320,1600 --sweeps kernels,swap,fp8
+    python bench/tune_moe.py --shapes mixtral-8x7b --tokens 1,8,64,320,1600 --sweeps kernels,fp8
 
     python bench/tune_moe.py --out tune-moe.json
 """
@@ -108,60 +104,6 @@ def tma_sweep(block_m: int) -> list[Any]:
             MoETiling(128, 128, 64, 8, 3, group_m=32), MoETiling(128, 128, 64, 8, 3, group_m=8)]
 
 
-def swap_sweep(per_pair: bool) -> list[Any]:
-    """Swapped pointer-kernel tilings (`MoETiling.swap_ab`): row blocks (the MMA's N side; one
-    valid row a block when each pair has its own), weight tiles of 64 or 128 rows (its M side),
-    K tiles and depths, on one warpgroup."""
-    from kiln.kernels.triton_moe import MoETiling
-
-    grid = itertools.product((16,) if per_pair else (16, 32, 64), (64, 128), (64, 128), (4,), (3, 4))
-    return [MoETiling(*t, swap_ab=True) for t in grid]
-
-
-def swap_gate(limit: int) -> Any:
-    """A context in which `kernels.triton_moe.SWAP_AB_MAX_ROWS` is `limit` (steps take `swap_tiling`)."""
-    import contextlib
-
-    from kiln.kernels import triton_moe
-
-    @contextlib.contextmanager
-    def gate() -> Any:
-        saved, triton_moe.SWAP_AB_MAX_ROWS = triton_moe.SWAP_AB_MAX_ROWS, limit
-        try:
-            yield
-        finally:
-            triton_moe.SWAP_AB_MAX_ROWS = saved
-
-    return gate()
-
-
-def time_swapped(run: Any, default_ms: float, per_pair: bool, args: Any, label: str, figures: Any) -> dict[str, Any]:
-    """The swapped pointer kernels at one step size (`run(tiling, tma)` runs the op): as
-    `swap_tiling` tiles the step (KILN_MOE_SWAP_AB_MAX_ROWS), and each tiling of `swap_sweep`;
-    each against the default path's time (`default_ms`) and output."""
-    default_out = run(tma=None).float()  # the path a step takes by default
-    with swap_gate(1 << 30):  # the step as KILN_MOE_SWAP_AB_MAX_ROWS would run it
-        gated_ms = bc.call_ms(lambda: run(tma=False), args.repeats, args.timing)
-        gated_err = float((run(tma=False).float() - default_out).abs().max())
-    row: dict[str, Any] = {"swap_tiling": {**figures(gated_ms), "speedup_vs_default": default_ms / gated_ms,
-                                           "max_abs_diff_vs_default": gated_err}}
-    timings = []
-    for tiling in swap_sweep(per_pair)[:args.max_tilings or None]:
-        try:
-            timings.append((bc.call_ms(lambda: run(tiling), args.repeats, args.timing), tiling))
-        except Exception as e:  # a tiling that does not fit: named, skipped
-            print(f"{label} swap {tiling}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-    best = ""
-    if timings:
-        best_ms, best_tiling = min(timings, key=lambda r: r[0])
-        row["best"] = {"tiling": vars(best_tiling), **figures(best_ms), "speedup_vs_default": default_ms / best_ms}
-        row["sweep"] = [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])]
-        best = f"; best {best_ms:.3f} ms {best_tiling}"
-    print(f"{label} swapped: swap_tiling {gated_ms:.3f} ms ({default_ms / gated_ms:.2f}x the default "
-          f"{default_ms:.3f}), max diff {gated_err:.3g}{best}", flush=True)
-    return row
-
-
 def part_sweep(default: Any) -> list[Any]:
     """One GEMM's tilings with the default's row blocks (BLOCK_M) and program order."""
     from kiln.kernels.triton_moe import MoETiling
@@ -209,7 +151,7 @@ def quantized_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[to
 
 def time_fp8_experts(x: torch.Tensor, logits: torch.Tensor, experts: tuple[torch.Tensor, ...], top_k: int,
                      renorm: bool, reference: torch.Tensor, default: Any, args: Any, name: str, t: int,
-                     flops: float, swapped: bool = False) -> dict[str, Any]:
+                     flops: float) -> dict[str, Any]:
     """FP8 experts' three paths at one size (see the module docstring): ms, TFLOP/s, difference."""
 
     from kiln.kernels.triton_moe import dequantize_experts_triton, fused_moe_triton, pair_per_block
@@ -222,13 +164,6 @@ def time_fp8_experts(x: torch.Tensor, logits: torch.Tensor, experts: tuple[torch
         "widened_once": lambda: fused_moe_triton(x, logits, dequantize_experts_triton(gq, gs, x.dtype),
                                                  dequantize_experts_triton(dq, ds, x.dtype), top_k, renorm, True),
     }
-    if swapped:
-        def weight_only_swap() -> torch.Tensor:
-            with swap_gate(1 << 30):
-                return fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, tma=False, w_gate_up_scale=gs,
-                                        w_down_scale=ds)
-
-        paths["weight_only_swap"] = weight_only_swap
     if not pair_per_block(t * top_k, num_experts):
         paths["w8a8"] = lambda: fused_moe_triton(x, logits, gq, dq, top_k, renorm, True, w_gate_up_scale=gs,
                                                  w_down_scale=ds, fp8_activations=True)
@@ -276,13 +211,12 @@ def main() -> None:
     parser.add_argument("--sweeps", default="kernels",
                         help="comma list: kernels (the pointer kernels' tilings), tma (the sorted-rows kernels'), "
                              "gate_up and down (each GEMM's tiling apart), grouping (the pairs' grouping), dense "
-                             "(per-expert cuBLAS GEMMs), fp8 (FP8 experts' paths), swap (the swapped pointer kernels)")
+                             "(per-expert cuBLAS GEMMs), fp8 (FP8 experts' paths)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = set(args.sweeps.split(","))
-    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping", "dense", "fp8", "swap"}:
-        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping, dense, fp8, "
-                     "swap")
+    if not sweeps <= {"kernels", "tma", "gate_up", "down", "grouping", "dense", "fp8"}:
+        parser.error(f"--sweeps: {args.sweeps!r}; a comma list of kernels, tma, gate_up, down, grouping, dense, fp8")
     if not torch.cuda.is_available():
         parser.error("tune_moe.py times the CUDA kernels; no CUDA device is available")
     from kiln.kernels.moe import fused_moe_grouped_mm
@@ -363,8 +297,6 @@ def main() -> None:
                     print(f"[{name} T={t}] tma: best {tma_ms:.3f} ms ({flops / tma_ms / 1e9:.0f} TFLOP/s) {tma_tiling} "
                           f"({default_ms / tma_ms:.2f}x the default path), max diff {tma_err:.3g}", flush=True)
 
-            swap_row = (time_swapped(run, default_ms, pair_per_block(pairs, experts), args, f"[{name} T={t}]",
-                                     figures) if "swap" in sweeps else None)
             parts: dict[str, Any] = {}
             for part in ("gate_up", "down"):
                 if part not in sweeps or pair_per_block(pairs, experts):
@@ -412,14 +344,14 @@ def main() -> None:
                       f"against the default's {eager_ms:.3f} eager ({eager_ms / dense_ms:.2f}x), max diff "
                       f"{dense_err:.3g}", flush=True)
             fp8_row = time_fp8_experts(x, logits, fp8_experts, top_k, renorm, run(tma=None), default, args,
-                                       name, t, flops, swapped="swap" in sweeps) if fp8_experts else {}
+                                       name, t, flops) if fp8_experts else {}
             rows[str(t)] = {"pairs": pairs, "dense": dense, "fp8": fp8_row, "default": {"tiling": vars(default), **figures(default_ms)},
                             "best": {"tiling": vars(best), **figures(best_ms)},
                             "speedup_of_best": default_ms / best_ms,
                             "grouped_mm": None if grouped_ms is None else {**figures(grouped_ms),
                                                                            "max_abs_diff_vs_default": grouped_err},
                             "sweep": [{"tiling": vars(tl), "ms": ms} for ms, tl in sorted(timings, key=lambda r: r[0])],
-                            "tma": tma_row, "swap": swap_row, "parts": parts, "grouping": grouping}
+                            "tma": tma_row, "parts": parts, "grouping": grouping}
             print(f"[{name} T={t}] default {default_ms:.3f} ms ({flops / default_ms / 1e9:.0f} TFLOP/s) "
                   f"{default}; best {best_ms:.3f} ms {best} ({default_ms / best_ms:.2f}x); grouped_mm "
                   + ("failed" if grouped_ms is None else f"{grouped_ms:.3f} ms ({default_ms / grouped_ms:.2f}x)"),

@@ -36,9 +36,8 @@ from the router's expert ids, and the grouping ops are skipped. Prefill steps wi
 row blocks per expert order the programs so that groups of row blocks cross every column
 tile together (`MoETiling.group_m`): their rows stay in L2 instead of being re-read from
 HBM for each column tile. The prefill tiles were swept on the H200 (bench/tune_moe.py); the
-decode table is a starting point. Decode-sized steps can run the pointer kernels swapped
-(`MoETiling.swap_ab`, `swap_tiling`; off until timed, SWAP_AB_MAX_ROWS): the weight tile as the
-warpgroup MMA's M side and 16-32-row blocks as its N side.
+decode ones at the Mixtral decode step's 80 rows an expert too (neither smaller row blocks nor
+the kernels swapped, the weight tile as the MMA's M side, beat them: bench/RESULTS.md AO1, AO3).
 
 Rounding follows the unfused graph: gate/up and the down projection are rounded to the
 model dtype like the bmm outputs, silu's output is rounded before the multiply (as
@@ -87,14 +86,6 @@ class MoETiling:
     # stay in L2 while the column tiles pass over them (the grouped order of Triton's matmul
     # tutorial). Prefill-sized steps, whose rows (~270 MB at 16k tokens) far exceed L2, gain.
     group_m: int = 0
-    # The pointer kernels with the weight tile as the MMA's M side (block_n output columns: 64
-    # or 128, a Hopper warpgroup's M) and the row block as its N side (16-64 rows), products
-    # transposed (acc^T = W x^T; `_moe_dot`), as the FP8 GEMVs' `GemvConfig.swap_ab`. Row
-    # blocks of 16-32 rows stay on warpgroup MMAs (wgmma needs 64 rows on the M side; the
-    # plain order's 16-32-row blocks run Ampere's mma.sync), so an expert's ~80 rows (Mixtral's
-    # decode steps) pad to 96 instead of 128, and e4m3 experts widen in registers into the
-    # MMA's register operand instead of through shared memory. See SWAP_AB_MAX_ROWS.
-    swap_ab: bool = False
 
 
 # Enough programs to keep every SM of an H200 (132) streaming weights at decode: about two each.
@@ -117,15 +108,6 @@ GROUPED_MM_MIN_ROWS = int(os.environ.get("KILN_MOE_GROUPED_MM_MIN_ROWS", "0"))
 # level at 8,192, 1.08 / 1.00 at 4,096. The Mixtral offline run: +3.1% (AC2).
 # KILN_MOE_TMA_MIN_ROWS sets it (0: never).
 TMA_MIN_ROWS = int(os.environ.get("KILN_MOE_TMA_MIN_ROWS", "1024"))
-
-
-# Steps with at most this many (token, expert) rows an expert run the pointer kernels swapped
-# (`MoETiling.swap_ab`, tiled by `swap_tiling`): the decode steps, whose MoE streams the experts'
-# weights (Mixtral's at ~330 sequences: 0.86 ms a layer, 3.3 TB/s, its 128-row blocks doing
-# ~50% more MMA work than its ~80 rows an expert need; FP8 experts at batch 1 at ~2 TB/s,
-# bench/RESULTS.md AD2). Built without a GPU, not yet timed: 0 (the default) never does;
-# KILN_MOE_SWAP_AB_MAX_ROWS sets it (bench/tune_moe.py --sweeps swap times it).
-SWAP_AB_MAX_ROWS = int(os.environ.get("KILN_MOE_SWAP_AB_MAX_ROWS", "0"))
 
 
 # FP8 experts (`kiln::fused_moe_fp8`) in steps with at least this many rows an expert (prefill-
@@ -174,11 +156,6 @@ def uses_fp8_activations(num_pairs: int, num_experts: int, hidden: torch.Tensor,
 def dequantizes_fp8_experts(num_pairs: int, num_experts: int) -> bool:
     """Whether a step of `num_pairs` rows over FP8 experts widens them first (FP8_DEQUANT_MIN_ROWS)."""
     return _from_rows(FP8_DEQUANT_MIN_ROWS, num_pairs, num_experts)
-
-
-def uses_swap_ab(num_pairs: int, num_experts: int) -> bool:
-    """Whether a step of `num_pairs` rows on the pointer kernels takes `swap_tiling` (SWAP_AB_MAX_ROWS)."""
-    return SWAP_AB_MAX_ROWS > 0 and num_pairs <= SWAP_AB_MAX_ROWS * min(num_experts, num_pairs)
 
 
 def uses_grouped_mm(num_pairs: int, num_experts: int, hidden: torch.Tensor) -> bool:
@@ -265,25 +242,6 @@ def choose_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size
             tiling = MoETiling(128, 64, 64, 8, 3, group_m=tiling.group_m)
     if element_size > 2:           # keep each tile's bytes (shared memory) as for 2-byte weights
         tiling = replace(tiling, block_k=max(16, tiling.block_k * 2 // element_size))
-    return _fit(tiling, n, k)
-
-
-def swap_tiling(num_pairs: int, num_experts: int, n: int, k: int, element_size: int = 2,
-                shared_memory: int = 0) -> MoETiling:
-    """`MoETiling.swap_ab` tiles for a step of `num_pairs` rows over `num_experts` experts, each
-    an [n, k] weight: row blocks of 16 rows (up to 16 rows an expert) or 32 (an expert's rows
-    padded to a multiple of 32, the blocks of one expert reading its weight tiles together, the
-    later ones from L2), 128 weight rows a program (two 64-row warpgroup MMAs), halved to 64
-    where the programs would not fill the GPU (TARGET_PROGRAMS). Not yet timed on a GPU."""
-    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    block_m = 16 if rows_per_expert <= 16 else 32
-    blocks = min(num_experts, num_pairs) * math.ceil(rows_per_expert / block_m)
-    block_n = 128 if blocks * triton.cdiv(n, 128) >= TARGET_PROGRAMS else 64
-    tiling = MoETiling(block_m, block_n, 64, 4, 4, swap_ab=True)
-    while shared_memory and _staged_bytes(tiling, element_size) > shared_memory and tiling.num_stages > 2:
-        tiling = replace(tiling, num_stages=tiling.num_stages - 1)
-    if element_size > 2:  # as choose_tiling: a tile's bytes as for 2-byte weights
-        tiling = replace(tiling, block_k=32)
     return _fit(tiling, n, k)
 
 
@@ -490,20 +448,13 @@ def _program_tile(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_dot(a, w, acc, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc + a @ w (a [BLOCK_M, BLOCK_K] row tile, w a [BLOCK_K, BLOCK_N] weight tile), or with
-    SWAP_AB its transpose acc^T + w @ a^T (w as [BLOCK_N, BLOCK_K], the MMA's M side:
-    `MoETiling.swap_ab`). IEEE: float32 operands, no TF32 (torch's bmm does not use it by default)."""
-    if SWAP_AB:
-        if IEEE:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(a), acc)
+def _moe_dot(a, w, acc, IEEE: tl.constexpr):
+    """acc + a @ w (a [BLOCK_M, BLOCK_K] row tile, w a [BLOCK_K, BLOCK_N] weight tile). IEEE:
+    float32 operands, no TF32 (torch's bmm does not use it by default)."""
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
     else:
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc)
     return acc
 
 
@@ -548,7 +499,7 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
                         TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
                         w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-                        SWAP_AB: tl.constexpr = False, bias_ptr=None, alpha=1.0, limit=0.0,
+                        bias_ptr=None, alpha=1.0, limit=0.0,
                         BIAS: tl.constexpr = False, ACT_OAI: tl.constexpr = False, ACT_GELU: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
@@ -561,18 +512,13 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
     # Columns past N re-read the last one (no mask in the K loop); they are never stored.
     w_cols = tl.minimum(cols, N - 1).to(tl.int64) * stride_wn
     x_rows = x_ptr + token[:, None] * stride_xt
-    if SWAP_AB:  # weight tiles [BLOCK_N, BLOCK_K] and products transposed (a compile-time branch)
-        w_gate = w_ptr + expert.to(tl.int64) * stride_we + w_cols[:, None]
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        w_gate = w_ptr + expert.to(tl.int64) * stride_we + w_cols[None, :]
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + w_cols[None, :]
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_up = w_gate + N * stride_wn
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w_ks = ks[None, :] if SWAP_AB else ks[:, None]
+        w_ks = ks[:, None]
         if EVEN_K:
             a = tl.load(x_rows + ks[None, :], mask=valid[:, None], other=0.0)
             bg = tl.load(w_gate + w_ks)
@@ -584,11 +530,8 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, num_
         if W_FP8:  # e4m3 weights widen exactly to the activations' dtype; the channel scale comes after
             bg = bg.to(a.dtype)
             bu = bu.to(a.dtype)
-        acc_gate = _moe_dot(a, bg, acc_gate, IEEE, SWAP_AB)
-        acc_up = _moe_dot(a, bu, acc_up, IEEE, SWAP_AB)
-    if SWAP_AB:
-        acc_gate = tl.trans(acc_gate)
-        acc_up = tl.trans(acc_up)
+        acc_gate = _moe_dot(a, bg, acc_gate, IEEE)
+        acc_up = _moe_dot(a, bu, acc_up, IEEE)
     if W_FP8:
         scale_cols = w_scale_ptr + expert.to(tl.int64) * (2 * N) + tl.minimum(cols, N - 1)
         acc_gate = acc_gate * tl.load(scale_cols)[None, :]
@@ -605,7 +548,7 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      EVEN_K: tl.constexpr, IEEE: tl.constexpr, PAIR_PER_BLOCK: tl.constexpr,
                      w_scale_ptr, W_FP8: tl.constexpr = False, PDL: tl.constexpr = False,
-                     SWAP_AB: tl.constexpr = False, bias_ptr=None, BIAS: tl.constexpr = False):
+                     bias_ptr=None, BIAS: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_m, pid_n = _program_tile(num_blocks, N, BLOCK_N, GROUP_M)
     expert, pair = _block_rows(pid_m, pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M, PAIR_PER_BLOCK)
@@ -616,15 +559,11 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w_col = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn
     a_rows = a_ptr + safe_pair[:, None] * stride_am
-    if SWAP_AB:  # as in the gate/up kernel
-        w_cols = w_col[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        w_cols = w_col[None, :]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_cols = w_col[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w_ks = ks[None, :] if SWAP_AB else ks[:, None]
+        w_ks = ks[:, None]
         if EVEN_K:
             a = tl.load(a_rows + ks[None, :], mask=valid[:, None], other=0.0)
             b = tl.load(w_cols + w_ks)
@@ -633,9 +572,7 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
             b = tl.load(w_cols + w_ks, mask=w_ks < K, other=0.0)
         if W_FP8:
             b = b.to(a.dtype)
-        acc = _moe_dot(a, b, acc, IEEE, SWAP_AB)
-    if SWAP_AB:
-        acc = tl.trans(acc)
+        acc = _moe_dot(a, b, acc, IEEE)
     if W_FP8:
         acc = acc * tl.load(w_scale_ptr + expert.to(tl.int64) * N + tl.minimum(cols, N - 1))[None, :]
     routing_weight = tl.load(weight_ptr + safe_pair, mask=valid, other=0.0).to(tl.float32)
@@ -749,8 +686,8 @@ def _moe_gate_up_tma_kernel(x_desc, w_desc, out_ptr, block_expert_ptr, num_block
         a = x_desc.load([row0, k0])
         bg = w_desc.load([gate0, k0])
         bu = w_desc.load([up0, k0])
-        acc_gate = _moe_dot(a, bg.T, acc_gate, IEEE, False)
-        acc_up = _moe_dot(a, bu.T, acc_up, IEEE, False)
+        acc_gate = _moe_dot(a, bg.T, acc_gate, IEEE)
+        acc_up = _moe_dot(a, bu.T, acc_up, IEEE)
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SCALED:
@@ -783,7 +720,7 @@ def _moe_down_tma_kernel(a_desc, a_ptr, w_desc, weight_ptr, out_ptr, pairs_ptr, 
     for k0 in range(0, K, BLOCK_K):
         a = a_desc.load([row0, k0])
         b = w_desc.load([w0, k0])
-        acc = _moe_dot(a, b.T, acc, IEEE, False)
+        acc = _moe_dot(a, b.T, acc, IEEE)
     pair = tl.load(pairs_ptr + row0 + tl.arange(0, BLOCK_M))
     valid = pair < num_pairs
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
@@ -877,8 +814,7 @@ def fused_moe_triton(hidden: torch.Tensor, router_logits: torch.Tensor, w_gate_u
     """`kiln::fused_moe` by the grouped-GEMM kernels (`tiling`, `per_pair` and `tma` override
     `choose_tiling`, `pair_per_block` and `uses_tma`, for tests and bench/tune_moe.py;
     `down_tiling`, the down GEMM's tiling alone, whose row blocks stay the gate/up tiling's);
-    tensors the kernels cannot take go to the reference; `swap_tiling` replaces `choose_tiling`
-    on the pointer kernels up to SWAP_AB_MAX_ROWS rows an expert. With the scales,
+    tensors the kernels cannot take go to the reference. With the scales,
     `kiln::fused_moe_fp8`: e4m3 experts, widened in the pointer kernels' K loops and scaled per
     channel after, or, in prefill-sized steps (FP8_DEQUANT_MIN_ROWS), widened once into 16-bit
     copies for the 16-bit kernels; or, with `fp8_activations` (None: `uses_fp8_activations`),
@@ -945,13 +881,11 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if tma is None:
         tma = not per_pair and not fp8 and uses_tma(num_pairs, num_experts, hidden, w_gate_up, w_down)
     elem, smem = hidden.element_size(), max_shared_memory(hidden.device)
-    pick = (swap_tiling if not tma and not row and tiling is None and uses_swap_ab(num_pairs, num_experts)
-            else choose_tiling)
 
     def picked(n: int, k: int) -> MoETiling:
         """The chosen tiling of an [n, k] expert GEMM; W8A8's on K tiles of W8A8_BLOCK_K or more
         (a given tiling is taken as it is)."""
-        chosen = pick(num_pairs, num_experts, n, k, elem, smem)
+        chosen = choose_tiling(num_pairs, num_experts, n, k, elem, smem)
         if fp8_activations:
             chosen = _fit(replace(chosen, block_k=max(chosen.block_k, W8A8_BLOCK_K)), n, k)
         return chosen
@@ -964,8 +898,6 @@ def moe_experts_triton(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_id
     if tma:
         if per_pair or not _descriptor_ok(w_gate_up, w_down):
             raise ValueError("the sorted-rows kernels take grouped row blocks and 16-byte-aligned weights and rows")
-        if gu_tiling.swap_ab or down_tiling.swap_ab:
-            raise ValueError("the sorted-rows kernels take no swapped tiling (MoETiling.swap_ab: the pointer kernels')")
         blocks = group_pairs_for_step(topk_ids, num_experts, gu_tiling.block_m)
         _moe_sorted_rows(hidden, w_gate_up, w_down, weights, blocks, top_k, gu_tiling, down_tiling, products,
                          w_gate_up_scale, w_down_scale, extras)
@@ -1000,7 +932,7 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         GROUP_M=gu_tiling.group_m,
         EVEN_K=h % gu_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
         w_scale_ptr=w_gate_up_scale if fp8 else w_gate_up, W_FP8=fp8,  # (never read without W_FP8)
-        SWAP_AB=gu_tiling.swap_ab, **_gate_up_extras(extras, act), num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
+        **_gate_up_extras(extras, act), num_warps=gu_tiling.num_warps, num_stages=gu_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
     _moe_down_kernel[(num_blocks * triton.cdiv(h, down_tiling.block_n),)](
         act, w_down, weights, products, sorted_pairs, block_expert, num_pairs, num_blocks, h, inter,
@@ -1008,7 +940,7 @@ def _moe_pointer_kernels(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: 
         BLOCK_M=gu_tiling.block_m, BLOCK_N=down_tiling.block_n, BLOCK_K=down_tiling.block_k,
         GROUP_M=down_tiling.group_m,
         EVEN_K=inter % down_tiling.block_k == 0, IEEE=ieee, PAIR_PER_BLOCK=per_pair,
-        w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8, SWAP_AB=down_tiling.swap_ab,
+        w_scale_ptr=w_down_scale if fp8 else w_down, W_FP8=fp8,
         **_down_extras(extras, act), num_warps=down_tiling.num_warps, num_stages=down_tiling.num_stages, **pdl_launch_args(hidden.device, "moe"),
     )
 

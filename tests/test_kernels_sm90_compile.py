@@ -2,8 +2,7 @@
 2-16-row tiling; the decode kernel's in-kernel combine, one-writer and q/k-norm variants,
 off by default; its fused RoPE and the RMSNorm kernels' early weight load, since timed; the
 early PDL trigger, since timed and the small kernels' default; fused MoE's sorted-rows kernels
-as refactored after their timing, its one-program grouping, and its pointer kernels swapped,
-`MoETiling.swap_ab`, not yet timed) compile for an H100/H200 (sm_90)
+as refactored after their timing, its one-program grouping) compile for an H100/H200 (sm_90)
 with the instructions they are meant to use. The interpreter runs them on CPU (their
 numerics are tested beside them), but it runs Python, not Triton's compiler: code that only a
 compile rejects (the swap GEMV's first version built its early return's other branch with
@@ -153,7 +152,7 @@ grp = ptx(_group_pairs_kernel, dict(BLOCK_M=128, E_P2=8, CHUNK=1024, PDL=True),
 found["grouping"] = len(grp) > 0
 # FP8 experts (kiln::fused_moe_fp8): e4m3 weight tiles widened to bf16 for bf16 warpgroup MMAs.
 fp8 = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=0, EVEN_K=True, IEEE=False, PAIR_PER_BLOCK=False, W_FP8=True,
-           PDL=True, SWAP_AB=False)
+           PDL=True)
 fp8_types = {"w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32"}
 gu8 = ptx(_moe_gate_up_kernel, dict(fp8, TOP_K=2), dict(fp8_types, x_ptr="*bf16", out_ptr="*bf16"), 8, 4)
 dn8 = ptx(_moe_down_kernel, fp8, dict(fp8_types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 8, 4)
@@ -165,21 +164,6 @@ found["gate_up bf16"] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", gu16
 for name, code in (("gate_up fp8", gu8), ("down fp8", dn8)):
     found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))),
                    sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", code)))]
-# KILN_MOE_SWAP_AB_MAX_ROWS: the pointer kernels swapped (32-row blocks as the MMA's N side,
-# 128 weight rows as its M side), over bf16 and e4m3 experts.
-swap = dict(fp8, BLOCK_M=32, SWAP_AB=True)
-for w_fp8 in (False, True):
-    w = "*fp8e4nv" if w_fp8 else "*bf16"
-    types = dict(fp8_types, w_ptr=w, w_scale_ptr="*fp32" if w_fp8 else "*bf16")
-    gate_up = ptx(_moe_gate_up_kernel, dict(swap, TOP_K=2, W_FP8=w_fp8), dict(types, x_ptr="*bf16", out_ptr="*bf16"),
-                  4, 4)
-    down = ptx(_moe_down_kernel, dict(swap, W_FP8=w_fp8),
-               dict(types, a_ptr="*bf16", weight_ptr="*fp32", out_ptr="*fp32"), 4, 4)
-    for name, code in ((f"gate_up swap fp8={w_fp8}", gate_up), (f"down swap fp8={w_fp8}", down)):
-        body = code[code.index(".entry"):]
-        # the MMA's A operand: registers ({%r..}) or a shared-memory descriptor (%rd..)
-        a_operand = sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]* \\{[^}]*\\}, (\\{|%rd)", body)))
-        found[name] = [sorted(set(re.findall(r"wgmma\\.mma_async[.\\w]*", code))), a_operand, body.count(".local")]
 # FP8 experts in prefill-sized steps: widened once, by this kernel, for the 16-bit kernels.
 deq = ptx(_dequantize_rows_kernel, dict(BLOCK=4096), {"q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "out_ptr": "*bf16"}, 4, 1)
 found["dequantize"] = [sorted(set(re.findall(r"cvt\\.[.\\w]*e4m3[.\\w]*", deq))),
@@ -223,14 +207,6 @@ def test_moe_sorted_rows_and_grouping_kernels_compile_for_sm90() -> None:
         mma, cvt = found[kernel]
         assert mma and all(".bf16.bf16" in op for op in mma), (kernel, mma)
         assert cvt, (kernel, "no e4m3 conversion")
-    # Swapped (MoETiling.swap_ab): warpgroup MMAs with 32-row blocks as their N side, no spills;
-    # e4m3 experts widened in registers as the MMA's register operand (A), bf16 ones read by
-    # the MMA from shared memory.
-    for w_fp8, a_operand in ((False, ["%rd"]), (True, ["{"])):
-        for kernel in ("gate_up", "down"):
-            mma, a, spills = found[f"{kernel} swap fp8={w_fp8}"]
-            assert mma == ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"], (kernel, w_fp8, mma)
-            assert a == a_operand and spills == 0, (kernel, w_fp8, a, spills)
     # The experts' widening for prefill-sized steps: from e4m3, rounded to nearest into bf16.
     widen, to_bf16 = found["dequantize"]
     assert widen and to_bf16, found["dequantize"]

@@ -190,7 +190,7 @@ def oai_extras(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0):
 def experts_on_path(path: str, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     w_gate_up: torch.Tensor, w_down: torch.Tensor, extras: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, ref): `kiln::moe_experts` with `extras` on one kernel path ("per_pair", "row",
-    "grouped", "tma", "swapped", "fp8": e4m3 experts on the pointer kernels, "grouped_mm"), and
+    "grouped", "tma", "fp8": e4m3 experts on the pointer kernels, "grouped_mm"), and
     the reference it must equal (the FP8 reference for "fp8")."""
     from kiln.kernels.moe import moe_experts_fp8_reference, moe_experts_grouped_mm, moe_experts_reference
     from kiln.kernels.triton_moe import moe_experts_triton
@@ -203,8 +203,7 @@ def experts_on_path(path: str, hidden: torch.Tensor, weights: torch.Tensor, ids:
         return out, moe_experts_fp8_reference(hidden, weights, ids, gq, gs, dq, ds, **extras.kwargs())
     if path == "grouped_mm":
         return moe_experts_grouped_mm(hidden, weights, ids, w_gate_up, w_down, **extras.kwargs()), ref
-    tiling = MoETiling(16, 16, 16, 4, 2, swap_ab=True) if path == "swapped" else None
-    out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down, tiling=tiling,
+    out = moe_experts_triton(hidden, weights, ids, w_gate_up, w_down,
                              per_pair=path in ("per_pair", "row"), tma=path == "tma",
                              row_kernels=(path == "row") if path in ("per_pair", "row") else None, extras=extras)
     return out, ref
@@ -212,7 +211,7 @@ def experts_on_path(path: str, hidden: torch.Tensor, weights: torch.Tensor, ids:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,e,top_k,path", [(3, 8, 2, "per_pair"), (17, 6, 3, "grouped"), (40, 4, 2, "tma"),
-                                            (9, 4, 2, "swapped"), (12, 4, 2, "fp8"), (30, 4, 2, "grouped_mm")])
+                                            (12, 4, 2, "fp8"), (30, 4, 2, "grouped_mm")])
 def test_biased_experts_with_clamped_swiglu_match_reference(t, e, top_k, path, dtype) -> None:
     """GPT-OSS's experts (biases after both GEMMs, the clamped SwiGLU) in every kernel's
     epilogue: the reference's result, which differs from the bias-free SiLU one."""
@@ -402,76 +401,6 @@ def test_fp8_experts_match_their_reference(t, h, i, e, top_k, renormalize, fp32_
     ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-
-
-SWAP_CASES = [  # as CASES, each tiling swapped (MoETiling.swap_ab: the weight tile as the MMA's M side)
-    (5, 48, 24, 4, 2, True, True, MoETiling(16, 32, 16, 4, 2, swap_ab=True), False),  # K and N not tile multiples
-    (40, 32, 48, 4, 2, False, True, MoETiling(32, 32, 16, 4, 2, swap_ab=True), False),  # 2-3 blocks an expert
-    (40, 32, 48, 4, 2, False, True, MoETiling(16, 16, 16, 4, 2, group_m=4, swap_ab=True), False),  # grouped order
-    (17, 64, 16, 8, 1, True, False, MoETiling(16, 16, 32, 4, 2, swap_ab=True), False),
-    (1, 48, 40, 8, 2, True, True, MoETiling(16, 32, 16, 4, 2, swap_ab=True), True),  # batch-1 decode: a block a pair
-    (6, 32, 24, 4, 2, False, True, MoETiling(16, 16, 32, 4, 2, swap_ab=True), True),  # per pair, shared experts
-]
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("t,h,i,e,top_k,renormalize,fp32_weights,tiling,per_pair", SWAP_CASES)
-def test_swapped_pointer_kernels_match_reference(t, h, i, e, top_k, renormalize, fp32_weights, tiling, per_pair,
-                                                 dtype, fp8) -> None:
-    """The pointer kernels with the products transposed (y^T = W x^T), over 16-bit and e4m3
-    experts: the reference's result, padding rows and tiles past N and K included."""
-    from kiln.kernels.moe import fused_moe_fp8_reference
-
-    hidden, logits, w_gate_up, w_down = moe_inputs(t, h, i, e, dtype, seed=t)
-    if fp8:
-        gq, gs, dq, ds = fp8_experts(w_gate_up, w_down)
-        out = fused_moe_triton(hidden, logits, gq, dq, top_k, renormalize, fp32_weights, tiling=tiling,
-                               per_pair=per_pair, w_gate_up_scale=gs, w_down_scale=ds, fp8_activations=False)
-        ref = fused_moe_fp8_reference(hidden, logits, gq, gs, dq, ds, top_k, renormalize, fp32_weights)
-    else:
-        out = fused_moe_triton(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights, tiling=tiling,
-                               per_pair=per_pair)
-        ref = fused_moe_reference(hidden, logits, w_gate_up, w_down, top_k, renormalize, fp32_weights)
-    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
-
-
-def test_decode_steps_take_the_swapped_tiling_up_to_a_limit(monkeypatch) -> None:
-    """KILN_MOE_SWAP_AB_MAX_ROWS (0, the default: never): steps of at most that many rows an
-    expert on the pointer kernels take `swap_tiling`; larger ones, and the sorted-rows kernels,
-    keep `choose_tiling`'s (which refuse a swapped tiling)."""
-    from kiln.kernels import triton_moe
-    from kiln.kernels.triton_moe import swap_tiling, uses_swap_ab
-
-    assert triton_moe.SWAP_AB_MAX_ROWS == int(os.environ.get("KILN_MOE_SWAP_AB_MAX_ROWS", "0"))
-    monkeypatch.setattr(triton_moe, "SWAP_AB_MAX_ROWS", 0)
-    assert not uses_swap_ab(2, 8)
-    monkeypatch.setattr(triton_moe, "SWAP_AB_MAX_ROWS", 128)
-    assert uses_swap_ab(2, 8) and uses_swap_ab(128 * 8, 8) and not uses_swap_ab(128 * 8 + 1, 8)
-    # Mixtral: batch 1 (a 16-row block a pair; 64-row weight tiles, since 2 blocks x 224 column
-    # tiles would not fill the GPU), and its ~330-sequence decode (~80 rows an expert: three
-    # 32-row blocks, 96 rows of MMA work instead of a 128-row block's).
-    assert swap_tiling(2, 8, 14336, 4096) == MoETiling(16, 64, 64, 4, 4, swap_ab=True)
-    assert swap_tiling(640, 8, 14336, 4096) == MoETiling(32, 128, 64, 4, 4, swap_ab=True)
-    assert swap_tiling(640, 8, 4096, 14336).block_n == 128 and swap_tiling(2, 8, 4096, 14336).block_n == 64
-    l4_smem = 101376
-    assert swap_tiling(640, 8, 14336, 4096, 2, l4_smem).num_stages == 2  # 74 KB of staged tiles
-    assert swap_tiling(640, 8, 14336, 4096, 4).block_k == 32  # float32: a tile's bytes as bf16's
-    chosen = []
-    monkeypatch.setattr(triton_moe, "swap_tiling", lambda *a: chosen.append(a) or swap_tiling(*a))
-    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 48, 4, torch.float16, seed=3)
-    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, 2, True, True)
-    assert len(chosen) == 2  # gate/up's and down's
-    torch.testing.assert_close(out, fused_moe_reference(hidden, logits, w_gate_up, w_down, 2, True, True),
-                               rtol=1e-2, atol=1e-2)
-    monkeypatch.setattr(triton_moe, "SWAP_AB_MAX_ROWS", 8)  # 20 rows an expert: the plain tiling
-    fused_moe_triton(hidden, logits, w_gate_up, w_down, 2, True, True)
-    assert len(chosen) == 2
-    with pytest.raises(ValueError, match="swapped"):
-        fused_moe_triton(hidden, logits, w_gate_up, w_down, 2, True, True, tma=True, per_pair=False,
-                         tiling=MoETiling(16, 32, 16, 4, 2, swap_ab=True))
 
 
 def test_dequantize_experts_kernel_rounds_as_the_reference() -> None:
@@ -698,26 +627,6 @@ def test_fp8_experts_at_mixtral_shape(monkeypatch, tokens: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 64, 320])
-def test_swapped_kernels_at_mixtral_shape(monkeypatch, tokens: int) -> None:
-    """The pointer kernels swapped (KILN_MOE_SWAP_AB_MAX_ROWS) compiled for the GPU at the Mixtral
-    shape, over bf16 experts and e4m3 ones, against the float32 references; and replayed from a
-    CUDA graph (320 tokens: ~80 rows an expert, three 32-row blocks each)."""
-    from kiln.kernels import triton_moe
-
-    monkeypatch.setattr(triton_moe, "SWAP_AB_MAX_ROWS", 128)
-    hidden, logits, (gq, gs, dq, ds), k, renorm, ref8 = mixtral_fp8_case(tokens)
-    out8 = fused_moe_triton(hidden, logits, gq, dq, k, renorm, True, tma=False, w_gate_up_scale=gs, w_down_scale=ds)
-    assert (out8.float() - ref8).norm() / ref8.norm() < 1e-2
-    h, i, e, _, _ = REAL_SHAPES["mixtral-8x7b"]
-    _, _, w_gate_up, w_down = moe_inputs(1, h, i, e, torch.bfloat16, seed=1, device="cuda", skew=False)
-    out = fused_moe_triton(hidden, logits, w_gate_up, w_down, k, renorm, True)
-    ref = fused_moe_reference(hidden.float(), logits.float(), w_gate_up.float(), w_down.float(), k, renorm, True)
-    assert (out.float() - ref).norm() / ref.norm() < 1e-2
-    assert_replay_is_eager(lambda x: fused_moe_triton(x, logits, w_gate_up, w_down, k, renorm, True), hidden)
-
-
-@pytest.mark.gpu
 def test_quantizing_stacked_experts_leaves_no_reserved_memory_behind() -> None:
     """Quantizing one layer's 16-bit experts after another (the loader's FP8-experts transforms)
     must not carve each e4m3 result out of the layer before's freed experts: the rest of such a
@@ -849,12 +758,10 @@ def test_prefill_steps_can_take_the_grouped_gemm(monkeypatch) -> None:
 
 
 def test_tune_moe_fp8_and_dense_paths_compute_fused_moe(monkeypatch) -> None:
-    """bench/tune_moe.py's `--sweeps fp8` paths (weight-only, plain and swapped, widened once,
-    W8A8) and `--sweeps dense` (per-expert GEMMs) compute fused_moe: timed here by a stand-in
-    clock, each path's difference from the 16-bit kernels within e4m3's (W8A8's within two
-    roundings'); the swapped path takes `swap_tiling` and leaves the gate as it found it."""
+    """bench/tune_moe.py's `--sweeps fp8` paths (weight-only, widened once, W8A8) and `--sweeps
+    dense` (per-expert GEMMs) compute fused_moe: timed here by a stand-in clock, each path's
+    difference from the 16-bit kernels within e4m3's (W8A8's within two roundings')."""
     from bench_scripts import load_bench_script
-    from kiln.kernels import triton_moe
 
     tune = load_bench_script(monkeypatch, "tune_moe")
     monkeypatch.setattr(tune.bc, "call_ms", lambda fn, repeats, timing: (fn(), 1.0)[1])
@@ -868,42 +775,11 @@ def test_tune_moe_fp8_and_dense_paths_compute_fused_moe(monkeypatch) -> None:
     experts = tune.quantized_experts(w_gate_up, w_down)
     default = choose_tiling(t * top_k, e, i, h)
     args = type("Args", (), {"repeats": 1, "timing": "events"})()
-    swapped, swap_tiling = [], triton_moe.swap_tiling
-    monkeypatch.setattr(triton_moe, "swap_tiling", lambda *a: swapped.append(a) or swap_tiling(*a))
-    gate = triton_moe.SWAP_AB_MAX_ROWS
-    row = tune.time_fp8_experts(hidden, logits, experts, top_k, True, reference, default, args, "tiny", t, 1.0,
-                                swapped=True)
-    assert set(row) == {"weight_only", "weight_only_swap", "widened_once", "w8a8", "w8a8_16bit_tiling"}
-    assert len(swapped) == 4 and triton_moe.SWAP_AB_MAX_ROWS == gate  # timed, then checked: both GEMMs each
+    row = tune.time_fp8_experts(hidden, logits, experts, top_k, True, reference, default, args, "tiny", t, 1.0)
+    assert set(row) == {"weight_only", "widened_once", "w8a8", "w8a8_16bit_tiling"}
     for label, figures in row.items():
         limit = 0.1 if label.startswith("w8a8") else 0.05
         assert figures["ms"] == 1.0 and figures["relative_difference_vs_16_bit"] < limit, (label, figures)
-
-
-def test_tune_moe_swap_sweep_times_the_swapped_kernels(monkeypatch) -> None:
-    """bench/tune_moe.py's `--sweeps swap` at one step size: the step as `swap_tiling` tiles it
-    (under the gate, which it leaves as it found it) and the sweep's swapped tilings, each
-    against the default path's output (timed here by a stand-in clock)."""
-    from bench_scripts import load_bench_script
-    from kiln.kernels import triton_moe
-
-    tune = load_bench_script(monkeypatch, "tune_moe")
-    monkeypatch.setattr(tune.bc, "call_ms", lambda fn, repeats, timing: (fn(), 1.0)[1])
-    swapped, swap_tiling = [], triton_moe.swap_tiling
-    monkeypatch.setattr(triton_moe, "swap_tiling", lambda *a: swapped.append(a) or swap_tiling(*a))
-    hidden, logits, w_gate_up, w_down = moe_inputs(40, 32, 48, 4, torch.float16, seed=5)
-
-    def run(tiling: Any = None, tma: bool | None = False, down: Any = None) -> torch.Tensor:
-        return fused_moe_triton(hidden, logits, w_gate_up, w_down, 2, True, True, tiling=tiling, tma=tma,
-                                down_tiling=down)
-
-    gate = triton_moe.SWAP_AB_MAX_ROWS
-    args = type("Args", (), {"repeats": 1, "timing": "events", "max_tilings": 3})()
-    row = tune.time_swapped(run, 2.0, False, args, "[tiny]", lambda ms: {"ms": ms})
-    assert swapped and triton_moe.SWAP_AB_MAX_ROWS == gate
-    assert row["swap_tiling"]["speedup_vs_default"] == 2.0 and row["swap_tiling"]["max_abs_diff_vs_default"] < 1e-2
-    assert len(row["sweep"]) == 3 and all(entry["tiling"]["swap_ab"] for entry in row["sweep"])
-    assert row["best"]["speedup_vs_default"] == 2.0
 
 
 @pytest.mark.parametrize("tokens,experts,top_k,renormalize,fp32_weights", [
