@@ -16,7 +16,7 @@
 #                                         moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts
 #                                         fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
-#                                         mamba_latency w8a8_defaults
+#                                         mamba_latency w8a8_defaults moe_routers moe_deepseek_v2_lite profile_inductor
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests latency throughput startup)
 #
@@ -416,12 +416,7 @@ for stage in $STAGES; do
       run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
         --out "$OUT/serve.png" ;;
     *)
-      echo "unknown stage $stage (tests latency throughput startup profile profile_throughput tune_attention tune_attention_fp8 tune_gemv" \
-           "moe_tests moe_mixtral_decode moe_mixtral_offline moe_qwen3 moe_profile_throughput tune_moe arch_tests serve serve_fp8 serve_plot" \
-           "fp8_tests fp8_gemm fp8_latency fp8_throughput fp8_profile fp8_fast_accum fp8_profile_throughput overlap tp_tests tp1_before_after allreduce tp70b tp8b"\
-           "pdl_ab fused_combine_ab small_rows_16bit_ab tune_gemv_swap gemv_tuned_ab norm_early_weight_ab fused_rope_ab" \
-           "one_writer_ab fused_rope_norms_ab pdl_trigger_tests pdl_trigger_families_ab pdl_fp8_quant_ab moe_mixtral_budgets bf16_budgets moe_tma_ab moe_parts moe_grouping_ab moe_fp8_experts" \
-           "fp8_70b tp70b_fp8)"; status=2 ;;
+      echo "unknown stage $stage: the stages are listed at the top of bench/gpu_smoke.sh"; status=2 ;;
   esac
 done
 # A device command brings back at most 8 files from $OUT (the device README's limits): with
