@@ -557,9 +557,8 @@ def _moe_down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, block_expert_
     valid = pair < num_pairs
     safe_pair = tl.where(valid, pair, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_col = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, N - 1).to(tl.int64) * stride_wn
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(cols, N - 1).to(tl.int64)[None, :] * stride_wn
     a_rows = a_ptr + safe_pair[:, None] * stride_am
-    w_cols = w_col[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
