@@ -29,6 +29,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the Hugging Face transformers baseline")
     parser.add_argument("--decode-buckets", default=None, help="comma-separated decode bucket sizes (default: the engine's)")
     parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
+    add_mixed_graph_arg(parser)
+
+
+def add_mixed_graph_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cuda-graph-mixed-tokens", type=int, default=None,
+                        help="CUDA graphs for mixed steps of up to this many tokens (default: the engine's)")
 
 
 def add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +75,8 @@ def bucket_options(args: argparse.Namespace) -> dict[str, Any]:
         out["decode_buckets"] = [int(x) for x in args.decode_buckets.split(",")]
     if args.token_buckets:
         out["token_buckets"] = [int(x) for x in args.token_buckets.split(",")]
+    if getattr(args, "cuda_graph_mixed_tokens", None) is not None:
+        out["cuda_graph_mixed_tokens"] = args.cuda_graph_mixed_tokens
     return out
 
 

@@ -357,6 +357,7 @@ def main() -> None:
                         help="Kiln's FP8 projections, the experts too (KILN_FP8_EXPERTS=0: experts in 16 bits)")
     parser.add_argument("--decode-buckets", default=None, help="comma-separated decode bucket sizes (default: the engine's)")
     parser.add_argument("--token-buckets", default=None, help="comma-separated token bucket sizes (default: the engine's)")
+    bc.add_mixed_graph_arg(parser)
     args = parser.parse_args()
     tiny = args.tiny
     defaults = dict(dtype="float32" if tiny else "bfloat16", prompt_len=16 if tiny else 128, steps=8 if tiny else 128,

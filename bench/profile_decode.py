@@ -134,14 +134,15 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: i
     runner = engine.runner
     sched = engine.scheduler.schedule()
     inputs = prepare_step_inputs(sched, engine.block_manager, engine.device)
-    graphs = getattr(runner, "_decode_graphs", None)
+    graphs = getattr(runner, "_graphs", None)
     if graphs is not None:
         size = next(n for n in runner._decode_graph_sizes if n >= batch)
-        padded = pad_step_inputs(inputs, decode_bucket(size)).as_dict()
-        captured = graphs.buckets[size]
-        graphs.replay(size, padded)
+        bucket = decode_bucket(size)
+        padded = pad_step_inputs(inputs, bucket).as_dict()
+        captured = graphs.buckets[bucket]
+        graphs.replay(bucket, padded)
         out["replay_ms"] = _time_cuda(captured.graph.replay, steps)
-        out["replay_with_input_copies_ms"] = _time_cuda(lambda: graphs.replay(size, padded), steps)
+        out["replay_with_input_copies_ms"] = _time_cuda(lambda: graphs.replay(bucket, padded), steps)
         out["host_gap_ms"] = out["step_ms"] - out["replay_ms"]
         out["graph_bucket"] = size
         torch.cuda.synchronize()

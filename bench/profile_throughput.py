@@ -8,7 +8,9 @@ overlap it buys are unchanged). Steps are grouped by kind:
   decode       - a decode-only step of more sequences than the largest decode graph, run
                  through the FX graph (padded to a token bucket);
   mixed        - decodes and prefill chunks in one step, run through the FX graph;
-  prefill      - prefill chunks only.
+  prefill      - prefill chunks only;
+  mixed-graph, prefill-graph - the same, replayed from a mixed-step CUDA graph
+                 (`--cuda-graph-mixed-tokens`).
 Per kind: steps, tokens, device milliseconds (from one step's start event to the next
 one's, so device idle time waiting for the host counts too) and the forward's own share.
 Host side, per `engine.step()` call (grouped by the kind of the first step it launches):
@@ -162,6 +164,8 @@ def main() -> None:
         decodes, real = sum(1 for n in chunk if n == 1), sum(1 for n in chunk if n > 0)
         kind = "decode-graph" if t == b == s and b <= max(runner._decode_graph_sizes) else (
             "decode" if decodes == real else "prefill" if decodes == 0 else "mixed")
+        if kind in ("mixed", "prefill") and runner._graph_bucket(t, b, s) is not None:
+            kind += "-graph"  # replayed from a mixed-step CUDA graph
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = execute(inputs, input_ids)
@@ -223,7 +227,7 @@ def main() -> None:
     mixed_seen = 0
     while engine.has_unfinished():
         engine.step()
-        if steps and steps[-1]["kind"] == "mixed":
+        if steps and steps[-1]["kind"] in ("mixed", "mixed-graph"):
             mixed_seen += 1
         if prof_ctx is None and not profiled and mixed_seen == args.profile_after:
             prof_ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])

@@ -14,6 +14,11 @@ would never end, so steps are padded up to a bucket:
 - **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
   decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
   the powers of two from 16 up to `max_num_batched_tokens` (which is always included).
+- **mixed-graph buckets** (`mixed-N`): no artifact of their own, only a captured CUDA graph
+  of the post-pass graph (kiln.runtime.model_runner) for steps of at most N tokens that are
+  no decode: N tokens from at most min(N - 1, max_num_seqs) sequences (a step with a chunk
+  of two or more tokens has fewer sequences than tokens, and a bucket with as many would
+  send its attention to the decode kernel, which takes a chunk's tokens one at a time).
 
 Each bucket fixes the shapes of every batch input: input_ids/position_ids/slot_mapping
 [T], seq_lens [B], query_start_loc [B+1], logits_indices [S] with S = B (a step samples at
@@ -28,7 +33,9 @@ from typing import Iterable
 
 DECODE = "decode"
 TOKENS = "tokens"
+MIXED = "mixed"
 SMALLEST_TOKEN_BUCKET = 16
+SMALLEST_MIXED_GRAPH = 64
 # Default decode buckets: every 16 sequences up to DENSE_DECODE_LIMIT, every 64 up to
 # MEDIUM_DECODE_LIMIT, every 128 beyond, none above MAX_DEFAULT_DECODE_BUCKET (28 at the most).
 DENSE_DECODE_LIMIT = 256
@@ -51,7 +58,7 @@ class Bucket:
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.num_tokens if self.kind == TOKENS else self.num_seqs}"
+        return f"{self.kind}-{self.num_seqs if self.kind == DECODE else self.num_tokens}"
 
     def shape(self) -> dict[str, int | str]:
         """The fields that identify the bucket in a cache key."""
@@ -60,6 +67,8 @@ class Bucket:
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         if self.kind == DECODE and num_tokens != num_seqs:
             return False
+        if self.kind == MIXED and num_tokens == num_seqs:
+            return False  # a decode-shaped step: a decode bucket's
         return num_tokens <= self.num_tokens and num_seqs <= self.num_seqs
 
     def __str__(self) -> str:
@@ -73,6 +82,24 @@ def decode_bucket(num_seqs: int) -> Bucket:
 def token_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
     rows = min(num_tokens, max_num_seqs)
     return Bucket(TOKENS, num_tokens, rows, rows)
+
+
+def mixed_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
+    rows = max(1, min(num_tokens - 1, max_num_seqs))
+    return Bucket(MIXED, num_tokens, rows, rows)
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the mixed-step CUDA graphs up to `max_tokens`: the powers of two from
+    SMALLEST_MIXED_GRAPH, and `max_tokens` itself (none below the smallest)."""
+    sizes = []
+    n = SMALLEST_MIXED_GRAPH
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    if max_tokens >= SMALLEST_MIXED_GRAPH:
+        sizes.append(max_tokens)
+    return sizes
 
 
 def default_decode_sizes(max_num_seqs: int) -> list[int]:

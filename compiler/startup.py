@@ -42,7 +42,7 @@ from kiln.cache.keys import (
 )
 from kiln.cache.manifest import Manifest
 from kiln.cache.store import ArtifactStore
-from kiln.compiler.buckets import Bucket, BucketPlan
+from kiln.compiler.buckets import Bucket, BucketPlan, mixed_graph_sizes
 from kiln.compiler.graph_code import (
     GRAPH_CODE_FORMAT, GraphCode, GraphCodeError, load_graph_code, serialize_graph_code,
 )
@@ -103,6 +103,9 @@ class CompileOptions:
     # Tensor parallelism: the graph is rank tp_rank's of tp_size (kiln.passes.shard_tensor_parallel).
     tp_size: int = 1
     tp_rank: int = 0
+    # CUDA graphs of mixed steps up to this many tokens (kiln.compiler.buckets.mixed_graph_sizes;
+    # 0: none): their shapes pick Triton kernel variants the plan's buckets may not.
+    mixed_graph_tokens: int = 0
 
 
 @contextlib.contextmanager
@@ -216,6 +219,7 @@ class ModelSetup:
     quantization: str | None = None
     tp_size: int = 1
     tp_rank: int = 0
+    mixed_graph_tokens: int = 0  # CompileOptions.mixed_graph_tokens
 
     def model_factors(self) -> dict[str, Any]:
         return model_factors(self.config, self.dtype, self.pass_manager.uuids(), self.device, self.block_size,
@@ -238,8 +242,9 @@ class ModelSetup:
     def triton_kernels_factors(self) -> dict[str, Any]:
         """The Triton-kernel entry's factors: the model's (Kiln, torch and Triton versions, device
         capability, ...) with the bucket plan, whose shapes pick the kernels' variants."""
+        mixed = mixed_graph_sizes(self.mixed_graph_tokens) if self.device.type == "cuda" else []
         return {**self.model_factors(), "format": TRITON_KERNELS_FORMAT,
-                "plan": [b.name for b in self.plan.buckets()]}
+                "plan": [b.name for b in self.plan.buckets()], **({"mixed_graphs": mixed} if mixed else {})}
 
     def triton_kernels_key(self) -> str:
         return key_for(TRITON_KERNELS_KIND, self.triton_kernels_factors())
@@ -581,7 +586,7 @@ def setup_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dt
                       block_size=options.block_size, plan=plan,
                       max_num_tokens=max(options.max_num_batched_tokens, 2),
                       kv_cache_dtype=options.kv_cache_dtype, quantization=options.quantization,
-                      tp_size=options.tp_size, tp_rank=options.tp_rank)
+                      tp_size=options.tp_size, tp_rank=options.tp_rank, mixed_graph_tokens=options.mixed_graph_tokens)
 
 
 def prepare_for_engine(options: CompileOptions, model_config: Any, dtype: torch.dtype,

@@ -102,7 +102,12 @@ class EngineConfig:
                                                     "host) or ray (Ray actors, one per GPU, across hosts)")
     gpu_memory_utilization: float = option(0.9, help="CUDA: fraction of GPU memory for weights, activations and "
                                                      "the KV cache")
-    enforce_eager: bool = option(False, help="CUDA: run decode steps without capturing CUDA graphs")
+    enforce_eager: bool = option(False, help="CUDA: run every step without capturing CUDA graphs")
+    # Mixed steps (prefill chunks beside decodes) of up to this many tokens replay a CUDA graph
+    # too (kiln.compiler.buckets, mixed-graph buckets): without one, each runs the post-pass
+    # graph op by op, and the host's launches can outlast the device's work.
+    cuda_graph_mixed_tokens: int = option(0, help="CUDA: capture CUDA graphs for mixed prefill/decode steps of up "
+                                                  "to this many tokens (powers of two from 64); 0: none")
     # Launch the next decode step before reading this one's tokens, so the host's per-step
     # work overlaps the device's (LLMEngine.step).
     async_scheduling: bool = option(True, flag="--no-async-scheduling",
@@ -138,6 +143,10 @@ class EngineConfig:
         for name in ("max_model_len", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None for the default), got {getattr(self, name)}")
+        if (not isinstance(self.cuda_graph_mixed_tokens, int) or isinstance(self.cuda_graph_mixed_tokens, bool)
+                or self.cuda_graph_mixed_tokens < 0):
+            raise ValueError(f"cuda_graph_mixed_tokens must be an integer >= 0 (0: no mixed-step graphs), "
+                             f"got {self.cuda_graph_mixed_tokens!r}")
         if not 0 <= self.kv_reserve_ratio <= 1:
             raise ValueError(f"kv_reserve_ratio must be in [0, 1], got {self.kv_reserve_ratio}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -218,4 +227,6 @@ class EngineConfig:
             require_cache=self.require_cache, progress=self.progress, tp_size=self.tensor_parallel_size,
             quantization=self.resolved_quantization(model_config),
             kv_cache_dtype=torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else None,
+            mixed_graph_tokens=0 if self.enforce_eager else min(self.cuda_graph_mixed_tokens,
+                                                                limits.max_num_batched_tokens),
         )

@@ -26,7 +26,8 @@ from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, run_token_buckets
+from kiln.runtime.kv_cache import (build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, mixed_graph_token_sizes,
+                                   run_token_buckets)
 from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import LoadedModel, load_model
 from kiln.runtime.model_runner import ModelRunner, prepare_step_inputs, prompt_logprob_positions
@@ -229,8 +230,10 @@ class LLMEngine:
                     run_token_buckets(self.runner, model.prepared.plan, config.block_size, self.max_model_len)
             if self.device.type == "cuda" and not config.enforce_eager:
                 with timed(self.timings, "capture CUDA graphs"):
-                    self.runner.capture_decode_graphs(cuda_graph_sizes(model.prepared.plan),
-                                                      -(-self.max_model_len // config.block_size))
+                    plan = model.prepared.plan
+                    self.runner.capture_cuda_graphs(cuda_graph_sizes(plan), -(-self.max_model_len // config.block_size),
+                                                    mixed_graph_token_sizes(config, plan, bool(kv.states)),
+                                                    plan.max_num_seqs)
         self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
 
     def _calibrate_kv_scales(self, config: EngineConfig, model: LoadedModel) -> dict[str, torch.Tensor]:

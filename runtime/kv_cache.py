@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from kiln.compiler.buckets import BucketPlan
+from kiln.compiler.buckets import BucketPlan, mixed_graph_sizes
 from kiln.compiler.graph_inputs import StepInputs, single_prefill_step
 from kiln.kernels.recurrent_states import RECURRENT_ONLY_KINDS, allocate_state_caches, layer_kinds, state_bytes_per_slot
 from kiln.kernels.paged_attention import caches_latent, kv_heads_and_head_dim, kv_planes, kv_sharing
@@ -260,3 +260,14 @@ def build_kv_cache(config: EngineConfig, model_config: Any, dtype: torch.dtype, 
 def cuda_graph_sizes(plan: BucketPlan) -> list[int]:
     """Decode batch sizes to capture: the plan's decode buckets."""
     return sorted({b.num_seqs for b in plan.buckets() if b.kind == "decode"})
+
+
+def mixed_graph_token_sizes(config: EngineConfig, plan: BucketPlan, has_states: bool) -> list[int]:
+    """Token counts of the mixed-step graphs to capture (kiln.compiler.buckets.mixed_graph_sizes,
+    up to `config.cuda_graph_mixed_tokens` and the step budget); none for models with
+    recurrent layers, whose mixed steps read the chunks' lengths on the host
+    (kiln.kernels.recurrent_steps), which no graph can."""
+    limit = min(int(config.cuda_graph_mixed_tokens or 0), plan.max_num_batched_tokens)
+    if has_states:
+        return []
+    return mixed_graph_sizes(limit)

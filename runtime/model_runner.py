@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kiln.compiler.buckets import Bucket, BucketPlan, decode_bucket
+from kiln.compiler.buckets import Bucket, BucketPlan, decode_bucket, mixed_bucket
 from kiln.compiler.graph_inputs import (
     BATCH_INPUTS, StepInputs, batch_slots, bind, bucket_sizes, copy_into, empty_step, single_prefill_step,
 )
@@ -117,9 +117,9 @@ def pad_step_inputs(inputs: StepInputs, bucket: Bucket) -> StepInputs:
 
 
 @dataclass
-class DecodeStaging:
-    """The batch inputs of one captured decode graph: device views the graph reads, packed
-    by dtype into two flat buffers, and pinned host mirrors of them.
+class StepStaging:
+    """The batch inputs of one captured graph (a decode or mixed bucket): device views the
+    graph reads, packed by dtype into two flat buffers, and pinned host mirrors of them.
 
     A step writes its (CPU) inputs into the host views and issues one asynchronous copy per
     dtype, instead of one synchronous copy per tensor from pageable memory. The pinned
@@ -134,9 +134,9 @@ class DecodeStaging:
     copied: Any  # torch.cuda.Event recorded after the last upload's copies (None on CPU)
 
     @staticmethod
-    def allocate(batch: int, max_blocks_per_seq: int, device: torch.device) -> "DecodeStaging":
+    def allocate(bucket: Bucket, max_blocks_per_seq: int, device: torch.device) -> "StepStaging":
         # One flat buffer per dtype: a step's inputs reach the device in one copy per dtype.
-        initial = empty_step(bucket_sizes(batch, batch, batch, max_blocks_per_seq))
+        initial = empty_step(bucket_sizes(bucket.num_tokens, bucket.num_seqs, bucket.num_samples, max_blocks_per_seq))
         dev_views: dict[str, torch.Tensor] = {}
         host_views: dict[str, torch.Tensor] = {}
         dev_flat, host_flat = [], []
@@ -160,10 +160,10 @@ class DecodeStaging:
         if device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return DecodeStaging(dev_views, host_views, dev_flat, host_flat, event)
+        return StepStaging(dev_views, host_views, dev_flat, host_flat, event)
 
     def upload(self, inputs: StepInputs) -> None:
-        """Copy a step's CPU inputs (padded to this batch) into the graph's device buffers."""
+        """Copy a step's CPU inputs (padded to this bucket) into the graph's device buffers."""
         if self.copied is not None:
             self.copied.synchronize()
         for name, value in inputs.items():
@@ -247,7 +247,7 @@ class ModelRunner:
         return ModelRunner(graph_fn, roles, named, named, self.kv_caches, self.device, bucket_fns=bucket_fns, plan=plan,
                            states=self.states)
 
-    # ---- CUDA graphs for decode steps ------------------------------------------------------
+    # ---- CUDA graphs: decode steps, and mixed steps up to a token count -------------------
     def _step_fn(self, bucket: Bucket) -> Callable[..., Any]:
         """The callable that runs a step of `bucket`'s shape, taking the batch tensors by name."""
         if self.bucket_fns is not None:
@@ -269,48 +269,89 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def capture_decode_graphs(self, sizes: list[int], max_blocks_per_seq: int) -> dict[str, float]:
-        """Capture one CUDA graph per decode bucket (largest first, one memory pool).
+    def capture_cuda_graphs(self, decode_sizes: list[int], max_blocks_per_seq: int, mixed_sizes: list[int] = (),
+                            max_num_seqs: int = 1) -> dict[str, float]:
+        """Capture one CUDA graph per decode bucket and per mixed bucket (largest first, one
+        memory pool; kiln.compiler.buckets).
 
         A decode step then costs one graph replay: the whole model, attention included,
-        without a Python op dispatch per layer. Block tables are captured at their full
-        width (max_model_len / block_size) so that one graph serves every context length.
-        Each graph's batch inputs live in two flat device buffers (int64 and int32) mirrored
-        by pinned host buffers, so a step's inputs reach the GPU in two asynchronous copies
-        (`DecodeStaging`). Returns the seconds each capture took, by bucket name.
+        without a Python op dispatch per layer; so does a mixed step (prefill chunks beside
+        decodes) of at most max(mixed_sizes) tokens, padded to its mixed bucket (N tokens,
+        min(N - 1, max_num_seqs) sequences and sampled rows). Mixed graphs need the post-pass
+        graph itself (graph mode): compiled artifacts exist for the plan's buckets only, so
+        with them `mixed_sizes` is ignored. Block tables are captured at their full width
+        (max_model_len / block_size) so that one graph serves every context length. Each
+        graph's batch inputs live in two flat device buffers (int64 and int32) mirrored by
+        pinned host buffers, so a step's inputs reach the GPU in two asynchronous copies
+        (`StepStaging`). Returns the seconds each capture took, by bucket name.
         """
         from kiln.runtime.cuda_graphs import BucketGraphs
 
+        if self.bucket_fns is not None and mixed_sizes:
+            logger.info("no CUDA graphs for mixed steps: they need the post-pass graph, and this engine runs "
+                        "compiled artifacts")
+            mixed_sizes = []
+        decode = [decode_bucket(b) for b in decode_sizes]
+        mixed = sorted((mixed_bucket(t, max_num_seqs) for t in mixed_sizes), key=lambda b: -b.num_tokens)
         graphs = BucketGraphs(self.device)
-        self._decode_staging = {b: DecodeStaging.allocate(b, max_blocks_per_seq, self.device) for b in sizes}
-        static = {b: self._decode_staging[b].device for b in sizes}
-        graphs.capture_all({b: self._step_fn(decode_bucket(b)) for b in sizes}, static)
-        self._decode_graphs = graphs
-        self._decode_graph_sizes = sorted(sizes)
-        return {decode_bucket(b).name: s for b, s in graphs.capture_seconds.items()}
+        self._graph_staging = {b: StepStaging.allocate(b, max_blocks_per_seq, self.device) for b in decode + mixed}
+        graphs.capture_all({b: self._step_fn(b) for b in decode}, {b: self._graph_staging[b].device for b in decode},
+                           size=lambda b: b.num_seqs)
+        captured_mixed = []
+        for bucket in mixed:  # after the decode graphs: a failure here leaves those as they are
+            try:
+                graphs.capture(bucket, self._step_fn(bucket), self._graph_staging[bucket].device)
+            except Exception as e:  # an op of this model's mixed steps that a graph cannot hold
+                torch.cuda.synchronize(self.device)  # (raises if the failure left the device unusable)
+                logger.warning("mixed steps run without CUDA graphs: capturing bucket %s failed (%s: %s)",
+                               bucket.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                captured_mixed = []
+                break
+            captured_mixed.append(bucket)
+        if captured_mixed:
+            logger.info("captured %d mixed-step CUDA graphs in %.2fs (up to %d tokens)", len(captured_mixed),
+                        sum(graphs.capture_seconds[b] for b in captured_mixed), captured_mixed[0].num_tokens)
+        for bucket in mixed:
+            if bucket not in captured_mixed:
+                graphs.buckets.pop(bucket, None)
+                graphs.capture_seconds.pop(bucket, None)
+                self._graph_staging.pop(bucket, None)
+        self._graphs = graphs
+        self._decode_graph_sizes = sorted(decode_sizes)
+        self._mixed_graph_buckets = sorted(captured_mixed, key=lambda b: b.num_tokens)
+        return {b.name: s for b, s in graphs.capture_seconds.items()}
 
-    def _replay_decode(self, inputs: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
-        graphs = getattr(self, "_decode_graphs", None)
+    def _graph_bucket(self, num_tokens: int, num_seqs: int, num_samples: int) -> Bucket | None:
+        """The captured bucket a step of these sizes replays in, or None (run it without a graph)."""
+        if num_tokens == num_seqs == num_samples:
+            size = next((n for n in self._decode_graph_sizes if n >= num_seqs), None)
+            return None if size is None else decode_bucket(size)
+        if num_tokens == num_seqs:
+            return None  # decode-shaped but sampling other rows (prompt logprobs): no graph has them
+        return next((b for b in self._mixed_graph_buckets
+                     if num_tokens <= b.num_tokens and num_seqs <= b.num_seqs and num_samples <= b.num_samples), None)
+
+    def _replay_graph(self, inputs: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        graphs = getattr(self, "_graphs", None)
         if graphs is None:
             return None
-        t, b, s = inputs.input_ids.shape[1], inputs.seq_lens.shape[0], inputs.logits_indices.shape[0]
-        if not (t == b == s):
-            return None  # prefill or mixed step: run the bucket's artifact (or the FX graph) directly
-        size = next((n for n in self._decode_graph_sizes if n >= b), None)
-        if size is None:
-            return None
-        padded = pad_step_inputs(inputs, decode_bucket(size))
-        self.bucket_counts[f"cudagraph-decode-{size}"] = self.bucket_counts.get(f"cudagraph-decode-{size}", 0) + 1
-        staging = self._decode_staging[size]
+        s = inputs.logits_indices.shape[0]
+        bucket = self._graph_bucket(inputs.input_ids.shape[1], inputs.seq_lens.shape[0], s)
+        if bucket is None:
+            return None  # run the bucket's artifact (or the FX graph) directly
+        padded = pad_step_inputs(inputs, bucket)
+        counter = f"cudagraph-{bucket.name}"
+        self.bucket_counts[counter] = self.bucket_counts.get(counter, 0) + 1
+        staging = self._graph_staging[bucket]
         if padded.input_ids.device.type == "cpu":
             staging.upload(padded)  # two async copies through pinned memory
             if input_ids is not None:  # after the upload on the stream: it overwrites the placeholders
                 staging.device["input_ids"][0, : input_ids.shape[0]].copy_(input_ids)
-            logits = graphs.replay(size, {})
+            logits = graphs.replay(bucket, {})
         else:  # already on the device (callers that built device inputs): copy buffer by buffer
             if input_ids is not None:
                 padded.input_ids[0, : input_ids.shape[0]].copy_(input_ids)
-            logits = graphs.replay(size, padded.as_dict())
+            logits = graphs.replay(bucket, padded.as_dict())
         return logits[0, :s].float()  # a copy: the static output is overwritten by the next replay
 
     @torch.inference_mode()
@@ -322,7 +363,7 @@ class ModelRunner:
         """
         if input_ids is not None and input_ids.shape[0] != inputs.input_ids.shape[1]:
             raise ValueError(f"{input_ids.shape[0]} device input ids for a step of {inputs.input_ids.shape[1]} tokens")
-        replayed = self._replay_decode(inputs, input_ids)
+        replayed = self._replay_graph(inputs, input_ids)
         if replayed is not None:
             return replayed
         if inputs.input_ids.device.type != self.device.type:

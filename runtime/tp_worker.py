@@ -25,7 +25,8 @@ from kiln.compiler.model_source import resolve_model
 from kiln.kernels.collectives import (OneShotAllReduce, disable_one_shot_all_reduce,
                                         enable_one_shot_all_reduce)
 from kiln.runtime.config import EngineConfig
-from kiln.runtime.kv_cache import allocate_kv_cache, allocate_states, cuda_graph_sizes, size_kv_cache
+from kiln.runtime.kv_cache import (allocate_kv_cache, allocate_states, cuda_graph_sizes, mixed_graph_token_sizes,
+                                   size_kv_cache)
 from kiln.runtime.kv_scale_calibration import kv_scales_at_startup
 from kiln.runtime.model_loading import load_model, peak_memory
 
@@ -130,8 +131,9 @@ class RankWorker:
                                             self.spec.max_model_len, num_blocks, self.timings)
         if self.device.type == "cuda" and not config.enforce_eager:
             t0 = time.perf_counter()
-            self.runner.capture_decode_graphs(cuda_graph_sizes(self.model.prepared.plan),
-                                              -(-self.spec.max_model_len // config.block_size))
+            plan = self.model.prepared.plan
+            self.runner.capture_cuda_graphs(cuda_graph_sizes(plan), -(-self.spec.max_model_len // config.block_size),
+                                            mixed_graph_token_sizes(config, plan, bool(self.states)), plan.max_num_seqs)
             self.timings["capture CUDA graphs"] = time.perf_counter() - t0
         return {"memory_with_kv_cache": peak_memory(self.device), "kv_scales": kv_scales}
 

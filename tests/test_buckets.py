@@ -7,7 +7,7 @@ import torch
 
 from kiln.compiler.buckets import (
     DECODE, TOKENS, BucketPlanError, decode_bucket, default_decode_sizes, default_token_sizes, make_bucket_plan,
-    parse_bucket_spec, token_bucket,
+    mixed_bucket, mixed_graph_sizes, parse_bucket_spec, token_bucket,
 )
 
 
@@ -24,6 +24,39 @@ def test_default_plan_sizes():
     assert plan.tokens[0].num_seqs == 16 and plan.tokens[-1].num_seqs == 64
     # Decode buckets are capped by the token budget too (a decode of N sequences is N tokens).
     assert max(b.num_seqs for b in make_bucket_plan(64, 8).decode) == 8
+
+
+def test_mixed_graph_buckets_have_fewer_sequences_than_tokens():
+    """A mixed step has a chunk of two or more tokens, so fewer sequences than tokens: its
+    bucket has N - 1 sequence rows (capped by max_num_seqs), so its attention never takes the
+    decode kernel's one-token-at-a-time path, and a decode-shaped step never fits it."""
+    assert mixed_graph_sizes(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert mixed_graph_sizes(300) == [64, 128, 256, 300]
+    assert mixed_graph_sizes(64) == [64] and mixed_graph_sizes(63) == [] and mixed_graph_sizes(0) == []
+    b = mixed_bucket(256, 1024)
+    assert (b.name, b.num_tokens, b.num_seqs, b.num_samples) == ("mixed-256", 256, 255, 255)
+    assert mixed_bucket(2048, 1024).num_seqs == 1024
+    assert b.fits(256, 255) and b.fits(100, 3) and not b.fits(100, 100) and not b.fits(257, 3)
+
+
+def test_the_runner_picks_the_smallest_captured_graph():
+    """Which captured graph a step replays (ModelRunner._graph_bucket; the capture itself
+    needs CUDA, tests/test_gpu_engine.py): decodes the smallest decode graph that holds them,
+    mixed steps the smallest mixed graph holding their tokens, sequences and sampled rows,
+    and anything larger (or decode-shaped with extra rows: prompt logprobs) none."""
+    from kiln.runtime.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)  # the selection reads these two tables alone
+    runner._decode_graph_sizes = [1, 2, 4, 8]
+    runner._mixed_graph_buckets = [mixed_bucket(n, 8) for n in (64, 128)]
+    assert runner._graph_bucket(3, 3, 3) == decode_bucket(4)
+    assert runner._graph_bucket(9, 9, 9) is None
+    assert runner._graph_bucket(3, 3, 5) is None
+    assert runner._graph_bucket(40, 5, 5).name == "mixed-64"
+    assert runner._graph_bucket(65, 2, 2).name == "mixed-128"
+    assert runner._graph_bucket(100, 9, 9) is None  # more sequences than max_num_seqs allows a graph
+    assert runner._graph_bucket(100, 2, 20) is None  # prompt logprobs' rows
+    assert runner._graph_bucket(129, 2, 2) is None
 
 
 def test_bucket_for_picks_smallest_fitting():

@@ -29,6 +29,44 @@ def test_cuda_graph_decode_matches_eager_and_hf(tiny_model_dir) -> None:
         assert toks == ref[0, len(prompt):].tolist()
 
 
+def test_mixed_step_graphs_match_eager(tiny_model_dir) -> None:
+    """Mixed steps (prefill chunks beside decodes) replayed from their CUDA graphs, padded to
+    a mixed bucket, give the eager engine's tokens, with async scheduling's continuations
+    (their input ids scattered on the device) among them; prompt logprobs, whose rows no
+    graph has, still run eagerly."""
+    path, _ = tiny_model_dir("llama")
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+    eager = LLM(str(path), enforce_eager=True, **common)
+    graphed = LLM(str(path), cuda_graph_mixed_tokens=64, **common)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    # Arriving one after another, so most steps bring a new prompt's chunks to running decodes.
+    engine = graphed.engine
+    outs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        step()
+    while engine.has_unfinished():
+        step()
+    assert [outs[str(i)] for i in range(len(prompts))] == want
+    counts = engine.runner.bucket_counts
+    mixed = {k: v for k, v in counts.items() if k.startswith("cudagraph-mixed")}
+    assert sum(mixed.values()) >= 3, counts
+    assert not any(k.startswith("tokens-") for k in counts)  # graph mode runs no artifacts
+    logprob_params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    got = graphed.generate([prompts[0]], logprob_params)[0]
+    ref = eager.generate([prompts[0]], logprob_params)[0]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert len(got.prompt_logprobs) == len(ref.prompt_logprobs)
+
+
 def test_kv_cache_is_sized_from_profiled_memory(tiny_model_dir) -> None:
     path, _ = tiny_model_dir("llama")
     llm = LLM(str(path), device="cuda", dtype="float32", max_model_len=512, max_num_seqs=4,

@@ -17,7 +17,7 @@ from kiln.compiler.pass_testing import random_weights
 from kiln.compiler.pipeline import build_model_graph
 from kiln.passes.weight_transforms import apply_weight_transforms
 from kiln.runtime.kv_cache import allocate_kv_caches
-from kiln.runtime.model_runner import DecodeStaging, ModelRunner, pad_step_inputs
+from kiln.runtime.model_runner import ModelRunner, StepStaging, pad_step_inputs
 
 
 def test_roles_parse_and_reject_unknown_kinds() -> None:
@@ -101,7 +101,7 @@ def test_a_new_batch_input_reaches_runner_compiler_and_staging(demo_input: Batch
     assert args[-1].shape == (4,) and args[-1].dtype == torch.int32 and dynamic[-1] is None
 
     # CUDA-graph staging gives it a buffer, packed with the other int32 inputs, and uploads it.
-    staging = DecodeStaging.allocate(4, 8, torch.device("cpu"))
+    staging = StepStaging.allocate(bucket, 8, torch.device("cpu"))
     assert staging.device["demo_bias"].tolist() == [1, 1, 1, 1]
     padded = pad_step_inputs(StepInputs(empty_step(bucket_sizes(1, 1, 1, 2)), demo_bias=torch.tensor([5], dtype=torch.int32)), bucket)
     staging.upload(padded)
