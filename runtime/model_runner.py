@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -269,10 +270,10 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self, decode_sizes: list[int], max_blocks_per_seq: int, mixed_sizes: list[int] = (),
-                            max_num_seqs: int = 1) -> dict[str, float]:
-        """Capture one CUDA graph per decode bucket and per mixed bucket (largest first, one
-        memory pool; kiln.compiler.buckets).
+    def capture_cuda_graphs(self, decode_sizes: Sequence[int], max_blocks_per_seq: int,
+                            mixed_sizes: Sequence[int] = (), max_num_seqs: int = 1) -> dict[str, float]:
+        """Capture one CUDA graph per decode bucket, then one per mixed bucket (each kind
+        largest first, all in one memory pool; kiln.compiler.buckets).
 
         A decode step then costs one graph replay: the whole model, attention included,
         without a Python op dispatch per layer; so does a mixed step (prefill chunks beside
@@ -297,7 +298,7 @@ class ModelRunner:
         self._graph_staging = {b: StepStaging.allocate(b, max_blocks_per_seq, self.device) for b in decode + mixed}
         graphs.capture_all({b: self._step_fn(b) for b in decode}, {b: self._graph_staging[b].device for b in decode},
                            size=lambda b: b.num_seqs)
-        captured_mixed = []
+        captured_mixed: list[Bucket] = []
         for bucket in mixed:  # after the decode graphs: a failure here leaves those as they are
             try:
                 graphs.capture(bucket, self._step_fn(bucket), self._graph_staging[bucket].device)
