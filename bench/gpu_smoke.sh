@@ -17,6 +17,7 @@
 #                                         fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
 #                                         mamba_latency w8a8_defaults moe_routers moe_deepseek_v2_lite profile_inductor
+#                                         serve_mixed_graphs_ab
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests latency throughput startup)
 #
@@ -412,6 +413,13 @@ for stage in $STAGES; do
     serve_fp8)  # the same with FP8 weights and KV cache (needs the FP8 path: --quantization, --kv-cache-dtype)
       run_stage serve_fp8 580 $PY bench/serve.py --preset h200-llama3-8b --quantization fp8 --kv-cache-dtype fp8 \
         --out "$OUT/serve_fp8.json" ;;
+    serve_mixed_graphs_ab)  # the serving table's setting at two rates (SERVE_AB_RATES, default 8,16) with the
+                            # mixed-step CUDA graphs at 512 tokens, then off (--cuda-graph-mixed-tokens; ~8 min)
+      for tokens in ${SERVE_AB_ORDER:-512 0}; do
+        run_stage "serve_mixed_graphs_$tokens" 280 $PY bench/serve.py --preset h200-llama3-8b --no-baseline \
+          --rates "${SERVE_AB_RATES:-8,16}" --serve-arg=--cuda-graph-mixed-tokens="$tokens" \
+          --out "$OUT/serve_mixed_graphs_$tokens.json"
+      done ;;
     serve_plot)
       run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
         --out "$OUT/serve.png" ;;
