@@ -39,6 +39,21 @@ def test_mixed_graph_buckets_have_fewer_sequences_than_tokens():
     assert b.fits(256, 255) and b.fits(100, 3) and not b.fits(100, 100) and not b.fits(257, 3)
 
 
+def test_the_engine_asks_for_mixed_graphs_within_its_step_budget():
+    """`cuda_graph_mixed_tokens` is capped by the step budget, 0 asks for none, and a model with
+    recurrent layers gets none (its mixed steps read chunk lengths on the host)."""
+    from kiln.runtime.config import EngineConfig
+    from kiln.runtime.kv_cache import mixed_graph_token_sizes
+
+    plan = make_bucket_plan(64, 256)
+    assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=300), plan, False) == [64, 128, 256]
+    assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=128), plan, False) == [64, 128]
+    assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=128), plan, True) == []
+    assert mixed_graph_token_sizes(EngineConfig(), plan, False) == []  # off by default
+    with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
+        EngineConfig(cuda_graph_mixed_tokens=-1)
+
+
 def test_the_runner_picks_the_smallest_captured_graph():
     """Which captured graph a step replays (ModelRunner._graph_bucket; the capture itself
     needs CUDA, tests/test_gpu_engine.py): decodes the smallest decode graph that holds them,
