@@ -267,7 +267,6 @@ def mixed_graph_token_sizes(config: EngineConfig, plan: BucketPlan, has_states: 
     up to `config.cuda_graph_mixed_tokens` and the step budget); none for models with
     recurrent layers, whose mixed steps read the chunks' lengths on the host
     (kiln.kernels.recurrent_steps), which no graph can."""
-    limit = min(int(config.cuda_graph_mixed_tokens or 0), plan.max_num_batched_tokens)
     if has_states:
         return []
-    return mixed_graph_sizes(limit)
+    return mixed_graph_sizes(min(config.cuda_graph_mixed_tokens, plan.max_num_batched_tokens))
