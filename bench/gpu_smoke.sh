@@ -17,7 +17,7 @@
 #                                         fp8_70b tp70b_fp8 gpt_oss_tests moe_gpt_oss_20b
 #                                         moe_llama4_scout latent_kernel_ab tune_latent moe_qwen3_next olmo2_latency
 #                                         mamba_latency w8a8_defaults moe_routers moe_deepseek_v2_lite profile_inductor
-#                                         serve_mixed_graphs_ab
+#                                         serve_mixed_graphs_ab profile_capture
 #                                         gemv_tuned_ab (GEMV_TUNED=<a tune_gemv.py --fp8 result>)
 #                                         (default: tests latency throughput startup)
 #
@@ -420,6 +420,10 @@ for stage in $STAGES; do
           --rates "${SERVE_AB_RATES:-8,16}" --serve-arg=--cuda-graph-mixed-tokens="$tokens" \
           --out "$OUT/serve_mixed_graphs_$tokens.json"
       done ;;
+    profile_capture)  # where a warm start's CUDA-graph capture goes, per graph and function, with the mixed-step
+                      # graphs (CAPTURE_MIXED_TOKENS, default 512; AQ3: ~0.42 s each against ~0.08 s a decode graph)
+      run_stage profile_capture 400 $PY bench/profile_capture.py --cuda-graph-mixed-tokens "${CAPTURE_MIXED_TOKENS:-512}" \
+        --out "$OUT/profile_capture.json" ;;
     serve_plot)
       run_stage serve_plot 120 $PY bench/plot_results.py --serve $(ls "$OUT"/serve.json "$OUT"/serve_fp8.json 2>/dev/null) \
         --out "$OUT/serve.png" ;;

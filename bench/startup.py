@@ -66,6 +66,7 @@ def child_kiln(args: argparse.Namespace) -> dict[str, Any]:
         dynamo_frames = sum(counters["frames"].values())
     return {"import_s": imported - PROCESS_START, "ready_s": ready - imported, "first_token_s": first - ready,
             "process_to_first_token_s": first - PROCESS_START, "phases": dict(llm.engine.timings),
+            "graph_capture_s": dict(llm.engine.graph_capture_seconds),
             "startup": llm.engine.startup_report.summary(),
             "compiles": {"triton_kernels": triton.compiled, "triton_from_disk": triton.from_disk,
                          "triton_modules_built": triton.modules_built,
@@ -89,6 +90,12 @@ def child_hf(args: argparse.Namespace) -> dict[str, Any]:
             "process_to_first_token_s": first - PROCESS_START}
 
 
+def mixed_graph_flag(args: argparse.Namespace) -> list[str]:
+    """--cuda-graph-mixed-tokens for the children and `kiln compile` when given (else their default)."""
+    tokens = args.cuda_graph_mixed_tokens
+    return [] if tokens is None else ["--cuda-graph-mixed-tokens", str(tokens)]
+
+
 def run_child(args: argparse.Namespace, kind: str, env: dict[str, str], cache_dir: str | None = None,
               require_cache: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--load-format", args.load_format,
@@ -98,6 +105,7 @@ def run_child(args: argparse.Namespace, kind: str, env: dict[str, str], cache_di
     for flag, value in (("--decode-buckets", args.decode_buckets), ("--token-buckets", args.token_buckets)):
         if value:
             cmd += [flag, value]
+    cmd += mixed_graph_flag(args)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -145,6 +153,7 @@ def main() -> None:
     buckets = [f"decode:{args.decode_buckets}"] if args.decode_buckets else []
     buckets += [f"tokens:{args.token_buckets}"] if args.token_buckets else []
     cmd += ["--buckets", *buckets] if buckets else []
+    cmd += mixed_graph_flag(args)  # the cache's Triton-kernel entry is keyed by the mixed graphs' sizes
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=fresh_env("compile"), capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:

@@ -121,3 +121,19 @@ class BucketGraphs:
                 raise CudaGraphError(f"bucket {bucket!r}: input {name!r}: {e}") from None
         captured.graph.replay()
         return captured.output
+
+
+def capture_seconds_by_kind(seconds: Mapping[str, float]) -> str:
+    """A start-up log's summary of per-graph capture seconds (by bucket name, `kind-size`):
+    per kind the count, the total and the slowest graph, e.g. "decode 28 graphs 2.05s
+    (slowest decode-1024 0.21s)". Mixed-step graphs cost several times a decode graph's
+    each on an H100 (bench/RESULTS.md, AQ3), so the kinds are told apart."""
+    by_kind: dict[str, dict[str, float]] = {}
+    for name, s in seconds.items():
+        by_kind.setdefault(name.rsplit("-", 1)[0], {})[name] = s
+    parts = []
+    for kind, graphs in by_kind.items():
+        slowest = max(graphs, key=lambda n: graphs[n])
+        parts.append(f"{kind} {len(graphs)} graph{'s' if len(graphs) != 1 else ''} {sum(graphs.values()):.2f}s "
+                     f"(slowest {slowest} {graphs[slowest]:.2f}s)")
+    return ", ".join(parts) or "none"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.compiler.graph_inputs import copy_into
-from kiln.runtime.cuda_graphs import BucketGraphs, CudaGraphError
+from kiln.runtime.cuda_graphs import BucketGraphs, CudaGraphError, capture_seconds_by_kind
 
 
 def test_copy_padded_fills_what_the_input_leaves():
@@ -18,6 +18,12 @@ def test_copy_padded_fills_what_the_input_leaves():
     assert buf.tolist() == [[1, 1, 0], [1, 1, 0], [0, 0, 0], [0, 0, 0]]
     with pytest.raises(ValueError, match="does not fit"):
         copy_into(buf, torch.ones(5, 3, dtype=torch.int32), 0)
+
+
+def test_capture_seconds_summed_by_kind_with_the_slowest_graph():
+    line = capture_seconds_by_kind({"decode-1": 0.05, "decode-64": 0.25, "decode-8": 0.1, "mixed-512": 0.75})
+    assert line == "decode 3 graphs 0.40s (slowest decode-64 0.25s), mixed 1 graph 0.75s (slowest mixed-512 0.75s)"
+    assert capture_seconds_by_kind({}) == "none"
 
 
 def test_cpu_device_is_refused():
