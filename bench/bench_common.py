@@ -80,6 +80,24 @@ def bucket_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def bucket_flags(args: argparse.Namespace, for_compile: bool = False) -> list[str]:
+    """The same options as command-line flags, for a child process of the script (its own
+    parser's `--decode-buckets`, ...) or for `kiln compile` (`--buckets decode:... tokens:...`),
+    so that a cache built by one is the one the other looks up (mixed graphs' sizes included:
+    they key the Triton-kernel entry)."""
+    flags: list[str] = []
+    if for_compile:
+        plan = [f"decode:{args.decode_buckets}"] if args.decode_buckets else []
+        plan += [f"tokens:{args.token_buckets}"] if args.token_buckets else []
+        flags += ["--buckets", *plan] if plan else []
+    else:
+        flags += ["--decode-buckets", args.decode_buckets] if args.decode_buckets else []
+        flags += ["--token-buckets", args.token_buckets] if args.token_buckets else []
+    if getattr(args, "cuda_graph_mixed_tokens", None) is not None:
+        flags += ["--cuda-graph-mixed-tokens", str(args.cuda_graph_mixed_tokens)]
+    return flags
+
+
 def environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,

@@ -9,6 +9,8 @@ from the moment `ModelRunner.capture_cuda_graphs` is entered to its return. The 
 each graph's capture seconds (`BucketGraphs.capture`: its warm-up run, the capture, the
 synchronize after it), their sums by kind, and the functions with the most cumulative time
 inside the capture phase: host time, where a `synchronize` stands for the device's work.
+The seconds are the profiler's (each Python call costs more under it): bench/startup.py's
+`graph_capture_s` gives them without.
 Why: mixed-step graphs took ~0.42 s each against ~0.08 s for a decode graph in AQ3
 (bench/RESULTS.md), which keeps `cuda_graph_mixed_tokens` off by default.
 """
@@ -73,26 +75,19 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="kiln-capture-"))
     cache = work / "kiln-cache"
-    mixed = [] if args.cuda_graph_mixed_tokens is None else ["--cuda-graph-mixed-tokens", str(args.cuda_graph_mixed_tokens)]
 
     def env(name: str) -> dict[str, str]:
         return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / name / "inductor"),
                 "TRITON_CACHE_DIR": str(work / name / "triton")}
 
-    common = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype,
-              "--device", args.device, *mixed]
-    buckets = [f"decode:{args.decode_buckets}"] if args.decode_buckets else []
-    buckets += [f"tokens:{args.token_buckets}"] if args.token_buckets else []
-    child_buckets = ["--decode-buckets", args.decode_buckets] if args.decode_buckets else []
-    child_buckets += ["--token-buckets", args.token_buckets] if args.token_buckets else []
+    common = ["--model", args.model, "--load-format", args.load_format, "--dtype", args.dtype, "--device", args.device]
     t0 = time.perf_counter()
     built = subprocess.run([sys.executable, "-m", "kiln.runtime.cli", "compile", *common, "--cache-dir", str(cache),
-                            *(["--buckets", *buckets] if buckets else [])],
-                           env=env("compile"), capture_output=True, text=True)
+                            *bc.bucket_flags(args, for_compile=True)], env=env("compile"), capture_output=True, text=True)
     if built.returncode != 0:
         raise SystemExit(f"kiln compile failed (exit {built.returncode}):\n{built.stderr[-4000:]}")
     compile_s = time.perf_counter() - t0
-    proc = subprocess.run([sys.executable, __file__, "--child", *common, *child_buckets, "--cache-dir", str(cache),
+    proc = subprocess.run([sys.executable, __file__, "--child", *common, *bc.bucket_flags(args), "--cache-dir", str(cache),
                            "--top", str(args.top)], env=env("warm"), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the warm start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -90,22 +90,13 @@ def child_hf(args: argparse.Namespace) -> dict[str, Any]:
             "process_to_first_token_s": first - PROCESS_START}
 
 
-def mixed_graph_flag(args: argparse.Namespace) -> list[str]:
-    """--cuda-graph-mixed-tokens for the children and `kiln compile` when given (else their default)."""
-    tokens = args.cuda_graph_mixed_tokens
-    return [] if tokens is None else ["--cuda-graph-mixed-tokens", str(tokens)]
-
-
 def run_child(args: argparse.Namespace, kind: str, env: dict[str, str], cache_dir: str | None = None,
               require_cache: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--model", args.model, "--load-format", args.load_format,
            "--dtype", args.dtype, "--cache-dir", cache_dir or args.cache_dir, "--device", args.device]
     cmd += (["--require-cache"] if require_cache else []) + (["--max-num-seqs", str(args.max_num_seqs)]
                                                              if args.max_num_seqs else [])
-    for flag, value in (("--decode-buckets", args.decode_buckets), ("--token-buckets", args.token_buckets)):
-        if value:
-            cmd += [flag, value]
-    cmd += mixed_graph_flag(args)
+    cmd += bc.bucket_flags(args)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -150,10 +141,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "kiln.runtime.cli", "compile", "--model", args.model, "--load-format",
            args.load_format, "--dtype", args.dtype, "--device", args.device, "--cache-dir", str(built)]
     cmd += ["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []
-    buckets = [f"decode:{args.decode_buckets}"] if args.decode_buckets else []
-    buckets += [f"tokens:{args.token_buckets}"] if args.token_buckets else []
-    cmd += ["--buckets", *buckets] if buckets else []
-    cmd += mixed_graph_flag(args)  # the cache's Triton-kernel entry is keyed by the mixed graphs' sizes
+    cmd += bc.bucket_flags(args, for_compile=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=fresh_env("compile"), capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
