@@ -136,15 +136,14 @@ def profile_batch(engine: Any, batch: int, prompt_len: int, vocab: int, steps: i
     inputs = prepare_step_inputs(sched, engine.block_manager, engine.device)
     graphs = getattr(runner, "_graphs", None)
     if graphs is not None:
-        size = next(n for n in runner._decode_graph_sizes if n >= batch)
-        bucket = decode_bucket(size)
+        bucket = runner._graph_bucket(batch, batch, batch)  # the decode graph this batch replays
         padded = pad_step_inputs(inputs, bucket).as_dict()
         captured = graphs.buckets[bucket]
         graphs.replay(bucket, padded)
         out["replay_ms"] = _time_cuda(captured.graph.replay, steps)
         out["replay_with_input_copies_ms"] = _time_cuda(lambda: graphs.replay(bucket, padded), steps)
         out["host_gap_ms"] = out["step_ms"] - out["replay_ms"]
-        out["graph_bucket"] = size
+        out["graph_bucket"] = bucket.num_seqs
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as replay_prof:
             for _ in range(5):

@@ -162,9 +162,10 @@ def main() -> None:
         qsl = inputs.query_start_loc.tolist()  # CPU tensors here: no device sync
         chunk = [qsl[i + 1] - qsl[i] for i in range(b)]
         decodes, real = sum(1 for n in chunk if n == 1), sum(1 for n in chunk if n > 0)
-        kind = "decode-graph" if t == b == s and b <= max(runner._decode_graph_sizes) else (
+        bucket = runner._graph_bucket(t, b, s)  # the captured graph the step replays, if any
+        kind = "decode-graph" if bucket is not None and bucket.kind == "decode" else (
             "decode" if decodes == real else "prefill" if decodes == 0 else "mixed")
-        if kind in ("mixed", "prefill") and runner._graph_bucket(t, b, s) is not None:
+        if kind in ("mixed", "prefill") and bucket is not None:
             kind += "-graph"  # replayed from a mixed-step CUDA graph
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -25,7 +25,6 @@ from kiln.compiler.model_source import ModelSource, resolve_model, resolve_token
 from kiln.compiler.pipeline import ModelGraph
 from kiln.compiler.startup import PreparedModel, config_lookup, timed, triton_kernels_at_startup
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.cuda_graphs import capture_seconds_by_kind
 from kiln.runtime.config import EngineConfig
 from kiln.runtime.kv_cache import (build_kv_cache, cuda_graph_sizes, kv_bytes_per_token, mixed_graph_token_sizes,
                                    run_token_buckets)
@@ -126,7 +125,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.timings: dict[str, float] = {}
-        # Seconds each CUDA graph's capture took, by bucket name (start-up logs sum them by kind).
+        # Seconds each CUDA graph's capture took, by bucket name (the runner logs them by kind).
         self.graph_capture_seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         self.device = config.resolved_device()
@@ -237,7 +236,6 @@ class LLMEngine:
                     self.graph_capture_seconds = self.runner.capture_cuda_graphs(
                         cuda_graph_sizes(plan), -(-self.max_model_len // config.block_size),
                         mixed_graph_token_sizes(config, plan, bool(kv.states)), plan.max_num_seqs)
-                logger.info("CUDA graph capture by kind: %s", capture_seconds_by_kind(self.graph_capture_seconds))
         self.timings.update({k: v for k, v in self.startup_report.timings.items() if k not in self.timings})
 
     def _calibrate_kv_scales(self, config: EngineConfig, model: LoadedModel) -> dict[str, torch.Tensor]:

@@ -286,7 +286,7 @@ class ModelRunner:
         pinned host buffers, so a step's inputs reach the GPU in two asynchronous copies
         (`StepStaging`). Returns the seconds each capture took, by bucket name.
         """
-        from kiln.runtime.cuda_graphs import BucketGraphs
+        from kiln.runtime.cuda_graphs import BucketGraphs, capture_seconds_by_kind
 
         if self.bucket_fns is not None and mixed_sizes:
             logger.info("no CUDA graphs for mixed steps: they need the post-pass graph, and this engine runs "
@@ -309,9 +309,6 @@ class ModelRunner:
                 captured_mixed = []
                 break
             captured_mixed.append(bucket)
-        if captured_mixed:
-            logger.info("captured %d mixed-step CUDA graphs in %.2fs (up to %d tokens)", len(captured_mixed),
-                        sum(graphs.capture_seconds[b] for b in captured_mixed), captured_mixed[0].num_tokens)
         for bucket in mixed:
             if bucket not in captured_mixed:
                 graphs.buckets.pop(bucket, None)
@@ -320,7 +317,9 @@ class ModelRunner:
         self._graphs = graphs
         self._decode_graph_sizes = sorted(decode_sizes)
         self._mixed_graph_buckets = sorted(captured_mixed, key=lambda b: b.num_tokens)
-        return {b.name: s for b, s in graphs.capture_seconds.items()}
+        seconds = {b.name: s for b, s in graphs.capture_seconds.items()}
+        logger.info("captured CUDA graphs: %s", capture_seconds_by_kind(seconds))
+        return seconds
 
     def _graph_bucket(self, num_tokens: int, num_seqs: int, num_samples: int) -> Bucket | None:
         """The captured bucket a step of these sizes replays in, or None (run it without a graph)."""
@@ -330,7 +329,7 @@ class ModelRunner:
         if num_tokens == num_seqs:
             return None  # decode-shaped but sampling other rows (prompt logprobs): no graph has them
         return next((b for b in self._mixed_graph_buckets
-                     if num_tokens <= b.num_tokens and num_seqs <= b.num_seqs and num_samples <= b.num_samples), None)
+                     if b.fits(num_tokens, num_seqs) and num_samples <= b.num_samples), None)
 
     def _replay_graph(self, inputs: StepInputs, input_ids: torch.Tensor | None) -> torch.Tensor | None:
         graphs = getattr(self, "_graphs", None)
