@@ -4,11 +4,13 @@
 
 First `kiln compile` builds a Kiln cache in a child process (empty Triton and Inductor caches
 of its own); then a second child starts `LLM(...)` from that cache with empty Triton and
-Inductor caches too (a server's warm start, as bench/startup.py's warm run), under cProfile
-from the moment `ModelRunner.capture_cuda_graphs` is entered to its return. The JSON gives
-each graph's capture seconds (`BucketGraphs.capture`: its warm-up run, the capture, the
-synchronize after it), their sums by kind, and the functions with the most cumulative time
-inside the capture phase: host time, where a `synchronize` stands for the device's work.
+Inductor caches too (a server's warm start, as bench/startup.py's warm run), with one cProfile
+per kind of graph (decode, mixed) over its `BucketGraphs.capture` calls. The JSON gives each
+graph's capture seconds, split into phases (`BucketGraphs.capture_phases`: the warm-up run with
+the device's time, the capture with its garbage collection and graph instantiation, the
+synchronize after it), their sums by kind, and per kind the functions with the most cumulative
+time per graph: host time, where a `synchronize` stands for the device's work. Set side by
+side, the two kinds' lists say what a mixed capture does that a decode capture does not.
 The seconds are the profiler's (each Python call costs more under it): bench/startup.py's
 `graph_capture_s` gives them without.
 Why: mixed-step graphs took ~0.42 s each against ~0.08 s for a decode graph in AQ3
@@ -32,34 +34,43 @@ import bench_common as bc
 
 
 def profiled_start(args: argparse.Namespace) -> dict[str, Any]:
-    """The child: LLM(...) from the cache, cProfile over the graph capture."""
-    from kiln.runtime.cuda_graphs import capture_seconds_by_kind
-    from kiln.runtime.llm import LLM
-    from kiln.runtime.model_runner import ModelRunner
+    """The child: LLM(...) from the cache, one cProfile per kind of graph over its captures."""
+    from kiln.runtime.cuda_graphs import BucketGraphs, capture_seconds_by_kind
 
-    profile = cProfile.Profile()
-    capture = ModelRunner.capture_cuda_graphs
+    profiles: dict[str, cProfile.Profile] = {}
+    counts: dict[str, int] = {}
+    capture = BucketGraphs.capture
 
-    def profiled(self: ModelRunner, *a: Any, **k: Any) -> dict[str, float]:
+    def profiled(self: BucketGraphs, bucket: Any, *a: Any, **k: Any) -> None:
+        kind = str(getattr(bucket, "kind", "other"))
+        profile = profiles.setdefault(kind, cProfile.Profile())
+        counts[kind] = counts.get(kind, 0) + 1
         profile.enable()
         try:
-            return capture(self, *a, **k)
+            capture(self, bucket, *a, **k)
         finally:
             profile.disable()
 
-    ModelRunner.capture_cuda_graphs = profiled  # type: ignore[method-assign]
+    BucketGraphs.capture = profiled  # type: ignore[method-assign]
+    from kiln.runtime.llm import LLM
+
     t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               cache_dir=args.cache_dir, require_cache=True, progress=False, **bc.bucket_options(args))
     ready = time.perf_counter() - t0
     seconds = dict(llm.engine.graph_capture_seconds)
-    profile.create_stats()  # (empty where nothing was captured: CPU, --enforce-eager)
-    rows = []
-    for (path, line, name), (_, calls, _, cumulative, _) in profile.stats.items():  # type: ignore[attr-defined]
-        rows.append({"function": f"{Path(path).name}:{line}({name})", "calls": calls, "cumulative_s": cumulative})
-    rows.sort(key=lambda r: -r["cumulative_s"])
+    graphs = getattr(llm.engine.runner, "_graphs", None)  # (none where nothing was captured: CPU, --enforce-eager)
+    phases = {getattr(b, "name", str(b)): p for b, p in (graphs.capture_phases.items() if graphs else ())}
+    top: dict[str, list[dict[str, Any]]] = {}
+    for kind, profile in profiles.items():
+        profile.create_stats()
+        rows = [{"function": f"{Path(path).name}:{line}({name})", "calls_per_graph": calls / counts[kind],
+                 "cumulative_s_per_graph": cumulative / counts[kind]}
+                for (path, line, name), (_, calls, _, cumulative, _) in profile.stats.items()]  # type: ignore[attr-defined]
+        top[kind] = sorted(rows, key=lambda r: -r["cumulative_s_per_graph"])[:args.top]
     return {"ready_s": ready, "phases": dict(llm.engine.timings), "graph_capture_s": seconds,
-            "by_kind": capture_seconds_by_kind(seconds), "top_functions": rows[:args.top]}
+            "graph_capture_phases_s": phases, "by_kind": capture_seconds_by_kind(seconds), "graphs_by_kind": counts,
+            "top_functions_by_kind": top}
 
 
 def main() -> None:

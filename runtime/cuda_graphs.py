@@ -66,6 +66,9 @@ class BucketGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[Hashable, CapturedBucket] = {}
         self.capture_seconds: dict[Hashable, float] = {}
+        # Each capture's seconds by phase: the warm-up run (the device's time included), the
+        # capture itself (host), the synchronize after it (bench/profile_capture.py reads them).
+        self.capture_phases: dict[Hashable, dict[str, float]] = {}
 
     def __contains__(self, bucket: Hashable) -> bool:
         return bucket in self.buckets
@@ -99,12 +102,20 @@ class BucketGraphs:
                 for _ in range(self.warmup_runs):
                     step_fn(**inputs)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            # (The warm-up's device time ends here, so that the phases below are the host's.)
+            torch.cuda.synchronize(self.device)
+            warmed = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
+            # Entering also synchronizes, collects garbage and empties the allocator's cache;
+            # leaving ends the capture and instantiates the graph.
             with torch.cuda.graph(graph, pool=self.pool):
                 output = step_fn(**inputs)
+            captured = time.perf_counter()
             torch.cuda.synchronize(self.device)
         self.buckets[bucket] = CapturedBucket(graph, dict(inputs), output, dict(pad_values or {}))
-        self.capture_seconds[bucket] = time.perf_counter() - start
+        end = time.perf_counter()
+        self.capture_seconds[bucket] = end - start
+        self.capture_phases[bucket] = {"warmup": warmed - start, "capture": captured - warmed, "sync": end - captured}
 
     def replay(self, bucket: Hashable, inputs: Mapping[str, torch.Tensor]) -> Any:
         """Copy `inputs` into the bucket's buffers (padding what they leave) and replay."""

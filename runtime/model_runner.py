@@ -313,6 +313,7 @@ class ModelRunner:
             if bucket not in captured_mixed:
                 graphs.buckets.pop(bucket, None)
                 graphs.capture_seconds.pop(bucket, None)
+                graphs.capture_phases.pop(bucket, None)
                 self._graph_staging.pop(bucket, None)
         self._graphs = graphs
         self._decode_graph_sizes = sorted(decode_sizes)

@@ -56,6 +56,10 @@ def test_capture_largest_first_and_replay_each_bucket():
     graphs = BucketGraphs(dev)
     graphs.capture_all({b: step for b in buckets}, buckets)  # one callable per bucket, as the runner has
     assert order == [8, 4, 2, 1]
+    for b in buckets:  # each capture's seconds, and their split into phases that add up to them
+        phases = graphs.capture_phases[b]
+        assert sorted(phases) == ["capture", "sync", "warmup"] and min(phases.values()) >= 0
+        assert sum(phases.values()) == pytest.approx(graphs.capture_seconds[b], abs=1e-3)
     for b in (1, 2, 4, 8):
         x = torch.randn(b, 64, device=dev)
         lengths = torch.arange(1, b + 1, dtype=torch.int32, device=dev)
