@@ -421,7 +421,7 @@ for stage in $STAGES; do
           --out "$OUT/serve_mixed_graphs_$tokens.json"
       done ;;
     profile_capture)  # where a warm start's CUDA-graph capture goes, per graph and function, with the mixed-step
-                      # graphs (CAPTURE_MIXED_TOKENS, default 512; AQ3: ~0.42 s each against ~0.08 s a decode graph)
+                      # graphs (CAPTURE_MIXED_TOKENS, default 512; AR1: ~0.07 s each profiled, like a decode graph)
       run_stage profile_capture 400 $PY bench/profile_capture.py --cuda-graph-mixed-tokens "${CAPTURE_MIXED_TOKENS:-512}" \
         --out "$OUT/profile_capture.json" ;;
     serve_plot)

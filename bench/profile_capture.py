@@ -13,8 +13,9 @@ time per graph: host time, where a `synchronize` stands for the device's work. S
 side, the two kinds' lists say what a mixed capture does that a decode capture does not.
 The seconds are the profiler's (each Python call costs more under it): bench/startup.py's
 `graph_capture_s` gives them without.
-Why: mixed-step graphs took ~0.42 s each against ~0.08 s for a decode graph in AQ3
-(bench/RESULTS.md), which keeps `cuda_graph_mixed_tokens` off by default.
+Why it was written: AQ3 (bench/RESULTS.md) charged the mixed-step graphs ~0.42 s each of a warm
+start; AR1, this script's first run, found ~0.07 s each under the profiler, no more than a
+decode graph, and `cuda_graph_mixed_tokens` became 512 by default.
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ class BucketGraphs:
 def capture_seconds_by_kind(seconds: Mapping[str, float]) -> str:
     """A start-up log's summary of per-graph capture seconds (by bucket name, `kind-size`):
     per kind the count, the total and the slowest graph, e.g. "decode 28 graphs 2.05s
-    (slowest decode-1024 0.21s)". Mixed-step graphs cost several times a decode graph's
-    each on an H100 (bench/RESULTS.md, AQ3), so the kinds are told apart."""
+    (slowest decode-1024 0.21s)". The kinds are told apart so that a start-up that grew
+    says which kind grew (bench/RESULTS.md, AQ3 and AR1-AR2)."""
     by_kind: dict[str, dict[str, float]] = {}
     for name, s in seconds.items():
         by_kind.setdefault(name.rsplit("-", 1)[0], {})[name] = s

@@ -40,8 +40,9 @@ def test_mixed_graph_buckets_have_fewer_sequences_than_tokens():
 
 
 def test_the_engine_asks_for_mixed_graphs_within_its_step_budget():
-    """`cuda_graph_mixed_tokens` is capped by the step budget, 0 asks for none, and a model with
-    recurrent layers gets none (its mixed steps read chunk lengths on the host)."""
+    """`cuda_graph_mixed_tokens` (512 by default) is capped by the step budget, 0 asks for
+    none, and a model with recurrent layers gets none (its mixed steps read chunk lengths on
+    the host)."""
     from kiln.runtime.config import EngineConfig
     from kiln.runtime.kv_cache import mixed_graph_token_sizes
 
@@ -49,7 +50,10 @@ def test_the_engine_asks_for_mixed_graphs_within_its_step_budget():
     assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=300), plan, False) == [64, 128, 256]
     assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=128), plan, False) == [64, 128]
     assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=128), plan, True) == []
-    assert mixed_graph_token_sizes(EngineConfig(), plan, False) == []  # off by default
+    assert mixed_graph_token_sizes(EngineConfig(cuda_graph_mixed_tokens=0), plan, False) == []
+    # By default up to 512 tokens (bench/RESULTS.md, AQ1 and AR1-AR2), within the budget.
+    assert mixed_graph_token_sizes(EngineConfig(), plan, False) == [64, 128, 256]
+    assert mixed_graph_token_sizes(EngineConfig(), make_bucket_plan(256, 16384), False) == [64, 128, 256, 512]
     with pytest.raises(ValueError, match="cuda_graph_mixed_tokens"):
         EngineConfig(cuda_graph_mixed_tokens=-1)
 
