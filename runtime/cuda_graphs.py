@@ -65,13 +65,17 @@ class BucketGraphs:
         self.warmup_runs = warmup_runs
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[Hashable, CapturedBucket] = {}
-        self.capture_seconds: dict[Hashable, float] = {}
         # Each capture's seconds by phase: the warm-up run (the device's time included), the
         # capture itself (host), the synchronize after it (bench/profile_capture.py reads them).
         self.capture_phases: dict[Hashable, dict[str, float]] = {}
 
     def __contains__(self, bucket: Hashable) -> bool:
         return bucket in self.buckets
+
+    @property
+    def capture_seconds(self) -> dict[Hashable, float]:
+        """Each captured bucket's capture seconds, its phases summed."""
+        return {bucket: sum(phases.values()) for bucket, phases in self.capture_phases.items()}
 
     def capture_all(
         self,
@@ -85,8 +89,9 @@ class BucketGraphs:
         for bucket in order:
             fn = step_fns[bucket] if isinstance(step_fns, Mapping) else step_fns
             self.capture(bucket, fn, static_inputs[bucket], pad_values)
-        logger.info("captured %d CUDA graphs in %.2fs (%s)", len(order), sum(self.capture_seconds.values()),
-                    ", ".join(f"{b}: {self.capture_seconds[b]:.2f}s" for b in order))
+        seconds = self.capture_seconds
+        logger.info("captured %d CUDA graphs in %.2fs (%s)", len(order), sum(seconds[b] for b in order),
+                    ", ".join(f"{b}: {seconds[b]:.2f}s" for b in order))
 
     @torch.inference_mode()
     def capture(self, bucket: Hashable, step_fn: Callable[..., Any], inputs: dict[str, torch.Tensor],
@@ -114,7 +119,6 @@ class BucketGraphs:
             torch.cuda.synchronize(self.device)
         self.buckets[bucket] = CapturedBucket(graph, dict(inputs), output, dict(pad_values or {}))
         end = time.perf_counter()
-        self.capture_seconds[bucket] = end - start
         self.capture_phases[bucket] = {"warmup": warmed - start, "capture": captured - warmed, "sync": end - captured}
 
     def replay(self, bucket: Hashable, inputs: Mapping[str, torch.Tensor]) -> Any:

@@ -312,7 +312,6 @@ class ModelRunner:
         for bucket in mixed:
             if bucket not in captured_mixed:
                 graphs.buckets.pop(bucket, None)
-                graphs.capture_seconds.pop(bucket, None)
                 graphs.capture_phases.pop(bucket, None)
                 self._graph_staging.pop(bucket, None)
         self._graphs = graphs
