@@ -12,13 +12,18 @@ would never end, so steps are padded up to a bucket:
   sequences run eagerly is bound by the host's launches when its kernels are short (FP8:
   bench/RESULTS.md, J1-J2).
 - **token buckets** (`tokens-N`): every other step (prefills, prefill chunks mixed with
-  decodes). N tokens from at most min(N, max_num_seqs) sequences; the default sizes are
-  the powers of two from 16 up to `max_num_batched_tokens` (which is always included).
+  decodes). N tokens from at most min(N - 1, max_num_seqs) sequences (one row fewer than
+  tokens: see below); the default sizes are the powers of two from 16 up to
+  `max_num_batched_tokens` (which is always included).
 - **mixed-graph buckets** (`mixed-N`): no artifact of their own, only a captured CUDA graph
   of the post-pass graph (kiln.runtime.model_runner) for steps of at most N tokens that are
-  no decode: N tokens from at most min(N - 1, max_num_seqs) sequences (a step with a chunk
-  of two or more tokens has fewer sequences than tokens, and a bucket with as many would
-  send its attention to the decode kernel, which takes a chunk's tokens one at a time).
+  no decode, with the shapes of a token bucket of N tokens.
+
+Why N - 1 rows: a step that is no decode has a chunk of two or more tokens, so fewer
+sequences than tokens; a padded shape with as many rows as tokens looks like a decode to the
+attention launcher (kiln.kernels.triton_paged_attention routes `tokens <= sequences` to the
+keys-as-rows decode kernel, which takes a chunk's tokens one at a time: correct, and slow for
+a prompt), so its rows stop one short.
 
 Each bucket fixes the shapes of every batch input: input_ids/position_ids/slot_mapping
 [T], seq_lens [B], query_start_loc [B+1], logits_indices [S] with S = B (a step samples at
@@ -79,13 +84,19 @@ def decode_bucket(num_seqs: int) -> Bucket:
     return Bucket(DECODE, num_seqs, num_seqs, num_seqs)
 
 
+def _step_rows(num_tokens: int, max_num_seqs: int) -> int:
+    """Sequence (and sampled) rows of a bucket for steps that are no decode: one fewer than
+    its tokens (the module's doc says why), at most `max_num_seqs`, at least one."""
+    return max(1, min(num_tokens - 1, max_num_seqs))
+
+
 def token_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
-    rows = min(num_tokens, max_num_seqs)
+    rows = _step_rows(num_tokens, max_num_seqs)
     return Bucket(TOKENS, num_tokens, rows, rows)
 
 
 def mixed_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
-    rows = max(1, min(num_tokens - 1, max_num_seqs))
+    rows = _step_rows(num_tokens, max_num_seqs)
     return Bucket(MIXED, num_tokens, rows, rows)
 
 

@@ -20,16 +20,21 @@ def test_default_plan_sizes():
     plan = make_bucket_plan(64, 2048)
     assert [b.name for b in plan.decode] == ["decode-1", "decode-2", "decode-4", "decode-8", "decode-16",
                                              "decode-32", "decode-48", "decode-64"]
-    # A token bucket has at most as many sequence rows as tokens, and never more than max_num_seqs.
-    assert plan.tokens[0].num_seqs == 16 and plan.tokens[-1].num_seqs == 64
+    # A token bucket has one sequence row fewer than tokens, and never more than max_num_seqs.
+    assert plan.tokens[0].num_seqs == 15 and plan.tokens[-1].num_seqs == 64
     # Decode buckets are capped by the token budget too (a decode of N sequences is N tokens).
     assert max(b.num_seqs for b in make_bucket_plan(64, 8).decode) == 8
 
 
-def test_mixed_graph_buckets_have_fewer_sequences_than_tokens():
-    """A mixed step has a chunk of two or more tokens, so fewer sequences than tokens: its
-    bucket has N - 1 sequence rows (capped by max_num_seqs), so its attention never takes the
-    decode kernel's one-token-at-a-time path, and a decode-shaped step never fits it."""
+def test_token_and_mixed_buckets_have_fewer_sequences_than_tokens():
+    """A step that is no decode has a chunk of two or more tokens, so fewer sequences than
+    tokens: its bucket (a compiled artifact's `tokens-N`, a CUDA graph's `mixed-N`) has N - 1
+    sequence rows (capped by max_num_seqs), so its padded attention never takes the decode
+    kernel's one-token-at-a-time path (the launcher sends `tokens <= sequences` there), and a
+    decode-shaped step never fits a mixed bucket."""
+    for bucket in (token_bucket(16, 64), token_bucket(1024, 1024), mixed_bucket(256, 1024)):
+        assert bucket.num_tokens > bucket.num_seqs == bucket.num_samples == bucket.num_tokens - 1
+    assert token_bucket(2048, 1024).num_seqs == 1024 and token_bucket(1, 64).num_seqs == 1
     assert mixed_graph_sizes(2048) == [64, 128, 256, 512, 1024, 2048]
     assert mixed_graph_sizes(300) == [64, 128, 256, 300]
     assert mixed_graph_sizes(64) == [64] and mixed_graph_sizes(63) == [] and mixed_graph_sizes(0) == []
