@@ -23,7 +23,9 @@ Why N - 1 rows: a step that is no decode has a chunk of two or more tokens, so f
 sequences than tokens; a padded shape with as many rows as tokens looks like a decode to the
 attention launcher (kiln.kernels.triton_paged_attention routes `tokens <= sequences` to the
 keys-as-rows decode kernel, which takes a chunk's tokens one at a time: correct, and slow for
-a prompt), so its rows stop one short.
+a prompt), so its rows stop one short. The plan's largest token bucket is the exception: every
+step must fit it, a decode that fills the whole token budget included (when the decode buckets
+stop short of it), so it keeps min(N, max_num_seqs) rows.
 
 Each bucket fixes the shapes of every batch input: input_ids/position_ids/slot_mapping
 [T], seq_lens [B], query_start_loc [B+1], logits_indices [S] with S = B (a step samples at
@@ -90,8 +92,11 @@ def _step_rows(num_tokens: int, max_num_seqs: int) -> int:
     return max(1, min(num_tokens - 1, max_num_seqs))
 
 
-def token_bucket(num_tokens: int, max_num_seqs: int) -> Bucket:
-    rows = _step_rows(num_tokens, max_num_seqs)
+def token_bucket(num_tokens: int, max_num_seqs: int, holds_any_step: bool = False) -> Bucket:
+    """`holds_any_step`: the plan's largest token bucket (`max_num_batched_tokens` tokens),
+    the last resort of every step, so as many rows as a step may have: a decode that fills
+    the token budget finds no other bucket when the decode buckets stop short of it."""
+    rows = min(num_tokens, max_num_seqs) if holds_any_step else _step_rows(num_tokens, max_num_seqs)
     return Bucket(TOKENS, num_tokens, rows, rows)
 
 
@@ -225,7 +230,7 @@ def make_bucket_plan(
         )
     return BucketPlan(
         decode=tuple(decode_bucket(n) for n in decode),
-        tokens=tuple(token_bucket(n, max_num_seqs) for n in tokens),
+        tokens=tuple(token_bucket(n, max_num_seqs, holds_any_step=n == max_num_batched_tokens) for n in tokens),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )

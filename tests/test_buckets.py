@@ -104,6 +104,16 @@ def test_decode_larger_than_every_decode_bucket_uses_a_token_bucket():
     assert b.kind == TOKENS and b.num_tokens == 16 and b.num_seqs == 8
 
 
+def test_a_decode_filling_the_token_budget_fits_the_largest_token_bucket():
+    # Decode buckets that stop short of max_num_seqs, and a token budget no larger than it: a
+    # decode of the whole budget has no bucket but the largest token one, which therefore keeps
+    # as many rows as tokens (the others have one fewer).
+    plan = make_bucket_plan(64, 64, decode_sizes=[1, 2])
+    assert [b.num_seqs for b in plan.tokens] == [15, 31, 64]
+    assert plan.bucket_for(64, 64).name == "tokens-64" and plan.bucket_for(16, 16).name == "tokens-32"
+    assert plan.bucket_for(20, 3).name == "tokens-32"
+
+
 def test_explicit_sizes_are_checked():
     with pytest.raises(BucketPlanError, match="largest token bucket .32. is below max_num_batched_tokens=64"):
         make_bucket_plan(4, 64, token_sizes=[16, 32])
