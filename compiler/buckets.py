@@ -17,7 +17,8 @@ would never end, so steps are padded up to a bucket:
   `max_num_batched_tokens` (which is always included).
 - **mixed-graph buckets** (`mixed-N`): no artifact of their own, only a captured CUDA graph
   of the post-pass graph (kiln.runtime.model_runner) for steps of at most N tokens that are
-  no decode, with the shapes of a token bucket of N tokens.
+  no decode: N tokens from at most min(N - 1, max_num_seqs) sequences, as a token bucket
+  (but the largest, below) has.
 
 Why N - 1 rows: a step that is no decode has a chunk of two or more tokens, so fewer
 sequences than tokens; a padded shape with as many rows as tokens looks like a decode to the
