@@ -10,6 +10,7 @@ from tiny_models import tiny_config
 
 from kiln.compiler.capture import capture, graph_input_roles
 from kiln.passes import PassContext, PassManager, op_counts
+from kiln.passes.base import KilnPass
 from kiln.passes.normalize import NormalizePass
 from kiln.passes.paged_kv import PagedKVPass
 from kiln.passes.prune_logits import PruneLogitsPass
@@ -127,6 +128,77 @@ def test_pass_manager_phases_dumps_and_uuids(captured, tmp_path) -> None:
     assert "nodes:" in (tmp_path / "04-logits.txt").read_text()
     uuids = pm.uuids()
     assert set(uuids) == {"normalize", "paged_kv", "prune_logits"} and len(set(uuids.values())) == 3
+
+
+class _NoRepr:
+    """A node argument FX's code generation cannot spell (its repr is not Python)."""
+
+    def __repr__(self) -> str:
+        return "<no repr>"
+
+
+def _spoil_codegen(gm: torch.fx.GraphModule) -> None:
+    """What a buggy pass might leave: a graph that lints but whose code does not compile."""
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.kwargs = {**node.kwargs, "spoiled": _NoRepr()}
+
+
+class SpoilingPlugin(KilnPass):  # as a plugin writes it
+    name = "spoiling_plugin"
+    phase = "logits"
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+        _spoil_codegen(gm)
+        return {"spoiled": 1}
+
+
+class Noop(KilnPass):
+    name = "noop_plugin"
+    phase = "fusion"
+
+    def __call__(self, gm: torch.fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+        return {}
+
+
+def test_builtin_passes_generate_code_once_and_a_plugin_is_checked_alone(captured, monkeypatch) -> None:
+    """The built-ins' graph code is generated once after them (a recompile is ~0.1 s a
+    30-layer model: once per pass was ~0.5 s of a cold start); a plugin pass's code right
+    after it, the built-ins' before it, so that an error names the pass that broke the graph."""
+    import kiln.passes.manager as manager
+
+    generated: list[list[str]] = []
+    real = manager.generate_code
+    monkeypatch.setattr(manager, "generate_code", lambda gm, passes: (generated.append(list(passes)), real(gm, passes)))
+    names = ["normalize", "paged_kv", "prune_logits"]
+    PassManager.from_names(names).run(copy.deepcopy(captured.graph_module), PassContext(config=captured.config))
+    assert generated == [names]
+
+    generated.clear()
+    gm = copy.deepcopy(captured.graph_module)
+    pm = PassManager(PassManager.from_names(names).passes + [Noop()])
+    pm.run(gm, PassContext(config=captured.config))
+    assert generated == [["normalize", "paged_kv"], ["noop_plugin"], ["prune_logits"]]
+    assert "paged_attention" in gm.code and "logits_indices" in gm.code  # the code is the final graph's
+
+    with pytest.raises(manager.PassVerificationError,
+                       match=r"does not generate after pass 'spoiling_plugin': SyntaxError"):
+        PassManager(PassManager.from_names(names).passes + [SpoilingPlugin()]).run(
+            copy.deepcopy(captured.graph_module), PassContext(config=captured.config))
+
+
+def test_a_builtin_that_breaks_codegen_is_named_with_the_passes_since_the_code_last_generated(captured, monkeypatch) -> None:
+    real = PruneLogitsPass.__call__
+
+    def spoiling(self, gm, ctx):
+        stats = real(self, gm, ctx)
+        _spoil_codegen(gm)
+        return stats
+
+    monkeypatch.setattr(PruneLogitsPass, "__call__", spoiling)
+    with pytest.raises(Exception, match=r"does not generate after passes 'normalize', 'paged_kv', 'prune_logits': "
+                                        r"SyntaxError"):
+        PassManager.from_names(["normalize", "paged_kv", "prune_logits"]).run(
+            copy.deepcopy(captured.graph_module), PassContext(config=captured.config))
 
 
 def test_unknown_pass_and_undisableable_pass_are_clear_errors() -> None:
