@@ -653,7 +653,7 @@ def _saved_names_at_once(hf: torch.nn.Module, revert: Any) -> dict[str, list[str
     except Exception:  # a conversion that needs the parameters apart: each is asked alone
         reverted = {}
     seen: dict[int, int] = {}
-    for saved, t in reverted.items():
+    for t in reverted.values():
         seen[id(t)] = seen.get(id(t), 0) + 1
     for saved, t in reverted.items():
         owners = by_id.get(id(t), [])

@@ -194,8 +194,10 @@ def test_a_builtin_that_breaks_codegen_is_named_with_the_passes_since_the_code_l
         _spoil_codegen(gm)
         return stats
 
+    from kiln.passes.manager import PassVerificationError
+
     monkeypatch.setattr(PruneLogitsPass, "__call__", spoiling)
-    with pytest.raises(Exception, match=r"does not generate after passes 'normalize', 'paged_kv', 'prune_logits': "
+    with pytest.raises(PassVerificationError, match=r"does not generate after passes 'normalize', 'paged_kv', 'prune_logits': "
                                         r"SyntaxError"):
         PassManager.from_names(["normalize", "paged_kv", "prune_logits"]).run(
             copy.deepcopy(captured.graph_module), PassContext(config=captured.config))
