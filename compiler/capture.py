@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -635,15 +636,14 @@ def _tied_weights(hf: torch.nn.Module, config: Any) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def _saved_names_at_once(hf: torch.nn.Module, revert: Any) -> dict[str, list[str]]:
+def _saved_names_at_once(hf: torch.nn.Module, params: dict[str, torch.Tensor], revert: Any) -> dict[str, list[str]]:
     """Parameter name -> [the name `save_pretrained` writes it under], from one revert of all
     parameters, for each parameter that comes back as itself (the same tensor: renamed, or
     not) and is the only name of its tensor. A tied or converted one (several names for one
     tensor, or a new tensor) is left out: the caller asks for it alone. Reverting one
     parameter at a time rebuilds the model's conversion mapping each time (~3 ms for a
     30-layer model, a walk over its modules): ~0.8 s of SmolLM2-135M's cold start, growing
-    with the square of the layers."""
-    params = dict(hf.named_parameters(remove_duplicate=False))
+    with the square of the layers. `params`: every parameter by name, tied ones under each name."""
     by_id: dict[int, list[str]] = {}
     for n, t in params.items():
         by_id.setdefault(id(t), []).append(n)
@@ -652,9 +652,7 @@ def _saved_names_at_once(hf: torch.nn.Module, revert: Any) -> dict[str, list[str
         reverted = revert(hf, params)
     except Exception:  # a conversion that needs the parameters apart: each is asked alone
         reverted = {}
-    seen: dict[int, int] = {}
-    for t in reverted.values():
-        seen[id(t)] = seen.get(id(t), 0) + 1
+    seen = Counter(id(t) for t in reverted.values())
     for saved, t in reverted.items():
         owners = by_id.get(id(t), [])
         if len(owners) == 1 and seen[id(t)] == 1:
@@ -671,8 +669,9 @@ def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
 
     names: dict[str, str] = {}
     owners: dict[str, set[int]] = {}  # saved name -> the parameters (by identity) saved under it
-    at_once = _saved_names_at_once(hf, revert_weight_conversion)
-    for name, p in hf.named_parameters(remove_duplicate=False):
+    params = dict(hf.named_parameters(remove_duplicate=False))
+    at_once = _saved_names_at_once(hf, params, revert_weight_conversion)
+    for name, p in params.items():
         saved = at_once[name] if name in at_once else list(revert_weight_conversion(hf, {name: p}))
         if len(saved) == 1 and saved[0] != name:
             names[name] = saved[0]
@@ -682,8 +681,7 @@ def _checkpoint_names(hf: torch.nn.Module) -> dict[str, str]:
     # run of that tensor (`checkpoint_part_alias`), found by reverting the conversion over
     # marked stand-ins; parts whose runs cannot be found get no alias (such a checkpoint then
     # fails to load naming the missing tensor).
-    shared = {saved_name for saved_name, params in owners.items() if len(params) > 1}  # (tied: one parameter)
-    params = dict(hf.named_parameters(remove_duplicate=False))
+    shared = {saved_name for saved_name, ids in owners.items() if len(ids) > 1}  # (tied: one parameter)
     for saved_name in shared:
         first_names: dict[int, str] = {}  # each part (a tensor) under its first name
         for name, other in names.items():

@@ -126,5 +126,5 @@ def test_saved_names_from_one_revert_are_those_of_one_revert_a_parameter(arch: s
 
     hf = capture_module.build_hf_model(tiny_config(arch), torch.float32, "cpu")
     at_once = capture_module._checkpoint_names(hf)
-    monkeypatch.setattr(capture_module, "_saved_names_at_once", lambda hf, revert: {})
+    monkeypatch.setattr(capture_module, "_saved_names_at_once", lambda hf, params, revert: {})
     assert at_once and at_once == capture_module._checkpoint_names(hf)
